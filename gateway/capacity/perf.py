@@ -1,0 +1,42 @@
+"""Cost of one replica's decode steps and prefills: the model the planner and simulator share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCost:
+    """Memory-bandwidth decode and compute-bound prefill, per tensor-parallel rank.
+
+    A decode step reads every weight once plus the KV of every token in the batch.
+    """
+
+    weights_bytes_per_rank: float
+    kv_bytes_per_token_per_rank: float
+    bandwidth_bytes_per_s: float  # effective: peak × efficiency
+    prefill_flops_per_token: float  # 2 × parameters ÷ tp
+    flops_per_s: float  # effective: peak × efficiency
+
+    def decode_step_s(self, batch_kv_tokens: int) -> float:
+        read = self.weights_bytes_per_rank + batch_kv_tokens * self.kv_bytes_per_token_per_rank
+        return read / self.bandwidth_bytes_per_s
+
+    def prefill_s(self, prompt_tokens: int) -> float:
+        return prompt_tokens * self.prefill_flops_per_token / self.flops_per_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicaProfile:
+    """What one vLLM replica of a model on a GPU holds and how fast it steps."""
+
+    model: str
+    gpu: str
+    tp: int
+    block_size: int
+    num_gpu_blocks: int
+    step_cost: StepCost
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_gpu_blocks * self.block_size

@@ -1,0 +1,56 @@
+"""`spillgate` command line: one subcommand per module, imported only when chosen.
+
+Each command module exposes `add_arguments(parser)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Protocol, cast
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("gateway.serve", "run the gateway from a YAML config"),
+    "demo": ("loadtest.demo", "run a whole local fleet: gateway, simulated backends, provider"),
+    "plan": ("gateway.capacity.cli", "capacity plan: KV-cache sessions, tokens/s, GPUs needed"),
+    "sim": ("loadtest.sim", "simulated vLLM replica (or external provider)"),
+    "loadtest": ("loadtest.generator", "open-loop streaming load generator"),
+    "drill": ("loadtest.drill", "spike drill: fails loudly if an overflow path is broken"),
+    "measure": ("loadtest.measure", "measure batch fill vs TTFT of a live endpoint"),
+    "bench": ("loadtest.bench", "gateway overhead benchmark against a raw relay and others"),
+}
+
+
+class CommandModule(Protocol):
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+def _usage() -> str:
+    lines = ["usage: spillgate COMMAND [options]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `spillgate COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name = args[0]
+    if name not in COMMANDS:
+        print(f"spillgate: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, help_ = COMMANDS[name]
+    module = cast(CommandModule, importlib.import_module(module_name))
+    parser = argparse.ArgumentParser(prog=f"spillgate {name}", description=help_)
+    module.add_arguments(parser)
+    return module.run(parser.parse_args(args[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

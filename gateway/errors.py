@@ -1,0 +1,121 @@
+"""One exception tree; each class knows its HTTP status, OpenAI error type and Retry-After.
+
+Handlers raise; `error_response` renders, in one place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import orjson
+from starlette.responses import Response
+
+from gateway.outcome import OUTCOME_HEADER, Outcome
+
+
+class SpillgateError(Exception):
+    status: int = 500
+    type: str = "server_error"
+    code: str | None = None
+    outcome: Outcome = Outcome.ERROR
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.retry_after = retry_after
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, object]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class InvalidRequest(SpillgateError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class ModelNotFound(InvalidRequest):
+    status = 404
+    code = "model_not_found"
+
+
+class BodyTooLarge(InvalidRequest):
+    status = 413
+    code = "request_too_large"
+
+
+class Unauthenticated(SpillgateError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(SpillgateError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
+
+
+class Throttled(SpillgateError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+    outcome = Outcome.THROTTLED
+
+
+class Rejected(SpillgateError):
+    """The fleet and every overflow path are full: a polite, honest 503."""
+
+    status = 503
+    type = "server_error"
+    code = "capacity_exhausted"
+    outcome = Outcome.REJECTED
+
+
+class LimiterUnavailable(Rejected):
+    """The shared rate-limit store failed and the configured mode is `deny`."""
+
+    code = "ratelimit_store_unavailable"
+
+
+class UpstreamError(SpillgateError):
+    status = 502
+    type = "server_error"
+    code = "upstream_error"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    code = "upstream_timeout"
+
+
+def error_response(exc: SpillgateError, extra_headers: Mapping[str, str] | None = None) -> Response:
+    headers = {OUTCOME_HEADER: exc.outcome.value, **exc.headers, **(extra_headers or {})}
+    if exc.retry_after is not None:
+        headers["retry-after"] = str(max(1, math.ceil(exc.retry_after)))
+    return Response(
+        orjson.dumps(exc.body()),
+        status_code=exc.status,
+        headers=headers,
+        media_type="application/json",
+    )

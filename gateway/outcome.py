@@ -1,0 +1,17 @@
+"""How a request ended, as the `x-spillgate-outcome` header and metrics name it."""
+
+from enum import StrEnum
+
+
+class Outcome(StrEnum):
+    LOCAL = "local"
+    QUEUED = "queued"
+    DEGRADED = "degraded"
+    PROVIDER = "provider"
+    CACHED = "cached"
+    THROTTLED = "throttled"
+    REJECTED = "rejected"
+    ERROR = "error"
+
+
+OUTCOME_HEADER = "x-spillgate-outcome"
