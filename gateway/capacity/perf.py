@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -14,9 +15,9 @@ class StepCost:
 
     weights_bytes_per_rank: float
     kv_bytes_per_token_per_rank: float
-    bandwidth_bytes_per_s: float  # effective: peak × efficiency
-    prefill_flops_per_token: float  # 2 × parameters ÷ tp
-    flops_per_s: float  # effective: peak × efficiency
+    bandwidth_bytes_per_s: float  # effective: peak x efficiency
+    prefill_flops_per_token: float  # 2 x parameters ÷ tp
+    flops_per_s: float  # effective: peak x efficiency
 
     def decode_step_s(self, batch_kv_tokens: int) -> float:
         read = self.weights_bytes_per_rank + batch_kv_tokens * self.kv_bytes_per_token_per_rank
@@ -36,7 +37,17 @@ class ReplicaProfile:
     block_size: int
     num_gpu_blocks: int
     step_cost: StepCost
+    max_model_len: int | None = None
+    warnings: tuple[str, ...] = ()
 
     @property
     def kv_cache_tokens(self) -> int:
         return self.num_gpu_blocks * self.block_size
+
+    def blocks_per_session(self, tokens: int) -> int:
+        """Blocks one session of `tokens` (prompt + output) holds at its longest."""
+        return max(1, math.ceil(tokens / self.block_size))
+
+    def sessions_at_kv_bound(self, tokens: int) -> int:
+        """Sessions of `tokens` each that fit in the KV cache at once, every block reserved."""
+        return self.num_gpu_blocks // self.blocks_per_session(tokens)
