@@ -1,0 +1,133 @@
+"""The gateway's own endpoints: models, health, readiness, metrics and fleet status."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from gateway.auth import AdminAuth, Authenticator
+from gateway.backends import FleetWatcher
+from gateway.config import Settings
+from gateway.errors import SpillgateError, error_response
+from gateway.metrics import GatewayMetrics
+from gateway.router import Router
+
+STARTED = int(time.time())
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+class AdminEndpoints:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        router: Router,
+        metrics: GatewayMetrics,
+        auth: Authenticator,
+        admin: AdminAuth,
+        watcher: FleetWatcher,
+    ) -> None:
+        self._settings = settings
+        self._router = router
+        self._metrics = metrics
+        self._auth = auth
+        self._admin = admin
+        self._watcher = watcher
+
+    def routes(self) -> list[BaseRoute]:
+        return [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/healthz", self.healthz, methods=["GET"]),
+            Route("/readyz", self.readyz, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+            Route("/admin/status", self.status, methods=["GET"]),
+        ]
+
+    async def models(self, request: Request) -> Response:
+        try:
+            tenant = self._auth.tenant(request.headers.get("authorization"))
+        except SpillgateError as exc:
+            return error_response(exc)
+        data = [
+            {"id": pool.name, "object": "model", "created": STARTED, "owned_by": "spillgate"}
+            for pool in self._settings.pools
+            if tenant.may_use(pool.name)
+        ]
+        return json_response({"object": "list", "data": data})
+
+    async def healthz(self, request: Request) -> Response:
+        return json_response({"status": "ok"})
+
+    async def readyz(self, request: Request) -> Response:
+        """Ready once every pool has at least one backend in rotation with known capacity."""
+        missing = [name for name in self._router.pools if not self._router.candidates(name)]
+        if missing:
+            return json_response({"status": "not ready", "pools_without_capacity": missing}, 503)
+        return json_response({"status": "ready"})
+
+    def refresh_gauges(self) -> None:
+        m = self._metrics
+        now = self._router
+        for name, pool in self._router.pools.items():
+            capacity = 0
+            for backend in pool.backends:
+                cap = now.capacity(backend)
+                capacity += cap
+                m.capacity_tokens.labels(backend.name).set(cap)
+                m.inflight_tokens.labels(backend.name).set(
+                    self._router.ledger.tokens_in_flight(backend.name)
+                )
+                m.active_sessions.labels(backend.name).set(
+                    self._router.ledger.sessions(backend.name)
+                )
+                m.backend_healthy.labels(backend.name).set(
+                    1.0 if backend in self._router.candidates(name) else 0.0
+                )
+            fill = self._router.pool_fill(name)
+            m.pool_fill.labels(name).set(fill if math.isfinite(fill) else 1.0)
+
+    async def prometheus(self, request: Request) -> Response:
+        self.refresh_gauges()
+        return Response(generate_latest(self._metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def status(self, request: Request) -> Response:
+        try:
+            self._admin.check(request.headers.get("authorization"))
+        except SpillgateError as exc:
+            return error_response(exc)
+        pools = []
+        for name, pool in self._router.pools.items():
+            backends = [
+                {
+                    "name": b.name,
+                    "url": b.url,
+                    "served_model": b.served_model,
+                    "capacity_tokens": self._router.capacity(b),
+                    "capacity_source": "config" if b.configured_capacity else "metrics",
+                    "limit_tokens": self._router.limit(b),
+                    "tokens_in_flight": self._router.ledger.tokens_in_flight(b.name),
+                    "active_sessions": self._router.ledger.sessions(b.name),
+                    "healthy": b in self._router.candidates(name),
+                }
+                for b in pool.backends
+            ]
+            pools.append(
+                {
+                    "name": name,
+                    "target_fill": pool.settings.target_fill,
+                    "fill_ratio": self._router.pool_fill(name),
+                    "overflow": pool.settings.overflow,
+                    "backends": backends,
+                }
+            )
+        return json_response({"pools": pools})

@@ -1,0 +1,151 @@
+"""One client exchange: what the pipeline and the overflow policies use to answer a request."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from starlette.types import Send
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt
+
+from gateway.backends import Backend
+from gateway.clock import Clock
+from gateway.errors import UpstreamError
+from gateway.forward import Forwarder, Target, UpstreamUnavailable
+from gateway.ledger import Reservation
+from gateway.metrics import GatewayMetrics
+from gateway.outcome import OUTCOME_HEADER, Outcome
+from gateway.relay import Relayed, ResponseTap
+from gateway.request import InferenceRequest
+from gateway.router import Router
+
+ATTEMPTS = 3
+
+
+@dataclass(slots=True)
+class Served:
+    outcome: Outcome
+    target: str
+    pool: str  # the pool whose model answered
+    relayed: Relayed
+
+
+class Holding:
+    """The reservation a request currently holds; released once, on every path."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+        self.reservation: Reservation | None = None
+
+    async def release(self) -> None:
+        reservation, self.reservation = self.reservation, None
+        if reservation is not None:
+            await self._router.release(reservation)
+
+
+def backend_target(backend: Backend, request: InferenceRequest, router: Router) -> Target:
+    return Target(
+        name=backend.name,
+        api_base=backend.url + "/v1",
+        model=backend.served_model,
+        timeouts=router.pools[backend.pool].settings.timeouts,
+    )
+
+
+class Exchange:
+    def __init__(
+        self,
+        *,
+        send: Send,
+        headers: Mapping[str, str],
+        router: Router,
+        forwarder: Forwarder,
+        metrics: GatewayMetrics,
+        clock: Clock,
+        holding: Holding,
+        tap: ResponseTap | None = None,
+    ) -> None:
+        self.send = send
+        self.base_headers = headers
+        self.router = router
+        self.forwarder = forwarder
+        self.metrics = metrics
+        self.clock = clock
+        self.holding = holding
+        self.tap = tap
+
+    def headers(self, outcome: Outcome) -> dict[str, str]:
+        return {**self.base_headers, OUTCOME_HEADER: outcome.value}
+
+    async def admit(self, request: InferenceRequest) -> bool:
+        """Reserve room for `request` in its pool; True if it now holds a reservation."""
+        self.holding.reservation = await self.router.admit(request.pool, request.reserved_tokens)
+        return self.holding.reservation is not None
+
+    async def serve_local(self, request: InferenceRequest, outcome: Outcome) -> Served:
+        """Forward to the backend the request holds a reservation on.
+
+        A failure before the first byte moves the reservation to another backend of the pool.
+        """
+        tried: set[str] = set()
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(ATTEMPTS),
+            retry=retry_if_exception_type(UpstreamUnavailable),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    return await self._attempt(request, outcome, tried)
+        except UpstreamUnavailable as exc:
+            raise UpstreamError(
+                f"The backends of pool {request.pool!r} failed before answering ({exc.reason}).",
+                retry_after=1.0,
+            ) from None
+        raise AssertionError("unreachable")
+
+    async def _attempt(
+        self, request: InferenceRequest, outcome: Outcome, tried: set[str]
+    ) -> Served:
+        reservation = self.holding.reservation
+        if reservation is None:
+            raise UpstreamUnavailable("no backend of the pool has room to retry")
+        backend = self.router.backend(reservation.backend)
+        try:
+            relayed = await self.forwarder.forward(
+                backend_target(backend, request, self.router),
+                request,
+                public_model=request.pool,
+                send=self.send,
+                headers=self.headers(outcome),
+                tap=self.tap,
+            )
+        except UpstreamUnavailable as exc:
+            backend.record_failure(self.clock.monotonic())
+            self.metrics.upstream_errors.labels(backend.name, exc.reason.split(":")[0]).inc()
+            tried.add(backend.name)
+            await self.holding.release()
+            self.holding.reservation = await self.router.admit(
+                request.pool, request.reserved_tokens, exclude=tried
+            )
+            raise
+        backend.record_success()
+        return Served(outcome=outcome, target=backend.name, pool=request.pool, relayed=relayed)
+
+    async def serve_target(
+        self, target: Target, request: InferenceRequest, *, outcome: Outcome, public_model: str
+    ) -> Served:
+        """Forward once to a target outside the pools (an external provider)."""
+        relayed = await self.forwarder.forward(
+            target,
+            request,
+            public_model=public_model,
+            send=self.send,
+            headers=self.headers(outcome),
+            tap=self.tap,
+        )
+        return Served(outcome=outcome, target=target.name, pool=request.pool, relayed=relayed)
+
+    def degraded(self, request: InferenceRequest, pool: str) -> InferenceRequest:
+        return dataclasses.replace(request, pool=pool)

@@ -1,0 +1,142 @@
+"""Send a request to one upstream target and relay its answer; no retry after the first byte."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import httpx
+import orjson
+from starlette.types import Send
+
+from gateway.config import Timeouts
+from gateway.relay import (
+    JSON_HEADERS,
+    SSE_HEADERS,
+    Relayed,
+    ResponseTap,
+    model_swap,
+    raw_headers,
+    relay_stream,
+    send_json_body,
+)
+from gateway.request import InferenceRequest
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Target:
+    """Where a request goes: a backend of a pool or an external provider."""
+
+    name: str  # metrics label
+    api_base: str  # up to and including /v1
+    model: str  # the model name the upstream serves
+    timeouts: Timeouts
+    headers: Mapping[str, str] = field(default_factory=dict)  # the upstream's own credentials
+
+
+class UpstreamUnavailable(Exception):
+    """The upstream failed before the first byte: safe to try elsewhere."""
+
+    def __init__(self, reason: str, *, status: int | None = None, retry_after: float | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+        self.retry_after = retry_after
+
+
+def upstream_body(request: InferenceRequest, model: str) -> bytes:
+    body = dict(request.body)
+    body["model"] = model
+    if request.stream:
+        options = body.get("stream_options") or {}
+        body["stream_options"] = {**options, "include_usage": True}
+    return orjson.dumps(body)
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+class Forwarder:
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+
+    async def forward(
+        self,
+        target: Target,
+        request: InferenceRequest,
+        *,
+        public_model: str,
+        send: Send,
+        headers: Mapping[str, str],
+        tap: ResponseTap | None = None,
+    ) -> Relayed:
+        """Relay `request` via `target` to the client; raise UpstreamUnavailable before any byte."""
+        loop = asyncio.get_running_loop()
+        t = target.timeouts
+        deadline = loop.time() + t.total
+        upstream = self._client.build_request(
+            "POST",
+            target.api_base + request.endpoint.removeprefix("/v1"),
+            content=upstream_body(request, target.model),
+            headers={"content-type": "application/json", **target.headers},
+            timeout=httpx.Timeout(connect=t.connect, read=None, write=t.connect, pool=t.connect),
+        )
+        swap = model_swap(target.model, public_model)
+        out_headers = raw_headers(headers)
+        try:
+            async with asyncio.timeout(t.first_token if request.stream else t.total):
+                response = await self._client.send(upstream, stream=True)
+        except TimeoutError:
+            raise UpstreamUnavailable("timeout before the first byte") from None
+        except httpx.HTTPError as exc:
+            raise UpstreamUnavailable(type(exc).__name__) from None
+        try:
+            if response.status_code >= 500 or response.status_code == 429:
+                raise UpstreamUnavailable(
+                    f"status {response.status_code}",
+                    status=response.status_code,
+                    retry_after=_retry_after(response),
+                )
+            if not request.stream or response.status_code >= 400:
+                body = await self._read_body(response, deadline)
+                return await send_json_body(
+                    body,
+                    send=send,
+                    status=response.status_code,
+                    headers=[*JSON_HEADERS, *out_headers],
+                    swap=swap,
+                    tap=tap if response.status_code == 200 else None,
+                )
+            chunks = response.aiter_raw()
+            try:
+                async with asyncio.timeout(t.first_token):
+                    first = await anext(chunks)
+            except (TimeoutError, StopAsyncIteration, httpx.HTTPError) as exc:
+                raise UpstreamUnavailable(f"no first token: {type(exc).__name__}") from None
+            return await relay_stream(
+                chunks,
+                send=send,
+                status=200,
+                headers=[*SSE_HEADERS, *out_headers],
+                first_chunk=first,
+                swap=swap,
+                keep_usage=request.client_wants_usage,
+                idle_s=t.idle,
+                deadline=deadline,
+                tap=tap,
+            )
+        finally:
+            await response.aclose()
+
+    async def _read_body(self, response: httpx.Response, deadline: float) -> bytes:
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await response.aread()
+        except (TimeoutError, httpx.HTTPError) as exc:
+            raise UpstreamUnavailable(f"body not read: {type(exc).__name__}") from None

@@ -1,0 +1,258 @@
+"""The request pipeline, in the order a request travels (see DESIGN.md):
+
+parse → authenticate → throttle → admit → overflow → forward → release → record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from starlette.types import Message, Receive, Scope, Send
+
+from gateway.auth import Authenticator, Tenant
+from gateway.backends import Pool
+from gateway.clock import Clock
+from gateway.errors import (
+    BodyTooLarge,
+    LimiterUnavailable,
+    ModelNotFound,
+    Rejected,
+    SpillgateError,
+    Throttled,
+    error_response,
+)
+from gateway.exchange import Exchange, Holding, Served
+from gateway.forward import Forwarder
+from gateway.metrics import GatewayMetrics
+from gateway.outcome import Outcome
+from gateway.ratelimit import Decision, RateLimiter
+from gateway.request import (
+    PRIORITY_HEADER,
+    Endpoint,
+    InferenceRequest,
+    decode_body,
+    effective_priority,
+    parse_request,
+    requested_model,
+)
+from gateway.router import Router
+from policies.base import OverflowPolicy
+
+log = logging.getLogger("spillgate.pipeline")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineDeps:
+    auth: Authenticator
+    limiter: RateLimiter
+    router: Router
+    chains: Mapping[str, list[OverflowPolicy]]
+    forwarder: Forwarder
+    metrics: GatewayMetrics
+    clock: Clock
+    max_body_bytes: int
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    declared = _header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"The request body exceeds the limit of {limit} bytes.")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise asyncio.CancelledError
+        body = message.get("body", b"")
+        size += len(body)
+        if size > limit:
+            raise BodyTooLarge(f"The request body exceeds the limit of {limit} bytes.")
+        chunks.append(body)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+class DisconnectWatch:
+    """Cancels the handling task when the client goes away before the response ends."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.finished = False
+        self.disconnected = False
+        self._task = asyncio.current_task()
+        self._watch = asyncio.create_task(self._wait(receive))
+
+    async def _wait(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self.finished and self._task is not None:
+            self.disconnected = True
+            self._task.cancel()
+
+    def close(self) -> None:
+        self.finished = True
+        self._watch.cancel()
+
+
+class CompletionsEndpoint:
+    """ASGI app for /v1/chat/completions and /v1/completions."""
+
+    def __init__(self, endpoint: Endpoint, deps: PipelineDeps) -> None:
+        self._endpoint = endpoint
+        self._d = deps
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            elif watch is not None and not message.get("more_body", False):
+                watch.finished = True
+            await send(message)
+
+        watch: DisconnectWatch | None = None
+        headers: dict[str, str] = {}
+        try:
+            raw = await read_body(scope, receive, self._d.max_body_bytes)
+            watch = DisconnectWatch(receive)
+            await self._handle(scope, raw, tracked, headers)
+        except SpillgateError as exc:
+            if not started:
+                await error_response(exc, headers)(scope, receive, send)
+        except asyncio.CancelledError:
+            if watch is None or not watch.disconnected:
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+        finally:
+            if watch is not None:
+                watch.close()
+
+    async def _handle(self, scope: Scope, raw: bytes, send: Send, headers: dict[str, str]) -> None:
+        d = self._d
+        t0 = time.perf_counter()
+        body = decode_body(raw)
+        tenant = d.auth.tenant(_header(scope, b"authorization"))
+        pool = self._pool(tenant, requested_model(body))
+        request = parse_request(
+            body,
+            endpoint=self._endpoint,
+            tenant=tenant.name,
+            pool=pool.name,
+            priority=effective_priority(tenant.priority, _header(scope, PRIORITY_HEADER.encode())),
+            default_max_tokens=pool.settings.default_max_tokens,
+            max_model_len=pool.settings.max_model_len,
+            chars_per_token=pool.estimator.chars_per_token,
+        )
+        decision = await self._throttle(tenant, request, headers)
+        holding = Holding(d.router)
+        served: Served | None = None
+        outcome = Outcome.ERROR
+        try:
+            served = await self._dispatch(request, Exchange(
+                send=send, headers=headers, router=d.router, forwarder=d.forwarder,
+                metrics=d.metrics, clock=d.clock, holding=holding,
+            ))  # fmt: skip
+            outcome = served.outcome
+        except Rejected:
+            outcome = Outcome.REJECTED
+            raise
+        finally:
+            await holding.release()
+            await self._reconcile(tenant, request, served, decision)
+            self._record(request, served, outcome, t0)
+
+    def _pool(self, tenant: Tenant, model: str) -> Pool:
+        pool = self._d.router.pools.get(model)
+        if pool is None or not tenant.may_use(model):
+            raise ModelNotFound(f"The model {model!r} does not exist.", param="model")
+        return pool
+
+    async def _throttle(
+        self, tenant: Tenant, request: InferenceRequest, headers: dict[str, str]
+    ) -> Decision:
+        decision = await self._d.limiter.acquire(tenant.limits, request.reserved_tokens)
+        headers.update(decision.headers())
+        if decision.allowed:
+            return decision
+        self._d.metrics.requests.labels(request.pool, tenant.name, Outcome.THROTTLED).inc()
+        if decision.reason == "store_unavailable":
+            raise LimiterUnavailable(
+                "Rate limiting is unavailable and this gateway is configured to refuse meanwhile.",
+                retry_after=1.0,
+            )
+        if decision.reason == "too_large":
+            raise Throttled(
+                f"Request too large for tenant {tenant.name!r}: it needs "
+                f"{request.reserved_tokens} tokens but the tenant's budget holds at most "
+                f"{decision.limit_tokens} per minute. Lower max_tokens or shorten the prompt.",
+                retry_after=60.0,
+                code="request_too_large",
+            )
+        raise Throttled(
+            f"Rate limit reached for tenant {tenant.name!r} on {decision.reason} per minute.",
+            retry_after=decision.retry_after_s,
+        )
+
+    async def _dispatch(self, request: InferenceRequest, exchange: Exchange) -> Served:
+        if await exchange.admit(request):
+            return await exchange.serve_local(request, Outcome.LOCAL)
+        for policy in self._d.chains[request.pool]:
+            served = await policy.serve(request, exchange)
+            if served is not None:
+                return served
+        raise Rejected(
+            f"Pool {request.pool!r} is at capacity.",
+            retry_after=self._d.router.retry_after(request.pool, request.reserved_tokens),
+        )
+
+    async def _reconcile(
+        self, tenant: Tenant, request: InferenceRequest, served: Served | None, decision: Decision
+    ) -> None:
+        if served is None:
+            used = 0  # nothing was generated: give the whole reservation back
+        elif served.relayed.usage.known:
+            used = served.relayed.usage.total
+        else:
+            used = request.reserved_tokens
+        reserved = request.reserved_tokens
+        if used == reserved:
+            return
+        work = self._d.limiter.reconcile(tenant.limits, reserved=reserved, used=used)
+        task = asyncio.ensure_future(work)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(task)
+
+    def _record(
+        self, request: InferenceRequest, served: Served | None, outcome: Outcome, t0: float
+    ) -> None:
+        m = self._d.metrics
+        m.requests.labels(request.pool, request.tenant, outcome).inc()
+        if served is None:
+            return
+        relayed = served.relayed
+        if relayed.first_byte_at is not None:
+            m.ttft.labels(request.pool, outcome).observe(relayed.first_byte_at - t0)
+        usage = relayed.usage
+        if usage.known:
+            m.tokens.labels(served.target, "prompt").inc(usage.prompt_tokens)
+            m.tokens.labels(served.target, "completion").inc(usage.completion_tokens)
+            pool = self._d.router.pools.get(served.pool)
+            if pool is not None and served.pool == request.pool:
+                pool.estimator.observe(
+                    prompt_chars=request.prompt_chars, prompt_tokens=usage.prompt_tokens
+                )

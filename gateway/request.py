@@ -1,0 +1,202 @@
+"""Parse an OpenAI request body into an immutable `InferenceRequest`; bad input stops here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import orjson
+
+from gateway.config import PRIORITIES, Priority
+from gateway.errors import InvalidRequest
+
+MAX_TOKENS_CEILING = 1_000_000
+PRIORITY_HEADER = "x-spillgate-priority"
+
+
+class Endpoint(StrEnum):
+    CHAT = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InferenceRequest:
+    endpoint: Endpoint
+    tenant: str
+    pool: str
+    priority: Priority
+    stream: bool
+    client_wants_usage: bool
+    prompt_chars: int
+    prompt_tokens: int  # estimate, corrected over time from real usage
+    max_output_tokens: int  # what the backend may generate; reserved on admission
+    body: dict[str, Any]
+
+    @property
+    def reserved_tokens(self) -> int:
+        return self.prompt_tokens + self.max_output_tokens
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise InvalidRequest("The request body is empty; send a JSON object.")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    return body
+
+
+def _content_chars(content: Any, param: str) -> int:
+    if content is None:
+        return 0
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        total = 0
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise InvalidRequest("Each content part must be an object.", param=f"{param}[{j}]")
+            text = part.get("text")
+            if isinstance(text, str):
+                total += len(text)
+        return total
+    raise InvalidRequest("content must be a string or a list of parts.", param=param)
+
+
+def _chat_prompt_chars(body: dict[str, Any]) -> int:
+    messages = body.get("messages")
+    if messages is None:
+        raise InvalidRequest("Missing required parameter: 'messages'.", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty array.", param="messages")
+    total = 0
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequest("Each message must be an object.", param=f"messages[{i}]")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise InvalidRequest("Each message needs a string 'role'.", param=f"messages[{i}].role")
+        total += _content_chars(message.get("content"), f"messages[{i}].content") + 16
+    return total
+
+
+def _completion_prompt_chars(body: dict[str, Any]) -> int:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise InvalidRequest("Missing required parameter: 'prompt'.", param="prompt")
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt) and prompt:
+        return sum(len(p) for p in prompt)
+    if isinstance(prompt, list) and all(isinstance(p, int) for p in prompt) and prompt:
+        return 4 * len(prompt)
+    raise InvalidRequest("'prompt' must be a string or an array of strings.", param="prompt")
+
+
+def _max_tokens(body: dict[str, Any], default: int) -> int:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidRequest(f"'{key}' must be an integer.", param=key)
+        if value < 1 or value > MAX_TOKENS_CEILING:
+            raise InvalidRequest(
+                f"'{key}' must be between 1 and {MAX_TOKENS_CEILING}; got {value}.", param=key
+            )
+        return value
+    return default
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"'{key}' must be a boolean.", param=key)
+    return value
+
+
+def requested_model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise InvalidRequest("Missing required parameter: 'model'.", param="model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' must be a non-empty string.", param="model")
+    return model
+
+
+def effective_priority(tenant_priority: Priority, header: str | None) -> Priority:
+    """A request may lower its own priority class, never raise it."""
+    if header is None or header not in PRIORITIES:
+        return tenant_priority
+    requested: Priority = header
+    return max(tenant_priority, requested, key=PRIORITIES.index)
+
+
+def parse_request(
+    body: dict[str, Any],
+    *,
+    endpoint: Endpoint,
+    tenant: str,
+    pool: str,
+    priority: Priority,
+    default_max_tokens: int,
+    max_model_len: int,
+    chars_per_token: float,
+) -> InferenceRequest:
+    chars = (
+        _chat_prompt_chars(body) if endpoint is Endpoint.CHAT else _completion_prompt_chars(body)
+    )
+    max_output = _max_tokens(body, default_max_tokens)
+    prompt_tokens = max(1, int(chars / chars_per_token) + 1)
+    if prompt_tokens + max_output > max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens; the request asks "
+            f"for about {prompt_tokens} prompt tokens and {max_output} output tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
+    wants_usage = bool(stream and options and options.get("include_usage") is True)
+    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        value = body.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise InvalidRequest(f"'{key}' must be a number.", param=key)
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise InvalidRequest("Only n=1 is supported.", param="n")
+    return InferenceRequest(
+        endpoint=endpoint,
+        tenant=tenant,
+        pool=pool,
+        priority=priority,
+        stream=stream,
+        client_wants_usage=wants_usage,
+        prompt_chars=chars,
+        prompt_tokens=prompt_tokens,
+        max_output_tokens=max_output,
+        body=body,
+    )
+
+
+class PromptEstimator:
+    """Characters per token for one pool, corrected from the real `usage.prompt_tokens`."""
+
+    def __init__(self, *, chars_per_token: float = 4.0, weight: float = 0.05) -> None:
+        self.chars_per_token = chars_per_token
+        self._weight = weight
+
+    def observe(self, *, prompt_chars: int, prompt_tokens: int) -> None:
+        if prompt_tokens <= 0 or prompt_chars <= 0:
+            return
+        seen = prompt_chars / prompt_tokens
+        self.chars_per_token += self._weight * (seen - self.chars_per_token)
+        self.chars_per_token = min(16.0, max(1.0, self.chars_per_token))

@@ -1,0 +1,118 @@
+"""Admission: reserve a request's tokens on the least-filled backend of a pool that has room."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection
+
+from gateway.backends import Backend, Pool
+from gateway.clock import Clock
+from gateway.ledger import Ledger, Reservation
+
+ReleaseListener = Callable[[str], None]
+
+
+class Router:
+    def __init__(self, pools: dict[str, Pool], *, ledger: Ledger, clock: Clock) -> None:
+        self.pools = pools
+        self.ledger = ledger
+        self._clock = clock
+        self._backends = {b.name: b for p in pools.values() for b in p.backends}
+        self._listeners: list[ReleaseListener] = []
+        self._drain = {name: DrainMeter(clock) for name in pools}
+
+    def backend(self, name: str) -> Backend:
+        return self._backends[name]
+
+    def on_release(self, listener: ReleaseListener) -> None:
+        """Call `listener(pool)` whenever capacity is given back in a pool."""
+        self._listeners.append(listener)
+
+    def capacity(self, backend: Backend) -> int:
+        stale = self.pools[backend.pool].settings.metrics_stale_s
+        return backend.capacity(now=self._clock.monotonic(), stale_after=stale)
+
+    def limit(self, backend: Backend) -> int:
+        """Tokens this backend may hold: capacity × the pool's target fill."""
+        fill = self.pools[backend.pool].settings.target_fill
+        return math.floor(self.capacity(backend) * fill)
+
+    def fill(self, backend: Backend) -> float:
+        capacity = self.capacity(backend)
+        if capacity <= 0:
+            return math.inf
+        return self.ledger.tokens_in_flight(backend.name) / capacity
+
+    def pool_fill(self, pool: str) -> float:
+        backends = self.pools[pool].backends
+        capacity = sum(self.capacity(b) for b in backends)
+        held = sum(self.ledger.tokens_in_flight(b.name) for b in backends)
+        return held / capacity if capacity else 1.0
+
+    def candidates(self, pool: str, *, exclude: Collection[str] = ()) -> list[Backend]:
+        now = self._clock.monotonic()
+        usable = [
+            b
+            for b in self.pools[pool].backends
+            if b.name not in exclude and b.healthy(now) and self.capacity(b) > 0
+        ]
+        return sorted(usable, key=self.fill)
+
+    async def admit(
+        self, pool: str, tokens: int, *, exclude: Collection[str] = ()
+    ) -> Reservation | None:
+        """Reserve on the least-filled backend with room under the target fill, else None."""
+        for backend in self.candidates(pool, exclude=exclude):
+            reservation = await self.ledger.reserve(backend.name, tokens, limit=self.limit(backend))
+            if reservation is not None:
+                return reservation
+        return None
+
+    def fits_ever(self, pool: str, tokens: int) -> bool:
+        """Whether any backend of the pool could hold this request even when idle."""
+        return any(self.limit(b) >= tokens for b in self.pools[pool].backends)
+
+    def retry_after(self, pool: str, tokens: int) -> float:
+        """Seconds until the pool has likely drained enough to hold `tokens` more."""
+        backends = self.pools[pool].backends
+        room = sum(self.limit(b) - self.ledger.tokens_in_flight(b.name) for b in backends)
+        return self._drain[pool].seconds_to_free(max(0, tokens - room))
+
+    async def release(self, reservation: Reservation) -> None:
+        await self.ledger.release(reservation)
+        pool = self._backends[reservation.backend].pool
+        self._drain[pool].record(reservation.tokens)
+        for listener in self._listeners:
+            listener(pool)
+
+
+class DrainMeter:
+    """How fast a pool gives tokens back: an exponentially weighted rate in tokens/s."""
+
+    HALF_LIFE_S = 5.0
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._rate = 0.0
+        self._last = clock.monotonic()
+
+    def _decay(self, now: float) -> None:
+        elapsed = max(0.0, now - self._last)
+        self._rate *= 0.5 ** (elapsed / self.HALF_LIFE_S)
+        self._last = now
+
+    def record(self, tokens: int) -> None:
+        self._decay(self._clock.monotonic())
+        self._rate += tokens * math.log(2) / self.HALF_LIFE_S
+
+    def rate(self) -> float:
+        self._decay(self._clock.monotonic())
+        return self._rate
+
+    def seconds_to_free(self, tokens: int, *, floor: float = 1.0, ceiling: float = 60.0) -> float:
+        if tokens <= 0:
+            return floor
+        rate = self.rate()
+        if rate <= 0:
+            return ceiling
+        return min(ceiling, max(floor, tokens / rate))

@@ -1,0 +1,114 @@
+"""A gateway in front of simulated backends on loopback, for tests, the demo and drills."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from gateway.app import create_app
+from gateway.config import Settings, parse_settings
+from loadtest.harness import ServerThread
+from loadtest.sim import create_sim_app
+from loadtest.sim_config import SimConfig
+
+ADMIN_TOKEN = "test-admin-token"
+
+
+def key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def tenant(name: str, key: str, **limits: Any) -> dict[str, Any]:
+    return {"name": name, "key_sha256": key_hash(key), **limits}
+
+
+@dataclass
+class Fleet:
+    gateway: ServerThread
+    backends: dict[str, list[ServerThread]]
+    settings: Settings
+    keys: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+    def client(self, tenant: str = "acme", **kwargs: Any) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url,
+            headers={"authorization": f"Bearer {self.keys[tenant]}"},
+            timeout=kwargs.pop("timeout", 30.0),
+            **kwargs,
+        )
+
+    def metrics_text(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=10).text
+
+    def status(self) -> dict[str, Any]:
+        response = httpx.get(
+            f"{self.url}/admin/status",
+            headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+            timeout=10,
+        )
+        response.raise_for_status()
+        data: dict[str, Any] = response.json()
+        return data
+
+
+@contextlib.contextmanager
+def run_fleet(
+    *,
+    pools: dict[str, list[SimConfig]],
+    pool_options: dict[str, dict[str, Any]] | None = None,
+    tenants: dict[str, dict[str, Any]] | None = None,
+    extra: dict[str, Any] | None = None,
+    capacity: dict[str, int | str] | None = None,
+    redis_url: str | None = None,
+) -> Iterator[Fleet]:
+    """Start simulated backends per pool, then a gateway in front of them.
+
+    `capacity` maps a pool to its backends' configured capacity ("auto" reads their metrics).
+    """
+    keys = {name: "sk-" + secrets.token_hex(8) for name in (tenants or {"acme": {}})}
+    started: list[ServerThread] = []
+    try:
+        backends: dict[str, list[ServerThread]] = {}
+        for pool, sims in pools.items():
+            backends[pool] = [ServerThread(create_sim_app(sim)).start() for sim in sims]
+            started += backends[pool]
+        config: dict[str, Any] = {
+            "tenants": [
+                tenant(name, keys[name], **opts) for name, opts in (tenants or {"acme": {}}).items()
+            ],
+            "pools": [
+                {
+                    "name": pool,
+                    "backends": [
+                        {
+                            "url": s.url,
+                            "served_model": sims[i].model,
+                            "capacity": (capacity or {}).get(pool, "auto"),
+                        }
+                        for i, s in enumerate(backends[pool])
+                    ],
+                    **(pool_options or {}).get(pool, {}),
+                }
+                for pool, sims in pools.items()
+            ],
+            **(extra or {}),
+        }
+        settings = parse_settings(config)
+        env = {"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN}
+        app = create_app(settings, environ=env, redis_url=redis_url)
+        gateway = ServerThread(app).start()
+        started.append(gateway)
+        yield Fleet(gateway=gateway, backends=backends, settings=settings, keys=keys)
+    finally:
+        for server in reversed(started):
+            server.stop()

@@ -1,0 +1,30 @@
+"""The last word: a polite 503 whose Retry-After says how fast the pool is draining."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from gateway.config import PoolSettings
+from gateway.errors import Rejected
+from gateway.exchange import Exchange, Served
+from gateway.request import InferenceRequest
+from gateway.router import Router
+from policies.base import PolicyDeps
+
+
+class RejectPolicy:
+    name: ClassVar[str] = "reject"
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
+        raise Rejected(
+            f"Pool {request.pool!r} is at capacity and every overflow path is spent; "
+            "retry after the indicated delay.",
+            retry_after=self._router.retry_after(request.pool, request.reserved_tokens),
+        )
+
+    @classmethod
+    def build(cls, pool: PoolSettings, deps: PolicyDeps) -> RejectPolicy:
+        return cls(deps.router)

@@ -1,0 +1,82 @@
+import asyncio
+
+from gateway.backends import build_pools
+from gateway.clock import ManualClock
+from gateway.config import parse_settings
+from gateway.ledger import LocalLedger
+from gateway.router import DrainMeter, Router
+
+
+def _router(capacities: list[int], target_fill: float = 0.5) -> Router:
+    settings = parse_settings(
+        {
+            "tenants": [{"name": "t", "key_env": "K"}],
+            "pools": [
+                {
+                    "name": "p",
+                    "target_fill": target_fill,
+                    "backends": [
+                        {"url": f"http://127.0.0.1:{i + 1}", "capacity": c}
+                        for i, c in enumerate(capacities)
+                    ],
+                }
+            ],
+        }
+    )
+    return Router(build_pools(settings.pools), ledger=LocalLedger(), clock=ManualClock())
+
+
+def test_admits_on_least_filled_backend_and_never_past_target_fill() -> None:
+    async def scenario() -> None:
+        router = _router([1000, 2000])
+        held = []
+        while (r := await router.admit("p", 100)) is not None:
+            held.append(r)
+        # 500 + 1000 tokens fit under 50% fill; nothing more
+        assert sum(r.tokens for r in held) == 1500
+        assert router.ledger.tokens_in_flight("p-0") == 500
+        assert router.ledger.tokens_in_flight("p-1") == 1000
+        for r in held:
+            await router.release(r)
+        assert router.ledger.snapshot() == {"p-0": (0, 0), "p-1": (0, 0)}
+
+    asyncio.run(scenario())
+
+
+def test_release_twice_is_a_no_op_and_wakes_listeners() -> None:
+    async def scenario() -> None:
+        router = _router([1000])
+        woken: list[str] = []
+        router.on_release(woken.append)
+        r = await router.admit("p", 10)
+        assert r is not None
+        await router.release(r)
+        await router.ledger.release(r)
+        assert router.ledger.tokens_in_flight("p-0") == 0
+        assert woken == ["p"]
+
+    asyncio.run(scenario())
+
+
+def test_ejected_and_unknown_capacity_backends_are_skipped() -> None:
+    async def scenario() -> None:
+        router = _router([1000, 1000])
+        clock = ManualClock()
+        backend = router.backend("p-0")
+        for _ in range(3):
+            backend.record_failure(clock.monotonic())
+        assert [b.name for b in router.candidates("p")] == ["p-1"]
+
+    asyncio.run(scenario())
+
+
+def test_drain_meter_estimates_time_to_free() -> None:
+    clock = ManualClock()
+    meter = DrainMeter(clock)
+    assert meter.seconds_to_free(100) == 60.0  # nothing drained yet: the ceiling
+    for _ in range(10):
+        meter.record(1000)
+        clock.advance(1.0)
+    rate = meter.rate()
+    assert 500 < rate < 1500
+    assert abs(meter.seconds_to_free(int(rate * 5)) - 5.0) < 0.01
