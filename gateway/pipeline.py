@@ -1,6 +1,9 @@
 """The request pipeline, in the order a request travels (see DESIGN.md):
 
 parse → authenticate → throttle → admit → overflow → forward → release → record.
+
+The key is checked before the body is decoded, so a caller without a valid key learns
+nothing about what the gateway would accept.
 """
 
 from __future__ import annotations
@@ -145,8 +148,8 @@ class CompletionsEndpoint:
     async def _handle(self, scope: Scope, raw: bytes, send: Send, headers: dict[str, str]) -> None:
         d = self._d
         t0 = time.perf_counter()
-        body = decode_body(raw)
         tenant = d.auth.tenant(_header(scope, b"authorization"))
+        body = decode_body(raw)
         pool = self._pool(tenant, requested_model(body))
         request = parse_request(
             body,

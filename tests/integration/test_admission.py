@@ -1,0 +1,70 @@
+"""Admission by tokens in flight: a full pool refuses politely and is never over-filled."""
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from loadtest.fleet import Fleet, run_fleet
+from loadtest.sim_config import SimConfig
+
+CAPACITY = 2000
+TARGET_FILL = 0.5
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    sims = [SimConfig(model="m", kv_tokens=CAPACITY, speed=5.0) for _ in range(2)]
+    with run_fleet(
+        pools={"big": sims},
+        pool_options={"big": {"target_fill": TARGET_FILL}},
+        capacity={"big": CAPACITY},
+    ) as f:
+        yield f
+
+
+def test_full_pool_answers_503_with_retry_after_and_never_overfills(fleet: Fleet) -> None:
+    peak: dict[str, int] = {}
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            for backend in fleet.status()["pools"][0]["backends"]:
+                name = backend["name"]
+                peak[name] = max(peak.get(name, 0), backend["tokens_in_flight"])
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+
+    async def scenario() -> list[httpx.Response]:
+        headers = {"authorization": f"Bearer {fleet.keys['acme']}"}
+        body = {"model": "big", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300}
+        async with httpx.AsyncClient(base_url=fleet.url, headers=headers, timeout=30) as client:
+            long = [
+                asyncio.create_task(client.post("/v1/chat/completions", json=body))
+                for _ in range(12)
+            ]
+            await asyncio.sleep(0.5)
+            extra = await client.post("/v1/chat/completions", json=body)
+            return [extra, *await asyncio.gather(*long)]
+
+    try:
+        extra, *rest = asyncio.run(scenario())
+    finally:
+        stop.set()
+        watcher.join()
+    assert extra.status_code == 503
+    assert extra.headers["x-spillgate-outcome"] == "rejected"
+    assert int(extra.headers["retry-after"]) >= 1
+    assert extra.json()["error"]["code"] == "capacity_exhausted"
+    served = [r for r in rest if r.status_code == 200]
+    refused = [r for r in rest if r.status_code == 503]
+    assert len(served) == 6  # 3 requests of ~310 tokens under 1000 per backend, 2 backends
+    assert len(served) + len(refused) == 12
+    assert all("retry-after" in r.headers for r in refused)
+    limit = int(CAPACITY * TARGET_FILL)
+    assert peak and all(0 < tokens <= limit for tokens in peak.values()), peak
