@@ -77,11 +77,10 @@ class AdminEndpoints:
 
     def refresh_gauges(self) -> None:
         m = self._metrics
-        now = self._router
         for name, pool in self._router.pools.items():
             capacity = 0
             for backend in pool.backends:
-                cap = now.capacity(backend)
+                cap = self._router.capacity(backend)
                 capacity += cap
                 m.capacity_tokens.labels(backend.name).set(cap)
                 m.inflight_tokens.labels(backend.name).set(
@@ -95,6 +94,13 @@ class AdminEndpoints:
                 )
             fill = self._router.pool_fill(name)
             m.pool_fill.labels(name).set(fill if math.isfinite(fill) else 1.0)
+            m.pool_demand.labels(name).set(pool.demand.tokens_per_s())
+            per_backend = capacity / len(pool.backends) if pool.backends else 0.0
+            m.pool_desired_backends.labels(name).set(
+                pool.demand.desired_backends(
+                    backend_capacity=per_backend, target_fill=pool.settings.target_fill
+                )
+            )
 
     async def prometheus(self, request: Request) -> Response:
         self.refresh_gauges()

@@ -75,7 +75,7 @@ def create_app(
     url = redis_url or env.get(settings.redis.url_env)
     redis = _redis_client(settings, url) if url else None
     limiter = _limiter(settings, redis, metrics, clock)
-    pools = build_pools(settings.pools)
+    pools = build_pools(settings.pools, clock=clock)
     router = Router(pools, ledger=LocalLedger(), clock=clock)
     client = httpx.AsyncClient(
         limits=httpx.Limits(

@@ -11,6 +11,7 @@ import httpx
 
 from gateway.clock import Clock
 from gateway.config import BackendSettings, PoolSettings
+from gateway.demand import PoolDemand
 from gateway.discovery import capacity_from_metrics
 from gateway.request import PromptEstimator
 
@@ -61,6 +62,7 @@ class Backend:
 class Pool:
     settings: PoolSettings
     backends: list[Backend]
+    demand: PoolDemand
     estimator: PromptEstimator = field(default_factory=PromptEstimator)
 
     @property
@@ -68,11 +70,11 @@ class Pool:
         return self.settings.name
 
 
-def build_pools(pools: list[PoolSettings]) -> dict[str, Pool]:
+def build_pools(pools: list[PoolSettings], *, clock: Clock) -> dict[str, Pool]:
     built: dict[str, Pool] = {}
     for pool in pools:
         backends = [_backend(pool, i, b) for i, b in enumerate(pool.backends)]
-        built[pool.name] = Pool(settings=pool, backends=backends)
+        built[pool.name] = Pool(settings=pool, backends=backends, demand=PoolDemand(clock))
     return built
 
 

@@ -165,6 +165,7 @@ class CompletionsEndpoint:
         holding = Holding(d.router)
         served: Served | None = None
         outcome = Outcome.ERROR
+        began = pool.demand.begin(request.reserved_tokens)
         try:
             served = await self._dispatch(request, Exchange(
                 send=send, headers=headers, router=d.router, forwarder=d.forwarder,
@@ -176,7 +177,13 @@ class CompletionsEndpoint:
             raise
         finally:
             await holding.release()
-            await self._reconcile(tenant, request, served, decision)
+            used = await self._reconcile(tenant, request, served, decision)
+            pool.demand.end(
+                request.reserved_tokens,
+                started=began,
+                used=used,
+                refused=outcome is Outcome.REJECTED,
+            )
             self._record(request, served, outcome, t0)
 
     def _pool(self, tenant: Tenant, model: str) -> Pool:
@@ -225,7 +232,8 @@ class CompletionsEndpoint:
 
     async def _reconcile(
         self, tenant: Tenant, request: InferenceRequest, served: Served | None, decision: Decision
-    ) -> None:
+    ) -> int:
+        """Settle the tenant's bucket with what was really used; returns the tokens used."""
         if served is None:
             used = 0  # nothing was generated: give the whole reservation back
         elif served.relayed.usage.known:
@@ -233,12 +241,12 @@ class CompletionsEndpoint:
         else:
             used = request.reserved_tokens
         reserved = request.reserved_tokens
-        if used == reserved:
-            return
-        work = self._d.limiter.reconcile(tenant.limits, reserved=reserved, used=used)
-        task = asyncio.ensure_future(work)
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(task)
+        if used != reserved:
+            work = self._d.limiter.reconcile(tenant.limits, reserved=reserved, used=used)
+            task = asyncio.ensure_future(work)
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(task)
+        return used
 
     def _record(
         self, request: InferenceRequest, served: Served | None, outcome: Outcome, t0: float

@@ -7,6 +7,7 @@ from collections.abc import Callable, Collection
 
 from gateway.backends import Backend, Pool
 from gateway.clock import Clock
+from gateway.demand import RateMeter
 from gateway.ledger import Ledger, Reservation
 
 ReleaseListener = Callable[[str], None]
@@ -19,7 +20,7 @@ class Router:
         self._clock = clock
         self._backends = {b.name: b for p in pools.values() for b in p.backends}
         self._listeners: list[ReleaseListener] = []
-        self._drain = {name: DrainMeter(clock) for name in pools}
+        self._drain = {name: RateMeter(clock) for name in pools}
 
     def backend(self, name: str) -> Backend:
         return self._backends[name]
@@ -76,7 +77,7 @@ class Router:
         """Seconds until the pool has likely drained enough to hold `tokens` more."""
         backends = self.pools[pool].backends
         room = sum(self.limit(b) - self.ledger.tokens_in_flight(b.name) for b in backends)
-        return self._drain[pool].seconds_to_free(max(0, tokens - room))
+        return self._drain[pool].seconds_to(max(0, tokens - room))
 
     async def release(self, reservation: Reservation) -> None:
         await self.ledger.release(reservation)
@@ -85,34 +86,3 @@ class Router:
         for listener in self._listeners:
             listener(pool)
 
-
-class DrainMeter:
-    """How fast a pool gives tokens back: an exponentially weighted rate in tokens/s."""
-
-    HALF_LIFE_S = 5.0
-
-    def __init__(self, clock: Clock) -> None:
-        self._clock = clock
-        self._rate = 0.0
-        self._last = clock.monotonic()
-
-    def _decay(self, now: float) -> None:
-        elapsed = max(0.0, now - self._last)
-        self._rate *= 0.5 ** (elapsed / self.HALF_LIFE_S)
-        self._last = now
-
-    def record(self, tokens: int) -> None:
-        self._decay(self._clock.monotonic())
-        self._rate += tokens * math.log(2) / self.HALF_LIFE_S
-
-    def rate(self) -> float:
-        self._decay(self._clock.monotonic())
-        return self._rate
-
-    def seconds_to_free(self, tokens: int, *, floor: float = 1.0, ceiling: float = 60.0) -> float:
-        if tokens <= 0:
-            return floor
-        rate = self.rate()
-        if rate <= 0:
-            return ceiling
-        return min(ceiling, max(floor, tokens / rate))

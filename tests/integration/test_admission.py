@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.fleet import Fleet, run_fleet
 from loadtest.sim_config import SimConfig
@@ -37,6 +38,7 @@ def test_full_pool_answers_503_with_retry_after_and_never_overfills(fleet: Fleet
                 peak[name] = max(peak.get(name, 0), backend["tokens_in_flight"])
             time.sleep(0.01)
 
+    live: dict[str, float] = {}
     watcher = threading.Thread(target=watch)
     watcher.start()
 
@@ -50,6 +52,7 @@ def test_full_pool_answers_503_with_retry_after_and_never_overfills(fleet: Fleet
             ]
             await asyncio.sleep(0.5)
             extra = await client.post("/v1/chat/completions", json=body)
+            live.update(pool_gauges(await client.get("/metrics")))
             return [extra, *await asyncio.gather(*long)]
 
     try:
@@ -68,3 +71,22 @@ def test_full_pool_answers_503_with_retry_after_and_never_overfills(fleet: Fleet
     assert all("retry-after" in r.headers for r in refused)
     limit = int(CAPACITY * TARGET_FILL)
     assert peak and all(0 < tokens <= limit for tokens in peak.values()), peak
+    # what an autoscaler reads while the spike is on: the pool is at its target fill, and
+    # 13 requests of ~310 tokens want 4+ backends' worth of 1000 tokens each
+    assert live["spillgate_pool_fill_ratio"] == pytest.approx(0.465, abs=0.04)
+    assert live["spillgate_pool_desired_backends"] >= 4
+    assert live["spillgate_pool_demand_tokens_per_second"] >= 0
+
+
+def pool_gauges(response: httpx.Response) -> dict[str, float]:
+    wanted = {
+        "spillgate_pool_fill_ratio",
+        "spillgate_pool_desired_backends",
+        "spillgate_pool_demand_tokens_per_second",
+    }
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name in wanted and sample.labels.get("pool") == "big"
+    }

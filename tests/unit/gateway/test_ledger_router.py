@@ -3,8 +3,9 @@ import asyncio
 from gateway.backends import build_pools
 from gateway.clock import ManualClock
 from gateway.config import parse_settings
+from gateway.demand import PoolDemand, RateMeter
 from gateway.ledger import LocalLedger
-from gateway.router import DrainMeter, Router
+from gateway.router import Router
 
 
 def _router(capacities: list[int], target_fill: float = 0.5) -> Router:
@@ -23,7 +24,8 @@ def _router(capacities: list[int], target_fill: float = 0.5) -> Router:
             ],
         }
     )
-    return Router(build_pools(settings.pools), ledger=LocalLedger(), clock=ManualClock())
+    clock = ManualClock()
+    return Router(build_pools(settings.pools, clock=clock), ledger=LocalLedger(), clock=clock)
 
 
 def test_admits_on_least_filled_backend_and_never_past_target_fill() -> None:
@@ -70,13 +72,32 @@ def test_ejected_and_unknown_capacity_backends_are_skipped() -> None:
     asyncio.run(scenario())
 
 
-def test_drain_meter_estimates_time_to_free() -> None:
+def test_rate_meter_estimates_time_to_free() -> None:
     clock = ManualClock()
-    meter = DrainMeter(clock)
-    assert meter.seconds_to_free(100) == 60.0  # nothing drained yet: the ceiling
+    meter = RateMeter(clock)
+    assert meter.seconds_to(100) == 60.0  # nothing drained yet: the ceiling
     for _ in range(10):
         meter.record(1000)
         clock.advance(1.0)
     rate = meter.rate()
     assert 500 < rate < 1500
-    assert abs(meter.seconds_to_free(int(rate * 5)) - 5.0) < 0.01
+    assert abs(meter.seconds_to(rate * 5) - 5.0) < 0.01
+
+
+def test_desired_backends_counts_spilled_and_refused_demand() -> None:
+    clock = ManualClock()
+    demand = PoolDemand(clock)
+    assert demand.desired_backends(backend_capacity=1000, target_fill=0.5) == 0
+    started = [demand.begin(400) for _ in range(5)]  # 2000 tokens in flight
+    assert demand.desired_backends(backend_capacity=1000, target_fill=0.5) == 4
+    clock.advance(2.0)
+    for t in started:
+        demand.end(400, started=t, used=300, refused=False)
+    assert demand.tokens_in_flight == 0
+    for _ in range(10):
+        demand.end(500, started=demand.begin(500), used=0, refused=True)
+    assert demand.tokens_in_flight == 0
+    # refused requests count for as long as a request holds its tokens (~2 s here)
+    assert demand.desired_backends(backend_capacity=1000, target_fill=0.5) == 10
+    clock.advance(3.0)
+    assert demand.desired_backends(backend_capacity=1000, target_fill=0.5) == 0
