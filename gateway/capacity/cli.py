@@ -1,0 +1,127 @@
+"""`spillgate plan`: KV-cache sessions, tokens per second and GPUs for a model, GPU and workload."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from gateway.capacity import render, throughput
+from gateway.capacity.catalog import CapacityError, Catalog, ModelSpec, load_catalog
+from gateway.capacity.hf_config import model_from_hf_config
+from gateway.capacity.plan import DEFAULT_TARGET_FILL, Demand, Plan, make_plan, plan_json
+from gateway.capacity.profile import BANDWIDTH_EFFICIENCY, FLOPS_EFFICIENCY, ReplicaOptions
+
+
+def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that size one replica; `spillgate measure` shares them."""
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
+    parser.add_argument("--kv-dtype", default="auto", help="vLLM --kv-cache-dtype (auto, fp8)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--max-model-len", type=int, help="default: the model's context")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--catalog", type=Path, help="a catalog YAML instead of the packaged one")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--model", help="a catalog model (see --list)")
+    which.add_argument("--model-config", type=Path, help="a Hugging Face config.json")
+    parser.add_argument("--gpu", help="a catalog GPU (see --list)")
+    parser.add_argument("--list", action="store_true", help="list the known models and GPUs")
+    add_replica_arguments(parser)
+    memory = parser.add_argument_group("memory overrides (GiB per GPU; default: estimated)")
+    memory.add_argument("--weights-gib", type=float)
+    memory.add_argument("--activation-gib", type=float, help="PyTorch activation peak")
+    memory.add_argument("--non-torch-gib", type=float)
+    memory.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        help="the KV pool outright, like vLLM's --kv-cache-memory; overrides the other three",
+    )
+    work = parser.add_argument_group("workload")
+    work.add_argument("--prompt-tokens", type=int, default=1536)
+    work.add_argument("--output-tokens", type=int, default=512)
+    rate = work.add_mutually_exclusive_group()
+    rate.add_argument("--rps", type=float, help="peak requests per second")
+    rate.add_argument("--sessions", type=int, help="peak concurrent sessions")
+    work.add_argument("--burst", type=float, default=1.0, help="peak-to-mean factor on top")
+    work.add_argument(
+        "--target-fill",
+        type=float,
+        default=DEFAULT_TARGET_FILL,
+        help="fraction of the KV bound each replica is run at",
+    )
+    work.add_argument("--ttft-slo-ms", type=float, help="cap sessions per replica to meet it")
+    speed = parser.add_argument_group("speed model")
+    speed.add_argument("--bandwidth-efficiency", type=float, default=BANDWIDTH_EFFICIENCY)
+    speed.add_argument("--flops-efficiency", type=float, default=FLOPS_EFFICIENCY)
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--chart", type=Path, metavar="FILE", help="SVG of tokens/s and TTFT against concurrency"
+    )
+
+
+def replica_options(args: argparse.Namespace) -> ReplicaOptions:
+    return ReplicaOptions(
+        tp=args.tp,
+        kv_dtype=args.kv_dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        weights_gib=getattr(args, "weights_gib", None),
+        activation_gib=getattr(args, "activation_gib", None),
+        non_torch_gib=getattr(args, "non_torch_gib", None),
+        kv_cache_gib=getattr(args, "kv_cache_gib", None),
+        bandwidth_efficiency=getattr(args, "bandwidth_efficiency", BANDWIDTH_EFFICIENCY),
+        flops_efficiency=getattr(args, "flops_efficiency", FLOPS_EFFICIENCY),
+    )
+
+
+def _model(args: argparse.Namespace, catalog: Catalog) -> ModelSpec:
+    if args.model_config is not None:
+        return model_from_hf_config(args.model_config)
+    if not args.model:
+        raise CapacityError("give --model NAME or --model-config FILE (see --list)")
+    return catalog.model(args.model)
+
+
+def build_plan(args: argparse.Namespace) -> Plan:
+    catalog = load_catalog(args.catalog)
+    if not args.gpu:
+        raise CapacityError("give --gpu NAME (see --list)")
+    demand = Demand(
+        rps=args.rps,
+        sessions=args.sessions,
+        burst=args.burst,
+        target_fill=args.target_fill,
+        ttft_slo_s=None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1e3,
+    )
+    return make_plan(
+        _model(args, catalog),
+        catalog.gpu(args.gpu),
+        options=replica_options(args),
+        workload=throughput.Workload(
+            prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens
+        ),
+        demand=demand,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.list:
+            print(render.catalog_listing(load_catalog(args.catalog)))
+            return 0
+        plan = build_plan(args)
+    except CapacityError as exc:
+        print(f"spillgate plan: error: {exc}", file=sys.stderr)
+        return 2
+    if args.chart is not None:
+        render.write_chart(plan, args.chart)
+    if args.json:
+        print(json.dumps(plan_json(plan), indent=2))
+    else:
+        print(render.plan_table(plan))
+    return 0

@@ -1,0 +1,178 @@
+"""A capacity plan: one replica's KV cache and speed, then the replicas a workload needs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gateway.capacity import kv, throughput
+from gateway.capacity.catalog import CapacityError, GpuSpec, ModelSpec
+from gateway.capacity.perf import ReplicaProfile
+from gateway.capacity.profile import ReplicaOptions, build_profile, memory_budget
+from gateway.capacity.throughput import LoadPoint, Workload
+
+DEFAULT_TARGET_FILL = 0.6
+
+
+@dataclass(frozen=True, kw_only=True)
+class Demand:
+    """Requests per second, or concurrent sessions, at peak before the burst factor."""
+
+    rps: float | None = None
+    sessions: int | None = None
+    burst: float = 1.0
+    target_fill: float = DEFAULT_TARGET_FILL
+    ttft_slo_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.rps is not None and self.sessions is not None:
+            raise CapacityError("give --rps or --sessions, not both")
+        if not 0 < self.target_fill <= 1:
+            raise CapacityError("--target-fill must be in (0, 1]")
+        if self.burst < 1:
+            raise CapacityError("--burst must be at least 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    model: ModelSpec
+    gpu: GpuSpec
+    options: ReplicaOptions
+    workload: Workload
+    demand: Demand
+    budget: kv.MemoryBudget
+    profile: ReplicaProfile
+    max_concurrency: float
+    sessions_per_replica: int  # at the KV bound
+    at_bound: LoadPoint
+    knee: int
+    slo_sessions: int | None  # most sessions within the TTFT SLO, when one is given
+    sessions_at_fill: int
+    at_fill: LoadPoint
+    replica_tokens_per_s: float  # prompt + output tokens/s one replica serves at target fill
+    peak_tokens_per_s: float | None
+    replicas_needed: int | None
+    warnings: tuple[str, ...]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return int(self.profile.step_cost.kv_bytes_per_token_per_rank)
+
+    @property
+    def gpus_needed(self) -> int | None:
+        return None if self.replicas_needed is None else self.replicas_needed * self.options.tp
+
+
+def _sessions_at_fill(sessions: int, demand: Demand, slo_sessions: int | None) -> int:
+    at_fill = max(1, math.floor(sessions * demand.target_fill))
+    return at_fill if slo_sessions is None else min(at_fill, max(1, slo_sessions))
+
+
+def _peak_tokens_per_s(demand: Demand, workload: Workload, at_fill: LoadPoint) -> float | None:
+    if demand.rps is not None:
+        return demand.rps * workload.tokens * demand.burst
+    if demand.sessions is not None:
+        per_session_rps = at_fill.output_tokens_per_s / at_fill.running / workload.output_tokens
+        return demand.sessions * demand.burst * per_session_rps * workload.tokens
+    return None
+
+
+def _slo_warnings(demand: Demand, slo_sessions: int | None, single_ttft_s: float) -> list[str]:
+    if demand.ttft_slo_s is None or slo_sessions:
+        return []
+    return [
+        f"even one session misses the TTFT SLO of {demand.ttft_slo_s * 1e3:.0f} ms "
+        f"(predicted {single_ttft_s * 1e3:.0f} ms); the plan sizes for one session per replica"
+    ]
+
+
+def make_plan(
+    model: ModelSpec,
+    gpu: GpuSpec,
+    *,
+    options: ReplicaOptions,
+    workload: Workload,
+    demand: Demand,
+) -> Plan:
+    profile = build_profile(model, gpu, options)
+    sessions = throughput.kv_bound(profile, workload)
+    slo_sessions = None
+    if demand.ttft_slo_s is not None:
+        slo_sessions = throughput.max_sessions_within(profile, workload, ttft_s=demand.ttft_slo_s)
+    at_fill = throughput.predict(
+        profile, workload, _sessions_at_fill(sessions, demand, slo_sessions)
+    )
+    replica_tokens_per_s = at_fill.output_tokens_per_s * workload.tokens / workload.output_tokens
+    peak = _peak_tokens_per_s(demand, workload, at_fill)
+    replicas = None if peak is None else max(1, math.ceil(peak / replica_tokens_per_s - 1e-9))
+    single = throughput.predict(profile, workload, 1)
+    return Plan(
+        model=model,
+        gpu=gpu,
+        options=options,
+        workload=workload,
+        demand=demand,
+        budget=memory_budget(model, gpu, options),
+        profile=profile,
+        max_concurrency=kv.max_concurrency(
+            num_blocks=profile.num_gpu_blocks,
+            block_size=profile.block_size,
+            max_model_len=profile.max_model_len or model.max_position,
+        ),
+        sessions_per_replica=sessions,
+        at_bound=throughput.predict(profile, workload, sessions),
+        knee=throughput.knee(profile, workload),
+        slo_sessions=slo_sessions,
+        sessions_at_fill=at_fill.running,
+        at_fill=at_fill,
+        replica_tokens_per_s=replica_tokens_per_s,
+        peak_tokens_per_s=peak,
+        replicas_needed=replicas,
+        warnings=(*profile.warnings, *_slo_warnings(demand, slo_sessions, single.ttft_s)),
+    )
+
+
+def _batch1_step_s(plan: Plan) -> float:
+    """One session alone, its KV at the workload's mean length: the decode-only step."""
+    return plan.profile.step_cost.decode_step_s(round(plan.workload.mean_kv_tokens))
+
+
+def plan_json(plan: Plan) -> dict[str, object]:
+    budget = plan.budget
+    return {
+        "model": plan.model.name,
+        "gpu": plan.gpu.name,
+        "tp": plan.options.tp,
+        "kv_dtype": plan.options.kv_dtype,
+        "block_size": plan.profile.block_size,
+        "max_model_len": plan.profile.max_model_len,
+        "prompt_tokens": plan.workload.prompt_tokens,
+        "output_tokens": plan.workload.output_tokens,
+        "kv_bytes_per_token": plan.kv_bytes_per_token,
+        "usable_gib": round(budget.usable_gib, 4),
+        "weights_gib": round(budget.weights_gib, 4),
+        "activation_gib": round(budget.activation_gib, 4),
+        "non_torch_gib": round(budget.non_torch_gib, 4),
+        "kv_cache_gib": round(budget.kv_cache_gib, 4),
+        "num_gpu_blocks": plan.profile.num_gpu_blocks,
+        "kv_cache_tokens": plan.profile.kv_cache_tokens,
+        "max_concurrency": round(plan.max_concurrency, 2),
+        "sessions_per_replica": plan.sessions_per_replica,
+        "decode_tokens_per_s": round(plan.at_bound.output_tokens_per_s, 1),
+        "itl_ms": round(plan.at_bound.itl_s * 1e3, 2),
+        "ttft_ms": round(plan.at_bound.ttft_s * 1e3, 1),
+        "batch1_tokens_per_s": round(1 / _batch1_step_s(plan), 1),
+        "knee_concurrency": plan.knee,
+        "slo_sessions": plan.slo_sessions,
+        "target_fill": plan.demand.target_fill,
+        "sessions_at_fill": plan.sessions_at_fill,
+        "decode_tokens_per_s_at_fill": round(plan.at_fill.output_tokens_per_s, 1),
+        "ttft_ms_at_fill": round(plan.at_fill.ttft_s * 1e3, 1),
+        "replica_tokens_per_s_at_fill": round(plan.replica_tokens_per_s, 1),
+        "peak_tokens_per_s": None
+        if plan.peak_tokens_per_s is None
+        else round(plan.peak_tokens_per_s, 1),
+        "replicas_needed": plan.replicas_needed,
+        "gpus_needed": plan.gpus_needed,
+        "warnings": list(plan.warnings),
+    }

@@ -1,0 +1,151 @@
+"""A plan as a readable table, and as a chart of tokens/s and TTFT against concurrency."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gateway.capacity import throughput
+from gateway.capacity.catalog import Catalog
+from gateway.capacity.plan import Plan
+
+
+def _row(label: str, value: str) -> str:
+    return f"  {label:<34}{value:>16}"
+
+
+def _memory_rows(plan: Plan) -> list[str]:
+    b, o = plan.budget, plan.options
+
+    def source(override: float | None) -> str:
+        return "given" if override is not None or o.kv_cache_gib is not None else "est."
+
+    return [
+        "Memory per GPU (GiB)",
+        _row(f"usable ({b.total_gib:.2f} x {b.gpu_memory_utilization:.2f})", f"{b.usable_gib:.2f}"),
+        _row(f"weights ({source(o.weights_gib)})", f"{b.weights_gib:.2f}"),
+        _row(f"activation peak ({source(o.activation_gib)})", f"{b.activation_gib:.2f}"),
+        _row(f"non-torch ({source(o.non_torch_gib)})", f"{b.non_torch_gib:.2f}"),
+        _row(
+            "KV cache" + (" (given)" if o.kv_cache_gib is not None else ""), f"{b.kv_cache_gib:.2f}"
+        ),
+    ]
+
+
+def _kv_rows(plan: Plan) -> list[str]:
+    p = plan.profile
+    return [
+        "KV cache",
+        _row("bytes per token per GPU", f"{plan.kv_bytes_per_token:,}"),
+        _row("blocks", f"{p.num_gpu_blocks:,}"),
+        _row("tokens", f"{p.kv_cache_tokens:,}"),
+        _row(f"max concurrency at {p.max_model_len:,} tokens", f"{plan.max_concurrency:.2f}x"),
+    ]
+
+
+def _replica_rows(plan: Plan) -> list[str]:
+    w, bound, fill = plan.workload, plan.at_bound, plan.at_fill
+    batch1 = plan.profile.step_cost.decode_step_s(round(w.mean_kv_tokens))
+    rows = [
+        f"One replica, sessions of {w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens",
+        _row("batch-1 decode", f"{1 / batch1:.1f} tok/s"),
+        _row("sessions at the KV bound", f"{plan.sessions_per_replica:,}"),
+        _row("  decode tokens/s", f"{bound.output_tokens_per_s:,.0f}"),
+        _row("  inter-token latency", f"{bound.itl_s * 1e3:.1f} ms"),
+        _row("  TTFT", f"{bound.ttft_s * 1e3:,.0f} ms"),
+        _row(f"knee (TTFT {throughput.KNEE_FACTOR:g}x single session)", f"{plan.knee:,}"),
+    ]
+    if plan.slo_sessions is not None:
+        slo = plan.demand.ttft_slo_s or 0.0
+        rows.append(_row(f"sessions within TTFT {slo * 1e3:.0f} ms", f"{plan.slo_sessions:,}"))
+    rows += [
+        _row(f"sessions at {plan.demand.target_fill:.0%} fill", f"{plan.sessions_at_fill:,}"),
+        _row("  decode tokens/s", f"{fill.output_tokens_per_s:,.0f}"),
+        _row("  TTFT", f"{fill.ttft_s * 1e3:,.0f} ms"),
+        _row("  prompt + output tokens/s", f"{plan.replica_tokens_per_s:,.0f}"),
+    ]
+    return rows
+
+
+def _workload_rows(plan: Plan) -> list[str]:
+    d, w = plan.demand, plan.workload
+    if plan.peak_tokens_per_s is None:
+        return ["Workload: give --rps or --sessions for replicas and GPUs"]
+    if d.rps is not None:
+        head = f"Workload: {d.rps:g} req/s x {w.tokens:,} tokens x burst {d.burst:g}"
+    else:
+        head = f"Workload: {d.sessions:,} sessions x burst {d.burst:g}"
+    return [
+        head,
+        _row("peak tokens/s", f"{plan.peak_tokens_per_s:,.0f}"),
+        _row("replicas needed", f"{plan.replicas_needed:,}"),
+        _row("GPUs needed", f"{plan.gpus_needed:,}"),
+    ]
+
+
+def plan_table(plan: Plan) -> str:
+    o = plan.options
+    head = (
+        f"{plan.model.name} on {o.tp} x {plan.gpu.name} (kv {o.kv_dtype}, block {o.block_size}, "
+        f"gpu_memory_utilization {o.gpu_memory_utilization:g})"
+    )
+    sections = [[head], _memory_rows(plan), _kv_rows(plan), _replica_rows(plan)]
+    sections.append(_workload_rows(plan))
+    if plan.warnings:
+        sections.append([f"warning: {w}" for w in plan.warnings])
+    return "\n\n".join("\n".join(s) for s in sections)
+
+
+def catalog_listing(catalog: Catalog) -> str:
+    models = [
+        f"  {m.name:<16}{m.params / 1e9:>8.1f}B  {m.layers:>3} layers  kv heads {m.kv_heads:>3}"
+        for m in catalog.models.values()
+    ]
+    gpus = [
+        f"  {g.name:<16}{g.memory_gib:>8.2f} GiB  {g.bandwidth_gb_s:>6.0f} GB/s  "
+        f"{g.bf16_tflops:>5.0f} TFLOPS"
+        for g in catalog.gpus.values()
+    ]
+    return "\n".join(["models:", *models, "", "GPUs:", *gpus])
+
+
+def chart_concurrencies(plan: Plan, *, points: int = 48) -> list[int]:
+    top = max(2, round(max(plan.sessions_per_replica, plan.knee) * 1.5))
+    return sorted({max(1, round(top * i / points)) for i in range(points + 1)})
+
+
+def write_chart(plan: Plan, path: Path) -> None:
+    from loadtest.charts import LineChart, Marker, Series, write_svg
+
+    load = throughput.curve(plan.profile, plan.workload, chart_concurrencies(plan))
+    markers = [
+        Marker(
+            x=plan.sessions_per_replica,
+            label=f"KV bound {plan.sessions_per_replica}",
+            color="#d62728",
+        ),
+        Marker(x=plan.knee, label=f"knee {plan.knee}", color="#2ca02c"),
+    ]
+    title = f"{plan.model.name} on {plan.options.tp} x {plan.gpu.name}"
+    tokens = Series(
+        name="decode tokens/s", points=[(p.concurrency, p.output_tokens_per_s) for p in load]
+    )
+    ttft = Series(name="TTFT ms", points=[(p.concurrency, p.ttft_s * 1e3) for p in load])
+    write_svg(
+        path,
+        [
+            LineChart(
+                title=f"{title}: throughput",
+                x_label="concurrent sessions",
+                y_label="output tokens/s",
+                series=[tokens],
+                markers=markers,
+            ),
+            LineChart(
+                title=f"{title}: time to first token",
+                x_label="concurrent sessions",
+                y_label="TTFT (ms)",
+                series=[ttft],
+                markers=markers,
+            ),
+        ],
+    )

@@ -1,0 +1,133 @@
+"""Sessions to tokens per second and TTFT: the steady state of a continuously batching engine.
+
+The model, for a closed loop of `c` clients, each sending requests of P prompt and O output
+tokens, against a replica that holds S such sessions in its KV cache (every block reserved):
+
+- B = min(c, S) sessions run; the other c - B wait for a slot.
+- A running session is on average half way through its output, so the batch's KV holds
+  B x (P + O/2) tokens.
+- Every engine step decodes one token for each running session, and (in the steady state) a
+  session finishes, and a new one is prefilled, every O steps; so one step costs
+  T(B) = decode_step(B x (P + O/2)) + (B / O) x prefill(P).
+- Output tokens/s = B / T(B); inter-token latency = T(B).
+- TTFT = (1 - 1/B) x T(B)/2 + prefill(P) + T(B) for a session that finds a slot: the rest
+  of the step in flight (none when it runs alone), then the step that holds its prefill;
+  beyond the KV bound, plus the wait for a slot: (c - B) / B x O x T(B), as each slot frees
+  once every O steps.
+
+The knee is the largest concurrency whose TTFT is at most KNEE_FACTOR x the TTFT of a single
+session: past it, TTFT has more than doubled, from batching cost or from queueing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gateway.capacity.catalog import CapacityError
+from gateway.capacity.perf import ReplicaProfile
+
+KNEE_FACTOR = 2.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    prompt_tokens: int
+    output_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1 or self.output_tokens < 1:
+            raise CapacityError("prompt and output tokens must each be at least 1")
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+    @property
+    def mean_kv_tokens(self) -> float:
+        return self.prompt_tokens + self.output_tokens / 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadPoint:
+    """The predicted steady state at one concurrency."""
+
+    concurrency: int
+    running: int
+    step_s: float
+    output_tokens_per_s: float
+    ttft_s: float
+
+    @property
+    def itl_s(self) -> float:
+        return self.step_s
+
+
+def kv_bound(profile: ReplicaProfile, workload: Workload) -> int:
+    sessions = profile.sessions_at_kv_bound(workload.tokens)
+    if sessions < 1:
+        raise CapacityError(
+            f"one session of {workload.tokens} tokens needs "
+            f"{profile.blocks_per_session(workload.tokens)} blocks; the KV cache has "
+            f"{profile.num_gpu_blocks}"
+        )
+    return sessions
+
+
+def step_s(profile: ReplicaProfile, workload: Workload, running: int) -> float:
+    cost = profile.step_cost
+    decode = cost.decode_step_s(round(running * workload.mean_kv_tokens))
+    return decode + running / workload.output_tokens * cost.prefill_s(workload.prompt_tokens)
+
+
+def predict(profile: ReplicaProfile, workload: Workload, concurrency: int) -> LoadPoint:
+    bound = kv_bound(profile, workload)
+    running = max(1, min(concurrency, bound))
+    step = step_s(profile, workload, running)
+    waiting = max(0, concurrency - running)
+    wait = waiting / running * workload.output_tokens * step
+    in_flight = (1 - 1 / running) * step / 2
+    ttft = in_flight + profile.step_cost.prefill_s(workload.prompt_tokens) + step + wait
+    return LoadPoint(
+        concurrency=concurrency,
+        running=running,
+        step_s=step,
+        output_tokens_per_s=running / step,
+        ttft_s=ttft,
+    )
+
+
+def curve(
+    profile: ReplicaProfile, workload: Workload, concurrencies: Iterable[int]
+) -> list[LoadPoint]:
+    return [predict(profile, workload, c) for c in concurrencies]
+
+
+def knee(profile: ReplicaProfile, workload: Workload, *, factor: float = KNEE_FACTOR) -> int:
+    """Largest concurrency with TTFT <= factor x TTFT(1); TTFT rises with concurrency."""
+    limit = factor * predict(profile, workload, 1).ttft_s
+    low, high = 1, 2
+    while predict(profile, workload, high).ttft_s <= limit:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        if predict(profile, workload, mid).ttft_s <= limit:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def max_sessions_within(profile: ReplicaProfile, workload: Workload, *, ttft_s: float) -> int:
+    """Most sessions one replica runs with TTFT within `ttft_s`; 0 when even one misses it."""
+    bound = kv_bound(profile, workload)
+    if predict(profile, workload, 1).ttft_s > ttft_s:
+        return 0
+    low, high = 1, bound + 1
+    while high - low > 1:
+        mid = (low + high) // 2
+        if predict(profile, workload, mid).ttft_s <= ttft_s:
+            low = mid
+        else:
+            high = mid
+    return low

@@ -1,0 +1,83 @@
+"""`spillgate plan` end to end through the command dispatcher."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import main
+
+LAUNCH = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--rps", "3",
+          "--prompt-tokens", "1536", "--output-tokens", "512"]  # fmt: skip
+
+
+def test_table_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(LAUNCH) == 0
+    out = capsys.readouterr().out
+    assert "llama-3.1-8b on 1 x h100" in out
+    for label in ("KV cache", "blocks", "sessions at the KV bound", "knee", "GPUs needed"):
+        assert label in out
+    assert "131,072" in out  # bytes per token
+
+
+def test_json_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*LAUNCH, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "llama-3.1-8b" and out["gpus_needed"] == 1
+    assert out["kv_bytes_per_token"] == 131072
+
+
+def test_kv_cache_gib_reproduces_vllm_blocks(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", "mistral-7b", "--gpu", "h200", "--kv-cache-gib", "102.56",
+            "--max-model-len", "32768", "--json"]  # fmt: skip
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["num_gpu_blocks"], out["kv_cache_tokens"]) == (52510, 840160)
+    assert out["max_concurrency"] == 25.64
+
+
+def test_model_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
+        "num_hidden_layers": 16, "num_key_value_heads": 8, "vocab_size": 128256,
+        "max_position_embeddings": 8192, "tie_word_embeddings": True,
+    }))  # fmt: skip
+    assert main(["plan", "--model-config", str(config), "--gpu", "l4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kv_bytes_per_token"] == 2 * 16 * 8 * 64 * 2
+
+
+def test_chart_marks_the_kv_bound_and_knee(tmp_path: Path) -> None:
+    chart = tmp_path / "plan.svg"
+    assert main([*LAUNCH, "--chart", str(chart)]) == 0
+    root = ET.fromstring(chart.read_text())
+    texts = [t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert any(t.startswith("KV bound") for t in texts)
+    assert any(t.startswith("knee") for t in texts)
+    assert len(list(root.iter("{http://www.w3.org/2000/svg}polyline"))) == 2
+
+
+def test_unknown_model_lists_the_known(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "llama-9", "--gpu", "h100"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'llama-9'" in err and "mixtral-8x7b" in err
+
+
+def test_model_too_big_for_the_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "llama-3.1-70b", "--gpu", "l40s"]) == 2
+    assert "does not fit on 1 x l40s" in capsys.readouterr().err
+
+
+def test_context_too_long_for_the_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpu", "l4"]) == 2
+    assert "max_model_len 131072 is larger than" in capsys.readouterr().err
+
+
+def test_list(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "deepseek-v3" in out and "mi300x" in out
