@@ -1,0 +1,64 @@
+-- One rate-limit decision for one tenant, atomic inside Redis, timed by Redis TIME.
+-- The same arithmetic as gateway/ratelimit/bucket.py; keep the two in step.
+--
+-- KEYS[1] the request bucket, KEYS[2] the token bucket: hashes {level, at}, same hash tag.
+-- ARGV: op ("acquire" | "adjust" | "peek"), requests_per_minute, request_capacity,
+--       tokens_per_minute, token_capacity, tokens (the cost; for "adjust" the tokens to
+--       charge, negative to refund).
+-- Returns {code, request_level, token_level}: code 0 allowed, 1 requests, 2 tokens,
+-- 3 too_large; levels as "%.17g" strings, after the debit when allowed.
+
+local op = ARGV[1]
+local rpm, rcap = tonumber(ARGV[2]), tonumber(ARGV[3])
+local tpm, tcap = tonumber(ARGV[4]), tonumber(ARGV[5])
+local cost = tonumber(ARGV[6])
+
+local time = redis.call('TIME')
+local now = tonumber(time[1]) + tonumber(time[2]) / 1000000
+
+local function level(key, per_minute, cap)
+  local saved = redis.call('HMGET', key, 'level', 'at')
+  local lv, at = tonumber(saved[1]), tonumber(saved[2])
+  if lv == nil or at == nil then
+    return cap
+  end
+  return math.min(cap, lv + math.max(0, now - at) * per_minute / 60)
+end
+
+-- The key lives until its bucket would be full again; after that, absent means full.
+local function store(key, lv, per_minute, cap)
+  redis.call('HSET', key, 'level', string.format('%.17g', lv), 'at', string.format('%.17g', now))
+  redis.call('PEXPIRE', key, math.ceil((cap - lv) * 60000 / per_minute) + 1000)
+end
+
+local function reply(code, r, t)
+  return {code, string.format('%.17g', r), string.format('%.17g', t)}
+end
+
+local r = level(KEYS[1], rpm, rcap)
+local t = level(KEYS[2], tpm, tcap)
+
+if op == 'peek' then
+  return reply(0, r, t)
+end
+
+if op == 'adjust' then
+  t = math.min(tcap, t - cost)
+  store(KEYS[2], t, tpm, tcap)
+  return reply(0, r, t)
+end
+
+if cost > tcap or cost < 0 then
+  return reply(3, r, t)
+end
+if r < 1 then
+  return reply(1, r, t)
+end
+if t < cost then
+  return reply(2, r, t)
+end
+r = r - 1
+t = t - cost
+store(KEYS[1], r, rpm, rcap)
+store(KEYS[2], t, tpm, tcap)
+return reply(0, r, t)

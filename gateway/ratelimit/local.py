@@ -1,0 +1,75 @@
+"""The in-process limiter: the embedded default, and the fallback when Redis is down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.clock import Clock
+from gateway.ratelimit import bucket
+from gateway.ratelimit.base import Decision, TenantLimits
+
+
+@dataclass(slots=True)
+class _Levels:
+    requests: float
+    tokens: float
+    at: float
+
+
+class LocalRateLimiter:
+    """Token buckets in this process's memory, timed by the injected clock.
+
+    Safe under asyncio: each method reads, decides and writes without awaiting in between,
+    so no other task can interleave a check with a debit.
+    """
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._tenants: dict[str, _Levels] = {}
+
+    def _levels(self, limits: TenantLimits) -> _Levels:
+        now = self._clock.monotonic()
+        levels = self._tenants.get(limits.tenant)
+        if levels is None:
+            levels = _Levels(float(limits.request_capacity), float(limits.token_capacity), now)
+            self._tenants[limits.tenant] = levels
+            return levels
+        elapsed = now - levels.at
+        levels.requests = bucket.refill(
+            levels.requests,
+            elapsed_s=elapsed,
+            per_minute=limits.requests_per_minute,
+            capacity=limits.request_capacity,
+        )
+        levels.tokens = bucket.refill(
+            levels.tokens,
+            elapsed_s=elapsed,
+            per_minute=limits.tokens_per_minute,
+            capacity=limits.token_capacity,
+        )
+        levels.at = max(levels.at, now)
+        return levels
+
+    async def acquire(self, limits: TenantLimits, tokens: int) -> Decision:
+        levels = self._levels(limits)
+        judged = bucket.judged(limits, requests=levels.requests, tokens=levels.tokens, cost=tokens)
+        if not judged.allowed:
+            return judged
+        levels.requests -= 1
+        levels.tokens -= tokens
+        return bucket.decision(
+            limits, requests=levels.requests, tokens=levels.tokens, reason="", retry_after=0.0
+        )
+
+    async def reconcile(self, limits: TenantLimits, *, reserved: int, used: int) -> None:
+        if reserved == used:
+            return
+        levels = self._levels(limits)
+        levels.tokens = min(float(limits.token_capacity), levels.tokens + reserved - used)
+
+    async def peek(self, limits: TenantLimits) -> Decision:
+        levels = self._levels(limits)
+        return bucket.judged(limits, requests=levels.requests, tokens=levels.tokens, cost=0)
+
+    async def close(self) -> None:
+        self._tenants.clear()

@@ -1,0 +1,193 @@
+"""The shared limiter when Redis dies, stalls and comes back: bounded waits, configured modes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.clock import ManualClock
+from gateway.ratelimit import (
+    Decision,
+    FailureMode,
+    LocalRateLimiter,
+    RedisRateLimiter,
+    ResilientRateLimiter,
+    TenantLimits,
+)
+from loadtest.harness import RedisProcess
+
+TIMEOUT_S = 0.05
+COOLDOWN_S = 0.2
+# Slack for a loaded two-core machine on top of the time budget.
+MARGIN_S = 0.25
+LIMITS = TenantLimits(tenant="acme", requests_per_minute=12, tokens_per_minute=12_000)
+
+T = TypeVar("T")
+
+
+@dataclass
+class Gateway:
+    """One gateway's limiter stack plus what it reported through its callbacks."""
+
+    client: aioredis.Redis
+    clock: ManualClock
+    limiter: ResilientRateLimiter
+    modes: list[str] = field(default_factory=list)
+    store_errors: int = 0
+
+    async def timed(self, call: Callable[[], Awaitable[T]]) -> T:
+        """Run one call and check it came back within the time budget."""
+        started = time.monotonic()
+        result = await call()
+        assert time.monotonic() - started < TIMEOUT_S + MARGIN_S
+        return result
+
+    async def acquire(self, tokens: int = 100) -> Decision:
+        return await self.timed(lambda: self.limiter.acquire(LIMITS, tokens))
+
+
+async def gateway(redis_proc: RedisProcess, failure_mode: FailureMode) -> Gateway:
+    """A gateway that has been running a while: connected, script loaded."""
+    client = aioredis.Redis.from_url(redis_proc.url, socket_timeout=1, socket_connect_timeout=1)
+    await RedisRateLimiter(client).peek(LIMITS)
+    clock = ManualClock()
+    modes: list[str] = []
+    gw: Gateway
+
+    def store_error() -> None:
+        gw.store_errors += 1
+
+    limiter = ResilientRateLimiter(
+        RedisRateLimiter(client),
+        fallback=LocalRateLimiter(clock),
+        failure_mode=failure_mode,
+        replicas=3,
+        timeout_s=TIMEOUT_S,
+        failure_threshold=3,
+        cooldown_s=COOLDOWN_S,
+        clock=clock,
+        on_store_error=store_error,
+        on_mode_change=modes.append,
+    )
+    gw = Gateway(client=client, clock=clock, limiter=limiter, modes=modes)
+    return gw
+
+
+async def until_shared(gw: Gateway) -> tuple[Decision, int]:
+    """Let the cooldown pass and probe until the limiter is back on Redis (a few tries).
+
+    Returns the decision that found Redis again and how many probes it took.
+    """
+    for probes in range(1, 11):
+        gw.clock.advance(COOLDOWN_S)
+        decision = await gw.acquire()
+        if gw.limiter.mode == "shared":
+            return decision, probes
+    raise AssertionError(f"still {gw.limiter.mode} after Redis came back")
+
+
+def test_local_mode_limits_at_the_replica_share_while_redis_is_down(
+    redis_proc: RedisProcess,
+) -> None:
+    async def scenario() -> None:
+        gw = await gateway(redis_proc, "local")
+        assert (await gw.acquire()).allowed
+        redis_proc.stop()
+        decisions = [await gw.acquire() for _ in range(10)]
+        assert [d.allowed for d in decisions] == [True] * 4 + [False] * 6
+        assert decisions[-1].reason == "requests"
+        assert decisions[0].limit_requests == 4
+        assert gw.modes == ["shared", "local"]
+        assert gw.store_errors == 3
+        assert gw.limiter.circuit_open
+        await gw.client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_shared_limiting_resumes_after_redis_restarts(redis_proc: RedisProcess) -> None:
+    async def scenario() -> None:
+        gw = await gateway(redis_proc, "local")
+        assert (await gw.acquire(1_000)).remaining_tokens == 11_000
+        redis_proc.stop()
+        for _ in range(5):
+            await gw.acquire()
+        errors_while_open = gw.store_errors
+        gw.clock.advance(COOLDOWN_S / 2)
+        await gw.acquire()
+        assert gw.store_errors == errors_while_open
+        gw.clock.advance(COOLDOWN_S)
+        await gw.acquire()
+        await gw.acquire()
+        assert gw.store_errors == errors_while_open + 1
+        assert gw.limiter.circuit_open
+        redis_proc.start()
+        resumed, probes = await until_shared(gw)
+        assert resumed.allowed
+        assert resumed.limit_requests == 12
+        assert gw.modes == ["shared", "local", "shared"]
+        assert not gw.limiter.circuit_open
+        observed = await RedisRateLimiter(gw.client).peek(LIMITS)
+        # Each probe that reached the restarted Redis was debited there, and only there.
+        assert 12 - probes <= observed.remaining_requests <= 11
+        await gw.client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_deny_mode_refuses_as_store_unavailable(redis_proc: RedisProcess) -> None:
+    async def scenario() -> None:
+        gw = await gateway(redis_proc, "deny")
+        redis_proc.stop()
+        decisions = [await gw.acquire() for _ in range(5)]
+        assert all(not d.allowed and d.reason == "store_unavailable" for d in decisions)
+        assert decisions[-1].retry_after_s == pytest.approx(COOLDOWN_S)
+        peeked = await gw.timed(lambda: gw.limiter.peek(LIMITS))
+        assert peeked.reason == "store_unavailable"
+        assert gw.modes == ["shared", "deny"]
+        await gw.client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_allow_mode_admits_but_still_refuses_oversized_requests(
+    redis_proc: RedisProcess,
+) -> None:
+    async def scenario() -> None:
+        gw = await gateway(redis_proc, "allow")
+        redis_proc.stop()
+        admitted = [await gw.acquire() for _ in range(20)]
+        assert all(d.allowed for d in admitted)
+        oversized = await gw.acquire(12_001)
+        assert (oversized.allowed, oversized.reason) == (False, "too_large")
+        await gw.timed(lambda: gw.limiter.reconcile(LIMITS, reserved=100, used=10))
+        assert gw.modes == ["shared", "allow"]
+        await gw.client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_stalled_redis_costs_at_most_the_time_budget(redis_proc: RedisProcess) -> None:
+    """CLIENT PAUSE stalls every client of a live Redis: the slow-store case, for real."""
+
+    async def scenario() -> None:
+        gw = await gateway(redis_proc, "local")
+        assert (await gw.acquire()).allowed
+        admin = aioredis.Redis.from_url(redis_proc.url, socket_timeout=5)
+        await admin.execute_command("CLIENT", "PAUSE", 1_000)
+        decisions = await gw.timed(
+            lambda: asyncio.gather(*(gw.limiter.acquire(LIMITS, 100) for _ in range(8)))
+        )
+        assert sum(d.allowed for d in decisions) == 4
+        assert gw.store_errors == 8
+        assert gw.limiter.mode == "local"
+        await gw.client.aclose()
+        await admin.aclose()
+
+    asyncio.run(scenario())
