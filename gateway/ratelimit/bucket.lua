@@ -48,7 +48,7 @@ if op == 'adjust' then
   return reply(0, r, t)
 end
 
-if cost > tcap or cost < 0 then
+if cost > tcap then
   return reply(3, r, t)
 end
 if r < 1 then

@@ -21,9 +21,16 @@ def wait_s(level: float, *, need: float, per_minute: int) -> float:
     return max(0.0, need - level) * 60.0 / per_minute
 
 
+def check_tokens(**counts: int) -> None:
+    """Token counts are never negative; one that is is a caller's bug, not a refusal."""
+    for name, value in counts.items():
+        if value < 0:
+            raise ValueError(f"{name} must not be negative, got {value}")
+
+
 def refusal(limits: TenantLimits, *, requests: float, tokens: float, cost: int) -> Reason:
     """Why a request of `cost` tokens cannot be admitted now, or "" when it can."""
-    if cost > limits.token_capacity or cost < 0:
+    if cost > limits.token_capacity:
         return "too_large"
     if requests < 1:
         return "requests"

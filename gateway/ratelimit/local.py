@@ -51,6 +51,7 @@ class LocalRateLimiter:
         return levels
 
     async def acquire(self, limits: TenantLimits, tokens: int) -> Decision:
+        bucket.check_tokens(tokens=tokens)
         levels = self._levels(limits)
         judged = bucket.judged(limits, requests=levels.requests, tokens=levels.tokens, cost=tokens)
         if not judged.allowed:
@@ -62,6 +63,7 @@ class LocalRateLimiter:
         )
 
     async def reconcile(self, limits: TenantLimits, *, reserved: int, used: int) -> None:
+        bucket.check_tokens(reserved=reserved, used=used)
         if reserved == used:
             return
         levels = self._levels(limits)

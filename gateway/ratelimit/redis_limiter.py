@@ -60,6 +60,7 @@ class RedisRateLimiter:
             raise StoreError(f"rate-limit store sent an unexpected reply: {reply!r}") from exc
 
     async def acquire(self, limits: TenantLimits, tokens: int) -> Decision:
+        bucket.check_tokens(tokens=tokens)
         reason, requests, left = await self._run("acquire", limits, tokens)
         retry = 0.0
         if reason in ("requests", "tokens"):
@@ -69,6 +70,7 @@ class RedisRateLimiter:
         )
 
     async def reconcile(self, limits: TenantLimits, *, reserved: int, used: int) -> None:
+        bucket.check_tokens(reserved=reserved, used=used)
         if reserved != used:
             await self._run("adjust", limits, used - reserved)
 

@@ -40,6 +40,12 @@ _STORE_DOWN = _StoreDown()
 
 
 class ResilientRateLimiter:
+    """A RateLimiter over a shared primary that answers within `timeout_s`, whatever Redis does.
+
+    A reservation made in one mode and reconciled in another settles with whichever store
+    answers at reconcile time; the drift is bounded by the requests in flight at the change.
+    """
+
     def __init__(
         self,
         primary: RateLimiter,
@@ -83,16 +89,27 @@ class ResilientRateLimiter:
         return self._open_until is not None
 
     async def acquire(self, limits: TenantLimits, tokens: int) -> Decision:
+        bucket.check_tokens(tokens=tokens)
         shared = await self._ask_primary(lambda: self._primary.acquire(limits, tokens))
         if not isinstance(shared, _StoreDown):
             return shared
-        if self._failure_mode == "local":
-            return await self._fallback.acquire(limits.divided(self._replicas), tokens)
-        if tokens > limits.token_capacity or tokens < 0:
+        if tokens > limits.token_capacity:
             return bucket.judged(limits, requests=0, tokens=0, cost=tokens)
+        if self._failure_mode == "local":
+            return await self._acquire_share(limits.divided(self._replicas), tokens)
         if self._failure_mode == "allow":
             return bucket.full(limits)
         return self._unavailable(limits)
+
+    async def _acquire_share(self, share: TenantLimits, tokens: int) -> Decision:
+        """Debit this replica's share; a request the whole bucket holds but the share does
+        not waits for a full share and leaves the rest as debt, rather than never fitting."""
+        if tokens <= share.token_capacity:
+            return await self._fallback.acquire(share, tokens)
+        decision = await self._fallback.acquire(share, share.token_capacity)
+        if decision.allowed:
+            await self._fallback.reconcile(share, reserved=share.token_capacity, used=tokens)
+        return decision
 
     async def reconcile(self, limits: TenantLimits, *, reserved: int, used: int) -> None:
         if reserved == used:

@@ -191,3 +191,21 @@ def test_stalled_redis_costs_at_most_the_time_budget(redis_proc: RedisProcess) -
         await admin.aclose()
 
     asyncio.run(scenario())
+
+
+def test_local_share_admits_a_request_the_whole_bucket_holds(redis_proc: RedisProcess) -> None:
+    """The share is 4,000 tokens; 6,000 fits the tenant's bucket, so it waits, then is debt."""
+
+    async def scenario() -> None:
+        gw = await gateway(redis_proc, "local")
+        redis_proc.stop()
+        first = await gw.acquire(6_000)
+        assert (first.allowed, first.limit_tokens, first.remaining_tokens) == (True, 4_000, 0)
+        refused = await gw.acquire(1)
+        assert (refused.allowed, refused.reason) == (False, "tokens")
+        assert refused.retry_after_s == pytest.approx(2_001 * 60 / 4_000)
+        too_large = await gw.acquire(12_001)
+        assert (too_large.allowed, too_large.reason) == (False, "too_large")
+        await gw.client.aclose()
+
+    asyncio.run(scenario())

@@ -150,3 +150,11 @@ def test_limits_are_validated_and_divided_per_replica() -> None:
     assert (share.requests_per_minute, share.request_capacity) == (3, 3)
     assert (share.tokens_per_minute, share.token_capacity) == (3_000, 1_000)
     assert limits(requests_per_minute=2).divided(5).requests_per_minute == 1
+
+
+def test_negative_token_counts_are_a_caller_bug() -> None:
+    limiter = LocalRateLimiter(ManualClock())
+    with pytest.raises(ValueError, match="tokens"):
+        acquire(limiter, limits(), -1)
+    with pytest.raises(ValueError, match="used"):
+        asyncio.run(limiter.reconcile(limits(), reserved=10, used=-5))
