@@ -21,6 +21,7 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-model-len", type=int, help="default: the model's context")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, help="default: vLLM's for the GPU")
     parser.add_argument("--catalog", type=Path, help="a catalog YAML instead of the packaged one")
 
 
@@ -70,6 +71,7 @@ def replica_options(args: argparse.Namespace) -> ReplicaOptions:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
         weights_gib=getattr(args, "weights_gib", None),
         activation_gib=getattr(args, "activation_gib", None),
         non_torch_gib=getattr(args, "non_torch_gib", None),

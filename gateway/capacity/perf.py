@@ -38,6 +38,7 @@ class ReplicaProfile:
     num_gpu_blocks: int
     step_cost: StepCost
     max_model_len: int | None = None
+    max_num_seqs: int | None = None  # vLLM's cap on sequences running at once
     warnings: tuple[str, ...] = ()
 
     @property

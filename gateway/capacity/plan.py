@@ -44,6 +44,7 @@ class Plan:
     profile: ReplicaProfile
     max_concurrency: float
     sessions_per_replica: int  # at the KV bound
+    running_limit: int  # the KV bound, or max_num_seqs when lower
     at_bound: LoadPoint
     knee: int
     slo_sessions: int | None  # most sessions within the TTFT SLO, when one is given
@@ -77,6 +78,15 @@ def _peak_tokens_per_s(demand: Demand, workload: Workload, at_fill: LoadPoint) -
     return None
 
 
+def _seqs_warnings(profile: ReplicaProfile, sessions: int) -> list[str]:
+    if profile.max_num_seqs is None or sessions <= profile.max_num_seqs:
+        return []
+    return [
+        f"the KV cache holds {sessions} sessions but vLLM runs at most max_num_seqs="
+        f"{profile.max_num_seqs} at once; the speed figures are for {profile.max_num_seqs}"
+    ]
+
+
 def _slo_warnings(demand: Demand, slo_sessions: int | None, single_ttft_s: float) -> list[str]:
     if demand.ttft_slo_s is None or slo_sessions:
         return []
@@ -96,11 +106,12 @@ def make_plan(
 ) -> Plan:
     profile = build_profile(model, gpu, options)
     sessions = throughput.kv_bound(profile, workload)
+    running = throughput.running_limit(profile, workload)
     slo_sessions = None
     if demand.ttft_slo_s is not None:
         slo_sessions = throughput.max_sessions_within(profile, workload, ttft_s=demand.ttft_slo_s)
     at_fill = throughput.predict(
-        profile, workload, _sessions_at_fill(sessions, demand, slo_sessions)
+        profile, workload, _sessions_at_fill(running, demand, slo_sessions)
     )
     replica_tokens_per_s = at_fill.output_tokens_per_s * workload.tokens / workload.output_tokens
     peak = _peak_tokens_per_s(demand, workload, at_fill)
@@ -120,7 +131,8 @@ def make_plan(
             max_model_len=profile.max_model_len or model.max_position,
         ),
         sessions_per_replica=sessions,
-        at_bound=throughput.predict(profile, workload, sessions),
+        running_limit=running,
+        at_bound=throughput.predict(profile, workload, running),
         knee=throughput.knee(profile, workload),
         slo_sessions=slo_sessions,
         sessions_at_fill=at_fill.running,
@@ -128,7 +140,11 @@ def make_plan(
         replica_tokens_per_s=replica_tokens_per_s,
         peak_tokens_per_s=peak,
         replicas_needed=replicas,
-        warnings=(*profile.warnings, *_slo_warnings(demand, slo_sessions, single.ttft_s)),
+        warnings=(
+            *profile.warnings,
+            *_seqs_warnings(profile, sessions),
+            *_slo_warnings(demand, slo_sessions, single.ttft_s),
+        ),
     )
 
 
@@ -158,6 +174,8 @@ def plan_json(plan: Plan) -> dict[str, object]:
         "kv_cache_tokens": plan.profile.kv_cache_tokens,
         "max_concurrency": round(plan.max_concurrency, 2),
         "sessions_per_replica": plan.sessions_per_replica,
+        "max_num_seqs": plan.profile.max_num_seqs,
+        "running_limit": plan.running_limit,
         "decode_tokens_per_s": round(plan.at_bound.output_tokens_per_s, 1),
         "itl_ms": round(plan.at_bound.itl_s * 1e3, 2),
         "ttft_ms": round(plan.at_bound.ttft_s * 1e3, 1),

@@ -24,12 +24,18 @@ class ReplicaOptions:
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
     block_size: int = 16
+    max_num_seqs: int | None = None  # default: vLLM's for the GPU
     weights_gib: float | None = None
     activation_gib: float | None = None
     non_torch_gib: float | None = None
     kv_cache_gib: float | None = None
     bandwidth_efficiency: float = BANDWIDTH_EFFICIENCY
     flops_efficiency: float = FLOPS_EFFICIENCY
+
+
+def default_max_num_seqs(gpu: GpuSpec) -> int:
+    """vLLM V1's OpenAI-server default: 1024 on GPUs of 70 GiB or more except A100s, else 256."""
+    return 1024 if gpu.memory_gib >= 70 and not gpu.name.startswith("a100") else 256
 
 
 def model_warnings(model: ModelSpec) -> tuple[str, ...]:
@@ -122,6 +128,7 @@ def build_profile(model: ModelSpec, gpu: GpuSpec, options: ReplicaOptions) -> Re
         num_gpu_blocks=blocks,
         step_cost=step_cost(model, gpu, options),
         max_model_len=max_model_len,
+        max_num_seqs=options.max_num_seqs or default_max_num_seqs(gpu),
         warnings=model_warnings(model),
     )
 
@@ -135,6 +142,7 @@ def replica_profile(
     gpu_memory_utilization: float = 0.9,
     max_model_len: int | None = None,
     block_size: int = 16,
+    max_num_seqs: int | None = None,
     catalog: Catalog | None = None,
 ) -> ReplicaProfile:
     """The replica a vLLM server of catalog `model` on `tp` x `gpu` would be."""
@@ -145,5 +153,6 @@ def replica_profile(
         gpu_memory_utilization=gpu_memory_utilization,
         max_model_len=max_model_len,
         block_size=block_size,
+        max_num_seqs=max_num_seqs,
     )
     return build_profile(found.model(model), found.gpu(gpu), options)

@@ -42,6 +42,12 @@ def _kv_rows(plan: Plan) -> list[str]:
     ]
 
 
+def _limit_rows(plan: Plan) -> list[str]:
+    if plan.running_limit == plan.sessions_per_replica:
+        return []
+    return [_row("running at once (max_num_seqs)", f"{plan.running_limit:,}")]
+
+
 def _replica_rows(plan: Plan) -> list[str]:
     w, bound, fill = plan.workload, plan.at_bound, plan.at_fill
     batch1 = plan.profile.step_cost.decode_step_s(round(w.mean_kv_tokens))
@@ -49,6 +55,7 @@ def _replica_rows(plan: Plan) -> list[str]:
         f"One replica, sessions of {w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens",
         _row("batch-1 decode", f"{1 / batch1:.1f} tok/s"),
         _row("sessions at the KV bound", f"{plan.sessions_per_replica:,}"),
+        *_limit_rows(plan),
         _row("  decode tokens/s", f"{bound.output_tokens_per_s:,.0f}"),
         _row("  inter-token latency", f"{bound.itl_s * 1e3:.1f} ms"),
         _row("  TTFT", f"{bound.ttft_s * 1e3:,.0f} ms"),
@@ -109,7 +116,7 @@ def catalog_listing(catalog: Catalog) -> str:
 
 
 def chart_concurrencies(plan: Plan, *, points: int = 48) -> list[int]:
-    top = max(2, round(max(plan.sessions_per_replica, plan.knee) * 1.5))
+    top = max(2, round(max(plan.running_limit, plan.knee) * 1.5))
     return sorted({max(1, round(top * i / points)) for i in range(points + 1)})
 
 

@@ -3,7 +3,7 @@
 The model, for a closed loop of `c` clients, each sending requests of P prompt and O output
 tokens, against a replica that holds S such sessions in its KV cache (every block reserved):
 
-- B = min(c, S) sessions run; the other c - B wait for a slot.
+- B = min(c, S) sessions run (S capped at vLLM's max_num_seqs); the other c - B wait.
 - A running session is on average half way through its output, so the batch's KV holds
   B x (P + O/2) tokens.
 - Every engine step decodes one token for each running session, and (in the steady state) a
@@ -74,6 +74,12 @@ def kv_bound(profile: ReplicaProfile, workload: Workload) -> int:
     return sessions
 
 
+def running_limit(profile: ReplicaProfile, workload: Workload) -> int:
+    """Sessions that run at once: the KV bound, or vLLM's max_num_seqs when that is lower."""
+    bound = kv_bound(profile, workload)
+    return bound if profile.max_num_seqs is None else min(bound, profile.max_num_seqs)
+
+
 def step_s(profile: ReplicaProfile, workload: Workload, running: int) -> float:
     cost = profile.step_cost
     decode = cost.decode_step_s(round(running * workload.mean_kv_tokens))
@@ -81,7 +87,7 @@ def step_s(profile: ReplicaProfile, workload: Workload, running: int) -> float:
 
 
 def predict(profile: ReplicaProfile, workload: Workload, concurrency: int) -> LoadPoint:
-    bound = kv_bound(profile, workload)
+    bound = running_limit(profile, workload)
     running = max(1, min(concurrency, bound))
     step = step_s(profile, workload, running)
     waiting = max(0, concurrency - running)
@@ -120,7 +126,7 @@ def knee(profile: ReplicaProfile, workload: Workload, *, factor: float = KNEE_FA
 
 def max_sessions_within(profile: ReplicaProfile, workload: Workload, *, ttft_s: float) -> int:
     """Most sessions one replica runs with TTFT within `ttft_s`; 0 when even one misses it."""
-    bound = kv_bound(profile, workload)
+    bound = running_limit(profile, workload)
     if predict(profile, workload, 1).ttft_s > ttft_s:
         return 0
     low, high = 1, bound + 1

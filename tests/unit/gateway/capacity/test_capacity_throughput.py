@@ -92,3 +92,13 @@ def test_a_session_longer_than_the_cache_is_refused() -> None:
     profile = replica_profile(model="llama-3.1-8b", gpu="l4", max_model_len=8192)
     with pytest.raises(CapacityError, match="one session of 40000 tokens needs 2500 blocks"):
         throughput.kv_bound(profile, Workload(prompt_tokens=39000, output_tokens=1000))
+
+
+def test_max_num_seqs_caps_what_runs_at_once() -> None:
+    assert replica_profile(model="llama-3.1-8b", gpu="h100").max_num_seqs == 1024
+    assert replica_profile(model="llama-3.1-8b", gpu="a100-80gb").max_num_seqs == 256
+    profile = replica_profile(model="llama-3.1-8b", gpu="h100", max_num_seqs=8)
+    assert throughput.kv_bound(profile, WORKLOAD) > 8
+    assert throughput.running_limit(profile, WORKLOAD) == 8
+    point = throughput.predict(profile, WORKLOAD, 100)
+    assert point.running == 8 and point.ttft_s > 50 * point.step_s

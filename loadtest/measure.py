@@ -1,0 +1,378 @@
+"""`spillgate measure`: the batch-fill vs TTFT trade of a live OpenAI-compatible endpoint.
+
+At each concurrency level, that many clients each send streaming completions back to back
+(a closed loop). Prompts are token ids, distinct per request so no prefix cache shortens a
+prefill, and `ignore_eos` makes every answer exactly --output-tokens long. Clients start
+staggered over one request's duration so the engine sees arrivals spread out, as in a
+steady state; tokens/s counts the tokens streamed while every client was busy.
+
+With --gpu (and --catalog-model when the served name is not a catalog name) the plan's
+prediction for the same workload is printed beside each level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import orjson
+
+from gateway.capacity import throughput
+from gateway.capacity.catalog import CapacityError
+from gateway.capacity.cli import add_replica_arguments
+from loadtest.measure_report import (
+    Prediction,
+    predict_for,
+    report_json,
+    report_table,
+    write_chart,
+)
+
+
+class MeasureError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasureConfig:
+    url: str
+    model: str
+    concurrency: tuple[int, ...]
+    prompt_tokens: int = 512
+    output_tokens: int = 128
+    requests_per_level: int | None = None  # default: 4 per client
+    api_key: str | None = None
+    timeout_s: float = 120.0
+    poll_s: float = 0.05
+
+
+@dataclass(kw_only=True)
+class Sample:
+    started: float
+    chunks: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+    ended: float = 0.0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.chunks[0] - self.started
+
+    def itls_s(self) -> list[float]:
+        per_chunk = self.completion_tokens / len(self.chunks)
+        return [(b - a) / per_chunk for a, b in zip(self.chunks, self.chunks[1:], strict=False)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Level:
+    concurrency: int
+    requests: int
+    errors: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    tokens_per_s: float
+    peak_running: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndpointKv:
+    num_gpu_blocks: int
+    block_size: int
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks; q in [0, 100]."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{.*\})?\s+(\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
+    out = []
+    for line in text.splitlines():
+        match = _SAMPLE.match(line.strip())
+        if match:
+            labels = dict(_LABEL.findall(match.group(2) or ""))
+            out.append((match.group(1), labels, float(match.group(3))))
+    return out
+
+
+def endpoint_kv(text: str) -> EndpointKv | None:
+    for name, labels, _ in parse_metrics(text):
+        if name == "vllm:cache_config_info" and labels.get("num_gpu_blocks", "").isdigit():
+            return EndpointKv(
+                num_gpu_blocks=int(labels["num_gpu_blocks"]), block_size=int(labels["block_size"])
+            )
+    return None
+
+
+def running_now(text: str) -> int | None:
+    values = [v for n, _, v in parse_metrics(text) if n == "vllm:num_requests_running"]
+    return round(sum(values)) if values else None
+
+
+def prompt_ids(index: int, tokens: int) -> list[int]:
+    """Distinct per request from the first token on, within any vocabulary of 32k or more."""
+    rng = random.Random(index)
+    return [1000 + index % 30000] + [rng.randrange(1000, 31000) for _ in range(tokens - 1)]
+
+
+async def one_request(client: httpx.AsyncClient, cfg: MeasureConfig, index: int) -> Sample:
+    body = {
+        "model": cfg.model,
+        "prompt": prompt_ids(index, cfg.prompt_tokens),
+        "max_tokens": cfg.output_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sample = Sample(started=time.perf_counter())
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise MeasureError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            chunk = orjson.loads(line[5:])
+            if any(c.get("text") for c in chunk.get("choices") or []):
+                sample.chunks.append(time.perf_counter())
+            usage = chunk.get("usage")
+            if usage:
+                sample.completion_tokens = int(usage.get("completion_tokens") or 0)
+    sample.ended = time.perf_counter()
+    if not sample.chunks:
+        raise MeasureError("the stream carried no tokens")
+    sample.completion_tokens = sample.completion_tokens or len(sample.chunks)
+    return sample
+
+
+def steady_tokens_per_s(workers: list[list[Sample]]) -> float:
+    """Tokens streamed while every client was busy, over that window."""
+    busy = [w for w in workers if w]
+    start = max(w[0].started for w in busy)
+    end = min(w[-1].ended for w in busy)
+    samples = [s for w in busy for s in w]
+    if end - start <= 0 or len(busy[0]) < 2:
+        wall = max(s.ended for s in samples) - min(s.started for s in samples)
+        return sum(s.completion_tokens for s in samples) / wall
+    tokens = 0.0
+    for s in samples:
+        per_chunk = s.completion_tokens / len(s.chunks)
+        tokens += per_chunk * sum(1 for t in s.chunks if start <= t <= end)
+    return tokens / (end - start)
+
+
+async def _poll_running(client: httpx.AsyncClient, every_s: float, peak: list[int]) -> None:
+    while True:
+        try:
+            resp = await client.get("/metrics")
+            running = running_now(resp.text) if resp.status_code == 200 else None
+            if running is not None:
+                peak.append(running)
+        except httpx.HTTPError:
+            pass
+        await asyncio.sleep(every_s)
+
+
+async def _worker(
+    client: httpx.AsyncClient, cfg: MeasureConfig, *, first: int, count: int, delay_s: float
+) -> tuple[list[Sample], int]:
+    await asyncio.sleep(delay_s)
+    samples, errors = [], 0
+    for index in range(first, first + count):
+        try:
+            samples.append(await one_request(client, cfg, index))
+        except (httpx.HTTPError, MeasureError, ValueError):
+            errors += 1
+    return samples, errors
+
+
+async def run_level(
+    client: httpx.AsyncClient, cfg: MeasureConfig, concurrency: int, *, first: int, stagger_s: float
+) -> tuple[Level, list[Sample]]:
+    per_client = max(1, math.ceil((cfg.requests_per_level or 4 * concurrency) / concurrency))
+    peak: list[int] = []
+    poller = asyncio.create_task(_poll_running(client, cfg.poll_s, peak))
+    try:
+        results = await asyncio.gather(
+            *(
+                _worker(
+                    client,
+                    cfg,
+                    first=first + i * per_client,
+                    count=per_client,
+                    delay_s=stagger_s * i / concurrency,
+                )
+                for i in range(concurrency)
+            )
+        )
+    finally:
+        poller.cancel()
+    workers = [samples for samples, _ in results]
+    errors = sum(e for _, e in results)
+    samples = [s for w in workers for s in w]
+    if not samples:
+        raise MeasureError(f"every request at concurrency {concurrency} failed")
+    ttfts = [s.ttft_s * 1e3 for s in samples]
+    itls = [x * 1e3 for s in samples for x in s.itls_s()]
+    level = Level(
+        concurrency=concurrency,
+        requests=len(samples),
+        errors=errors,
+        ttft_p50_ms=percentile(ttfts, 50),
+        ttft_p99_ms=percentile(ttfts, 99),
+        itl_p50_ms=percentile(itls, 50),
+        itl_p99_ms=percentile(itls, 99),
+        tokens_per_s=steady_tokens_per_s(workers),
+        peak_running=max(peak) if peak else None,
+    )
+    return level, samples
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
+    levels: list[Level]
+    kv: EndpointKv | None
+    max_model_len: int | None
+
+
+async def _endpoint_info(client: httpx.AsyncClient) -> tuple[EndpointKv | None, int | None]:
+    """The endpoint's KV pool from vLLM's cache_config_info, and its max_model_len, if shown."""
+    kv, max_len = None, None
+    resp = await client.get("/metrics")
+    if resp.status_code == 200:
+        kv = endpoint_kv(resp.text)
+    resp = await client.get("/v1/models")
+    if resp.status_code == 200:
+        try:
+            data = resp.json().get("data") or [{}]
+            max_len = data[0].get("max_model_len")
+        except (ValueError, AttributeError, IndexError):
+            max_len = None
+    return kv, max_len
+
+
+def _client(cfg: MeasureConfig) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    return httpx.AsyncClient(
+        base_url=cfg.url.rstrip("/").removesuffix("/v1"),
+        headers=headers,
+        timeout=httpx.Timeout(cfg.timeout_s, connect=5.0),
+        limits=httpx.Limits(max_connections=max(cfg.concurrency) + 4),
+    )
+
+
+def mean_duration_s(samples: list[Sample]) -> float:
+    return sum(s.ended - s.started for s in samples) / len(samples)
+
+
+async def measure_levels(client: httpx.AsyncClient, cfg: MeasureConfig) -> list[Level]:
+    """One warm-up request, then each level in turn.
+
+    Clients start spread over about one request's duration at that level, estimated from
+    the level before as growing no faster than the concurrency, so arrivals do not clump.
+    """
+    warm = await one_request(client, cfg, 0)
+    duration, previous = warm.ended - warm.started, 1
+    levels: list[Level] = []
+    first = 1
+    for c in cfg.concurrency:
+        stagger = duration * max(1.0, c / previous)
+        level, samples = await run_level(client, cfg, c, first=first, stagger_s=stagger)
+        levels.append(level)
+        duration, previous = mean_duration_s(samples), c
+        first += level.requests + level.errors
+    return levels
+
+
+async def measure(cfg: MeasureConfig) -> Measurement:
+    async with _client(cfg) as client:
+        kv, max_len = await _endpoint_info(client)
+        levels = await measure_levels(client, cfg)
+    return Measurement(levels=levels, kv=kv, max_model_len=max_len)
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError("concurrency levels must be positive integers")
+    return levels
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", required=True, help="the endpoint's base URL")
+    parser.add_argument("--model", required=True, help="the served model name")
+    parser.add_argument("--concurrency", type=_levels, default=(1, 2, 4, 8, 16))
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--requests-per-level", type=int, help="default: 4 per client")
+    parser.add_argument("--api-key")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--chart", type=Path, metavar="FILE", help="SVG of the levels")
+    plan = parser.add_argument_group("the plan's prediction beside the measurement")
+    plan.add_argument("--gpu", help="catalog GPU the endpoint runs on")
+    plan.add_argument("--catalog-model", help="catalog model, when --model is a served alias")
+    plan.add_argument("--speed", type=float, default=1.0, help="the simulator's --speed")
+    add_replica_arguments(parser)
+
+
+async def _measure_and_predict(
+    cfg: MeasureConfig, args: argparse.Namespace, workload: throughput.Workload
+) -> tuple[Measurement, Prediction | None]:
+    """The prediction is made first, so a wrong --gpu fails before any load is sent."""
+    async with _client(cfg) as client:
+        kv, max_len = await _endpoint_info(client)
+        prediction = predict_for(args, workload, max_len)
+        levels = await measure_levels(client, cfg)
+    return Measurement(levels=levels, kv=kv, max_model_len=max_len), prediction
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = MeasureConfig(
+        url=args.url,
+        model=args.model,
+        concurrency=args.concurrency,
+        prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens,
+        requests_per_level=args.requests_per_level,
+        api_key=args.api_key,
+        timeout_s=args.timeout,
+    )
+    try:
+        workload = throughput.Workload(
+            prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens
+        )
+        result, prediction = asyncio.run(_measure_and_predict(cfg, args, workload))
+    except (CapacityError, MeasureError, httpx.HTTPError) as exc:
+        print(f"spillgate measure: error: {exc}", file=sys.stderr)
+        return 2
+    if args.chart is not None:
+        write_chart(args.chart, result, prediction)
+    if args.json:
+        print(json.dumps(report_json(result, workload, prediction), indent=2))
+    else:
+        print(report_table(result, workload, prediction))
+    return 0
