@@ -1,0 +1,269 @@
+"""The simulated vLLM replica as an ASGI app: OpenAI routes over one continuous-batching engine.
+
+The completion routes are plain ASGI callables (no Request/Response objects) because the
+gateway benchmark pushes thousands of requests per second through them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from loadtest.sim_asgi import ClientGone, read_body, send_json, wait_disconnect
+from loadtest.sim_config import ResolvedSim, SimConfig, resolve
+from loadtest.sim_engine import Engine, LiveSequence
+from loadtest.sim_metrics import SimMetrics
+from loadtest.sim_protocol import Limits, SimRequest, SimRequestError, parse_request
+from loadtest.sim_scheduler import Scheduler, SchedulerLimits, SeqState
+from loadtest.sim_tokens import FillerText
+from loadtest.sim_wire import (
+    SSE_CONTENT_TYPE,
+    Kind,
+    StreamFrame,
+    error_body,
+    full_response,
+)
+
+_SSE_START = {
+    "type": "http.response.start",
+    "status": 200,
+    "headers": [(b"content-type", SSE_CONTENT_TYPE)],
+}
+_END_BODY = {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+async def send_error(send: Send, exc: SimRequestError) -> None:
+    body = error_body(
+        message=exc.message, error_type=exc.error_type, param=exc.param, code=exc.status
+    )
+    await send_json(send, exc.status, body)
+
+
+class CompletionsEndpoint:
+    """POST /v1/chat/completions or /v1/completions."""
+
+    def __init__(
+        self, *, kind: Kind, config: SimConfig, limits: Limits, engine: Engine, filler: FillerText
+    ) -> None:
+        self._kind = kind
+        self._config = config
+        self._limits = limits
+        self._engine = engine
+        self._filler = filler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            raw = await read_body(receive)
+        except ClientGone:
+            return
+        try:
+            req = parse_request(self._kind, raw, self._limits)
+        except SimRequestError as exc:
+            await send_error(send, exc)
+            return
+        if self._config.no_delay:
+            await self._answer_now(req, send)
+            return
+        seq = LiveSequence(
+            prompt_tokens=req.prompt_tokens,
+            max_tokens=req.max_tokens,
+            streaming=req.stream,
+        )
+        self._engine.submit(seq)
+        watcher = asyncio.create_task(self._abort_on_disconnect(receive, seq))
+        try:
+            if req.stream:
+                await self._stream(req, seq, send)
+            else:
+                await self._complete(req, seq, send)
+        finally:
+            watcher.cancel()
+            if not seq.done:
+                self._engine.abort(seq)
+
+    async def _abort_on_disconnect(self, receive: Receive, seq: LiveSequence) -> None:
+        await wait_disconnect(receive)
+        if not seq.done:
+            self._engine.abort(seq)
+
+    def _frame(self, req: SimRequest) -> StreamFrame:
+        return StreamFrame(
+            kind=self._kind,
+            model=self._config.model,
+            filler=self._filler,
+            include_usage=req.include_usage,
+        )
+
+    async def _stream(self, req: SimRequest, seq: LiveSequence, send: Send) -> None:
+        frame = self._frame(req)
+        sent = 0
+        started = False
+        while True:
+            await seq.progress.wait()
+            seq.progress.clear()
+            if seq.state is SeqState.ABORTED:
+                await (send(_END_BODY) if started else send_error(send, _aborted()))
+                return
+            parts = []
+            if not started:
+                await send(_SSE_START)
+                started = True
+                if self._kind is Kind.CHAT:
+                    parts.append(frame.role_chunk())
+            generated = seq.generated
+            finished = seq.state is SeqState.FINISHED
+            if generated > sent:
+                reason = req.finish_reason if finished else None
+                parts.append(frame.tokens(sent, generated, finish_reason=reason))
+                sent = generated
+            if finished:
+                parts.append(frame.end(prompt_tokens=req.prompt_tokens, completion_tokens=sent))
+            body = b"".join(parts)
+            await send({"type": "http.response.body", "body": body, "more_body": not finished})
+            if finished:
+                return
+
+    async def _complete(self, req: SimRequest, seq: LiveSequence, send: Send) -> None:
+        while not seq.done:
+            await seq.progress.wait()
+            seq.progress.clear()
+        if seq.state is SeqState.ABORTED:
+            await send_error(send, _aborted())
+            return
+        await send_json(send, 200, self._full(req))
+
+    def _full(self, req: SimRequest) -> bytes:
+        return full_response(
+            kind=self._kind,
+            model=self._config.model,
+            text=self._filler.text(0, req.max_tokens),
+            finish_reason=req.finish_reason,
+            prompt_tokens=req.prompt_tokens,
+            completion_tokens=req.max_tokens,
+        )
+
+    async def _answer_now(self, req: SimRequest, send: Send) -> None:
+        stats = self._engine.scheduler.stats
+        stats.prompt_tokens += req.prompt_tokens
+        stats.generation_tokens += req.max_tokens
+        stats.finished += 1
+        if not req.stream:
+            await send_json(send, 200, self._full(req))
+            return
+        frame = self._frame(req)
+        head = frame.role_chunk() if self._kind is Kind.CHAT else b""
+        tokens = frame.tokens(0, req.max_tokens, finish_reason=req.finish_reason)
+        end = frame.end(prompt_tokens=req.prompt_tokens, completion_tokens=req.max_tokens)
+        await send(_SSE_START)
+        await send({"type": "http.response.body", "body": head + tokens + end})
+
+
+def _aborted() -> SimRequestError:
+    return SimRequestError("request aborted: the engine is shutting down", status=503)
+
+
+def _models_body(config: SimConfig, resolved: ResolvedSim) -> dict[str, Any]:
+    created = int(time.time())
+    permission = {
+        "id": "modelperm-sim",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    model = {
+        "id": config.model,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": config.model,
+        "parent": None,
+        "max_model_len": resolved.max_model_len,
+        "permission": [permission],
+    }
+    return {"object": "list", "data": [model]}
+
+
+def create_sim_app(config: SimConfig) -> Starlette:
+    """One simulated vLLM replica; its engine loop runs for the app's lifespan."""
+    resolved = resolve(config)
+    scheduler: Scheduler[LiveSequence] = Scheduler(
+        SchedulerLimits(
+            num_blocks=resolved.num_blocks,
+            block_size=resolved.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+    )
+    metrics = SimMetrics(config=config, resolved=resolved, scheduler=scheduler)
+    engine = Engine(
+        scheduler=scheduler,
+        step_cost=resolved.step_cost,
+        speed=config.speed,
+        flush_interval_s=config.flush_interval_s,
+        on_first_token=metrics.observe_ttft,
+    )
+    limits = Limits(
+        model=config.model,
+        max_model_len=resolved.max_model_len,
+        default_max_tokens=config.default_max_tokens,
+    )
+    filler = FillerText()
+    models = orjson.dumps(_models_body(config, resolved))
+
+    def endpoint(kind: Kind) -> CompletionsEndpoint:
+        return CompletionsEndpoint(
+            kind=kind, config=config, limits=limits, engine=engine, filler=filler
+        )
+
+    async def list_models(request: Request) -> Response:
+        return Response(models, media_type="application/json")
+
+    async def health(request: Request) -> Response:
+        return Response(b"", status_code=200)
+
+    async def metrics_endpoint(request: Request) -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        body = {
+            "error": {"message": "Not Found", "type": "NotFoundError", "param": None, "code": 404}
+        }
+        return JSONResponse(body, status_code=404)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        task = asyncio.create_task(engine.run(), name=f"sim-engine:{config.model}")
+        try:
+            yield
+        finally:
+            engine.close()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    routes = [
+        Route("/v1/chat/completions", endpoint(Kind.CHAT), methods=["POST"]),
+        Route("/v1/completions", endpoint(Kind.COMPLETION), methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})

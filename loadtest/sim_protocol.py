@@ -1,0 +1,132 @@
+"""Parse an OpenAI request into what the simulated engine needs, with vLLM's 4xx errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+
+from loadtest.sim_tokens import chat_prompt_tokens, completion_prompt_tokens
+from loadtest.sim_wire import Kind
+
+
+class SimRequestError(Exception):
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+    @property
+    def error_type(self) -> str:
+        return "NotFoundError" if self.status == 404 else "BadRequestError"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimRequest:
+    kind: Kind
+    model: str | None
+    prompt_tokens: int
+    max_tokens: int
+    finish_reason: str  # "length" when max_tokens capped the answer, "stop" when it ended
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    model: str | None  # the one served name; None accepts any name
+    max_model_len: int
+    default_max_tokens: int
+
+
+def _prompt_tokens(kind: Kind, body: dict[str, object]) -> int:
+    if kind is Kind.CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise SimRequestError("messages must be a non-empty list", param="messages")
+        return chat_prompt_tokens(messages)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+    ):
+        return completion_prompt_tokens(prompt)
+    raise SimRequestError(
+        "prompt must be a string or a list of token ids (one prompt per request)",
+        param="prompt",
+    )
+
+
+def _requested_max_tokens(body: dict[str, object]) -> int | None:
+    value = body.get("max_tokens")
+    if value is None:
+        value = body.get("max_completion_tokens")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SimRequestError("max_tokens must be a positive integer", param="max_tokens")
+    return value
+
+
+def _check_length(prompt_tokens: int, max_tokens: int | None, limits: Limits) -> None:
+    ctx = limits.max_model_len
+    if max_tokens is not None and max_tokens > ctx:
+        raise SimRequestError(
+            f"max_tokens={max_tokens} cannot be greater than max_model_len={ctx}. "
+            f"Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})",
+            param="max_tokens",
+        )
+    if prompt_tokens >= ctx:
+        raise SimRequestError(
+            f"This model's maximum context length is {ctx} tokens. However, your request has "
+            f"{prompt_tokens} input tokens. Please reduce the length of the input messages.",
+            param="messages",
+        )
+    if max_tokens is not None and prompt_tokens + max_tokens > ctx:
+        raise SimRequestError(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+            f"maximum context length is {ctx} tokens and your request has {prompt_tokens} "
+            f"input tokens ({max_tokens} > {ctx} - {prompt_tokens}).",
+            param="max_tokens",
+        )
+
+
+def parse_request(kind: Kind, raw: bytes, limits: Limits) -> SimRequest:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise SimRequestError(f"invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise SimRequestError("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and limits.model is not None and model != limits.model:
+        raise SimRequestError(
+            f"The model `{model}` does not exist. Valid aliases: {limits.model}.",
+            status=404,
+            param="model",
+        )
+    if body.get("n", 1) != 1:
+        raise SimRequestError("the simulator serves n=1 only", param="n")
+    prompt_tokens = _prompt_tokens(kind, body)
+    requested = _requested_max_tokens(body)
+    _check_length(prompt_tokens, requested, limits)
+    room = limits.max_model_len - prompt_tokens
+    if requested is not None:
+        max_tokens, finish_reason = requested, "length"
+    elif limits.default_max_tokens <= room:
+        # left uncapped, the model ends its answer by itself
+        max_tokens, finish_reason = limits.default_max_tokens, "stop"
+    else:
+        max_tokens, finish_reason = room, "length"
+    options = body.get("stream_options")
+    return SimRequest(
+        kind=kind,
+        model=model if isinstance(model, str) else None,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        finish_reason=finish_reason,
+        stream=body.get("stream") is True,
+        include_usage=isinstance(options, dict) and options.get("include_usage") is True,
+    )
