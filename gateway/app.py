@@ -24,11 +24,12 @@ from gateway.forward import Forwarder
 from gateway.ledger import LocalLedger
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import CompletionsEndpoint, PipelineDeps
+from gateway.providers import build_gates
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
 from gateway.request import Endpoint
 from gateway.router import Router
 from policies.base import PolicyDeps
-from policies.registry import build_chain, unknown_policies
+from policies.registry import answer_taps, build_chain, unknown_policies
 
 
 def _redis_client(settings: Settings, url: str) -> aioredis.Redis:
@@ -85,7 +86,14 @@ def create_app(
         ),
         timeout=httpx.Timeout(10.0),
     )
-    policy_deps = PolicyDeps(settings=settings, router=router, metrics=metrics, clock=clock)
+    policy_deps = PolicyDeps(
+        settings=settings,
+        router=router,
+        metrics=metrics,
+        clock=clock,
+        redis=redis,
+        providers=build_gates(settings.providers, environ=env, clock=clock, metrics=metrics),
+    )
     chains = {name: build_chain(pool.settings, policy_deps) for name, pool in pools.items()}
     auth = Authenticator(settings, env)
     deps = PipelineDeps(
@@ -93,6 +101,7 @@ def create_app(
         limiter=limiter,
         router=router,
         chains=chains,
+        taps=answer_taps(chains),
         forwarder=Forwarder(client),
         metrics=metrics,
         clock=clock,

@@ -158,6 +158,12 @@ class Settings(_Model):
                 problems.append(f"pools.{i}.degrade_to: no pool named {pool.degrade_to!r}")
             if pool.provider is not None and pool.provider not in providers:
                 problems.append(f"pools.{i}.provider: no provider named {pool.provider!r}")
+            if pool.degrade_to == pool.name:
+                problems.append(f"pools.{i}.degrade_to: a pool cannot degrade to itself")
+            if "degrade" in pool.overflow and pool.degrade_to is None:
+                problems.append(f"pools.{i}.overflow: 'degrade' needs pools.{i}.degrade_to")
+            if "provider" in pool.overflow and pool.provider is None:
+                problems.append(f"pools.{i}.overflow: 'provider' needs pools.{i}.provider")
         for i, tenant in enumerate(self.tenants):
             for name in tenant.pools:
                 if name not in pools:

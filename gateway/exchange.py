@@ -80,8 +80,21 @@ class Exchange:
 
     async def admit(self, request: InferenceRequest) -> bool:
         """Reserve room for `request` in its pool; True if it now holds a reservation."""
-        self.holding.reservation = await self.router.admit(request.pool, request.reserved_tokens)
+        self.holding.reservation = await self.reserve(request)
         return self.holding.reservation is not None
+
+    async def reserve(self, request: InferenceRequest) -> Reservation | None:
+        """Room for `request` in its pool, not yet held; None if there is none.
+
+        A sheddable request gets none once the pool's fill reaches `sheddable_max_fill`:
+        the rest is headroom kept for critical and standard requests.
+        """
+        pool = self.router.pools[request.pool].settings
+        if request.priority == "sheddable" and (
+            self.router.pool_fill(request.pool) >= pool.sheddable_max_fill
+        ):
+            return None
+        return await self.router.admit(request.pool, request.reserved_tokens)
 
     async def serve_local(self, request: InferenceRequest, outcome: Outcome) -> Served:
         """Forward to the backend the request holds a reservation on.

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.types import Message, Receive, Scope, Send
 
@@ -34,6 +34,7 @@ from gateway.forward import Forwarder
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
 from gateway.ratelimit import Decision, RateLimiter
+from gateway.relay import ResponseTap
 from gateway.request import (
     PRIORITY_HEADER,
     Endpoint,
@@ -44,7 +45,7 @@ from gateway.request import (
     requested_model,
 )
 from gateway.router import Router
-from policies.base import OverflowPolicy
+from policies.base import OverflowPolicy, TapFactory
 
 log = logging.getLogger("spillgate.pipeline")
 
@@ -59,6 +60,7 @@ class PipelineDeps:
     metrics: GatewayMetrics
     clock: Clock
     max_body_bytes: int
+    taps: Mapping[str, TapFactory] = field(default_factory=dict)  # pool → answer watcher
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -169,7 +171,7 @@ class CompletionsEndpoint:
         try:
             served = await self._dispatch(request, Exchange(
                 send=send, headers=headers, router=d.router, forwarder=d.forwarder,
-                metrics=d.metrics, clock=d.clock, holding=holding,
+                metrics=d.metrics, clock=d.clock, holding=holding, tap=self._tap(request),
             ))  # fmt: skip
             outcome = served.outcome
         except Rejected:
@@ -185,6 +187,10 @@ class CompletionsEndpoint:
                 refused=outcome is Outcome.REJECTED,
             )
             self._record(request, served, outcome, t0)
+
+    def _tap(self, request: InferenceRequest) -> ResponseTap | None:
+        observe = self._d.taps.get(request.pool)
+        return None if observe is None else observe(request)
 
     def _pool(self, tenant: Tenant, model: str) -> Pool:
         pool = self._d.router.pools.get(model)

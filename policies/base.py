@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol, runtime_checkable
+
+import redis.asyncio as aioredis
 
 from gateway.clock import Clock
 from gateway.config import PoolSettings, Settings
 from gateway.exchange import Exchange, Served
 from gateway.metrics import GatewayMetrics
+from gateway.providers import ProviderGate
+from gateway.relay import ResponseTap
 from gateway.request import InferenceRequest
 from gateway.router import Router
 
@@ -27,6 +31,16 @@ class OverflowPolicy(Protocol):
     async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None: ...
 
 
+@runtime_checkable
+class AnswerObserver(Protocol):
+    """A policy that also watches its pool's successful answers (the cache fills this way)."""
+
+    def tap_for(self, request: InferenceRequest) -> ResponseTap | None: ...
+
+
+TapFactory = Callable[[InferenceRequest], ResponseTap | None]
+
+
 @dataclass(frozen=True, kw_only=True)
 class PolicyDeps:
     """Everything a policy factory may draw on; built once in the app's lifespan."""
@@ -35,6 +49,8 @@ class PolicyDeps:
     router: Router
     metrics: GatewayMetrics
     clock: Clock
+    redis: aioredis.Redis | None = None  # shared state when configured, else local
+    providers: Mapping[str, ProviderGate] = field(default_factory=dict)  # one per provider
 
 
 PolicyFactory = Callable[[PoolSettings, PolicyDeps], OverflowPolicy]

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from gateway.config import PoolSettings
-from policies.base import OverflowPolicy, PolicyDeps, PolicyFactory
+from policies.base import AnswerObserver, OverflowPolicy, PolicyDeps, PolicyFactory, TapFactory
+from policies.cache import CachePolicy
+from policies.degrade import DegradePolicy
+from policies.provider import ProviderPolicy
+from policies.queue import QueuePolicy
 from policies.reject import RejectPolicy
 
 
 def registry() -> dict[str, PolicyFactory]:
     return {
+        QueuePolicy.name: QueuePolicy.build,
+        DegradePolicy.name: DegradePolicy.build,
+        ProviderPolicy.name: ProviderPolicy.build,
+        CachePolicy.name: CachePolicy.build,
         RejectPolicy.name: RejectPolicy.build,
     }
 
@@ -26,3 +36,13 @@ def unknown_policies(pools: list[PoolSettings]) -> list[str]:
 def build_chain(pool: PoolSettings, deps: PolicyDeps) -> list[OverflowPolicy]:
     known = registry()
     return [known[name](pool, deps) for name in pool.overflow]
+
+
+def answer_taps(chains: Mapping[str, list[OverflowPolicy]]) -> dict[str, TapFactory]:
+    """Per pool, what watches its successful answers: the first observer in its chain."""
+    taps: dict[str, TapFactory] = {}
+    for pool, chain in chains.items():
+        observers = [p for p in chain if isinstance(p, AnswerObserver)]
+        if observers:
+            taps[pool] = observers[0].tap_for
+    return taps

@@ -1,0 +1,210 @@
+"""What the gateway knows about each external provider: budget, concurrency and breaker.
+
+One `ProviderGate` per configured provider, shared by every pool that spills to it, built
+once in `create_app`. A gate lets a request through only while the provider's breaker is
+closed (or half-open for one trial), a concurrency slot is free and its tokens-per-minute
+budget holds the request's reservation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from gateway.clock import Clock
+from gateway.config import ProviderSettings
+from gateway.errors import SpillgateError
+from gateway.forward import Target
+from gateway.metrics import GatewayMetrics
+
+
+class TokenBudget:
+    """A tokens-per-minute bucket: full at start, refilled continuously."""
+
+    def __init__(self, per_minute: int, *, clock: Clock) -> None:
+        self._capacity = float(per_minute)
+        self._rate = per_minute / 60.0
+        self._clock = clock
+        self._level = self._capacity
+        self._at = clock.monotonic()
+
+    def available(self) -> float:
+        now = self._clock.monotonic()
+        self._level = min(self._capacity, self._level + (now - self._at) * self._rate)
+        self._at = now
+        return self._level
+
+    def take(self, tokens: int) -> bool:
+        if self.available() < tokens:
+            return False
+        self._level -= tokens
+        return True
+
+    def give_back(self, tokens: int) -> None:
+        if tokens > 0:
+            self._level = min(self._capacity, self.available() + tokens)
+
+
+class BreakerState(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class CircuitBreaker:
+    """Opens after `failures` consecutive failures, or at once when the provider names a
+    `Retry-After`; stays open for that long (else `cooldown_s`), then lets one trial through.
+    """
+
+    def __init__(
+        self,
+        *,
+        failures: int,
+        cooldown_s: float,
+        clock: Clock,
+        on_change: Callable[[BreakerState], None] | None = None,
+    ) -> None:
+        self._threshold = failures
+        self._cooldown_s = cooldown_s
+        self._clock = clock
+        self._on_change = on_change
+        self._failures = 0
+        self._open_until = float("-inf")
+        self._trial_out = False
+        self.state = BreakerState.CLOSED
+
+    def _set(self, state: BreakerState) -> None:
+        if state is not self.state:
+            self.state = state
+            if self._on_change is not None:
+                self._on_change(state)
+
+    def allow(self) -> bool:
+        """Whether a request may go now; in half-open state only one trial at a time."""
+        if self.state is BreakerState.OPEN and self._clock.monotonic() >= self._open_until:
+            self._set(BreakerState.HALF_OPEN)
+        if self.state is BreakerState.CLOSED:
+            return True
+        if self.state is BreakerState.HALF_OPEN and not self._trial_out:
+            self._trial_out = True
+            return True
+        return False
+
+    def record_success(self) -> None:
+        self._failures = 0
+        self._trial_out = False
+        self._set(BreakerState.CLOSED)
+
+    def record_failure(self, *, retry_after: float | None = None) -> None:
+        self._failures += 1
+        trial_failed = self.state is BreakerState.HALF_OPEN
+        self._trial_out = False
+        if retry_after is None and not trial_failed and self._failures < self._threshold:
+            return
+        open_s = retry_after if retry_after is not None else self._cooldown_s
+        self._open_until = self._clock.monotonic() + max(0.0, open_s)
+        self._set(BreakerState.OPEN)
+
+    def release_trial(self) -> None:
+        """A trial that ended with neither success nor failure (e.g. the client left)."""
+        self._trial_out = False
+
+    def open_for(self) -> float:
+        """Seconds the breaker stays open from now (0 when not open)."""
+        if self.state is not BreakerState.OPEN:
+            return 0.0
+        return max(0.0, self._open_until - self._clock.monotonic())
+
+
+class Refusal(StrEnum):
+    """Why a gate did not let a request through."""
+
+    BREAKER_OPEN = "breaker_open"
+    CONCURRENCY = "concurrency"
+    BUDGET = "budget"
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """A request's claim on a provider: a concurrency slot and `tokens` of budget."""
+
+    tokens: int
+
+
+class ProviderGate:
+    def __init__(
+        self,
+        settings: ProviderSettings,
+        *,
+        api_key: str | None,
+        clock: Clock,
+        on_breaker: Callable[[str, BreakerState], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self._api_key = api_key
+        self.budget = TokenBudget(settings.tokens_per_minute, clock=clock)
+        self.breaker = CircuitBreaker(
+            failures=settings.breaker_failures,
+            cooldown_s=settings.breaker_cooldown_s,
+            clock=clock,
+            on_change=None if on_breaker is None else lambda s: on_breaker(self.name, s),
+        )
+        self.in_flight = 0
+
+    def target(self, pool: str) -> Target:
+        headers = {} if self._api_key is None else {"authorization": f"Bearer {self._api_key}"}
+        return Target(
+            name=self.name,
+            api_base=self.settings.base_url.rstrip("/"),
+            model=self.settings.models.get(pool, pool),
+            timeouts=self.settings.timeouts,
+            headers=headers,
+        )
+
+    def acquire(self, tokens: int) -> Ticket | Refusal:
+        """Claim a slot and budget for one request, or say why not (claiming nothing)."""
+        if self.in_flight >= self.settings.max_concurrency:
+            return Refusal.CONCURRENCY
+        if self.budget.available() < tokens:
+            return Refusal.BUDGET
+        if not self.breaker.allow():
+            return Refusal.BREAKER_OPEN
+        self.budget.take(tokens)
+        self.in_flight += 1
+        return Ticket(tokens)
+
+    def release(self, ticket: Ticket, *, used: int | None) -> None:
+        """Give the slot back, and the budget the answer did not use (all of it if unused)."""
+        self.in_flight -= 1
+        self.budget.give_back(ticket.tokens - (used if used is not None else ticket.tokens))
+
+    def cost(self, *, prompt_tokens: int, completion_tokens: int) -> float:
+        s = self.settings
+        return (
+            prompt_tokens * s.prompt_price_per_m + completion_tokens * s.completion_price_per_m
+        ) / 1e6
+
+
+def build_gates(
+    providers: list[ProviderSettings],
+    *,
+    environ: Mapping[str, str],
+    clock: Clock,
+    metrics: GatewayMetrics,
+) -> dict[str, ProviderGate]:
+    """One gate per provider; a key named but missing from the environment is an error."""
+
+    def on_breaker(name: str, state: BreakerState) -> None:
+        metrics.provider_breaker_open.labels(name).set(1.0 if state is BreakerState.OPEN else 0.0)
+
+    gates: dict[str, ProviderGate] = {}
+    for p in providers:
+        key = None
+        if p.api_key_env is not None:
+            if p.api_key_env not in environ:
+                raise SpillgateError(f"provider {p.name!r}: ${p.api_key_env} is not set")
+            key = environ[p.api_key_env]
+        gates[p.name] = ProviderGate(p, api_key=key, clock=clock, on_breaker=on_breaker)
+    return gates

@@ -1,0 +1,40 @@
+"""Answer with the pool's smaller model when that pool has room; the answer names that model."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from gateway.config import PoolSettings
+from gateway.errors import UpstreamError
+from gateway.exchange import Exchange, Served
+from gateway.outcome import Outcome
+from gateway.request import InferenceRequest
+from gateway.router import Router
+from policies.base import PolicyDeps
+
+
+class DegradePolicy:
+    name: ClassVar[str] = "degrade"
+
+    def __init__(self, *, to_pool: str, router: Router) -> None:
+        self._to = to_pool
+        self._router = router
+
+    @classmethod
+    def build(cls, pool: PoolSettings, deps: PolicyDeps) -> DegradePolicy:
+        if pool.degrade_to is None:
+            raise ValueError(f"pool {pool.name!r}: the degrade policy needs degrade_to")
+        return cls(to_pool=pool.degrade_to, router=deps.router)
+
+    async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
+        smaller = exchange.degraded(request, self._to)
+        if smaller.reserved_tokens > self._router.pools[self._to].settings.max_model_len:
+            return None
+        if not await exchange.admit(smaller):
+            return None
+        try:
+            # public model = the smaller pool's name: the client learns which model answered
+            return await exchange.serve_local(smaller, Outcome.DEGRADED)
+        except UpstreamError:
+            await exchange.holding.release()  # nothing was sent: the next policy may answer
+            return None

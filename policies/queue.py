@@ -1,0 +1,179 @@
+"""Wait briefly for capacity: a release in the pool hands room to the best waiter that fits.
+
+No polling: every release in the pool (Router.on_release) starts one drain, which reserves
+for waiters in `FairQueue` order until the best one no longer fits. Each waiter waits at most
+min(queue.max_wait_s, its tenant's TTFT budget); then it passes to the next policy. A waiter
+whose client disconnects is cancelled by the pipeline and leaves the queue at once; a
+reservation made for a waiter that has already left is given straight back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+from gateway.clock import Clock
+from gateway.config import PoolSettings
+from gateway.exchange import Exchange, Served
+from gateway.metrics import GatewayMetrics
+from gateway.outcome import Outcome
+from gateway.request import InferenceRequest
+from gateway.router import Router
+from policies.base import PolicyDeps
+from policies.fair_queue import FairQueue, QueueResult, Waiter
+
+log = logging.getLogger("spillgate.queue")
+
+
+@dataclass(eq=False, kw_only=True)
+class Ticket:
+    request: InferenceRequest
+    exchange: Exchange
+    decided: asyncio.Future[QueueResult]
+    enqueued_at: float
+
+
+class QueuePolicy:
+    name: ClassVar[str] = "queue"
+
+    def __init__(
+        self,
+        pool: PoolSettings,
+        *,
+        router: Router,
+        metrics: GatewayMetrics,
+        clock: Clock,
+        ttft_budgets_s: Mapping[str, float],
+    ) -> None:
+        self._pool = pool.name
+        self._max_wait_s = pool.queue.max_wait_s
+        self._router = router
+        self._metrics = metrics
+        self._clock = clock
+        self._budgets = ttft_budgets_s
+        self._queue: FairQueue[Ticket] = FairQueue(max_depth=pool.queue.max_depth)
+        self._drainer: asyncio.Task[None] | None = None
+        router.on_release(self._on_release)
+
+    @classmethod
+    def build(cls, pool: PoolSettings, deps: PolicyDeps) -> QueuePolicy:
+        budgets = {
+            t.name: t.ttft_budget_ms / 1000
+            for t in deps.settings.tenants
+            if t.ttft_budget_ms is not None
+        }
+        return cls(
+            pool, router=deps.router, metrics=deps.metrics, clock=deps.clock, ttft_budgets_s=budgets
+        )
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def max_wait_s(self, request: InferenceRequest) -> float:
+        return min(self._max_wait_s, self._budgets.get(request.tenant, math.inf))
+
+    async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
+        result = await self.wait(request, exchange)
+        if result is not QueueResult.ADMITTED:
+            log.debug("%s/%s left the queue: %s", request.pool, request.tenant, result)
+            return None
+        return await exchange.serve_local(request, Outcome.QUEUED)
+
+    async def wait(self, request: InferenceRequest, exchange: Exchange) -> QueueResult:
+        """Wait until the request holds a reservation in its pool (ADMITTED), or say why not."""
+        if not self._router.fits_ever(request.pool, request.reserved_tokens):
+            return QueueResult.REJECTED_NEVER_FITS
+        ticket = Ticket(
+            request=request,
+            exchange=exchange,
+            decided=asyncio.get_running_loop().create_future(),
+            enqueued_at=self._clock.monotonic(),
+        )
+        waiter = Waiter(
+            tenant=request.tenant,
+            priority=request.priority,
+            tokens=request.reserved_tokens,
+            item=ticket,
+        )
+        if not self._enqueue(waiter):
+            return QueueResult.REJECTED_FULL
+        try:
+            async with asyncio.timeout(self.max_wait_s(request)):
+                await ticket.decided
+        except TimeoutError:
+            pass
+        except asyncio.CancelledError:
+            log.debug("%s/%s: %s", request.pool, request.tenant, QueueResult.EVICTED_CANCELLED)
+            raise
+        finally:
+            self._leave(waiter)
+        if ticket.decided.done() and not ticket.decided.cancelled():
+            return ticket.decided.result()  # decided even if the deadline fired meanwhile
+        return QueueResult.EVICTED_DEADLINE
+
+    def _enqueue(self, waiter: Waiter[Ticket]) -> bool:
+        if not self._queue.push(waiter):
+            victim = self._queue.victim_for(waiter.priority)
+            if victim is None:
+                return False
+            self._queue.remove(victim)
+            victim.item.decided.set_result(QueueResult.EVICTED_PREEMPTED)
+            self._queue.push(waiter)
+        self._depth_changed()
+        self._kick()
+        return True
+
+    def _leave(self, waiter: Waiter[Ticket]) -> None:
+        ticket = waiter.item
+        if self._queue.remove(waiter) and not ticket.decided.done():
+            ticket.decided.cancel()
+        self._depth_changed()
+        self._metrics.queue_wait.labels(self._pool, waiter.priority).observe(
+            self._clock.monotonic() - ticket.enqueued_at
+        )
+        self._kick()  # a waiter that blocked the head may have let others fit
+
+    def _depth_changed(self) -> None:
+        self._metrics.queue_depth.labels(self._pool).set(len(self._queue))
+
+    def _on_release(self, pool: str) -> None:
+        if pool == self._pool:
+            self._kick()
+
+    def _kick(self) -> None:
+        if len(self._queue) and (self._drainer is None or self._drainer.done()):
+            self._drainer = asyncio.get_running_loop().create_task(self._drain())
+
+    def _room(self) -> int:
+        """The most tokens any usable backend of the pool could take now."""
+        r = self._router
+        free = (r.limit(b) - r.ledger.tokens_in_flight(b.name) for b in r.candidates(self._pool))
+        return max(free, default=0)
+
+    async def _drain(self) -> None:
+        try:
+            while True:
+                waiter = self._queue.pick(functools.partial(_fits, self._room()))
+                if waiter is None:
+                    return
+                ticket = waiter.item
+                reservation = await ticket.exchange.reserve(ticket.request)
+                if reservation is None:
+                    return  # someone else took the room; the next release drains again
+                if ticket.decided.done() or not self._queue.take(waiter):
+                    await self._router.release(reservation)  # it left while we reserved
+                    continue
+                ticket.exchange.holding.reservation = reservation
+                ticket.decided.set_result(QueueResult.ADMITTED)
+                self._depth_changed()
+        except Exception:
+            log.exception("draining the queue of pool %s failed", self._pool)
+
+
+def _fits(room: int, waiter: Waiter[Ticket]) -> bool:
+    return waiter.tokens <= room and not waiter.item.decided.done()

@@ -1,0 +1,121 @@
+"""A provider's gate: tokens-per-minute budget, concurrency cap and circuit breaker."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.clock import ManualClock
+from gateway.config import ProviderSettings
+from gateway.errors import SpillgateError
+from gateway.metrics import GatewayMetrics
+from gateway.providers import (
+    BreakerState,
+    CircuitBreaker,
+    ProviderGate,
+    Refusal,
+    Ticket,
+    TokenBudget,
+    build_gates,
+)
+
+
+def settings(**overrides: object) -> ProviderSettings:
+    base: dict[str, object] = {
+        "name": "hosted",
+        "base_url": "https://api.example/v1/",
+        "api_key_env": "HOSTED_KEY",
+        "models": {"big": "vendor/big-model"},
+        "tokens_per_minute": 6000,
+        "max_concurrency": 2,
+        "breaker_failures": 2,
+        "breaker_cooldown_s": 10.0,
+        "prompt_price_per_m": 1.0,
+        "completion_price_per_m": 3.0,
+    }
+    return ProviderSettings.model_validate({**base, **overrides})
+
+
+def test_budget_refills_at_its_per_minute_rate_and_never_beyond() -> None:
+    clock = ManualClock()
+    budget = TokenBudget(600, clock=clock)
+    assert budget.take(600) and not budget.take(1)
+    clock.advance(10)  # 10 tokens/s
+    assert budget.take(100) and not budget.take(1)
+    budget.give_back(50)
+    clock.advance(3600)
+    assert budget.available() == 600
+
+
+def test_breaker_opens_after_consecutive_failures_then_lets_one_trial_through() -> None:
+    clock = ManualClock()
+    states: list[BreakerState] = []
+    breaker = CircuitBreaker(failures=2, cooldown_s=10, clock=clock, on_change=states.append)
+    breaker.record_failure()
+    assert breaker.allow()
+    breaker.record_failure()
+    assert not breaker.allow() and breaker.open_for() == 10
+    clock.advance(10)
+    assert breaker.allow()  # the trial
+    assert not breaker.allow()  # only one at a time
+    breaker.record_failure()  # the trial failed: open again at once
+    assert breaker.state is BreakerState.OPEN
+    clock.advance(10)
+    assert breaker.allow()
+    breaker.record_success()
+    assert breaker.allow() and breaker.allow()
+    assert states == [
+        BreakerState.OPEN,
+        BreakerState.HALF_OPEN,
+        BreakerState.OPEN,
+        BreakerState.HALF_OPEN,
+        BreakerState.CLOSED,
+    ]
+
+
+def test_a_retry_after_opens_the_breaker_at_once_for_that_long() -> None:
+    clock = ManualClock()
+    breaker = CircuitBreaker(failures=5, cooldown_s=10, clock=clock)
+    breaker.record_failure(retry_after=3.0)
+    assert not breaker.allow() and breaker.open_for() == 3.0
+    clock.advance(3.0)
+    assert breaker.allow()
+
+
+def test_gate_refuses_without_claiming_and_settles_the_budget_with_real_usage() -> None:
+    clock = ManualClock()
+    gate = ProviderGate(settings(), api_key="sk-x", clock=clock)
+    a, b = gate.acquire(1000), gate.acquire(1000)
+    assert isinstance(a, Ticket) and isinstance(b, Ticket)
+    assert gate.acquire(1) is Refusal.CONCURRENCY
+    gate.release(a, used=200)  # 800 of 1000 come back
+    gate.release(b, used=None)  # usage unknown: the reservation stays spent
+    assert gate.in_flight == 0
+    assert gate.budget.available() == pytest.approx(6000 - 200 - 1000)
+    assert gate.acquire(6000) is Refusal.BUDGET
+    gate.breaker.record_failure(retry_after=5)
+    assert gate.acquire(10) is Refusal.BREAKER_OPEN
+    assert gate.in_flight == 0
+
+
+def test_target_carries_the_providers_own_key_and_model_mapping() -> None:
+    gate = ProviderGate(settings(), api_key="sk-provider", clock=ManualClock())
+    target = gate.target("big")
+    assert target.api_base == "https://api.example/v1"
+    assert target.model == "vendor/big-model"
+    assert target.headers == {"authorization": "Bearer sk-provider"}
+    assert gate.target("other").model == "other"  # unmapped pools keep their name
+    assert gate.cost(prompt_tokens=1_000_000, completion_tokens=500_000) == pytest.approx(2.5)
+
+
+def test_a_missing_key_is_refused_at_build_and_the_breaker_drives_its_gauge() -> None:
+    metrics = GatewayMetrics()
+    with pytest.raises(SpillgateError, match="HOSTED_KEY"):
+        build_gates([settings()], environ={}, clock=ManualClock(), metrics=metrics)
+    gates = build_gates(
+        [settings()], environ={"HOSTED_KEY": "k"}, clock=ManualClock(), metrics=metrics
+    )
+    gates["hosted"].breaker.record_failure(retry_after=1)
+    value = metrics.registry.get_sample_value(
+        "spillgate_provider_breaker_open", {"provider": "hosted"}
+    )
+    assert value == 1.0

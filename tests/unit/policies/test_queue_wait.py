@@ -1,0 +1,218 @@
+"""The queue on a real router and ledger: releases hand capacity over, nothing leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from gateway.backends import build_pools
+from gateway.clock import ManualClock
+from gateway.config import BackendSettings, PoolSettings, Priority, QueueSettings
+from gateway.exchange import Exchange, Holding
+from gateway.forward import Forwarder
+from gateway.ledger import LocalLedger
+from gateway.metrics import GatewayMetrics
+from gateway.request import Endpoint, InferenceRequest
+from gateway.router import Router
+from policies.fair_queue import QueueResult
+from policies.queue import QueuePolicy
+
+CAPACITY = 1000
+BACKEND = "p-0"
+
+
+class Setup:
+    def __init__(
+        self, *, max_depth: int = 8, max_wait_s: float = 5.0, sheddable_max_fill: float = 1.0
+    ) -> None:
+        self.clock = ManualClock()
+        self.settings = PoolSettings(
+            name="p",
+            backends=[BackendSettings(url="http://127.0.0.1:9", capacity=CAPACITY)],
+            target_fill=1.0,
+            sheddable_max_fill=sheddable_max_fill,
+            queue=QueueSettings(max_depth=max_depth, max_wait_s=max_wait_s),
+        )
+        pools = build_pools([self.settings], clock=self.clock)
+        self.router = Router(pools, ledger=LocalLedger(), clock=self.clock)
+        self.metrics = GatewayMetrics()
+        self.client = httpx.AsyncClient()
+        self.budgets: dict[str, float] = {}
+        self.queue = QueuePolicy(
+            self.settings,
+            router=self.router,
+            metrics=self.metrics,
+            clock=self.clock,
+            ttft_budgets_s=self.budgets,
+        )
+
+    def exchange(self) -> Exchange:
+        async def no_send(message: Any) -> None:
+            raise AssertionError("the queue never answers by itself")
+
+        return Exchange(
+            send=no_send,
+            headers={},
+            router=self.router,
+            forwarder=Forwarder(self.client),
+            metrics=self.metrics,
+            clock=self.clock,
+            holding=Holding(self.router),
+        )
+
+    def in_flight(self) -> int:
+        return self.router.ledger.tokens_in_flight(BACKEND)
+
+
+def request(tenant: str = "t", priority: Priority = "standard", tokens: int = 100) -> Any:
+    return InferenceRequest(
+        endpoint=Endpoint.CHAT,
+        tenant=tenant,
+        pool="p",
+        priority=priority,
+        stream=False,
+        client_wants_usage=False,
+        prompt_chars=4,
+        prompt_tokens=1,
+        max_output_tokens=tokens - 1,
+        body={},
+    )
+
+
+def run(scenario: Callable[[Setup], Awaitable[None]], **options: Any) -> None:
+    async def main() -> None:
+        setup = Setup(**options)
+        try:
+            await scenario(setup)
+        finally:
+            await setup.client.aclose()
+
+    asyncio.run(main())
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_a_release_hands_the_room_to_the_waiter() -> None:
+    async def scenario(s: Setup) -> None:
+        full = await s.router.admit("p", CAPACITY)
+        assert full is not None
+        ex = s.exchange()
+        waiting = asyncio.create_task(s.queue.wait(request(tokens=300), ex))
+        await settle()
+        assert len(s.queue) == 1 and not waiting.done()
+        await s.router.release(full)
+        assert await waiting is QueueResult.ADMITTED
+        assert ex.holding.reservation is not None
+        assert s.in_flight() == 300 and len(s.queue) == 0
+        await ex.holding.release()
+        assert s.in_flight() == 0
+
+    run(scenario)
+
+
+def test_the_highest_class_gets_the_room_first() -> None:
+    async def scenario(s: Setup) -> None:
+        full = await s.router.admit("p", CAPACITY)
+        assert full is not None
+        tasks = {
+            p: asyncio.create_task(s.queue.wait(request(priority=p, tokens=600), s.exchange()))
+            for p in ("sheddable", "standard", "critical")
+        }
+        await settle()
+        await s.router.release(full)
+        await settle()
+        assert tasks["critical"].done() and tasks["critical"].result() is QueueResult.ADMITTED
+        assert not tasks["standard"].done() and not tasks["sheddable"].done()
+        for task in tasks.values():
+            task.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+    run(scenario)
+
+
+def test_a_cancelled_waiter_leaves_at_once_and_gets_nothing() -> None:
+    async def scenario(s: Setup) -> None:
+        full = await s.router.admit("p", CAPACITY)
+        assert full is not None
+        ex = s.exchange()
+        waiting = asyncio.create_task(s.queue.wait(request(), ex))
+        await settle()
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert waiting.cancelled() and len(s.queue) == 0
+        await s.router.release(full)
+        await settle()
+        assert s.in_flight() == 0 and ex.holding.reservation is None
+
+    run(scenario)
+
+
+def test_a_waiter_moves_on_at_its_tenants_ttft_budget() -> None:
+    async def scenario(s: Setup) -> None:
+        s.budgets["hurried"] = 0.05
+        assert s.queue.max_wait_s(request(tenant="hurried")) == 0.05
+        assert s.queue.max_wait_s(request(tenant="patient")) == 5.0
+        full = await s.router.admit("p", CAPACITY)
+        assert full is not None
+        started = time.monotonic()
+        result = await s.queue.wait(request(tenant="hurried"), s.exchange())
+        assert result is QueueResult.EVICTED_DEADLINE
+        assert time.monotonic() - started < 2.0  # well before the pool's 5 s
+        assert len(s.queue) == 0
+
+    run(scenario)
+
+
+def test_a_full_queue_refuses_but_a_critical_request_displaces_a_sheddable_one() -> None:
+    async def scenario(s: Setup) -> None:
+        full = await s.router.admit("p", CAPACITY)
+        assert full is not None
+        shed = asyncio.create_task(s.queue.wait(request(priority="sheddable"), s.exchange()))
+        std = asyncio.create_task(s.queue.wait(request(priority="standard"), s.exchange()))
+        await settle()
+        late = request(tenant="late", priority="sheddable")
+        assert await s.queue.wait(late, s.exchange()) is QueueResult.REJECTED_FULL
+        critical = asyncio.create_task(s.queue.wait(request(priority="critical"), s.exchange()))
+        assert await shed is QueueResult.EVICTED_PREEMPTED
+        await s.router.release(full)
+        assert await critical is QueueResult.ADMITTED
+        assert await std is QueueResult.ADMITTED
+
+    run(scenario, max_depth=2)
+
+
+def test_a_request_larger_than_any_backend_is_not_queued() -> None:
+    async def scenario(s: Setup) -> None:
+        result = await s.queue.wait(request(tokens=CAPACITY + 1), s.exchange())
+        assert result is QueueResult.REJECTED_NEVER_FITS
+        assert len(s.queue) == 0
+
+    run(scenario)
+
+
+def test_sheddable_waiters_stay_off_the_reserved_headroom() -> None:
+    async def scenario(s: Setup) -> None:
+        first = await s.router.admit("p", 300)
+        second = await s.router.admit("p", 300)
+        assert first is not None and second is not None
+        ex = s.exchange()
+        shed = asyncio.create_task(s.queue.wait(request(priority="sheddable"), ex))
+        await settle()
+        assert not shed.done()  # 400 tokens free, but the pool is past 50 %
+        other = s.exchange()
+        assert await other.admit(request(priority="standard"))  # headroom kept for others
+        await other.holding.release()
+        await settle()
+        assert not shed.done()  # 600 of 1000 held: still past 50 %
+        await s.router.release(first)
+        assert await shed is QueueResult.ADMITTED
+        assert s.in_flight() == 400
+
+    run(scenario, sheddable_max_fill=0.5)
