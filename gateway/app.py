@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Mapping
 
-import httpx
 import redis.asyncio as aioredis
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -16,18 +16,23 @@ from starlette.routing import Route
 
 from gateway.admin import AdminEndpoints
 from gateway.auth import AdminAuth, Authenticator
-from gateway.backends import FleetWatcher, build_pools
+from gateway.backends import FleetWatcher, Pool, build_pools
 from gateway.clock import Clock, SystemClock
 from gateway.config import Settings
+from gateway.dashboard import Dashboard, OutcomeHistory
 from gateway.errors import InvalidRequest, SpillgateError, error_response
 from gateway.forward import Forwarder
 from gateway.ledger import LocalLedger
+from gateway.ledger_feed import ReleaseFeed
+from gateway.ledger_redis import RedisLedger
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.providers import build_gates
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
 from gateway.request import Endpoint
 from gateway.router import Router
+from gateway.upstream import upstream_client
+from gateway.workers import MULTIPROC_ENV, refresh_gauges
 from policies.base import PolicyDeps
 from policies.registry import answer_taps, build_chain, unknown_policies
 
@@ -40,7 +45,12 @@ def _redis_client(settings: Settings, url: str) -> aioredis.Redis:
 
 
 def _limiter(
-    settings: Settings, redis: aioredis.Redis | None, metrics: GatewayMetrics, clock: Clock
+    settings: Settings,
+    redis: aioredis.Redis | None,
+    metrics: GatewayMetrics,
+    clock: Clock,
+    *,
+    workers: int,
 ) -> RateLimiter:
     local = LocalRateLimiter(clock)
     if redis is None:
@@ -50,7 +60,7 @@ def _limiter(
         RedisRateLimiter(redis),
         fallback=local,
         failure_mode=rl.failure_mode,
-        replicas=rl.replicas,
+        replicas=rl.replicas * workers,
         timeout_s=settings.redis.timeout_ms / 1000,
         failure_threshold=rl.failure_threshold,
         cooldown_s=rl.cooldown_s,
@@ -60,32 +70,58 @@ def _limiter(
     )
 
 
+def _shared_ledger(
+    settings: Settings,
+    redis: aioredis.Redis,
+    pools: dict[str, Pool],
+    metrics: GatewayMetrics,
+    clock: Clock,
+    *,
+    workers: int,
+) -> RedisLedger:
+    """In-flight tokens in Redis; while Redis is away, each process admits on its share."""
+    return RedisLedger(
+        redis,
+        backends=[b.name for pool in pools.values() for b in pool.backends],
+        clock=clock,
+        lease_ttl_s=settings.ledger.lease_ttl_s,
+        refresh_s=settings.ledger.refresh_s,
+        timeout_s=settings.redis.timeout_ms / 1000,
+        fallback_share=settings.ratelimit.replicas * workers,
+        on_store_error=metrics.ledger_store_errors.inc,
+        on_mode_change=metrics.set_ledger_mode,
+    )
+
+
 def create_app(
     settings: Settings,
     *,
     environ: Mapping[str, str] | None = None,
     clock: Clock | None = None,
     redis_url: str | None = None,
+    workers: int = 1,
 ) -> Starlette:
+    """The gateway; `workers` is how many processes of this replica share its Redis."""
     env = dict(os.environ if environ is None else environ)
     clock = clock or SystemClock()
     problems = unknown_policies(settings.pools)
     if problems:
         raise SpillgateError("invalid overflow chain: " + "; ".join(problems))
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(multiprocess_dir=env.get(MULTIPROC_ENV))
     url = redis_url or env.get(settings.redis.url_env)
     redis = _redis_client(settings, url) if url else None
-    limiter = _limiter(settings, redis, metrics, clock)
+    limiter = _limiter(settings, redis, metrics, clock, workers=workers)
     pools = build_pools(settings.pools, clock=clock)
-    router = Router(pools, ledger=LocalLedger(), clock=clock)
-    client = httpx.AsyncClient(
-        limits=httpx.Limits(
-            max_connections=settings.server.upstream_max_connections,
-            max_keepalive_connections=settings.server.upstream_max_connections,
-            keepalive_expiry=30,
-        ),
-        timeout=httpx.Timeout(10.0),
-    )
+    shared = None
+    feed = None
+    if redis is not None:
+        shared = _shared_ledger(settings, redis, pools, metrics, clock, workers=workers)
+    router = Router(pools, ledger=shared or LocalLedger(), clock=clock)
+    if redis is not None and shared is not None:
+        feed = ReleaseFeed(
+            redis, ledger=shared, waker=router, timeout_s=settings.redis.timeout_ms / 1000
+        )
+    client = upstream_client(max_connections=settings.server.upstream_max_connections)
     policy_deps = PolicyDeps(
         settings=settings,
         router=router,
@@ -108,28 +144,45 @@ def create_app(
         max_body_bytes=settings.server.max_body_bytes,
     )
     watcher = FleetWatcher(pools, client=client, clock=clock)
+    admin_auth = AdminAuth(env.get(settings.server.admin_token_env), auth)
     admin = AdminEndpoints(
         settings=settings,
         router=router,
         metrics=metrics,
         auth=auth,
-        admin=AdminAuth(env.get(settings.server.admin_token_env), auth),
+        admin=admin_auth,
         watcher=watcher,
     )
+    history = OutcomeHistory(metrics=metrics, router=router, clock=clock)
+    dashboard = Dashboard(admin=admin_auth, history=history)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await watcher.refresh_once()
         watcher.start()
+        history.start()
+        if shared is not None:
+            await shared.start()
+        if feed is not None:
+            feed.start()
+        gauges = None
+        if metrics.multiprocess_dir is not None:
+            gauges = asyncio.create_task(refresh_gauges(admin.refresh_gauges))
         try:
             yield
         finally:
+            if gauges is not None:
+                gauges.cancel()
+            if feed is not None:
+                await feed.stop()
+            await history.stop()
             await watcher.stop()
             await client.aclose()
             await limiter.close()
             await router.ledger.close()
             if redis is not None:
                 await redis.aclose()
+            metrics.close()
 
     routes = [
         Route(Endpoint.CHAT, CompletionsEndpoint(Endpoint.CHAT, deps), methods=["POST"]),
@@ -137,6 +190,7 @@ def create_app(
             Endpoint.COMPLETIONS, CompletionsEndpoint(Endpoint.COMPLETIONS, deps), methods=["POST"]
         ),
         *admin.routes(),
+        *dashboard.routes(),
     ]
     return Starlette(
         routes=routes,

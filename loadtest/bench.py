@@ -1,0 +1,283 @@
+"""`spillgate bench`: what the gateway costs, arm beside arm, on loopback.
+
+Arms: direct to a zero-delay backend; the smallest raw relay on the same libraries;
+Spillgate with a realistic config (auth, rate limiting, admission, metrics), Redis off
+and on; and LiteLLM's proxy with `--with-litellm`. The arm under test runs on core 0,
+the load generator (wrk, and a separate streaming client process) and the backend on
+core 1. Arms are interleaved and repeated; the table shows medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml
+
+from loadtest.bench_litellm import litellm_arm
+from loadtest.harness import RedisProcess, free_port, wait_for_port
+
+KEY = "sk-bench-key"
+LEVELS = (1, 2, 4, 8, 16, 32, 64)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.body = '{"model":"bench","messages":[{"role":"user","content":"hi"}],"max_tokens":16}'
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer %s"
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    '{"requests":%%d,"duration_us":%%d,"errors":%%d,"non2xx":%%d,"p50_us":%%d,"p99_us":%%d}\\n',
+    summary.requests, summary.duration, e.connect + e.read + e.write + e.timeout, e.status,
+    latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seconds", type=int, default=3, help="per measurement")
+    parser.add_argument("--with-litellm", action="store_true")
+    parser.add_argument("--arms", help="comma-separated subset of arms to run")
+    parser.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+
+
+@dataclass
+class Arm:
+    name: str
+    url: str
+    pid: int | None  # the process whose tree's CPU is counted; None for direct
+    figures: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, key: str, value: float) -> None:
+        self.figures.setdefault(key, []).append(value)
+
+    def median(self, key: str) -> float:
+        values = self.figures.get(key, [])
+        return statistics.median(values) if values else float("nan")
+
+
+def _pinned(
+    core: int, cmd: list[str], env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    prefix = ["taskset", "-c", str(core)] if shutil.which("taskset") else []
+    return subprocess.Popen(
+        [*prefix, *cmd], env={**os.environ, **(env or {})},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def _uvicorn(target: str, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "uvicorn", target, "--port", str(port), "--loop", "uvloop",
+        "--http", "httptools", "--log-level", "warning", "--no-access-log",
+    ]  # fmt: skip
+
+
+def _spillgate_config(backend_url: str, path: Path) -> None:
+    config = {
+        "tenants": [
+            {
+                "name": "bench",
+                "key_sha256": hashlib.sha256(KEY.encode()).hexdigest(),
+                "requests_per_minute": 100_000_000,
+                "tokens_per_minute": 1_000_000_000,
+            }
+        ],
+        "pools": [
+            {
+                "name": "bench",
+                "backends": [{"url": backend_url, "served_model": "bench-model",
+                              "capacity": 1_000_000_000}],
+                "overflow": ["reject"],
+            }
+        ],
+    }  # fmt: skip
+    path.write_text(yaml.safe_dump(config))
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of `pid` and all its descendants."""
+    children: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(entry.name)] = fields
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    total, stack = 0.0, [pid]
+    while stack:
+        p = stack.pop()
+        if p in stats:
+            total += (int(stats[p][11]) + int(stats[p][12])) / CLK_TCK
+        stack += children.get(p, [])
+    return total
+
+
+def _wrk(url: str, connections: int, seconds: float, script: Path) -> dict[str, Any]:
+    cmd = ["taskset", "-c", "1", "wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s",
+           "--latency", "-s", str(script), f"{url}/v1/chat/completions"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 30, check=True)
+    line = [row for row in out.stdout.splitlines() if row.startswith("{")][-1]
+    result: dict[str, Any] = orjson.loads(line)
+    return result
+
+
+def _stream(url: str, *, concurrency: int, seconds: float, gap_ms: float) -> dict[str, Any]:
+    cmd = ["taskset", "-c", "1", sys.executable, "-m", "loadtest.bench_stream",
+           f"{url}/v1/chat/completions", "--key", KEY, "--concurrency", str(concurrency),
+           "--seconds", str(seconds), "--gap-ms", str(gap_ms)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, timeout=seconds + 60, check=True)
+    result: dict[str, Any] = orjson.loads(out.stdout)
+    return result
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def measure(arm: Arm, *, seconds: float, script: Path) -> None:
+    one = _wrk(arm.url, 1, seconds, script)
+    arm.add("c1_p50_ms", one["p50_us"] / 1000)
+    arm.add("c1_p99_ms", one["p99_us"] / 1000)
+    for level in LEVELS[1:]:
+        cpu0 = _tree_cpu_s(arm.pid) if arm.pid else 0.0
+        run = _wrk(arm.url, level, seconds, script)
+        rps = run["requests"] / (run["duration_us"] / 1e6)
+        arm.add(f"c{level}_rps", rps)
+        arm.add(f"c{level}_p99_ms", run["p99_us"] / 1000)
+        arm.add(f"c{level}_errors", run["errors"] + run["non2xx"])
+        if level == 64 and arm.pid:
+            arm.add("cpu_s_per_1k", (_tree_cpu_s(arm.pid) - cpu0) / run["requests"] * 1000)
+    gapped = _stream(arm.url, concurrency=8, seconds=seconds, gap_ms=2.0)
+    arm.add("stream_ttft_p50_ms", _pct(gapped["ttft"], 0.5) * 1000)
+    arm.add("stream_gap_p99_ms", _pct(gapped["gap"], 0.99) * 1000)
+    fast = _stream(arm.url, concurrency=16, seconds=seconds, gap_ms=0.0)
+    arm.add("stream_chunks_per_s", fast["chunks_per_s"])
+
+
+@contextlib.contextmanager
+def _arms(args: argparse.Namespace, backend: str, tmp: Path) -> Iterator[list[Arm]]:
+    wanted = set(args.arms.split(",")) if args.arms else None
+    procs: list[subprocess.Popen[bytes]] = []
+    arms = [Arm("direct", backend, None)]
+    redis = None
+    try:
+        port = free_port()
+        procs.append(_pinned(0, _uvicorn("loadtest.bench_apps:relay", port),
+                             {"BENCH_UPSTREAM": backend}))  # fmt: skip
+        arms.append(Arm("raw relay", f"http://127.0.0.1:{port}", procs[-1].pid))
+        config = tmp / "spillgate.yaml"
+        _spillgate_config(backend, config)
+        serve = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(config),
+                 "--log-level", "warning"]  # fmt: skip
+        port = free_port()
+        procs.append(_pinned(0, [*serve, "--port", str(port)]))
+        arms.append(Arm("spillgate", f"http://127.0.0.1:{port}", procs[-1].pid))
+        redis = RedisProcess().start()
+        port = free_port()
+        procs.append(_pinned(0, [*serve, "--port", str(port), "--redis", redis.url]))
+        arms.append(Arm("spillgate+redis", f"http://127.0.0.1:{port}", procs[-1].pid))
+        if args.with_litellm:
+            proc, url = litellm_arm(backend, tmp)
+            procs.append(proc)
+            arms.append(Arm("litellm", url, proc.pid))
+        for arm, proc in zip(arms[1:], procs, strict=True):
+            try:
+                wait_for_port(int(arm.url.rsplit(":", 1)[1]), timeout=120)
+            except TimeoutError:
+                raise RuntimeError(f"{arm.name} did not start: {proc.args}") from None
+        yield [a for a in arms if wanted is None or a.name in wanted or a.name == "direct"]
+    finally:
+        for proc in procs:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        if redis is not None:
+            redis.close()
+
+
+def _table(arms: list[Arm]) -> str:
+    direct, raw = arms[0], next((a for a in arms if a.name == "raw relay"), None)
+    rows = [
+        ("added p50 @c1 (ms)", lambda a: a.median("c1_p50_ms") - direct.median("c1_p50_ms")),
+        ("added p99 @c1 (ms)", lambda a: a.median("c1_p99_ms") - direct.median("c1_p99_ms")),
+        ("req/s @c64", lambda a: a.median("c64_rps")),
+        ("req/s @c64 vs raw", lambda a: a.median("c64_rps") / raw.median("c64_rps") if raw else 0),
+        ("max req/s, added p99<5ms", lambda a: _rate_under(a, direct, 5.0)),
+        ("stream added TTFT p50 (ms)",
+         lambda a: a.median("stream_ttft_p50_ms") - direct.median("stream_ttft_p50_ms")),
+        ("stream added gap p99 (ms)",
+         lambda a: a.median("stream_gap_p99_ms") - direct.median("stream_gap_p99_ms")),
+        ("stream chunks/s", lambda a: a.median("stream_chunks_per_s")),
+        ("stream chunks/s vs raw",
+         lambda a: a.median("stream_chunks_per_s") / raw.median("stream_chunks_per_s")
+         if raw else 0),
+        ("CPU s / 1k req @c64", lambda a: a.median("cpu_s_per_1k")),
+        ("CPU vs raw", lambda a: a.median("cpu_s_per_1k") / raw.median("cpu_s_per_1k")
+         if raw else 0),
+    ]  # fmt: skip
+    width = max(len(r[0]) for r in rows) + 2
+    lines = ["".ljust(width) + "".join(a.name.rjust(16) for a in arms)]
+    for label, fn in rows:
+        cells = "".join(f"{fn(a):16.2f}" for a in arms)
+        lines.append(label.ljust(width) + cells)
+    return "\n".join(lines)
+
+
+def _rate_under(arm: Arm, direct: Arm, budget_ms: float) -> float:
+    best = 0.0
+    for level in LEVELS[1:]:
+        added = arm.median(f"c{level}_p99_ms") - direct.median(f"c{level}_p99_ms")
+        if added < budget_ms:
+            best = max(best, arm.median(f"c{level}_rps"))
+    return best
+
+
+def run(args: argparse.Namespace) -> int:
+    if not shutil.which("wrk"):
+        print("spillgate bench: needs wrk (Debian: apt-get install wrk)", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="spillgate-bench-") as tmpdir:
+        tmp = Path(tmpdir)
+        script = tmp / "post.lua"
+        script.write_text(WRK_SCRIPT % KEY)
+        port = free_port()
+        backend = _pinned(1, _uvicorn("loadtest.bench_apps:backend", port))
+        try:
+            wait_for_port(port)
+            url = f"http://127.0.0.1:{port}"
+            with _arms(args, url, tmp) as arms:
+                for rep in range(args.repeats):
+                    for arm in arms:
+                        print(f"round {rep + 1}/{args.repeats}: {arm.name}", file=sys.stderr)
+                        measure(arm, seconds=args.seconds, script=script)
+                print(f"cpus: {os.cpu_count()}, repeats: {args.repeats}, {args.seconds}s each")
+                print(_table(arms))
+                if args.json:
+                    data = {a.name: a.figures for a in arms}
+                    Path(args.json).write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
+        finally:
+            backend.terminate()
+            backend.wait(timeout=10)
+    return 0
