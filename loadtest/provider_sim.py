@@ -11,6 +11,7 @@ Control and inspection endpoints (loopback test tooling, no key needed):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import math
 import random
@@ -94,6 +95,14 @@ def _openai_error(message: str, *, error_type: str, code: str | None = None) -> 
     return orjson.dumps(
         {"error": {"message": message, "type": error_type, "param": None, "code": code}}
     )
+
+
+async def _client_left_during(seconds: float, gone: asyncio.Event) -> bool:
+    """Wait `seconds`, or less if the client leaves; True when it left."""
+    if seconds > 0:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(gone.wait(), timeout=seconds)
+    return gone.is_set()
 
 
 def _rate_limited_body(verdict: Verdict, model: str, limits: ProviderLimits, tokens: int) -> bytes:
@@ -253,16 +262,17 @@ class ProviderEndpoint:
             if req.stream:
                 await self._stream(req, model, send, gone)
             else:
-                await self._complete(req, model, send)
+                await self._complete(req, model, send, gone)
         finally:
             watcher.cancel()
-        if gone.is_set() and req.stream:
+        if gone.is_set():
             self._state.aborted += 1
 
-    async def _complete(self, req: SimRequest, model: str, send: Send) -> None:
+    async def _complete(self, req: SimRequest, model: str, send: Send, gone: asyncio.Event) -> None:
         config = self._config
         latency = config.first_token_latency_s + req.max_tokens * config.token_latency_s
-        await asyncio.sleep(latency + self._extra_delay())
+        if await _client_left_during(latency + self._extra_delay(), gone):
+            return
         body = full_response(
             kind=self._kind,
             model=model,
@@ -276,8 +286,7 @@ class ProviderEndpoint:
 
     async def _stream(self, req: SimRequest, model: str, send: Send, gone: asyncio.Event) -> None:
         config = self._config
-        await asyncio.sleep(config.first_token_latency_s + self._extra_delay())
-        if gone.is_set():
+        if await _client_left_during(config.first_token_latency_s + self._extra_delay(), gone):
             return
         frame = StreamFrame(
             kind=self._kind,
