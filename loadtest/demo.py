@@ -169,5 +169,7 @@ def run(args: argparse.Namespace) -> int:
         )
         server = uvicorn.Server(config)
         print(_banner(args.host, args.port, api_key, admin), flush=True)
-        server.run()
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
+    print("Spillgate demo stopped.", flush=True)
     return 0
