@@ -15,7 +15,7 @@ import contextlib
 import hmac
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import orjson
 from starlette.applications import Starlette
@@ -25,11 +25,19 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from gateway.clock import Clock, SystemClock
-from loadtest.sim_asgi import ClientGone, read_body, send_json, wait_disconnect
+from loadtest.sim_asgi import (
+    ClientGone,
+    read_body,
+    send_chunk,
+    send_json,
+    start_sse,
+    wait_disconnect,
+)
 from loadtest.sim_protocol import Limits, SimRequest, SimRequestError, parse_request
+from loadtest.sim_provider_state import ProviderState, admin_routes
 from loadtest.sim_ratelimit import ProviderLimits, Verdict
 from loadtest.sim_tokens import FillerText
-from loadtest.sim_wire import SSE_CONTENT_TYPE, Kind, StreamFrame, full_response
+from loadtest.sim_wire import Kind, StreamFrame, full_response
 
 FINGERPRINT = "fp_sim_provider"
 DEFAULT_API_KEY = "sk-sim-provider"
@@ -39,6 +47,14 @@ MAX_AUTHORIZATIONS_KEPT = 64
 
 @dataclass(frozen=True, kw_only=True)
 class ProviderConfig:
+    """One simulated provider account.
+
+    Requests take 1 from the requests/min bucket and prompt + max_tokens from the
+    tokens/min bucket, both or neither. A non-streamed answer arrives after
+    first_token_latency_s + max_tokens x token_latency_s; a stream sends its first token
+    after first_token_latency_s and the rest at token_latency_s each.
+    """
+
     api_key: str = DEFAULT_API_KEY
     models: tuple[str, ...] = ()  # served names; empty accepts any name
     requests_per_minute: int = 600
@@ -60,35 +76,6 @@ class ProviderConfig:
             raise ValueError("latencies cannot be negative")
         if not 0 <= self.fail_rate <= 1:
             raise ValueError("fail_rate must be in [0, 1]")
-
-
-@dataclass(kw_only=True)
-class ProviderState:
-    requests: int = 0
-    by_status: dict[int, int] = field(default_factory=dict)
-    last_headers: dict[str, str] = field(default_factory=dict)
-    authorizations: list[str] = field(default_factory=list)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    aborted: int = 0
-    fail_status: int = 500
-    fail_count: int = 0
-    delay_s: float = 0.0
-    delay_count: int = 0
-
-    def record(self, status: int) -> None:
-        self.by_status[status] = self.by_status.get(status, 0) + 1
-
-    def snapshot(self) -> dict[str, object]:
-        return {
-            "requests": self.requests,
-            "by_status": {str(k): v for k, v in sorted(self.by_status.items())},
-            "last_headers": self.last_headers,
-            "authorizations_seen": self.authorizations,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "aborted": self.aborted,
-        }
 
 
 def _openai_error(message: str, *, error_type: str, code: str | None = None) -> bytes:
@@ -295,8 +282,7 @@ class ProviderEndpoint:
             include_usage=req.include_usage,
             fingerprint=FINGERPRINT,
         )
-        headers = [(b"content-type", SSE_CONTENT_TYPE), *self._limits.headers()]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await start_sse(send, self._limits.headers())
         per_token, total = config.token_latency_s, req.max_tokens
         loop = asyncio.get_running_loop()
         started_at = loop.time()
@@ -309,61 +295,13 @@ class ProviderEndpoint:
             body = head + frame.tokens(sent, due, finish_reason=req.finish_reason if done else None)
             if done:
                 body += frame.end(prompt_tokens=req.prompt_tokens, completion_tokens=total)
-            await send({"type": "http.response.body", "body": body, "more_body": not done})
+            await send_chunk(send, body, last=done)
             sent, head = due, b""
             if done:
                 return
             await asyncio.sleep(max(per_token, MIN_TICK_S))
             if gone.is_set():
                 return
-
-
-async def _json_object(request: Request) -> dict[str, object]:
-    try:
-        body = orjson.loads(await request.body() or b"{}")
-    except orjson.JSONDecodeError:
-        body = None
-    return body if isinstance(body, dict) else {}
-
-
-def _count(body: dict[str, object], default: int = 1) -> int:
-    value = body.get("count", default)
-    return value if isinstance(value, int) and value >= 0 else default
-
-
-def _admin_routes(state: ProviderState, limits: ProviderLimits) -> list[Route]:
-    async def stats(request: Request) -> Response:
-        return Response(orjson.dumps(state.snapshot()), media_type="application/json")
-
-    async def fail(request: Request) -> Response:
-        body = await _json_object(request)
-        status = body.get("status", 500)
-        if not isinstance(status, int) or not 400 <= status <= 599:
-            return JSONResponse({"error": "status must be an HTTP error code"}, status_code=400)
-        state.fail_status, state.fail_count = status, _count(body)
-        return JSONResponse({"status": status, "count": state.fail_count})
-
-    async def delay(request: Request) -> Response:
-        body = await _json_object(request)
-        seconds = body.get("seconds", 0.0)
-        if not isinstance(seconds, int | float) or seconds < 0:
-            return JSONResponse({"error": "seconds must be a non-negative number"}, status_code=400)
-        state.delay_s, state.delay_count = float(seconds), _count(body)
-        return JSONResponse({"seconds": state.delay_s, "count": state.delay_count})
-
-    async def reset(request: Request) -> Response:
-        fresh = ProviderState()
-        for name in state.__dataclass_fields__:
-            setattr(state, name, getattr(fresh, name))
-        limits.refill()
-        return JSONResponse({"reset": True})
-
-    return [
-        Route("/sim/stats", stats, methods=["GET"]),
-        Route("/sim/fail", fail, methods=["POST"]),
-        Route("/sim/delay", delay, methods=["POST"]),
-        Route("/sim/reset", reset, methods=["POST"]),
-    ]
 
 
 def create_provider_app(config: ProviderConfig, *, clock: Clock | None = None) -> Starlette:
@@ -397,6 +335,6 @@ def create_provider_app(config: ProviderConfig, *, clock: Clock | None = None) -
         Route("/v1/chat/completions", endpoint(Kind.CHAT), methods=["POST"]),
         Route("/v1/completions", endpoint(Kind.COMPLETION), methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
-        *_admin_routes(state, limits),
+        *admin_routes(state, limits),
     ]
     return Starlette(routes=routes)

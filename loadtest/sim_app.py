@@ -19,7 +19,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from loadtest.sim_asgi import ClientGone, read_body, send_json, wait_disconnect
+from loadtest.sim_asgi import (
+    ClientGone,
+    read_body,
+    send_chunk,
+    send_json,
+    start_sse,
+    wait_disconnect,
+)
 from loadtest.sim_config import ResolvedSim, SimConfig, resolve
 from loadtest.sim_engine import Engine, LiveSequence
 from loadtest.sim_metrics import SimMetrics
@@ -27,19 +34,11 @@ from loadtest.sim_protocol import Limits, SimRequest, SimRequestError, parse_req
 from loadtest.sim_scheduler import Scheduler, SchedulerLimits, SeqState
 from loadtest.sim_tokens import FillerText
 from loadtest.sim_wire import (
-    SSE_CONTENT_TYPE,
     Kind,
     StreamFrame,
     error_body,
     full_response,
 )
-
-_SSE_START = {
-    "type": "http.response.start",
-    "status": 200,
-    "headers": [(b"content-type", SSE_CONTENT_TYPE)],
-}
-_END_BODY = {"type": "http.response.body", "body": b"", "more_body": False}
 
 
 async def send_error(send: Send, exc: SimRequestError) -> None:
@@ -111,12 +110,15 @@ class CompletionsEndpoint:
         while True:
             await seq.progress.wait()
             seq.progress.clear()
-            if seq.state is SeqState.ABORTED:
-                await (send(_END_BODY) if started else send_error(send, _aborted()))
+            if seq.state is SeqState.ABORTED:  # client gone (writes are dropped) or shutdown
+                if started:
+                    await send_chunk(send, b"", last=True)
+                else:
+                    await send_error(send, _aborted())
                 return
             parts = []
             if not started:
-                await send(_SSE_START)
+                await start_sse(send)
                 started = True
                 if self._kind is Kind.CHAT:
                     parts.append(frame.role_chunk())
@@ -128,8 +130,7 @@ class CompletionsEndpoint:
                 sent = generated
             if finished:
                 parts.append(frame.end(prompt_tokens=req.prompt_tokens, completion_tokens=sent))
-            body = b"".join(parts)
-            await send({"type": "http.response.body", "body": body, "more_body": not finished})
+            await send_chunk(send, b"".join(parts), last=finished)
             if finished:
                 return
 
@@ -164,8 +165,8 @@ class CompletionsEndpoint:
         head = frame.role_chunk() if self._kind is Kind.CHAT else b""
         tokens = frame.tokens(0, req.max_tokens, finish_reason=req.finish_reason)
         end = frame.end(prompt_tokens=req.prompt_tokens, completion_tokens=req.max_tokens)
-        await send(_SSE_START)
-        await send({"type": "http.response.body", "body": head + tokens + end})
+        await start_sse(send)
+        await send_chunk(send, head + tokens + end, last=True)
 
 
 def _aborted() -> SimRequestError:

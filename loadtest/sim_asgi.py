@@ -5,6 +5,7 @@ from __future__ import annotations
 from starlette.types import Receive, Send
 
 JSON_CONTENT_TYPE = b"application/json"
+SSE_CONTENT_TYPE = b"text/event-stream; charset=utf-8"
 
 
 class ClientGone(Exception):
@@ -43,3 +44,12 @@ async def send_json(
     ]
     await send({"type": "http.response.start", "status": status, "headers": all_headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def start_sse(send: Send, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    all_headers = [(b"content-type", SSE_CONTENT_TYPE), *(headers or [])]
+    await send({"type": "http.response.start", "status": 200, "headers": all_headers})
+
+
+async def send_chunk(send: Send, body: bytes, *, last: bool = False) -> None:
+    await send({"type": "http.response.body", "body": body, "more_body": not last})

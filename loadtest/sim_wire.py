@@ -18,7 +18,6 @@ from loadtest.sim_tokens import FillerText
 
 SYSTEM_FINGERPRINT = "vllm-0.32.0-sim"
 DONE = b"data: [DONE]\n\n"
-SSE_CONTENT_TYPE = b"text/event-stream; charset=utf-8"
 
 
 class Kind(StrEnum):
