@@ -52,6 +52,7 @@ class Engine:
         self._flush_interval = flush_interval_s
         self._on_first_token = on_first_token
         self._wake = asyncio.Event()
+        self.stopped = False
 
     def step_seconds(self, step: Step[LiveSequence]) -> float:
         cost = self._cost
@@ -60,6 +61,8 @@ class Engine:
         )
 
     def submit(self, seq: LiveSequence) -> None:
+        if self.stopped:
+            raise RuntimeError("the engine loop has stopped")
         seq.arrived = asyncio.get_running_loop().time()
         self.scheduler.add(seq)
         self._wake.set()
@@ -75,6 +78,15 @@ class Engine:
             self.abort(seq)
 
     async def run(self) -> None:
+        """Step until cancelled; if stepping ever fails, every reader is released first."""
+        try:
+            await self._run()
+        except Exception:
+            self.stopped = True
+            self.close()
+            raise
+
+    async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         target = yield_at = loop.time()
         while True:

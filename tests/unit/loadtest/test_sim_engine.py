@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 
+from gateway.capacity.perf import StepCost
 from loadtest.sim_config import DEFAULT_STEP_COST
 from loadtest.sim_engine import Engine, LiveSequence
 from loadtest.sim_scheduler import Scheduler, SchedulerLimits, SeqState, Step
@@ -101,3 +102,29 @@ def test_close_aborts_everything_so_every_reader_returns() -> None:
         return [s.state for s in seqs]
 
     assert asyncio.run(main()) == [SeqState.ABORTED] * 3
+
+
+class BrokenCost(StepCost):
+    def decode_step_s(self, batch_kv_tokens: int) -> float:
+        raise ArithmeticError("cost model broke")
+
+
+def test_a_failing_engine_releases_its_readers_and_refuses_new_work() -> None:
+    async def main() -> tuple[SeqState, bool]:
+        cost = BrokenCost(**DEFAULT_STEP_COST.__dict__)
+        e = Engine(
+            scheduler=Scheduler(SchedulerLimits(num_blocks=8)),
+            step_cost=cost,
+            speed=1.0,
+            flush_interval_s=0.0,
+            on_first_token=lambda _: None,
+        )
+        seq = LiveSequence(prompt_tokens=16, max_tokens=4, streaming=True)
+        e.submit(seq)
+        with pytest.raises(ArithmeticError):
+            await e.run()
+        with pytest.raises(RuntimeError):
+            e.submit(LiveSequence(prompt_tokens=16, max_tokens=4, streaming=True))
+        return seq.state, seq.progress.is_set()
+
+    assert asyncio.run(main()) == (SeqState.ABORTED, True)
