@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     replica.add_argument("--kv-tokens", type=int, help="KV-cache budget in tokens")
     replica.add_argument("--block-size", type=int, default=16)
     replica.add_argument("--max-model-len", type=int)
-    replica.add_argument("--max-num-seqs", type=int, default=256)
+    replica.add_argument(
+        "--max-num-seqs", type=int, help="default: the catalog's with --gpu, else 256"
+    )
     replica.add_argument("--max-num-batched-tokens", type=int, default=8192)
     replica.add_argument("--default-max-tokens", type=int, default=256)
     replica.add_argument("--speed", type=float, default=1.0, help="10 = ten times real time")

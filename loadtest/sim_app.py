@@ -209,7 +209,7 @@ def create_sim_app(config: SimConfig) -> Starlette:
         SchedulerLimits(
             num_blocks=resolved.num_blocks,
             block_size=resolved.block_size,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=resolved.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
     )

@@ -21,6 +21,7 @@ DEFAULT_STEP_COST = StepCost(
 DEFAULT_GPU_MEMORY_BYTES = 80 * GIB
 ACTIVATION_RESERVE_BYTES = 1 * GIB  # what vLLM's profiling run keeps back for activations
 DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default on smaller GPUs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +44,7 @@ class SimConfig:
     kv_tokens: int | None = None
     block_size: int = 16
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None  # None: the catalog profile's with --gpu, else 256
     max_num_batched_tokens: int = 8192
     default_max_tokens: int = 256
     speed: float = 1.0
@@ -59,7 +60,7 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.speed <= 0:
             raise ValueError("speed must be positive")
-        if min(self.block_size, self.max_num_seqs, self.default_max_tokens) < 1:
+        if min(self.block_size, self.max_num_seqs or 1, self.default_max_tokens) < 1:
             raise ValueError("block_size, max_num_seqs and default_max_tokens must be positive")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be positive")
@@ -79,6 +80,7 @@ class ResolvedSim:
     block_size: int
     max_model_len: int
     step_cost: StepCost
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
 
     @property
     def kv_tokens(self) -> int:
@@ -94,7 +96,7 @@ def _default_num_blocks(config: SimConfig, cost: StepCost) -> int:
     return int(free // (cost.kv_bytes_per_token_per_rank * config.block_size))
 
 
-def _catalog(config: SimConfig) -> tuple[int, StepCost, int | None]:
+def _catalog(config: SimConfig) -> tuple[int, StepCost, int | None, int | None]:
     from gateway.capacity import replica_profile
 
     profile = replica_profile(
@@ -106,13 +108,14 @@ def _catalog(config: SimConfig) -> tuple[int, StepCost, int | None]:
         max_model_len=config.max_model_len,
         block_size=config.block_size,
     )
-    return profile.num_gpu_blocks, profile.step_cost, profile.max_model_len
+    return profile.num_gpu_blocks, profile.step_cost, profile.max_model_len, profile.max_num_seqs
 
 
 def resolve(config: SimConfig) -> ResolvedSim:
     catalog_len: int | None = None
+    catalog_seqs: int | None = None
     if config.gpu is not None:
-        num_blocks, cost, catalog_len = _catalog(config)
+        num_blocks, cost, catalog_len, catalog_seqs = _catalog(config)
         cost = config.step_cost or cost
     else:
         cost = config.step_cost or DEFAULT_STEP_COST
@@ -133,4 +136,5 @@ def resolve(config: SimConfig) -> ResolvedSim:
         block_size=config.block_size,
         max_model_len=max_model_len,
         step_cost=cost,
+        max_num_seqs=config.max_num_seqs or catalog_seqs or DEFAULT_MAX_NUM_SEQS,
     )
