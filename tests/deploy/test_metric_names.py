@@ -82,6 +82,7 @@ def test_dashboard_covers_the_fleet_views(exported: set[str]) -> None:
         "spillgate_queue_wait_seconds_bucket", "spillgate_tokens_total",
         "spillgate_provider_cost_dollars_total", "spillgate_ratelimit_mode",
         "spillgate_ratelimit_store_errors_total", "spillgate_pool_fill_ratio",
+        "spillgate_ledger_mode", "spillgate_ledger_store_errors_total",
     }  # fmt: skip
     assert wanted <= queried, sorted(wanted - queried)
 
@@ -98,6 +99,7 @@ def test_alert_rules_query_only_exported_metrics(path: Path, exported: set[str])
     assert "provider|degraded|rejected" in alerts["SpillgateSpillRateHigh"]
     assert "spillgate_ratelimit_store_errors_total" in alerts["SpillgateRateLimitStoreErrors"]
     assert "spillgate_provider_breaker_open" in alerts["SpillgateProviderBreakerOpen"]
+    assert "spillgate_ledger_store_errors_total" in alerts["SpillgateLedgerStoreErrors"]
 
 
 def test_autoscaler_metrics_come_from_exported_series(exported: set[str]) -> None:
