@@ -1,0 +1,145 @@
+"""Run a schedule open-loop: each request leaves at its planned time, whatever came back.
+
+The dispatcher only sleeps until the next arrival and starts a task; responses are read by
+those tasks. How late each request left (its lag) is recorded, so a report can say when
+the generator itself, not the system under test, fell behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import resource
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from loadtest.loadgen_client import RequestShape, Result, send
+from loadtest.loadgen_http import ConnectionPool, Origin
+from loadtest.loadgen_progress import Progress
+from loadtest.loadgen_scrape import Sampler, Scraper
+from loadtest.loadgen_workload import PlannedRequest
+
+SCRAPE_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """Where a run goes: the gateway, or (for `--compare-direct`) backends with no gateway."""
+
+    label: str
+    urls: Sequence[str]  # requests go round-robin over these
+    keys: Mapping[str, str]  # tenant → API key; empty for a bare backend
+    shape: RequestShape
+    admin_token: str | None = None  # lets the sampler read the gateway's /admin/status
+    backend_urls: Sequence[str] = ()  # whose /metrics count preemptions
+    sample_queue_depth: bool = True
+
+
+@dataclass(kw_only=True)
+class RunData:
+    label: str
+    urls: Sequence[str]
+    model: str
+    duration_s: float  # the schedule's length
+    elapsed_s: float = 0.0  # until the last response ended
+    results: list[Result] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    sample_failures: int = 0
+    sampled: str = "none"  # where the samples came from: gateway | backends | none
+    preemptions: dict[str, dict[str, float | None]] = field(default_factory=dict)
+
+
+def raise_open_file_limit() -> int:
+    """Open loop needs a socket per request in flight; lift the soft limit to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            return hard
+    return soft
+
+
+async def _preemptions(client: httpx.AsyncClient, urls: Sequence[str]) -> dict[str, float | None]:
+    scraper = Scraper(client=client, backend_urls=urls)
+    states = await scraper.backends()
+    return {url: states[url]["preemptions"] if url in states else None for url in urls}
+
+
+async def _dispatch(
+    plans: Sequence[PlannedRequest],
+    target: Target,
+    pools: Sequence[ConnectionPool],
+    *,
+    t0: float,
+    progress: Progress | None,
+) -> list[Result]:
+    tasks: list[asyncio.Task[Result]] = []
+
+    async def one(plan: PlannedRequest, pool: ConnectionPool) -> Result:
+        if progress is not None:
+            progress.on_sent(time.perf_counter() - t0 - plan.at_s)
+        key = target.keys.get(plan.tenant)
+        result = await send(pool, plan, shape=target.shape, key=key, t0=t0)
+        if progress is not None:
+            progress.on_result(result)
+        return result
+
+    for plan in plans:
+        delay = t0 + plan.at_s - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        pool = pools[plan.index % len(pools)]
+        tasks.append(asyncio.create_task(one(plan, pool)))
+    return list(await asyncio.gather(*tasks))
+
+
+async def run_schedule(
+    plans: Sequence[PlannedRequest],
+    *,
+    target: Target,
+    duration_s: float,
+    progress: Progress | None = None,
+    sample_interval_s: float = 0.5,
+    lead_s: float = 0.05,
+) -> RunData:
+    """Send every planned request at its time; sample the fleet meanwhile."""
+    raise_open_file_limit()
+    data = RunData(
+        label=target.label, urls=target.urls, model=target.shape.model, duration_s=duration_s
+    )
+    pools = [ConnectionPool(Origin.parse(url)) for url in target.urls]
+    async with httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S) as client:
+        before = await _preemptions(client, target.backend_urls)
+        scraper = Scraper(
+            client=client,
+            gateway_url=target.urls[0] if target.admin_token else None,
+            admin_token=target.admin_token,
+            backend_urls=() if target.admin_token else target.backend_urls,
+            with_queue_depth=target.sample_queue_depth,
+        )
+        sampler = Sampler(scraper=scraper, interval_s=sample_interval_s)
+        t0 = time.perf_counter() + lead_s
+        background = [asyncio.create_task(sampler.run(t0))]
+        if progress is not None:
+            background.append(asyncio.create_task(progress.run()))
+        try:
+            data.results = await _dispatch(plans, target, pools, t0=t0, progress=progress)
+            data.elapsed_s = time.perf_counter() - t0
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            for pool in pools:
+                await pool.close()
+        after = await _preemptions(client, target.backend_urls)
+    data.samples, data.sample_failures = sampler.points, sampler.failures
+    if target.admin_token or target.backend_urls:
+        data.sampled = "gateway" if target.admin_token else "backends"
+    data.preemptions = {
+        url: {"before": before[url], "after": after[url]} for url in target.backend_urls
+    }
+    return data

@@ -1,0 +1,151 @@
+"""What the load generator reads off the gateway and the backends while a run goes on.
+
+From the gateway: `/admin/status` (tokens in flight, capacity and limit per backend) and
+`/metrics` (queue depth per pool). From a vLLM backend: `/metrics` (KV-cache use, queue,
+preemptions). Every call has a short timeout; a failed scrape is skipped, not fatal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+PREEMPTIONS = "vllm:num_preemptions_total"
+
+
+def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Prometheus text format → (name, labels, value) for every sample line."""
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if match is None:
+            continue
+        name, labels, value = match.groups()
+        with contextlib.suppress(ValueError):
+            out.append((name, dict(_LABEL.findall(labels or "")), float(value)))
+    return out
+
+
+def metric_sum(samples: Sequence[tuple[str, dict[str, str], float]], name: str) -> float | None:
+    values = [v for n, _, v in samples if n == name]
+    return sum(values) if values else None
+
+
+def backend_state(text: str) -> dict[str, float]:
+    """A vLLM backend's load: KV tokens in use and held, requests running and waiting."""
+    samples = parse_metrics(text)
+    info = [labels for n, labels, _ in samples if n == "vllm:cache_config_info"]
+    capacity = 0.0
+    if info and info[0].get("num_gpu_blocks", "").isdigit():
+        capacity = float(info[0]["num_gpu_blocks"]) * float(info[0].get("block_size", "16"))
+    usage = metric_sum(samples, "vllm:kv_cache_usage_perc") or 0.0
+    return {
+        "capacity": capacity,
+        "in_flight": usage * capacity,
+        "running": metric_sum(samples, "vllm:num_requests_running") or 0.0,
+        "waiting": metric_sum(samples, "vllm:num_requests_waiting") or 0.0,
+        "preemptions": metric_sum(samples, PREEMPTIONS) or 0.0,
+    }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scraper:
+    """Reads one gateway (when an admin token is given) or bare backends."""
+
+    client: httpx.AsyncClient
+    gateway_url: str | None = None
+    admin_token: str | None = None
+    backend_urls: Sequence[str] = ()
+    with_queue_depth: bool = True  # one more call per sample: the gateway's /metrics
+
+    async def status(self) -> dict[str, Any]:
+        assert self.gateway_url is not None
+        headers = {"authorization": f"Bearer {self.admin_token}"}
+        response = await self.client.get(f"{self.gateway_url}/admin/status", headers=headers)
+        response.raise_for_status()
+        data: dict[str, Any] = response.json()
+        return data
+
+    async def queue_depth(self) -> dict[str, float]:
+        assert self.gateway_url is not None
+        response = await self.client.get(f"{self.gateway_url}/metrics")
+        response.raise_for_status()
+        return {
+            labels.get("pool", ""): value
+            for name, labels, value in parse_metrics(response.text)
+            if name == "spillgate_queue_depth"
+        }
+
+    async def backend(self, url: str) -> dict[str, float]:
+        response = await self.client.get(f"{url.rstrip('/')}/metrics")
+        response.raise_for_status()
+        return backend_state(response.text)
+
+    async def backends(self) -> dict[str, dict[str, float]]:
+        states = await asyncio.gather(
+            *(self.backend(u) for u in self.backend_urls), return_exceptions=True
+        )
+        return {
+            url: state
+            for url, state in zip(self.backend_urls, states, strict=True)
+            if isinstance(state, dict)
+        }
+
+    async def sample(self) -> dict[str, Any]:
+        """One point in time: per backend tokens in flight and capacity, per pool queue."""
+        point: dict[str, Any] = {"backends": {}, "queue_depth": {}}
+        if self.gateway_url is not None and self.admin_token:
+            if self.with_queue_depth:
+                status, point["queue_depth"] = await asyncio.gather(
+                    self.status(), self.queue_depth()
+                )
+            else:
+                status = await self.status()
+            for pool in status["pools"]:
+                for b in pool["backends"]:
+                    point["backends"][b["name"]] = {
+                        "pool": pool["name"],
+                        "in_flight": b["tokens_in_flight"],
+                        "limit": b["limit_tokens"],
+                        "capacity": b["capacity_tokens"],
+                        "sessions": b["active_sessions"],
+                    }
+        elif self.backend_urls:
+            point["backends"] = await self.backends()
+            point["queue_depth"] = {
+                url: state["waiting"] for url, state in point["backends"].items()
+            }
+        return point
+
+
+@dataclass(kw_only=True)
+class Sampler:
+    """Samples a Scraper every `interval_s` for as long as it runs."""
+
+    scraper: Scraper
+    interval_s: float = 0.5
+    points: list[dict[str, Any]] = field(default_factory=list)
+    failures: int = 0
+
+    async def run(self, t0: float) -> None:
+        while True:
+            started = time.perf_counter()
+            try:
+                point = await self.scraper.sample()
+            except (httpx.HTTPError, KeyError, ValueError):
+                self.failures += 1
+            else:
+                point["t"] = round(max(0.0, started - t0), 3)
+                self.points.append(point)
+            await asyncio.sleep(max(0.0, self.interval_s - (time.perf_counter() - started)))

@@ -1,0 +1,157 @@
+"""What each scheduled request asks for: tenant, prompt and output lengths, stream or not.
+
+Length distributions are written as `KIND:ARGS`: `fixed:128` (or just `128`),
+`uniform:64:512`, `normal:MEAN:SD`, `lognormal:MEDIAN:SIGMA`, `exponential:MEAN`.
+Draws are whole tokens, at least 1 and at most the distribution's `cap`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+# The simulator (and vLLM's chat template, roughly) counts ceil(chars / 4) per message plus
+# 4 per message and 3 per prompt; this is the fixed part for one user message.
+PROMPT_OVERHEAD_TOKENS = 7
+CHARS_PER_TOKEN = 4
+_WORDS = ("lorem", "ipsum", "dolor", "sitam", "conse", "adipi", "elits", "seddo", "eiusm")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LengthDist:
+    kind: str
+    a: float
+    b: float = 0.0
+    cap: int = 32_768
+
+    @classmethod
+    def parse(cls, spec: str, *, cap: int = 32_768) -> LengthDist:
+        kind, _, rest = spec.partition(":")
+        if not rest and kind.replace(".", "", 1).isdigit():
+            kind, rest = "fixed", kind
+        args = [float(x) for x in rest.split(":")] if rest else []
+        need = {"fixed": 1, "exponential": 1, "uniform": 2, "normal": 2, "lognormal": 2}
+        if kind not in need:
+            raise ValueError(f"unknown length distribution {spec!r} (known: {', '.join(need)})")
+        if len(args) != need[kind] or any(x < 0 for x in args):
+            raise ValueError(f"{spec!r}: {kind} takes {need[kind]} non-negative number(s)")
+        return cls(kind=kind, a=args[0], b=args[1] if len(args) > 1 else 0.0, cap=cap)
+
+    def mean(self) -> float:
+        if self.kind == "uniform":
+            return (self.a + self.b) / 2
+        if self.kind == "lognormal":
+            return self.a * math.exp(self.b * self.b / 2)
+        return self.a
+
+    def draw(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            value = self.a
+        elif self.kind == "uniform":
+            value = rng.uniform(self.a, self.b)
+        elif self.kind == "normal":
+            value = rng.gauss(self.a, self.b)
+        elif self.kind == "lognormal":
+            value = rng.lognormvariate(math.log(max(self.a, 1e-9)), self.b)
+        else:
+            value = rng.expovariate(1.0 / max(self.a, 1e-9))
+        return max(1, min(self.cap, round(value)))
+
+    def __str__(self) -> str:
+        if self.kind in ("fixed", "exponential"):
+            return f"{self.kind}:{self.a:g}"
+        return f"{self.kind}:{self.a:g}:{self.b:g}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TenantKey:
+    name: str
+    key: str
+
+    @classmethod
+    def parse_all(cls, specs: Sequence[str]) -> list[TenantKey]:
+        """`KEY` or `NAME=KEY`, one per tenant; unnamed tenants are t0, t1, ..."""
+        out = []
+        for i, spec in enumerate(specs):
+            name, sep, key = spec.partition("=")
+            out.append(cls(name=name, key=key) if sep else cls(name=f"t{i}", key=spec))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    model: str
+    prompt_tokens: LengthDist
+    output_tokens: LengthDist
+    tenants: Sequence[TenantKey]
+    stream_fraction: float = 1.0
+    repeat_fraction: float = 0.0  # share of requests drawn from a few fixed greedy prompts
+    repeat_prompts: int = 4
+    prime_repeats: bool = False  # send each fixed request first, so a cache holds its answer
+    endpoint: str = "chat"  # chat | completions
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannedRequest:
+    index: int
+    at_s: float
+    tenant: str
+    prompt_tokens: int
+    max_tokens: int
+    stream: bool
+    repeated: bool  # a fixed greedy prompt another request also sends (cacheable)
+    text: str
+
+
+def prompt_text(tokens: int, *, salt: str) -> str:
+    """About `tokens` prompt tokens as the simulator counts them; `salt` makes it unique."""
+    chars = max(1, tokens - PROMPT_OVERHEAD_TOKENS) * CHARS_PER_TOKEN
+    head = f"[{salt}] "
+    words: list[str] = []
+    size = len(head)
+    i = 0
+    while size < chars:
+        word = _WORDS[i % len(_WORDS)]
+        words.append(word)
+        size += len(word) + 1
+        i += 1
+    return (head + " ".join(words))[:chars]
+
+
+def _draw(rng: random.Random, workload: Workload, *, index: int, salt: str) -> PlannedRequest:
+    prompt = workload.prompt_tokens.draw(rng)
+    return PlannedRequest(
+        index=index,
+        at_s=0.0,
+        tenant=workload.tenants[rng.randrange(len(workload.tenants))].name,
+        prompt_tokens=prompt,
+        max_tokens=workload.output_tokens.draw(rng),
+        stream=rng.random() < workload.stream_fraction,
+        repeated=salt.startswith("repeat"),
+        text=prompt_text(prompt, salt=salt),
+    )
+
+
+def plan_requests(
+    times: Sequence[float], workload: Workload, *, seed: int = 0
+) -> list[PlannedRequest]:
+    """One request per arrival time. Repeated ones copy one of a few fixed requests whole
+    (tenant, prompt, lengths, stream flag), so a response cache can answer them."""
+    rng = random.Random(seed + 1)
+    fixed = [
+        _draw(rng, workload, index=-1, salt=f"repeat-{seed}-{i}")
+        for i in range(max(1, workload.repeat_prompts))
+    ]
+    plans = []
+    for index, at in enumerate(times):
+        if workload.prime_repeats and workload.repeat_fraction > 0 and index < len(fixed):
+            plans.append(replace(fixed[index], index=index, at_s=at))
+        elif rng.random() < workload.repeat_fraction:
+            template = fixed[rng.randrange(len(fixed))]
+            plans.append(replace(template, index=index, at_s=at))
+        else:
+            drawn = _draw(rng, workload, index=index, salt=f"req-{seed}-{index}")
+            plans.append(replace(drawn, at_s=at))
+    return plans

@@ -1,0 +1,134 @@
+"""`spillgate loadtest` against real servers on loopback: timings, outcomes, samples, reports."""
+
+import argparse
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadtest import generator
+from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
+from loadtest.harness import ServerThread
+from loadtest.sim_app import create_sim_app
+from loadtest.sim_config import SimConfig
+
+
+def loadtest(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    generator.add_arguments(parser)
+    return generator.run(parser.parse_args(argv))
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[ServerThread]:
+    config = SimConfig(model="m", kv_tokens=200_000, speed=20.0, max_num_seqs=1024)
+    with ServerThread(create_sim_app(config)) as server:
+        yield server
+
+
+def test_streams_and_plain_requests_are_timed_against_a_backend(
+    sim: ServerThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run.json"
+    rc = loadtest([
+        "--url", sim.url, "--model", "m", "--profile", "constant", "--rate", "40",
+        "--duration", "1", "--stream-fraction", "0.5", "--prompt-tokens", "50",
+        "--output-tokens", "12", "--backend", sim.url, "--sample-interval", "0.2",
+        "--json", str(out), "--no-progress",
+    ])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    run = data["runs"][0]
+    requests = run["requests"]
+    assert len(requests) == 40
+    assert {r["status"] for r in requests} == {200}
+    assert {r["outcome"] for r in requests} == {"served"}  # no gateway, no outcome header
+    assert all(r["completion_tokens"] == 12 and r["prompt_tokens"] == 50 for r in requests)
+    streams = [r for r in requests if r["stream"]]
+    plain = [r for r in requests if not r["stream"]]
+    assert streams and plain
+    assert all(r["ttft_s"] > 0 and r["itl_s"] is not None for r in streams)
+    assert all(r["ttft_s"] <= r["e2e_s"] for r in requests)
+    assert all(r["itl_s"] is None for r in plain)
+    summary = run["summary"]
+    assert summary["lag"]["kept_schedule"], summary["lag"]
+    assert summary["preemptions"]["total"] == 0
+    assert run["sampled"] == "backends" and run["samples"]
+    assert run["samples"][0]["backends"][sim.url]["capacity"] == 200_000
+    printed = capsys.readouterr().out
+    assert "served" in printed and "kept its schedule" in printed
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    sims = [SimConfig(model="m", kv_tokens=2000, speed=2.0) for _ in range(2)]
+    with run_fleet(
+        pools={"big": sims},
+        pool_options={"big": {"target_fill": 0.5, "overflow": ["reject"]}},
+        tenants={
+            "acme": {"requests_per_minute": 100_000},
+            "beta": {"requests_per_minute": 100_000},
+        },
+    ) as f:
+        yield f
+
+
+def _gateway_run(fleet: Fleet, tmp_path: Path, *extra: str) -> dict[str, Any]:
+    out = tmp_path / "run.json"
+    rc = loadtest([
+        "--url", fleet.url, "--model", "big", "--key", f"acme={fleet.keys['acme']}",
+        "--key", f"beta={fleet.keys['beta']}", "--admin-token", ADMIN_TOKEN,
+        "--profile", "spike", "--rate", "10", "--spike-factor", "6", "--spike-start", "0.3",
+        "--spike-duration", "0.7", "--duration", "1.5", "--prompt-tokens", "40",
+        "--output-tokens", "uniform:60:120", "--sample-interval", "0.1", "--json", str(out),
+        "--no-progress", *extra,
+    ])  # fmt: skip
+    assert rc == 0
+    data: dict[str, Any] = json.loads(out.read_text())
+    return data
+
+
+def test_a_spike_through_the_gateway_records_outcomes_and_fleet_samples(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    run = _gateway_run(fleet, tmp_path)["runs"][0]
+    requests = run["requests"]
+    outcomes = {r["outcome"] for r in requests}
+    assert outcomes == {"local", "rejected"}
+    assert {r["tenant"] for r in requests} == {"acme", "beta"}
+    refused = [r for r in requests if r["status"] == 503]
+    assert refused and all(int(r["retry_after"]) >= 1 for r in refused)
+    assert run["sampled"] == "gateway"
+    peaks = run["summary"]["peak_fill"]
+    assert set(peaks) == {"big-0", "big-1"}
+    assert all(0 < p["in_flight"] <= p["limit"] == 1000 for p in peaks.values()), peaks
+    assert "big" in run["samples"][-1]["queue_depth"] or run["samples"][-1]["queue_depth"] == {}
+    assert set(run["summary"]["preemptions"]["per_backend"]) == {
+        s.url for s in fleet.backends["big"]
+    }
+
+
+def test_compare_direct_replays_the_schedule_at_the_backends(
+    fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    urls = [s.url for s in fleet.backends["big"]]
+    html = tmp_path / "report.html"
+    data = _gateway_run(
+        fleet, tmp_path, "--compare-direct", urls[0], "--compare-direct", urls[1],
+        "--html", str(html),
+    )  # fmt: skip
+    gateway, direct = (r["summary"] for r in data["runs"])
+    assert gateway["requests"] == direct["requests"]
+    assert [r["at_s"] for r in data["runs"][0]["requests"]] == [
+        r["at_s"] for r in data["runs"][1]["requests"]
+    ]
+    assert direct["outcomes"].keys() == {"served"}  # nothing is refused without a gateway
+    assert direct["preemptions"]["total"] is not None
+    assert data["runs"][1]["sampled"] == "backends"
+    printed = capsys.readouterr().out
+    table = printed[printed.rindex("gateway  ") - 30 :]
+    assert "TTFT p99 ms" in table and "preemptions" in table
+    page = html.read_text()
+    assert 'id="comparison"' in page and "<script" not in page

@@ -1,0 +1,94 @@
+"""Run figures: percentiles, per outcome rows, goodput, lag verdict, series, the text table."""
+
+from typing import Any
+
+from loadtest.loadgen_client import Result
+from loadtest.loadgen_run import RunData
+from loadtest.loadgen_stats import LagVerdict, Slo, percentile, report, series, summarize
+from loadtest.loadgen_text import comparison_text, summary_text
+
+
+def result(i: int, outcome: str = "local", **kw: Any) -> Result:
+    base: dict[str, Any] = {
+        "index": i, "tenant": "t0", "at_s": i * 0.1, "sent_s": i * 0.1 + 0.001, "stream": True,
+        "repeated": False, "prompt_tokens": 10, "max_tokens": 20, "status": 200,
+        "outcome": outcome, "ttft_s": 0.05, "itl_s": 0.01, "e2e_s": 0.3, "completion_tokens": 20,
+    }  # fmt: skip
+    return Result(**(base | kw))
+
+
+def run(results: list[Result], **kw: Any) -> RunData:
+    return RunData(label="gateway", urls=["http://gw"], model="m", duration_s=2.0,
+                   elapsed_s=2.5, results=results, **kw)  # fmt: skip
+
+
+def test_percentile_is_nearest_rank() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile(range(1, 101), 99) == 99
+    assert percentile([5.0], 99) == 5.0
+
+
+def test_summary_rows_per_outcome_and_goodput_under_the_slo() -> None:
+    rs = [result(i) for i in range(10)]
+    rs += [result(10 + i, "queued", ttft_s=3.0) for i in range(5)]
+    rs += [result(15 + i, "rejected", status=503, ttft_s=None, itl_s=None,
+                  completion_tokens=0, retry_after="2") for i in range(3)]  # fmt: skip
+    rs.append(result(18, "rejected", status=503, ttft_s=None, completion_tokens=0))
+    s = summarize(run(rs), slo=Slo(ttft_s=1.0, itl_s=0.1), lag=LagVerdict())
+    assert list(s["outcomes"]) == ["local", "queued", "rejected"]
+    assert s["outcomes"]["local"]["count"] == 10
+    assert s["outcomes"]["local"]["ttft_p99_ms"] == 50.0
+    assert s["outcomes"]["queued"]["within_slo"] == 0
+    assert s["goodput"]["requests"] == 10
+    assert s["goodput"]["tokens_per_s"] == 10 * 20 / 2.5
+    assert s["missing_retry_after"] == 1
+    assert s["statuses"] == {"200": 15, "503": 4}
+    assert s["lag"]["kept_schedule"] is True
+
+
+def test_a_late_generator_is_reported_as_behind() -> None:
+    rs = [result(i, sent_s=i * 0.1 + (0.2 if i % 2 else 0.0)) for i in range(20)]
+    lag = summarize(run(rs), slo=Slo(), lag=LagVerdict(tolerance_s=0.02))["lag"]
+    assert lag["kept_schedule"] is False
+    assert lag["late_requests"] == 10
+    assert lag["p99_ms"] == 200.0
+    text = summary_text(summarize(run(rs), slo=Slo(), lag=LagVerdict()))
+    assert "FELL BEHIND" in text
+
+
+def test_series_buckets_by_arrival_and_stacks_to_the_arrival_rate() -> None:
+    rs = [result(i, "local" if i % 3 else "rejected", status=200 if i % 3 else 503)
+          for i in range(20)]  # fmt: skip
+    s = series(run(rs), bucket_s=0.5)
+    assert s["t"] == [0.25, 0.75, 1.25, 1.75]
+    for i, total in enumerate(s["arrivals_per_s"]):
+        assert total == sum(v[i] for v in s["outcomes_per_s"].values())
+    assert sum(s["arrivals_per_s"]) * 0.5 == 20
+
+
+def test_preemptions_are_the_difference_across_the_run() -> None:
+    data = run(
+        [result(0)],
+        preemptions={
+            "http://b0": {"before": 3.0, "after": 10.0},
+            "http://b1": {"before": None, "after": 1.0},
+        },
+    )
+    s = summarize(data, slo=Slo(), lag=LagVerdict())
+    assert s["preemptions"] == {"per_backend": {"http://b0": 7.0, "http://b1": None}, "total": 7.0}
+
+
+def test_report_holds_every_request_and_the_comparison_reads_side_by_side() -> None:
+    gateway = run([result(i) for i in range(4)])
+    direct = run(
+        [result(i, "served", ttft_s=2.0) for i in range(4)],
+        preemptions={"http://b0": {"before": 0.0, "after": 5.0}},
+    )
+    data = report([gateway, direct], slo=Slo(), lag=LagVerdict(), config={"model": "m"})
+    assert len(data["runs"][1]["requests"]) == 4
+    text = comparison_text(data["runs"][0]["summary"], data["runs"][1]["summary"])
+    lines = {line.split()[0] + (" " + line.split()[1] if "p99" in line else ""): line.split()
+             for line in text.splitlines()[2:]}  # fmt: skip
+    assert lines["TTFT p99"][-2:] == ["50.0", "2,000.0"]
+    assert lines["preemptions"][-2:] == ["-", "5"]
