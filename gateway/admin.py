@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 import orjson
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -104,7 +104,7 @@ class AdminEndpoints:
 
     async def prometheus(self, request: Request) -> Response:
         self.refresh_gauges()
-        return Response(generate_latest(self._metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(self._metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def status(self, request: Request) -> Response:
         try:

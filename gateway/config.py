@@ -130,6 +130,19 @@ class RateLimitSettings(_Model):
     cooldown_s: float = Field(5.0, gt=0)
 
 
+class LedgerSettings(_Model):
+    """The in-flight ledger shared through Redis (when a Redis URL is configured)."""
+
+    lease_ttl_s: float = Field(10.0, gt=0)  # a dead replica's reservations are freed within it
+    refresh_s: float = Field(0.2, gt=0)  # how often totals are read and due leases renewed
+
+    @model_validator(mode="after")
+    def _check(self) -> LedgerSettings:
+        if self.refresh_s * 3 > self.lease_ttl_s:
+            raise ValueError("refresh_s must be at most a third of lease_ttl_s")
+        return self
+
+
 class ServerSettings(_Model):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -142,6 +155,7 @@ class Settings(_Model):
     server: ServerSettings = ServerSettings()
     redis: RedisSettings = RedisSettings()
     ratelimit: RateLimitSettings = RateLimitSettings()
+    ledger: LedgerSettings = LedgerSettings()
     tenants: list[TenantSettings] = Field(min_length=1)
     pools: list[PoolSettings] = Field(min_length=1)
     providers: list[ProviderSettings] = Field(default_factory=list)

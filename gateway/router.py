@@ -81,8 +81,21 @@ class Router:
 
     async def release(self, reservation: Reservation) -> None:
         await self.ledger.release(reservation)
-        pool = self._backends[reservation.backend].pool
-        self._drain[pool].record(reservation.tokens)
+        self._freed(reservation.backend, reservation.tokens)
+
+    def released_elsewhere(self, backend: str, tokens: int) -> None:
+        """Capacity another replica gave back, heard through the shared ledger."""
+        if backend in self._backends:
+            self._freed(backend, tokens)
+
+    def wake_all(self) -> None:
+        """Call every listener for every pool: releases elsewhere may have gone unheard."""
+        for pool in self.pools:
+            for listener in self._listeners:
+                listener(pool)
+
+    def _freed(self, backend: str, tokens: int) -> None:
+        pool = self._backends[backend].pool
+        self._drain[pool].record(tokens)
         for listener in self._listeners:
             listener(pool)
-

@@ -1,0 +1,217 @@
+"""The shared in-flight ledger on a real redis-server: one budget, leases, drift, failover."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from gateway.clock import ManualClock, SystemClock
+from gateway.ledger import Reservation
+from gateway.ledger_redis import RedisLedger
+from loadtest.harness import RedisProcess
+
+TIMEOUT_S = 0.05
+MARGIN_S = 0.25  # slack for a loaded two-core machine on top of the time budget
+
+
+def client(redis_proc: RedisProcess, timeout_s: float = TIMEOUT_S) -> aioredis.Redis:
+    return aioredis.Redis.from_url(
+        redis_proc.url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+    )
+
+
+@asynccontextmanager
+async def replicas(
+    redis_proc: RedisProcess, count: int, **options: Any
+) -> AsyncIterator[list[RedisLedger]]:
+    """`count` ledgers, each with its own connection pool, as separate replicas have."""
+    opts: dict[str, Any] = {"clock": SystemClock(), "timeout_s": TIMEOUT_S, **options}
+    clients = [client(redis_proc, opts["timeout_s"]) for _ in range(count)]
+    ledgers = [RedisLedger(c, backends=["b0", "b1"], **opts) for c in clients]
+    try:
+        yield ledgers
+    finally:
+        for ledger in ledgers:
+            await ledger.close()
+        for c in clients:
+            await c.aclose()
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], *, within: float) -> float:
+    """Seconds until `check()` held; fails after `within`."""
+    started = time.monotonic()
+    while not await check():
+        assert time.monotonic() - started < within, "condition never held"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started
+
+
+def test_replicas_share_one_budget_and_never_go_past_it(redis_proc: RedisProcess) -> None:
+    async def scenario() -> None:
+        async with replicas(redis_proc, 3, timeout_s=2.0) as ledgers:
+            attempts = [
+                ledger.reserve("b0", 100, limit=1000) for ledger in ledgers for _ in range(20)
+            ]
+            granted = [r for r in await asyncio.gather(*attempts) if r is not None]
+            assert len(granted) == 10
+            for ledger in ledgers:
+                await ledger.refresh()
+                assert ledger.snapshot()["b0"] == (1000, 10)
+            owner = {
+                r.lease: ledger
+                for ledger in ledgers
+                for r in granted
+                if r.lease.startswith(ledger.replica_id)
+            }
+            for r in granted:
+                await owner[r.lease].release(r)
+                await owner[r.lease].release(r)  # twice: a no-op
+            stranger = Reservation("b0", 100, granted[0].lease)
+            await ledgers[0].release(stranger)  # not held here: a no-op as well
+            await ledgers[0].refresh()
+            assert ledgers[0].snapshot() == {"b0": (0, 0), "b1": (0, 0)}
+
+    asyncio.run(scenario())
+
+
+def test_a_dead_replicas_leases_expire_within_the_ttl(redis_proc: RedisProcess) -> None:
+    """A replica that stops renewing (kill -9) frees its tokens when its leases run out."""
+
+    async def scenario() -> None:
+        async with replicas(redis_proc, 2, lease_ttl_s=0.3, refresh_s=0.05) as (dead, alive):
+            held = await dead.reserve("b0", 700, limit=1000)
+            assert held is not None
+            await alive.start()
+            assert alive.tokens_in_flight("b0") == 700
+            assert await alive.reserve("b0", 400, limit=1000) is None
+
+            async def freed() -> bool:
+                return alive.tokens_in_flight("b0") == 0
+
+            await eventually(freed, within=0.3 + MARGIN_S)
+            assert await alive.reserve("b0", 400, limit=1000) is not None
+
+    asyncio.run(scenario())
+
+
+def test_the_holder_renews_its_leases_while_they_stream(redis_proc: RedisProcess) -> None:
+    async def scenario() -> None:
+        async with replicas(redis_proc, 2, lease_ttl_s=0.3, refresh_s=0.05) as (holder, other):
+            await holder.start()
+            held = await holder.reserve("b1", 250, limit=1000)
+            assert held is not None
+            await asyncio.sleep(1.0)  # three TTLs
+            await other.refresh()
+            assert other.snapshot()["b1"] == (250, 1)
+            await holder.release(held)
+            await other.refresh()
+            assert other.snapshot()["b1"] == (0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_totals_are_recounted_from_the_live_leases(redis_proc: RedisProcess) -> None:
+    """A total that went missing, negative or out of step is rebuilt from the leases."""
+
+    async def scenario() -> None:
+        async with replicas(redis_proc, 1) as (ledger,):
+            leases, tokens, meta = ledger.keys("b0")
+            first = await ledger.reserve("b0", 300, limit=1000)
+            second = await ledger.reserve("b0", 200, limit=1000)
+            assert first is not None and second is not None
+            admin = client(redis_proc)
+            for damage in (
+                admin.hset(meta, "total", -4000),
+                admin.hset(meta, "total", 999_999),
+                admin.zadd(leases, {"orphan": time.time() * 1000 + 60_000}),  # no tokens
+                admin.delete(meta),
+            ):
+                await damage
+                await ledger.refresh()
+                assert ledger.snapshot()["b0"] == (500, 2)
+            await admin.delete(meta)
+            third = await ledger.reserve("b0", 500, limit=1000)  # recounted before it fits
+            assert third is not None
+            assert ledger.snapshot()["b0"] == (1000, 3)
+            await ledger.release(third)
+            await admin.hset(tokens, "stray", 50)  # tokens without a lease
+            await ledger.release(first)
+            assert ledger.snapshot()["b0"] == (200, 1)
+            await ledger.release(second)
+            assert ledger.snapshot()["b0"] == (0, 0)
+            assert await admin.exists(tokens) == 0
+            await admin.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_dead_redis_fails_over_to_the_replica_share_and_recovers(
+    redis_proc: RedisProcess,
+) -> None:
+    async def scenario() -> None:
+        modes: list[str] = []
+        errors: list[None] = []
+        clock = ManualClock()
+        async with replicas(
+            redis_proc,
+            1,
+            clock=clock,
+            fallback_share=2,
+            on_mode_change=modes.append,
+            on_store_error=lambda: errors.append(None),
+        ) as (ledger,):
+            before = await ledger.reserve("b0", 300, limit=1000)
+            assert before is not None
+            redis_proc.stop()
+            started = time.monotonic()
+            refused = await ledger.reserve("b0", 300, limit=1000)  # 600 > 1000 / 2
+            assert time.monotonic() - started < TIMEOUT_S + MARGIN_S
+            assert refused is None
+            assert ledger.mode == "local"
+            during = await ledger.reserve("b0", 200, limit=1000)
+            assert during is not None
+            assert ledger.snapshot()["b0"] == (1000, 4)  # own 500 tokens × the share of 2
+            await ledger.release(before)  # Redis cannot hear it now: retried later
+            assert await ledger.refresh() is False
+            assert len(errors) == 2  # the failed reserve and the failed refresh only
+            redis_proc.start()  # empty: the restart lost every lease
+            assert await ledger.refresh() is True
+            assert modes == ["shared", "local", "shared"]
+            assert ledger.snapshot()["b0"] == (200, 1)  # restored from what is still held
+            admin = client(redis_proc)
+            assert await admin.zrange(ledger.keys("b0")[0], 0, -1) == [during.lease.encode()]
+            # just after recovery the share still caps admission, until all have restored
+            assert await ledger.reserve("b0", 400, limit=1000) is None
+            clock.advance(1.0)
+            assert await ledger.reserve("b0", 400, limit=1000) is not None
+            await admin.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_stalled_redis_costs_at_most_the_time_budget(redis_proc: RedisProcess) -> None:
+    """CLIENT PAUSE stalls every client of a live Redis: calls give up, nothing leaks."""
+
+    async def scenario() -> None:
+        async with replicas(redis_proc, 1, fallback_share=1) as (ledger,):
+            admin = aioredis.Redis.from_url(redis_proc.url, socket_timeout=5)
+            await admin.execute_command("CLIENT", "PAUSE", 600)
+            started = time.monotonic()
+            held = await asyncio.gather(*(ledger.reserve("b1", 100, limit=500) for _ in range(8)))
+            assert time.monotonic() - started < TIMEOUT_S + MARGIN_S
+            assert sum(r is not None for r in held) == 5
+            assert ledger.mode == "local"
+            for r in held:
+                if r is not None:
+                    await ledger.release(r)
+            await asyncio.sleep(0.7)
+            assert await ledger.refresh() is True
+            assert ledger.snapshot()["b1"] == (0, 0)
+            await admin.aclose()
+
+    asyncio.run(scenario())
