@@ -36,12 +36,26 @@ from gateway.workers import MULTIPROC_ENV, refresh_gauges
 from policies.base import PolicyDeps
 from policies.registry import answer_taps, build_chain, unknown_policies
 
+REDIS_POOL_SIZE = 64  # connections per process
+
 
 def _redis_client(settings: Settings, url: str) -> aioredis.Redis:
+    """One client per process, shared by the limiter, the ledger and the cache.
+
+    The pool blocks when every connection is busy: a burst larger than the pool waits its
+    turn within each call's time budget. redis-py's default pool instead fails the call at
+    once, which would push the limiter into its failure mode exactly when a spike arrives.
+    """
     timeout = settings.redis.timeout_ms / 1000
-    return aioredis.Redis.from_url(
-        url, socket_timeout=timeout, socket_connect_timeout=timeout, health_check_interval=30
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=REDIS_POOL_SIZE,
+        timeout=timeout,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        health_check_interval=30,
     )
+    return aioredis.Redis.from_pool(pool)
 
 
 def _limiter(

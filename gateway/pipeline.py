@@ -119,13 +119,17 @@ class CompletionsEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
+        last: Message | None = None
 
         async def tracked(message: Message) -> None:
-            nonlocal started
+            nonlocal started, last
             if message["type"] == "http.response.start":
                 started = True
-            elif watch is not None and not message.get("more_body", False):
-                watch.finished = True
+            elif not message.get("more_body", False):
+                if watch is not None:
+                    watch.finished = True
+                last = message  # held until the tenant's bucket is settled (see finally)
+                return
             await send(message)
 
         watch: DisconnectWatch | None = None
@@ -146,6 +150,10 @@ class CompletionsEndpoint:
         finally:
             if watch is not None:
                 watch.close()
+            if last is not None:
+                # only now does the client hold the whole response: its next request sees
+                # this one's refund in x-ratelimit-remaining-tokens
+                await send(last)
 
     async def _handle(self, scope: Scope, raw: bytes, send: Send, headers: dict[str, str]) -> None:
         d = self._d
@@ -205,24 +213,29 @@ class CompletionsEndpoint:
         headers.update(decision.headers())
         if decision.allowed:
             return decision
-        self._d.metrics.requests.labels(request.pool, tenant.name, Outcome.THROTTLED).inc()
+        error: SpillgateError
         if decision.reason == "store_unavailable":
-            raise LimiterUnavailable(
+            error = LimiterUnavailable(
                 "Rate limiting is unavailable and this gateway is configured to refuse meanwhile.",
                 retry_after=1.0,
             )
-        if decision.reason == "too_large":
-            raise Throttled(
+        elif decision.reason == "too_large":
+            # no Retry-After: waiting cannot help, and clients (openai's) honour x-should-retry
+            error = Throttled(
                 f"Request too large for tenant {tenant.name!r}: it needs "
-                f"{request.reserved_tokens} tokens but the tenant's budget holds at most "
-                f"{decision.limit_tokens} per minute. Lower max_tokens or shorten the prompt.",
-                retry_after=60.0,
+                f"{request.reserved_tokens} tokens (prompt estimate plus max_tokens) but the "
+                f"tenant's token bucket holds at most {decision.limit_tokens}. Lower max_tokens "
+                "or shorten the prompt; retrying will not help.",
                 code="request_too_large",
+                headers={"x-should-retry": "false"},
             )
-        raise Throttled(
-            f"Rate limit reached for tenant {tenant.name!r} on {decision.reason} per minute.",
-            retry_after=decision.retry_after_s,
-        )
+        else:
+            error = Throttled(
+                f"Rate limit reached for tenant {tenant.name!r} on {decision.reason} per minute.",
+                retry_after=decision.retry_after_s,
+            )
+        self._d.metrics.requests.labels(request.pool, tenant.name, error.outcome).inc()
+        raise error
 
     async def _dispatch(self, request: InferenceRequest, exchange: Exchange) -> Served:
         if await exchange.admit(request):
