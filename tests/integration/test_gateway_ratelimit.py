@@ -1,0 +1,454 @@
+"""Tenant limits through the gateway: separate `spillgate serve` processes share one Redis.
+
+Three gateways run with clocks 30 s apart (libfaketime, where it is installed) in front of
+a simulated vLLM backend and a backend that always reports 50 completion tokens. Each test
+has its own tenant, so buckets never carry over between tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.utils
+import glob
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+import redis
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway.config import hash_key
+from loadtest.harness import RedisProcess, ServerThread, free_port
+from loadtest.sim_app import create_sim_app
+from loadtest.sim_config import SimConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+LIBFAKETIME = next(iter(sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))), None)
+CLOCK_OFFSETS = ["-30s", "+0s", "+30s"]  # the three gateways' clocks, as FAKETIME offsets
+USED = 50  # completion tokens the short backend reports, whatever max_tokens says
+HANG = "hang"  # this prompt makes the short backend stall its stream after one chunk
+TENANTS: dict[str, dict[str, Any]] = {
+    "burst": {"requests_per_minute": 10},
+    "burst1": {"requests_per_minute": 10},
+    "tokens": {"requests_per_minute": 10_000, "tokens_per_minute": 1, "token_burst": 1500},
+    "clock": {"requests_per_minute": 6},
+    "refund": {"tokens_per_minute": 1, "token_burst": 20_000},
+    "stream": {"tokens_per_minute": 1, "token_burst": 20_000},
+    "cut": {"tokens_per_minute": 1, "token_burst": 20_000},
+    "small": {"tokens_per_minute": 1000},
+    # one request a minute refills, so levels stay whole numbers for the whole test
+    "ops": {"requests_per_minute": 1, "request_burst": 20},
+}
+RATELIMIT_HEADERS = {
+    f"x-ratelimit-{what}-{bucket}"
+    for what in ("limit", "remaining", "reset")
+    for bucket in ("requests", "tokens")
+}
+
+
+# --- gateway processes -------------------------------------------------------------------
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"gateway exited: {log.read_text()}"
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"gateway at {url} not ready: {log.read_text()}")
+
+
+@contextlib.contextmanager
+def gateways(
+    specs: Sequence[tuple[dict[str, Any], str | None]], *, redis_url: str, workdir: Path
+) -> Iterator[list[str]]:
+    """`spillgate serve` per (config, clock offset); yields their base URLs."""
+    started: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+    try:
+        for i, (config, offset) in enumerate(specs):
+            path = workdir / f"gateway{i}.yaml"
+            path.write_text(yaml.safe_dump(config))
+            port = free_port()
+            env = dict(os.environ)
+            if offset is not None and LIBFAKETIME is not None:
+                env |= {"LD_PRELOAD": LIBFAKETIME, "FAKETIME": offset}
+            cmd = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path)]
+            cmd += ["--port", str(port), "--redis", redis_url, "--log-level", "warning"]
+            log = workdir / f"gateway{i}.log"
+            with log.open("wb") as out:
+                proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=out)
+            started.append((f"http://127.0.0.1:{port}", proc, log))
+        for url, proc, log in started:
+            _wait_ready(url, proc, log)
+        yield [url for url, _, _ in started]
+    finally:
+        for _, proc, _ in started:
+            proc.terminate()
+        for _, proc, _ in started:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of a gateway's samples of `name` that carry `labels`."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+# --- backends ----------------------------------------------------------------------------
+
+
+def short_backend() -> Starlette:
+    """Answers every chat request with `USED` completion tokens, streamed or not.
+
+    Its tokenizer counts four characters a token, as the gateway's estimate starts out,
+    so a request's reservation stays the same from one request to the next.
+    """
+
+    async def chat(request: Request) -> Response:
+        body = await request.json()
+        prompt = sum(len(m["content"]) + 16 for m in body["messages"]) // 4
+        usage = {"prompt_tokens": prompt, "completion_tokens": USED, "total_tokens": prompt + USED}
+        base = {"id": "cmpl-1", "created": 1, "model": body["model"]}
+        if not body.get("stream"):
+            choice = {"index": 0, "message": {"role": "assistant", "content": "ok"}}
+            answer = {**base, "object": "chat.completion", "usage": usage}
+            return JSONResponse({**answer, "choices": [{**choice, "finish_reason": "stop"}]})
+        hang = body["messages"][-1]["content"] == HANG
+        return StreamingResponse(_events(base, usage, hang=hang), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+async def _events(
+    base: dict[str, Any], usage: dict[str, int], *, hang: bool
+) -> AsyncIterator[bytes]:
+    chunk = {**base, "object": "chat.completion.chunk"}
+    delta = {"index": 0, "delta": {"content": "ok"}, "finish_reason": None}
+    yield b"data: " + orjson.dumps({**chunk, "choices": [delta]}) + b"\n\n"
+    if hang:
+        await asyncio.sleep(30)  # until the gateway hangs up
+    end = {"index": 0, "delta": {}, "finish_reason": "stop"}
+    yield b"data: " + orjson.dumps({**chunk, "choices": [end]}) + b"\n\n"
+    yield b"data: " + orjson.dumps({**chunk, "choices": [], "usage": usage}) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+class Fleet:
+    def __init__(self, urls: list[str], keys: dict[str, str], config: dict[str, Any]) -> None:
+        self.urls = urls
+        self.keys = keys
+        self.config = config
+
+    def headers(self, tenant: str) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.keys[tenant]}"}
+
+    def client(self, tenant: str, index: int = 0) -> httpx.Client:
+        return httpx.Client(base_url=self.urls[index], headers=self.headers(tenant), timeout=15)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    keys = {name: f"sk-{name}-{secrets.token_hex(8)}" for name in TENANTS}
+    sim = ServerThread(create_sim_app(SimConfig(model="sim", kv_tokens=400_000, speed=50)))
+    short = ServerThread(short_backend())
+    with RedisProcess() as store, sim, short:
+        config = {
+            "tenants": [
+                {"name": name, "key_sha256": hash_key(keys[name]), **limits}
+                for name, limits in TENANTS.items()
+            ],
+            "pools": [
+                {"name": "sim", "backends": [{"url": sim.url, "capacity": 400_000}]},
+                {"name": "short", "backends": [{"url": short.url, "capacity": 400_000}]},
+            ],
+            # 200 requests at once keep each process's event loop busy for longer than the
+            # default 50 ms (BENCHMARKS.md): a budget above that keeps these tests shared
+            "redis": {"timeout_ms": 2000},
+            "ratelimit": {"replicas": 3},
+        }
+        specs = [(config, offset) for offset in CLOCK_OFFSETS]
+        workdir = tmp_path_factory.mktemp("gateways")
+        with gateways(specs, redis_url=store.url, workdir=workdir) as urls:
+            yield Fleet(urls, keys, config)
+
+
+def chat(content: str, *, model: str = "sim", max_tokens: int = 3, **extra: Any) -> dict[str, Any]:
+    messages = [{"role": "user", "content": content}]
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, **extra}
+
+
+def assert_throttled(response: httpx.Response, *, code: str = "rate_limit_exceeded") -> None:
+    assert response.status_code == 429, response.text
+    assert response.headers["x-spillgate-outcome"] == "throttled"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "rate_limit_error" and error["code"] == code
+
+
+# --- concurrency and clocks --------------------------------------------------------------
+
+
+async def fan_out(
+    fleet: Fleet, tenant: str, bodies: list[dict[str, Any]], *, gateways: int = 3
+) -> list[httpx.Response]:
+    """Send every body at once, spread over the first `gateways` gateways in turn."""
+    limits = httpx.Limits(max_connections=len(bodies))
+    clients = [
+        httpx.AsyncClient(base_url=url, headers=fleet.headers(tenant), timeout=15, limits=limits)
+        for url in fleet.urls[:gateways]
+    ]
+    try:
+        return await asyncio.gather(
+            *(
+                clients[i % len(clients)].post("/v1/chat/completions", json=body)
+                for i, body in enumerate(bodies)
+            )
+        )
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients))
+
+
+@pytest.mark.parametrize("gateways", [3, 1], ids=["three_gateways", "one_gateway"])
+def test_200_at_once_admit_exactly_the_tenants_requests_per_minute(
+    fleet: Fleet, gateways: int
+) -> None:
+    # all 200 on one process: more Redis calls at once than its connection pool holds
+    tenant = "burst" if gateways == 3 else "burst1"
+    bodies = [chat(f"q{i}") for i in range(200)]
+    started = time.monotonic()
+    responses = asyncio.run(fan_out(fleet, tenant, bodies, gateways=gateways))
+    elapsed = time.monotonic() - started
+    admitted = [r for r in responses if r.status_code == 200]
+    # 10 a minute refills one every 6 s; the burst ends well within that, so exactly 10
+    assert 10 <= len(admitted) <= 10 + int(elapsed / 6), [r.status_code for r in responses]
+    for r in responses:
+        assert set(r.headers) >= RATELIMIT_HEADERS
+        assert r.headers["x-ratelimit-limit-requests"] == "10"
+    for r in admitted:
+        assert r.headers["x-spillgate-outcome"] == "local"
+    # every admitted request saw a different level: none spent capacity another had spent
+    assert len({r.headers["x-ratelimit-remaining-requests"] for r in admitted}) == len(admitted)
+    for r in responses:
+        if r.status_code != 200:
+            assert_throttled(r)
+            assert 1 <= int(r.headers["retry-after"]) <= 6
+            assert r.headers["x-ratelimit-remaining-requests"] == "0"
+            assert "requests per minute" in r.json()["error"]["message"]
+    for url in fleet.urls:  # every decision was a shared one
+        assert metric(url, "spillgate_ratelimit_store_errors_total") == 0
+
+
+def test_admitted_tokens_stay_within_the_limit_plus_one_request(fleet: Fleet) -> None:
+    sizes = [20 + (i * 37) % 100 for i in range(200)]  # 20..119 output tokens
+    bodies = [chat(f"t{i}", max_tokens=n) for i, n in enumerate(sizes)]
+    responses = asyncio.run(fan_out(fleet, "tokens", bodies))
+    used = [r.json()["usage"]["total_tokens"] for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code != 200]
+    assert used and refused
+    for r in refused:
+        assert_throttled(r)
+        assert "tokens per minute" in r.json()["error"]["message"]
+    assert sum(used) <= 1500 + max(used)
+    assert sum(used) >= 1500 - 2 * max(used)  # the bucket was spent, not left unused
+
+
+def _date(response: httpx.Response) -> float:
+    return email.utils.parsedate_to_datetime(response.headers["date"]).timestamp()
+
+
+@pytest.mark.skipif(LIBFAKETIME is None, reason="needs libfaketime (apt-get install faketime)")
+def test_gateways_with_clocks_a_minute_apart_admit_the_same_amount(fleet: Fleet) -> None:
+    clients = [fleet.client("clock", i) for i in range(3)]
+    # in turn: each gateway reads a bucket another one wrote
+    responses = [clients[i % 3].post("/v1/chat/completions", json=chat("c")) for i in range(12)]
+    for client in clients:
+        client.close()
+    skew = _date(responses[2]) - _date(responses[0])
+    assert 55 <= skew <= 65, f"the gateways' clocks should be 60 s apart, saw {skew}"
+    assert [r.status_code for r in responses] == [200] * 6 + [429] * 6
+    remaining = [r.headers["x-ratelimit-remaining-requests"] for r in responses[:6]]
+    assert remaining == ["5", "4", "3", "2", "1", "0"]
+
+
+# --- reserve, then reconcile -------------------------------------------------------------
+
+
+def remaining_tokens(client: httpx.Client, body: dict[str, Any]) -> tuple[int, int]:
+    """x-ratelimit-remaining-tokens of one request read to its end, and the tokens it used."""
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        text = response.read().decode()
+    if body.get("stream"):
+        last = [line for line in text.splitlines() if '"usage"' in line][-1]
+        usage = orjson.loads(last.removeprefix("data: "))["usage"]
+    else:
+        usage = orjson.loads(text)["usage"]
+    return int(response.headers["x-ratelimit-remaining-tokens"]), usage["total_tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_unused_reservation_comes_back_in_the_next_response(fleet: Fleet, stream: bool) -> None:
+    tenant = "stream" if stream else "refund"
+    body = chat("how are you", model="short", max_tokens=4000, stream=stream)
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    with fleet.client(tenant, 1) as client:
+        first, used = remaining_tokens(client, body)
+        reserved = 20_000 - first
+        assert reserved > 4000 and used < 100
+        second, _ = remaining_tokens(client, body)
+    assert second == 20_000 - used - reserved  # the first request's rest came back
+
+
+def test_a_stream_cut_by_its_client_is_charged_its_reservation(fleet: Fleet) -> None:
+    with fleet.client("cut", 2) as client:
+        body = chat(HANG, model="short", max_tokens=4000, stream=True)
+        body["stream_options"] = {"include_usage": True}
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            reserved = 20_000 - int(response.headers["x-ratelimit-remaining-tokens"])
+            next(response.iter_raw())
+        deadline = time.monotonic() + 5  # settled once the gateway has counted the request
+        while metric(fleet.urls[2], "spillgate_requests_total", tenant="cut") < 1:
+            assert time.monotonic() < deadline, "the cut stream was never counted"
+            time.sleep(0.02)
+        same_size = {**body, "messages": [{"role": "user", "content": "fine"}]}
+        after, _ = remaining_tokens(client, same_size)
+    # how much a cut stream used is unknown: its whole reservation stays spent
+    assert after == 20_000 - 2 * reserved
+
+
+def test_a_request_larger_than_the_whole_bucket_is_refused_at_once(fleet: Fleet) -> None:
+    client = openai.OpenAI(base_url=fleet.urls[0] + "/v1", api_key=fleet.keys["small"], timeout=10)
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.chat.completions.create(
+            model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2000
+        )
+    response = refused.value.response
+    assert response.headers["x-spillgate-outcome"] == "throttled"
+    assert "retry-after" not in response.headers  # waiting would not help
+    assert refused.value.code == "request_too_large"
+    assert "holds at most 1000" in refused.value.message
+    # the official client took the hint and did not retry
+    assert metric(fleet.urls[0], "spillgate_requests_total", tenant="small") == 1
+    with fleet.client("small") as http:
+        fits = http.post("/v1/chat/completions", json=chat("hi"))
+    assert fits.status_code == 200
+    assert fits.headers["x-ratelimit-remaining-requests"] == "599"  # the refusal spent nothing
+
+
+# --- Redis failure -----------------------------------------------------------------------
+
+
+def outage_config(fleet: Fleet, failure_mode: str) -> dict[str, Any]:
+    """The default 50 ms budget; a quick circuit breaker, so the test need not wait 5 s."""
+    ratelimit = {"failure_mode": failure_mode, "replicas": 2}
+    ratelimit |= {"failure_threshold": 2, "cooldown_s": 0.3}
+    return {**fleet.config, "redis": {"timeout_ms": 50}, "ratelimit": ratelimit}
+
+
+def timed_posts(url: str, key: str, count: int) -> list[tuple[httpx.Response, float]]:
+    headers = {"authorization": f"Bearer {key}"}
+    answers = []
+    with httpx.Client(base_url=url, headers=headers, timeout=15) as http:
+        for _ in range(count):
+            t0 = time.perf_counter()
+            response = http.post("/v1/chat/completions", json=chat("o", max_tokens=2))
+            answers.append((response, time.perf_counter() - t0))
+    return answers
+
+
+def assert_answered_in_time(answers: list[tuple[httpx.Response, float]]) -> None:
+    # each Redis call of a request gives up after 50 ms; a hang would last the 10 s pause
+    slowest = max(seconds for _, seconds in answers)
+    assert slowest < 1.0, f"a request waited {slowest:.2f} s for a Redis that is away"
+
+
+def until_shared(url: str, key: str) -> None:
+    """Ask until this gateway answers from the shared bucket (its full limit) again."""
+    deadline = time.monotonic() + 10
+    while True:
+        response = timed_posts(url, key, 1)[0][0]
+        if response.status_code == 200 and response.headers["x-ratelimit-limit-requests"] == "20":
+            return
+        assert time.monotonic() < deadline, "shared limiting did not resume"
+        time.sleep(0.05)
+
+
+def levels(responses: list[httpx.Response]) -> list[int]:
+    return [int(r.headers["x-ratelimit-remaining-requests"]) for r in responses]
+
+
+def check_outage(local: str, deny: str, answers: list[tuple[httpx.Response, float]]) -> None:
+    """12 answers of the `local` gateway, then 6 of the `deny` one, while Redis was away."""
+    assert_answered_in_time(answers)
+    by_local = [r for r, _ in answers[:12]]
+    # this process's share: 20 ÷ 2 replicas
+    assert [r.status_code for r in by_local] == [200] * 10 + [429] * 2
+    assert {r.headers["x-ratelimit-limit-requests"] for r in by_local} == {"10"}
+    assert_throttled(by_local[-1])
+    for r, _ in answers[12:]:
+        assert r.status_code == 503 and r.headers["x-spillgate-outcome"] == "rejected"
+        assert r.json()["error"]["code"] == "ratelimit_store_unavailable"
+    assert metric(local, "spillgate_ratelimit_mode", mode="local") == 1
+    assert metric(deny, "spillgate_ratelimit_mode", mode="deny") == 1
+    assert metric(local, "spillgate_ratelimit_store_errors_total") >= 2
+    counted = {
+        outcome: metric(deny, "spillgate_requests_total", tenant="ops", outcome=outcome)
+        for outcome in ("rejected", "throttled")
+    }
+    assert counted == {"rejected": 6, "throttled": 0}  # as its responses said
+
+
+def test_redis_paused_killed_and_restarted(
+    fleet: Fleet, redis_proc: RedisProcess, tmp_path: Path
+) -> None:
+    key = fleet.keys["ops"]
+    specs = [(outage_config(fleet, "local"), None), (outage_config(fleet, "deny"), None)]
+    with gateways(specs, redis_url=redis_proc.url, workdir=tmp_path) as (local, deny):
+        shared = [timed_posts(url, key, 1)[0][0] for url in (local, deny, local, deny)]
+        assert levels(shared) == [19, 18, 17, 16]  # one bucket for both processes
+
+        with redis.Redis.from_url(redis_proc.url) as admin:
+            admin.client_pause(10_000)  # every command now stalls for 10 s
+        paused = timed_posts(local, key, 6) + timed_posts(deny, key, 3)
+        redis_proc.stop()
+        dead = timed_posts(local, key, 6) + timed_posts(deny, key, 3)
+        check_outage(local, deny, paused[:6] + dead[:6] + paused[6:] + dead[6:])
+
+        redis_proc.start()  # the gateways keep running
+        until_shared(local, key)
+        until_shared(deny, key)
+        back = [timed_posts(url, key, 1)[0][0] for url in (local, deny, local)]
+        assert [r.status_code for r in back] == [200] * 3
+        assert {r.headers["x-ratelimit-limit-requests"] for r in back} == {"20"}
+        first = levels(back)[0]
+        assert levels(back) == [first, first - 1, first - 2]  # one bucket again
+        for url in (local, deny):
+            assert metric(url, "spillgate_ratelimit_mode", mode="shared") == 1
