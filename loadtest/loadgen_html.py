@@ -101,7 +101,7 @@ def _fill_chart(samples: list[dict[str, Any]]) -> str:
         lines.append(Series(name=f"{short} {bound}", color=color, dashed=True,
                             points=[(t, float(b.get(bound) or 0)) for t, b in pts]))  # fmt: skip
     return render_svg(LineChart(
-        title="tokens in flight vs limit per backend", x_label="s", y_label="tokens",
+        title="tokens in flight per backend (dashed: its limit)", x_label="s", y_label="tokens",
         series=lines,
     ))  # fmt: skip
 
@@ -121,6 +121,8 @@ def _queue_chart(samples: list[dict[str, Any]], *, direct: bool) -> str:
         ]) for name in names
     ]  # fmt: skip
     title = "requests waiting inside the backend" if direct else "gateway queue depth per pool"
+    if not lines:
+        return f'<p class="meta">{title}: nothing reported (no queue in the overflow chain)</p>'
     return render_svg(LineChart(title=title, x_label="s", y_label="requests", series=lines))
 
 
