@@ -145,19 +145,22 @@ class RedisLedger:
         if not (capped and self._over_share(backend, limit)):
             try:
                 admitted = await self._reserve_shared(lease, limit)
-            except BaseException:
-                self._claim(lease, -1)
+            except BaseException:  # cancelled: give back whatever Redis may have reserved
+                self._refused(lease)
                 raise
             if admitted is None:  # Redis did not answer (or is not asked): the share decides
                 admitted = not self._over_share(backend, limit)
         if not admitted:
-            self._claim(lease, -1)
-            if lease.lease in self._in_store:  # unanswered: it may hold a lease in Redis
-                self._in_store.discard(lease.lease)
-                self._unconfirmed[lease.lease] = (lease, self._clock.monotonic())
+            self._refused(lease)
             return None
         self._held[lease.lease] = lease
         return lease
+
+    def _refused(self, lease: Reservation) -> None:
+        self._claim(lease, -1)
+        if lease.lease in self._in_store:  # unanswered: it may hold a lease in Redis
+            self._in_store.discard(lease.lease)
+            self._unconfirmed[lease.lease] = (lease, self._clock.monotonic())
 
     async def release(self, reservation: Reservation) -> None:
         if self._held.pop(reservation.lease, None) is None:
