@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Mapping
 import redis.asyncio as aioredis
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -22,10 +23,12 @@ from gateway.config import Settings
 from gateway.dashboard import Dashboard, OutcomeHistory
 from gateway.errors import InvalidRequest, SpillgateError, error_response
 from gateway.forward import Forwarder
+from gateway.guard import HeaderLimit
 from gateway.ledger import LocalLedger
 from gateway.ledger_feed import ReleaseFeed
 from gateway.ledger_redis import RedisLedger
 from gateway.metrics import GatewayMetrics
+from gateway.openapi import openapi_route
 from gateway.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.providers import build_gates
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
@@ -156,6 +159,7 @@ def create_app(
         metrics=metrics,
         clock=clock,
         max_body_bytes=settings.server.max_body_bytes,
+        request_read_timeout_s=settings.server.request_read_timeout_s,
     )
     watcher = FleetWatcher(pools, client=client, clock=clock)
     admin_auth = AdminAuth(env.get(settings.server.admin_token_env), auth)
@@ -205,9 +209,11 @@ def create_app(
         ),
         *admin.routes(),
         *dashboard.routes(),
+        openapi_route(),
     ]
     return Starlette(
         routes=routes,
+        middleware=[Middleware(HeaderLimit, max_bytes=settings.server.max_header_bytes)],
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
     )

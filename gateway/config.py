@@ -147,6 +147,8 @@ class ServerSettings(_Model):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(1 << 20, gt=0)
+    max_header_bytes: int = Field(16 * 1024, gt=0)  # names and values of all request headers
+    request_read_timeout_s: float = Field(30.0, gt=0)  # the whole request body must arrive by then
     admin_token_env: str = "SPILLGATE_ADMIN_TOKEN"
     upstream_max_connections: int = Field(1024, gt=0)
 

@@ -64,6 +64,18 @@ class BodyTooLarge(InvalidRequest):
     code = "request_too_large"
 
 
+class HeadersTooLarge(InvalidRequest):
+    status = 431
+    code = "request_headers_too_large"
+
+
+class RequestTimeout(InvalidRequest):
+    """The client did not send its whole request within the server's read deadline."""
+
+    status = 408
+    code = "request_timeout"
+
+
 class Unauthenticated(SpillgateError):
     status = 401
     type = "invalid_request_error"

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from starlette.types import Send
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+)
 
 from gateway.backends import Backend
 from gateway.clock import Clock
-from gateway.errors import UpstreamError
+from gateway.errors import UpstreamError, UpstreamTimeout
 from gateway.forward import Forwarder, Target, UpstreamUnavailable
 from gateway.ledger import Reservation
 from gateway.metrics import GatewayMetrics
@@ -99,27 +105,31 @@ class Exchange:
     async def serve_local(self, request: InferenceRequest, outcome: Outcome) -> Served:
         """Forward to the backend the request holds a reservation on.
 
-        A failure before the first byte moves the reservation to another backend of the pool.
+        A failure before the first byte moves the reservation to another backend of the pool,
+        within the pool's total deadline: the attempts together never outlast it.
         """
         tried: set[str] = set()
+        total_s = self.router.pools[request.pool].settings.timeouts.total
+        deadline = asyncio.get_running_loop().time() + total_s
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(ATTEMPTS),
+            stop=stop_after_attempt(ATTEMPTS) | stop_after_delay(total_s),
             retry=retry_if_exception_type(UpstreamUnavailable),
             reraise=True,
         )
         try:
             async for attempt in retrying:
                 with attempt:
-                    return await self._attempt(request, outcome, tried)
+                    return await self._attempt(request, outcome, tried, deadline=deadline)
         except UpstreamUnavailable as exc:
-            raise UpstreamError(
+            error = UpstreamTimeout if exc.timed_out else UpstreamError
+            raise error(
                 f"The backends of pool {request.pool!r} failed before answering ({exc.reason}).",
                 retry_after=1.0,
             ) from None
         raise AssertionError("unreachable")
 
     async def _attempt(
-        self, request: InferenceRequest, outcome: Outcome, tried: set[str]
+        self, request: InferenceRequest, outcome: Outcome, tried: set[str], *, deadline: float
     ) -> Served:
         reservation = self.holding.reservation
         if reservation is None:
@@ -133,6 +143,7 @@ class Exchange:
                 send=self.send,
                 headers=self.headers(outcome),
                 tap=self.tap,
+                deadline=deadline,
             )
         except UpstreamUnavailable as exc:
             backend.record_failure(self.clock.monotonic())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -38,15 +39,30 @@ class Target:
 class UpstreamUnavailable(Exception):
     """The upstream failed before the first byte: safe to try elsewhere."""
 
-    def __init__(self, reason: str, *, status: int | None = None, retry_after: float | None = None):
+    def __init__(
+        self,
+        reason: str,
+        *,
+        status: int | None = None,
+        retry_after: float | None = None,
+        timed_out: bool = False,
+    ):
         super().__init__(reason)
         self.reason = reason
         self.status = status
         self.retry_after = retry_after
+        self.timed_out = timed_out
+
+
+# Fields some SDKs and proxies read to pick the upstream or its credentials. The gateway
+# alone chooses where a request goes and with which key, so they never travel on.
+UPSTREAM_CHOOSING_FIELDS = frozenset(
+    {"api_base", "base_url", "api_key", "api_version", "custom_llm_provider", "extra_headers"}
+)
 
 
 def upstream_body(request: InferenceRequest, model: str) -> bytes:
-    body = dict(request.body)
+    body = {k: v for k, v in request.body.items() if k not in UPSTREAM_CHOOSING_FIELDS}
     body["model"] = model
     if request.stream:
         options = body.get("stream_options") or {}
@@ -75,11 +91,16 @@ class Forwarder:
         send: Send,
         headers: Mapping[str, str],
         tap: ResponseTap | None = None,
+        deadline: float | None = None,
     ) -> Relayed:
-        """Relay `request` via `target` to the client; raise UpstreamUnavailable before any byte."""
+        """Relay `request` via `target` to the client; raise UpstreamUnavailable before any byte.
+
+        `deadline` (event-loop time) ends the whole exchange, earlier attempts included;
+        by default it is `timeouts.total` from now.
+        """
         loop = asyncio.get_running_loop()
         t = target.timeouts
-        deadline = loop.time() + t.total
+        deadline = min(loop.time() + t.total, deadline if deadline is not None else math.inf)
         upstream = self._client.build_request(
             "POST",
             target.api_base + request.endpoint.removeprefix("/v1"),
@@ -89,11 +110,12 @@ class Forwarder:
         )
         swap = model_swap(target.model, public_model)
         out_headers = raw_headers(headers)
+        wait = t.first_token if request.stream else t.total
         try:
-            async with asyncio.timeout(t.first_token if request.stream else t.total):
+            async with asyncio.timeout_at(min(loop.time() + wait, deadline)):
                 response = await self._client.send(upstream, stream=True)
         except TimeoutError:
-            raise UpstreamUnavailable("timeout before the first byte") from None
+            raise UpstreamUnavailable("timeout before the first byte", timed_out=True) from None
         except httpx.HTTPError as exc:
             raise UpstreamUnavailable(type(exc).__name__) from None
         try:
@@ -115,10 +137,12 @@ class Forwarder:
                 )
             chunks = response.aiter_raw()
             try:
-                async with asyncio.timeout(t.first_token):
+                async with asyncio.timeout_at(min(loop.time() + t.first_token, deadline)):
                     first = await anext(chunks)
             except (TimeoutError, StopAsyncIteration, httpx.HTTPError) as exc:
-                raise UpstreamUnavailable(f"no first token: {type(exc).__name__}") from None
+                raise UpstreamUnavailable(
+                    f"no first token: {type(exc).__name__}", timed_out=isinstance(exc, TimeoutError)
+                ) from None
             return await relay_stream(
                 chunks,
                 send=send,
@@ -139,4 +163,6 @@ class Forwarder:
             async with asyncio.timeout_at(deadline):
                 return await response.aread()
         except (TimeoutError, httpx.HTTPError) as exc:
-            raise UpstreamUnavailable(f"body not read: {type(exc).__name__}") from None
+            raise UpstreamUnavailable(
+                f"body not read: {type(exc).__name__}", timed_out=isinstance(exc, TimeoutError)
+            ) from None

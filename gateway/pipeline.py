@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from starlette.types import Message, Receive, Scope, Send
@@ -25,6 +25,7 @@ from gateway.errors import (
     LimiterUnavailable,
     ModelNotFound,
     Rejected,
+    RequestTimeout,
     SpillgateError,
     Throttled,
     error_response,
@@ -60,6 +61,7 @@ class PipelineDeps:
     metrics: GatewayMetrics
     clock: Clock
     max_body_bytes: int
+    request_read_timeout_s: float = 30.0
     taps: Mapping[str, TapFactory] = field(default_factory=dict)  # pool → answer watcher
 
 
@@ -70,16 +72,32 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+class ClientGone(Exception):
+    """The client hung up before its request body had arrived: nobody to answer."""
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int, *, timeout_s: float) -> bytes:
+    """The whole request body, at most `limit` bytes, within `timeout_s` (else 408)."""
     declared = _header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"The request body exceeds the limit of {limit} bytes.")
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_chunks(receive, limit)
+    except TimeoutError:
+        raise RequestTimeout(
+            f"The request body did not arrive within {timeout_s:g} seconds.",
+            headers={"connection": "close"},
+        ) from None
+
+
+async def _read_chunks(receive: Receive, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise asyncio.CancelledError
+            raise ClientGone
         body = message.get("body", b"")
         size += len(body)
         if size > limit:
@@ -135,9 +153,13 @@ class CompletionsEndpoint:
         watch: DisconnectWatch | None = None
         headers: dict[str, str] = {}
         try:
-            raw = await read_body(scope, receive, self._d.max_body_bytes)
+            raw = await read_body(
+                scope, receive, self._d.max_body_bytes, timeout_s=self._d.request_read_timeout_s
+            )
             watch = DisconnectWatch(receive)
-            await self._handle(scope, raw, tracked, headers)
+            await self._handle(scope, raw, tracked, headers, answering=lambda: started)
+        except ClientGone:
+            return
         except SpillgateError as exc:
             if not started:
                 await error_response(exc, headers)(scope, receive, send)
@@ -155,7 +177,15 @@ class CompletionsEndpoint:
                 # this one's refund in x-ratelimit-remaining-tokens
                 await send(last)
 
-    async def _handle(self, scope: Scope, raw: bytes, send: Send, headers: dict[str, str]) -> None:
+    async def _handle(
+        self,
+        scope: Scope,
+        raw: bytes,
+        send: Send,
+        headers: dict[str, str],
+        *,
+        answering: Callable[[], bool],
+    ) -> None:
         d = self._d
         t0 = time.perf_counter()
         tenant = d.auth.tenant(_header(scope, b"authorization"))
@@ -187,7 +217,7 @@ class CompletionsEndpoint:
             raise
         finally:
             await holding.release()
-            used = await self._reconcile(tenant, request, served, decision)
+            used = await self._reconcile(tenant, request, served, decision, cut=answering())
             pool.demand.end(
                 request.reserved_tokens,
                 started=began,
@@ -250,11 +280,21 @@ class CompletionsEndpoint:
         )
 
     async def _reconcile(
-        self, tenant: Tenant, request: InferenceRequest, served: Served | None, decision: Decision
+        self,
+        tenant: Tenant,
+        request: InferenceRequest,
+        served: Served | None,
+        decision: Decision,
+        *,
+        cut: bool,
     ) -> int:
-        """Settle the tenant's bucket with what was really used; returns the tokens used."""
+        """Settle the tenant's bucket with what was really used; returns the tokens used.
+
+        `cut`: the answer had begun when the request ended without one (the client left
+        mid-stream); what the upstream generated is unknown, so the reservation stands.
+        """
         if served is None:
-            used = 0  # nothing was generated: give the whole reservation back
+            used = request.reserved_tokens if cut else 0  # nothing sent: all of it back
         elif served.relayed.usage.known:
             used = served.relayed.usage.total
         else:

@@ -157,7 +157,7 @@ async def relay_stream(
     first_byte_at = time.perf_counter()
     loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(min(loop.time() + idle_s, deadline)) as budget:
+        async with asyncio.timeout_at(min(loop.time() + idle_s, deadline)) as budget:
             async for chunk in chunks:
                 await relay.feed(chunk)
                 budget.reschedule(min(loop.time() + idle_s, deadline))

@@ -12,6 +12,7 @@ from gateway.config import PRIORITIES, Priority
 from gateway.errors import InvalidRequest
 
 MAX_TOKENS_CEILING = 1_000_000
+MAX_JSON_DEPTH = 64  # arrays and objects inside each other; orjson writes at most 254
 PRIORITY_HEADER = "x-spillgate-priority"
 
 
@@ -47,7 +48,23 @@ def decode_body(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("The request body must be a JSON object.")
+    if _depth_over(body, MAX_JSON_DEPTH):
+        raise InvalidRequest(f"The request body nests deeper than {MAX_JSON_DEPTH} levels.")
     return body
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether arrays and objects nest more than `limit` levels deep (no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _content_chars(content: Any, param: str) -> int:
