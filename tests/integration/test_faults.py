@@ -1,0 +1,436 @@
+"""The fault matrix: backends that die, stall or trickle, a provider that fails, times out
+or refuses, clients that leave at every stage. Every request gets an honest answer, every
+upstream left behind is hung up on, and afterwards nothing is reserved and each tenant's
+buckets stand exactly where its answers say they must.
+
+The tests share one gateway and run in file order; the last one checks the books.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from gateway.app import create_app
+from gateway.config import parse_settings
+from loadtest.fleet import ADMIN_TOKEN, Fleet, tenant
+from loadtest.harness import ServerThread, free_port
+from loadtest.provider_sim import ProviderConfig, create_provider_app
+from loadtest.sim_app import create_sim_app
+from loadtest.sim_config import SimConfig
+from tests.integration.fault_support import (
+    Book,
+    FaultBackend,
+    backend_process,
+    metric_sum,
+    sse_events,
+    usage_total,
+    wait_for_process,
+)
+from tests.integration.overflow_support import chat, provider_stats, wait_for
+
+PROVIDER_KEY = "sk-hosted-" + secrets.token_hex(8)
+BURST_REQUESTS = 1000
+BURST_TOKENS = 1_000_000
+LIMITS = {
+    "requests_per_minute": 1,
+    "request_burst": BURST_REQUESTS,
+    "tokens_per_minute": 1,
+    "token_burst": BURST_TOKENS,
+}
+SILENT = {"connect": 1, "first_token": 0.6, "idle": 5, "total": 1.0}
+
+
+@dataclass
+class Matrix:
+    fleet: Fleet
+    faults: FaultBackend
+    steady: ServerThread
+    hosted: ServerThread
+    crash: Any  # the backend process to kill
+    books: dict[str, Book]
+    peek_tokens: int = 0
+    started_at: float = 0.0
+
+    def client(self, name: str, **kwargs: Any) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.fleet.url,
+            headers={"authorization": f"Bearer {self.fleet.keys[name]}"},
+            timeout=kwargs.pop("timeout", 15.0),
+            **kwargs,
+        )
+
+    def settled(self, name: str) -> None:
+        """Wait until the gateway has recorded (so settled) every request of the tenant."""
+        want = self.books[name].spent_requests
+        url = self.fleet.url
+        deadline = time.monotonic() + 5
+        while metric_sum(url, "spillgate_requests_total", tenant=name) < want:
+            assert time.monotonic() < deadline, f"{name}: requests never settled"
+            time.sleep(0.02)
+
+
+def pools(faults_url: str, steady: str, crash_url: str) -> list[dict[str, Any]]:
+    def at(name: str, model: str, capacity: int = 4096) -> dict[str, Any]:
+        return {"url": f"{faults_url}/{name}", "served_model": model, "capacity": capacity}
+
+    return [
+        {"name": "steady", "target_fill": 1.0, "overflow": ["queue", "reject"],
+         "queue": {"max_wait_s": 10},
+         "backends": [{"url": steady, "served_model": "m", "capacity": 1000}]},
+        {"name": "silent", "timeouts": SILENT,
+         "backends": [at("s0", "silent"), at("s1", "silent"), at("s2", "silent")]},
+        {"name": "trickle", "timeouts": {"first_token": 1, "idle": 0.5, "total": 1.5},
+         "backends": [at("t0", "trickle")]},
+        {"name": "stall", "timeouts": {"first_token": 1, "idle": 0.4, "total": 30},
+         "backends": [at("st0", "stall")]},
+        {"name": "mute", "timeouts": {"first_token": 30, "total": 60},
+         "backends": [at("mu0", "silent")]},
+        {"name": "crash",
+         "backends": [{"url": crash_url, "served_model": "c", "capacity": 4096},
+                      at("spare", "c")]},
+        {"name": "spill", "overflow": ["provider", "reject"], "provider": "hosted",
+         "backends": [at("tiny", "ok", capacity=10)]},
+        {"name": "dead",
+         "backends": [{"url": f"http://127.0.0.1:{free_port()}", "capacity": 4096}]},
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def matrix() -> Iterator[Matrix]:
+    faults = FaultBackend()
+    keys = {name: "sk-" + secrets.token_hex(8) for name in ("acme", "holder")}
+    started: list[ServerThread] = []
+    with backend_process(model="c", speed=0.5) as (crash, crash_url):
+        try:
+            fault_server = ServerThread(faults).start()
+            steady = ServerThread(create_sim_app(SimConfig(model="m", kv_tokens=4096, speed=2.0)))
+            hosted = ServerThread(
+                create_provider_app(ProviderConfig(api_key=PROVIDER_KEY, requests_per_minute=3))
+            )
+            started += [fault_server, steady.start(), hosted.start()]
+            settings = parse_settings(
+                {
+                    "tenants": [tenant(name, key, **LIMITS) for name, key in keys.items()],
+                    "pools": pools(fault_server.url, steady.url, crash_url),
+                    "providers": [
+                        {
+                            "name": "hosted",
+                            "base_url": hosted.url + "/v1",
+                            "api_key_env": "HOSTED_KEY",
+                            "timeouts": SILENT,
+                            "breaker_failures": 100,
+                        }
+                    ],
+                }
+            )
+            env = {"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN, "HOSTED_KEY": PROVIDER_KEY}
+            gateway = ServerThread(create_app(settings, environ=env)).start()
+            started.append(gateway)
+            wait_for_process(crash, crash_url)
+            fleet = Fleet(gateway=gateway, backends={}, settings=settings, keys=keys)
+            books = {name: Book(name, BURST_REQUESTS, BURST_TOKENS) for name in keys}
+            m = Matrix(fleet, faults, steady, hosted, crash, books, started_at=time.monotonic())
+            m.peek_tokens = asyncio.run(peek(m, "acme"))
+            assert asyncio.run(peek(m, "holder")) == m.peek_tokens
+            yield m
+        finally:
+            for server in reversed(started):
+                server.stop()
+
+
+async def peek(m: Matrix, name: str) -> int:
+    """A request to the pool whose backend is gone: refused before any byte, so it costs
+    one request and no tokens; its headers show the buckets. Returns what it reserved."""
+    async with m.client(name) as client:
+        response = await client.post("/v1/chat/completions", json=chat("peek", model="dead"))
+    assert response.status_code in (502, 503)
+    reserved = m.books[name].reserved(response.headers)
+    m.books[name].nothing("peek", response.headers)
+    await asyncio.to_thread(m.settled, name)
+    return reserved
+
+
+async def stream_text(client: httpx.AsyncClient, body: dict[str, Any]) -> httpx.Response:
+    response = await client.post("/v1/chat/completions", json={**body, "stream": True})
+    return response
+
+
+def test_a_backend_killed_mid_stream_ends_in_an_error_event_and_is_not_retried(
+    matrix: Matrix,
+) -> None:
+    async def scenario() -> tuple[httpx.Response, str]:
+        body = chat("a long story", model="crash", max_tokens=400, stream=True)
+        async with (
+            matrix.client("acme") as client,
+            client.stream("POST", "/v1/chat/completions", json=body) as response,
+        ):
+            chunks = response.aiter_text()
+            text = await anext(chunks)
+            matrix.crash.send_signal(signal.SIGKILL)
+            async for chunk in chunks:
+                text += chunk
+        return response, text
+
+    response, text = asyncio.run(scenario())
+    assert response.status_code == 200
+    events = sse_events(text)
+    assert events[-1] == "[DONE]"
+    error = orjson.loads(events[-2])["error"]
+    assert error["code"] == "upstream_error" and "mid-stream" in error["message"]
+    assert matrix.faults.arrivals["spare"] == 0  # nothing retried after the first byte
+    matrix.books["acme"].reservation("killed mid-stream", response.headers)
+    matrix.settled("acme")
+
+
+def test_a_backend_that_never_answers_gets_the_first_token_timeout_within_the_deadline(
+    matrix: Matrix,
+) -> None:
+    """first_token 0.6 s, total 1.0 s: the first backend times out at 0.6 s, the retry on
+    the second is cut at the deadline, and no third attempt is made."""
+
+    async def scenario() -> httpx.Response:
+        async with matrix.client("acme") as client:
+            return await stream_text(client, chat("hello?", model="silent"))
+
+    response = asyncio.run(scenario())
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "upstream_timeout"
+    assert response.headers["retry-after"] == "1"
+    faults = matrix.faults
+    assert [faults.arrivals[b] for b in ("s0", "s1", "s2")] == [1, 1, 0]
+    eventually_hung_up(matrix, {"s0": 1, "s1": 1})
+    matrix.books["acme"].nothing("never answered, streamed", response.headers)
+    matrix.settled("acme")
+
+
+def test_the_total_deadline_ends_a_request_waiting_for_a_whole_answer(matrix: Matrix) -> None:
+    async def scenario() -> httpx.Response:
+        async with matrix.client("acme") as client:
+            return await client.post("/v1/chat/completions", json=chat("hi", model="silent"))
+
+    before = sum(matrix.faults.arrivals[b] for b in ("s0", "s1", "s2"))
+    response = asyncio.run(scenario())
+    assert response.status_code == 504
+    assert sum(matrix.faults.arrivals[b] for b in ("s0", "s1", "s2")) == before + 1
+    matrix.books["acme"].nothing("never answered, whole", response.headers)
+    matrix.settled("acme")
+
+
+def eventually_hung_up(matrix: Matrix, expected: dict[str, int]) -> None:
+    deadline = time.monotonic() + 5
+    while {name: matrix.faults.hangups[name] for name in expected} != expected:
+        assert time.monotonic() < deadline, f"upstream not hung up on: {matrix.faults.hangups}"
+        time.sleep(0.02)
+
+
+def test_a_backend_trickling_under_the_idle_timeout_is_cut_at_the_total_deadline(
+    matrix: Matrix,
+) -> None:
+    """An event every 0.1 s never trips the 0.5 s idle timeout; the 1.5 s deadline ends it."""
+
+    async def scenario() -> httpx.Response:
+        async with matrix.client("acme") as client:
+            return await stream_text(client, chat("drip", model="trickle"))
+
+    response = asyncio.run(scenario())
+    events = sse_events(response.text)
+    assert response.status_code == 200
+    assert events[-1] == "[DONE]"
+    assert "stopped responding" in orjson.loads(events[-2])["error"]["message"]
+    assert len(events) - 2 > 1.5 / 0.5  # it ran well past one idle window
+    eventually_hung_up(matrix, {"t0": 1})
+    matrix.books["acme"].reservation("trickled", response.headers)
+    matrix.settled("acme")
+
+
+def test_a_stalled_stream_is_cut_by_the_idle_timeout(matrix: Matrix) -> None:
+    async def scenario() -> tuple[httpx.Response, float]:
+        started = time.monotonic()
+        async with matrix.client("acme") as client:
+            response = await stream_text(client, chat("stall", model="stall"))
+        return response, time.monotonic() - started
+
+    response, elapsed = asyncio.run(scenario())
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]" and len(events) == 3
+    assert "stopped responding" in orjson.loads(events[-2])["error"]["message"]
+    assert elapsed < 10  # the pool's idle timeout (0.4 s), not its 30 s deadline
+    eventually_hung_up(matrix, {"st0": 1})
+    matrix.books["acme"].reservation("stalled", response.headers)
+    matrix.settled("acme")
+
+
+def spill(matrix: Matrix, *, stream: bool = False) -> httpx.Response:
+    async def scenario() -> httpx.Response:
+        async with matrix.client("acme") as client:
+            body = chat("overflow", model="spill", max_tokens=30, stream=stream)
+            return await client.post("/v1/chat/completions", json=body)
+
+    return asyncio.run(scenario())
+
+
+def test_a_provider_5xx_is_asked_once_and_passed_on(matrix: Matrix) -> None:
+    book = matrix.books["acme"]
+    served = spill(matrix)
+    assert served.headers["x-spillgate-outcome"] == "provider"
+    book.used("provider answered", served.headers, usage_total(served.text))
+    matrix.settled("acme")
+    httpx.post(f"{matrix.hosted.url}/sim/fail", json={"status": 503}, timeout=5)
+    before = provider_stats(matrix.hosted)["requests"]
+    refused = spill(matrix)
+    assert refused.status_code == 503 and refused.headers["x-spillgate-outcome"] == "rejected"
+    assert int(refused.headers["retry-after"]) >= 1
+    assert provider_stats(matrix.hosted)["requests"] == before + 1  # no retry
+    book.nothing("provider 503", refused.headers)
+    matrix.settled("acme")
+
+
+def aborted(matrix: Matrix) -> int:
+    return int(provider_stats(matrix.hosted)["aborted"])
+
+
+def test_a_provider_that_times_out_is_asked_once_and_hung_up_on(matrix: Matrix) -> None:
+    book = matrix.books["acme"]
+    for stream in (True, False):
+        httpx.post(f"{matrix.hosted.url}/sim/delay", json={"seconds": 5}, timeout=5)
+        before = provider_stats(matrix.hosted)
+        refused = spill(matrix, stream=stream)
+        assert refused.status_code == 503
+        after = provider_stats(matrix.hosted)
+        assert after["requests"] == before["requests"] + 1
+        left = before["aborted"]
+        asyncio.run(wait_for(lambda left=left: aborted(matrix) > left))
+        book.nothing(f"provider timeout stream={stream}", refused.headers)
+        matrix.settled("acme")
+
+
+def test_a_provider_429_keeps_it_unasked_for_its_retry_after(matrix: Matrix) -> None:
+    """The provider allows three requests a minute; the fourth is refused with 429 and
+    Retry-After, which opens its breaker: the fifth is passed on without asking."""
+    book = matrix.books["acme"]
+    before = provider_stats(matrix.hosted)
+    refused = spill(matrix)
+    assert refused.status_code == 503
+    after = provider_stats(matrix.hosted)
+    assert after["by_status"].get("429", 0) == before["by_status"].get("429", 0) + 1
+    book.nothing("provider 429", refused.headers)
+    matrix.settled("acme")
+    again = spill(matrix)
+    assert again.status_code == 503
+    assert provider_stats(matrix.hosted)["requests"] == after["requests"]
+    book.nothing("provider breaker open", again.headers)
+    matrix.settled("acme")
+
+
+@contextlib.asynccontextmanager
+async def holding_steady(matrix: Matrix) -> AsyncIterator[None]:
+    """The holder tenant fills the steady pool with one long stream, then hangs up."""
+    async with matrix.client("holder") as client:
+        body = chat("hold", model="steady", max_tokens=990, stream=True)
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            assert response.headers["x-spillgate-outcome"] == "local"
+            matrix.books["holder"].reservation("held, then cut", response.headers)
+            yield
+    await asyncio.to_thread(matrix.settled, "holder")
+
+
+def in_flight(matrix: Matrix, pool: str) -> int:
+    pools = {p["name"]: p for p in matrix.fleet.status()["pools"]}
+    return sum(b["tokens_in_flight"] for b in pools[pool]["backends"])
+
+
+def test_a_client_gone_while_queued_leaves_nothing_behind(matrix: Matrix) -> None:
+    gw = matrix.fleet.gateway
+    body = orjson.dumps(chat("queued, then gone", model="steady", max_tokens=50))
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: {gw.host}\r\n"
+        f"authorization: Bearer {matrix.fleet.keys['acme']}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode()
+
+    def depth() -> float:
+        return metric_sum(gw.url, "spillgate_queue_depth", pool="steady")
+
+    async def scenario() -> tuple[int, int]:
+        async with holding_steady(matrix):
+            held = await asyncio.to_thread(in_flight, matrix, "steady")
+            _, writer = await asyncio.open_connection(gw.host, gw.port)
+            writer.write(head + body)
+            await writer.drain()
+            await wait_for(lambda: depth() == 1)
+            writer.close()
+            await writer.wait_closed()
+            await wait_for(lambda: depth() == 0)
+            return held, await asyncio.to_thread(in_flight, matrix, "steady")
+
+    before = metric_sum(matrix.steady.url, "sim_requests_finished_total")
+    held, still = asyncio.run(scenario())
+    assert held == still  # the waiter held nothing
+    matrix.books["acme"].nothing("gone while queued")
+    matrix.settled("acme")
+    assert metric_sum(matrix.steady.url, "sim_requests_finished_total") == before
+    assert in_flight(matrix, "steady") == 0
+
+
+def test_a_client_gone_before_the_first_token_cancels_the_upstream(matrix: Matrix) -> None:
+    async def scenario() -> None:
+        async with matrix.client("acme") as client:
+            body = chat("wait for it", model="mute", stream=True)
+            pending = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+            await wait_for(lambda: matrix.faults.arrivals["mu0"] == 1)
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pending
+
+    asyncio.run(scenario())
+    eventually_hung_up(matrix, {"mu0": 1})
+    matrix.books["acme"].nothing("gone before the first token")
+    matrix.settled("acme")
+    assert in_flight(matrix, "mute") == 0
+
+
+def test_a_client_gone_mid_stream_aborts_the_upstream(matrix: Matrix) -> None:
+    aborted = metric_sum(matrix.steady.url, "sim_requests_aborted_total")
+
+    async def scenario() -> httpx.Headers:
+        body = chat("a long answer", model="steady", max_tokens=900, stream=True)
+        async with (
+            matrix.client("acme") as client,
+            client.stream("POST", "/v1/chat/completions", json=body) as response,
+        ):
+            await anext(response.aiter_raw())
+            return response.headers
+
+    headers = asyncio.run(scenario())
+    matrix.books["acme"].reservation("gone mid-stream", headers)
+    matrix.settled("acme")
+    asyncio.run(
+        wait_for(lambda: metric_sum(matrix.steady.url, "sim_requests_aborted_total") > aborted)
+    )
+    assert metric_sum(matrix.steady.url, "vllm:num_requests_running") == 0
+
+
+def test_after_the_matrix_nothing_is_reserved_and_every_bucket_is_exact(matrix: Matrix) -> None:
+    status = matrix.fleet.status()
+    held = {b["name"]: (b["tokens_in_flight"], b["active_sessions"])
+            for p in status["pools"] for b in p["backends"]}  # fmt: skip
+    assert set(held.values()) == {(0, 0)}, held
+    url = matrix.fleet.url
+    assert metric_sum(url, "spillgate_inflight_tokens") == 0
+    assert metric_sum(url, "spillgate_active_sessions") == 0
+    assert metric_sum(url, "spillgate_queue_depth") == 0
+    assert time.monotonic() - matrix.started_at < 60, "buckets refilled a token: not exact"
+    for name, book in matrix.books.items():
+        assert len(book.log) > 1
+        assert asyncio.run(peek(matrix, name)) == matrix.peek_tokens, book.log
