@@ -32,12 +32,14 @@ from tests.integration.fault_support import (
     Book,
     FaultBackend,
     backend_process,
+    chat,
     metric_sum,
+    provider_stats,
     sse_events,
     usage_total,
+    wait_for,
     wait_for_process,
 )
-from tests.integration.overflow_support import chat, provider_stats, wait_for
 
 PROVIDER_KEY = "sk-hosted-" + secrets.token_hex(8)
 BURST_REQUESTS = 1000

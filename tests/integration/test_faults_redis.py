@@ -24,8 +24,7 @@ from loadtest.fleet import ADMIN_TOKEN, Fleet, tenant
 from loadtest.harness import RedisProcess, ServerThread, free_port
 from loadtest.sim_app import create_sim_app
 from loadtest.sim_config import SimConfig
-from tests.integration.fault_support import Book, metric_sum, usage_total
-from tests.integration.overflow_support import chat
+from tests.integration.fault_support import Book, chat, metric_sum, usage_total
 
 TIME_BUDGET_S = 0.25
 LIMITS = {"requests_per_minute": 1, "request_burst": 500,

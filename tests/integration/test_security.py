@@ -28,17 +28,17 @@ from loadtest.harness import ServerThread
 from loadtest.provider_sim import ProviderConfig, create_provider_app
 from loadtest.sim_config import SimConfig
 from loadtest.sim_wire import Kind, full_response
-from tests.integration.overflow_support import (
+from tests.integration.fault_support import (
     async_client,
     backend_requests,
     chat,
     holding,
     provider_stats,
 )
-from tests.integration.overflow_support import pool as sim_pool
 
 PROVIDER_KEY_ENV = "HOSTED_API_KEY"
 ROOM = 100_000  # tokens the recording backend holds
+HOLD = 990  # with a short prompt, fills the big pool's backend of 1000 tokens
 
 
 @dataclass
@@ -102,10 +102,9 @@ def secure() -> Iterator[SecureFleet]:
             "tenants": [tenant(name, key) for name, key in keys.items()],
             "pools": [
                 {"name": "rec", "backends": [recording]},
-                sim_pool(
-                    "big", big, "m", overflow=["cache", "provider", "reject"], provider="hosted",
-                    cache={"ttl_s": 60},
-                ),
+                {"name": "big", "target_fill": 1.0, "cache": {"ttl_s": 60},
+                 "overflow": ["cache", "provider", "reject"], "provider": "hosted",
+                 "backends": [{"url": big.url, "served_model": "m", "capacity": 1000}]},
             ],
             "providers": [
                 {"name": "hosted", "base_url": hosted.url + "/v1", "api_key_env": PROVIDER_KEY_ENV}
@@ -228,7 +227,10 @@ def test_client_credentials_hop_headers_and_upstream_choices_never_reach_a_backe
 
 def test_a_provider_gets_its_own_key_and_nothing_the_client_chose(secure: SecureFleet) -> None:
     async def spill() -> httpx.Response:
-        async with async_client(secure.fleet, "acme") as client, holding(client, "big"):
+        async with (
+            async_client(secure.fleet, "acme") as client,
+            holding(client, "big", tokens=HOLD),
+        ):
             return await client.post(
                 "/v1/chat/completions",
                 json=steering_body(secure.decoy_url, "big"),
@@ -267,7 +269,7 @@ def test_keys_never_appear_in_logs_errors_or_metrics(
         httpx.post(f"{secure.hosted.url}/sim/fail", json={"status": 500}, timeout=5)
 
         async def spill_and_fail() -> None:
-            async with async_client(fleet, "beta") as client, holding(client, "big"):
+            async with async_client(fleet, "beta") as client, holding(client, "big", tokens=HOLD):
                 r = await client.post("/v1/chat/completions", json=chat("spill", model="big"))
                 texts.append(f"{r.status_code} {dict(r.headers)} {r.text}")
 
@@ -293,7 +295,7 @@ def test_a_cache_hit_is_not_observable_across_tenants(secure: SecureFleet) -> No
         seen: dict[str, httpx.Response] = {}
         async with async_client(fleet, "acme") as acme, async_client(fleet, "beta") as beta:
             seen["acme_first"] = await acme.post("/v1/chat/completions", json=question)
-            async with holding(acme, "big"):
+            async with holding(acme, "big", tokens=HOLD):
                 seen["acme_again"] = await acme.post("/v1/chat/completions", json=question)
                 before = provider_stats(secure.hosted)["requests"]
                 seen["beta_same"] = await beta.post("/v1/chat/completions", json=question)
