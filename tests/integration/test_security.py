@@ -87,7 +87,7 @@ class SecureFleet:
 def secure() -> Iterator[SecureFleet]:
     from loadtest.sim import create_sim_app
 
-    keys = {"acme": "sk-acme-" + secrets.token_hex(12), "beta": "sk-beta-" + secrets.token_hex(12)}
+    keys = {name: f"sk-{name}-" + secrets.token_hex(12) for name in ("acme", "beta", "gamma")}
     provider_key = "sk-provider-" + secrets.token_hex(12)
     recorder, decoy = Recorder("recorder"), Recorder("decoy")
     started: list[ServerThread] = []
@@ -99,7 +99,10 @@ def secure() -> Iterator[SecureFleet]:
         started += [rec, dec, big, hosted]
         recording = {"url": rec.url, "served_model": "r", "capacity": ROOM}
         config = {
-            "tenants": [tenant(name, key) for name, key in keys.items()],
+            "tenants": [
+                tenant(name, key, pools=["rec"] if name == "gamma" else [])
+                for name, key in keys.items()
+            ],
             "pools": [
                 {"name": "rec", "backends": [recording]},
                 {"name": "big", "target_fill": 1.0, "cache": {"ttl_s": 60},
@@ -159,6 +162,27 @@ def test_admin_endpoints_refuse_tenant_keys(secure: SecureFleet) -> None:
     assert status(ADMIN_TOKEN) == 200
     refused = httpx.get(url, headers={"authorization": f"Bearer {secure.fleet.keys['acme']}"})
     assert refused.json()["error"]["type"] == "permission_error"
+
+
+def test_a_pool_outside_a_tenants_list_looks_exactly_like_one_that_does_not_exist(
+    secure: SecureFleet,
+) -> None:
+    headers = {"authorization": f"Bearer {secure.fleet.keys['gamma']}"}
+    url = secure.fleet.url
+
+    def ask(model: str) -> httpx.Response:
+        body = chat("hi", model=model)
+        return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=10)
+
+    forbidden, missing = ask("big"), ask("gone")
+    assert forbidden.status_code == missing.status_code == 404
+    assert (
+        forbidden.json()["error"]["message"].replace("big", "gone")
+        == (missing.json()["error"]["message"])
+    )
+    models = httpx.get(f"{url}/v1/models", headers=headers, timeout=10).json()
+    assert [m["id"] for m in models["data"]] == ["rec"]
+    assert ask("rec").status_code == 200
 
 
 STEERING_HEADERS = {
