@@ -37,7 +37,7 @@ from gateway.router import Router
 from gateway.upstream import upstream_client
 from gateway.workers import MULTIPROC_ENV, refresh_gauges
 from policies.base import PolicyDeps
-from policies.registry import answer_taps, build_chain, unknown_policies
+from policies.registry import admission_gates, answer_taps, build_chain, unknown_policies
 
 REDIS_POOL_SIZE = 64  # connections per process
 
@@ -155,6 +155,7 @@ def create_app(
         router=router,
         chains=chains,
         taps=answer_taps(chains),
+        gates=admission_gates(chains),
         forwarder=Forwarder(client),
         metrics=metrics,
         clock=clock,

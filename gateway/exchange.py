@@ -80,9 +80,14 @@ class Exchange:
         self.clock = clock
         self.holding = holding
         self.tap = tap
+        self.timings: dict[str, float] = {}  # phase → seconds, told as `server-timing`
 
     def headers(self, outcome: Outcome) -> dict[str, str]:
-        return {**self.base_headers, OUTCOME_HEADER: outcome.value}
+        headers = {**self.base_headers, OUTCOME_HEADER: outcome.value}
+        if self.timings:
+            phases = (f"{name};dur={sec * 1000:.1f}" for name, sec in self.timings.items())
+            headers["server-timing"] = ", ".join(phases)
+        return headers
 
     async def admit(self, request: InferenceRequest) -> bool:
         """Reserve room for `request` in its pool; True if it now holds a reservation."""

@@ -46,7 +46,7 @@ from gateway.request import (
     requested_model,
 )
 from gateway.router import Router
-from policies.base import OverflowPolicy, TapFactory
+from policies.base import Gate, OverflowPolicy, TapFactory
 
 log = logging.getLogger("spillgate.pipeline")
 
@@ -63,6 +63,7 @@ class PipelineDeps:
     max_body_bytes: int
     request_read_timeout_s: float = 30.0
     taps: Mapping[str, TapFactory] = field(default_factory=dict)  # pool → answer watcher
+    gates: Mapping[str, Gate] = field(default_factory=dict)  # pool → may arrivals go first
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -268,7 +269,8 @@ class CompletionsEndpoint:
         raise error
 
     async def _dispatch(self, request: InferenceRequest, exchange: Exchange) -> Served:
-        if await exchange.admit(request):
+        gate = self._d.gates.get(request.pool)
+        if (gate is None or gate(request)) and await exchange.admit(request):
             return await exchange.serve_local(request, Outcome.LOCAL)
         for policy in self._d.chains[request.pool]:
             served = await policy.serve(request, exchange)

@@ -41,6 +41,17 @@ class AnswerObserver(Protocol):
 TapFactory = Callable[[InferenceRequest], ResponseTap | None]
 
 
+@runtime_checkable
+class AdmissionGate(Protocol):
+    """A policy that decides whether new arrivals may take free room directly (the queue:
+    not while others wait ahead of them)."""
+
+    def lets_in(self, request: InferenceRequest) -> bool: ...
+
+
+Gate = Callable[[InferenceRequest], bool]
+
+
 @dataclass(frozen=True, kw_only=True)
 class PolicyDeps:
     """Everything a policy factory may draw on; built once in the app's lifespan."""

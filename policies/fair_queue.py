@@ -3,14 +3,15 @@
 Priority class first (critical, standard, sheddable), strictly: a lower class is never
 admitted while a higher one waits. Within a class, tenants take turns: the tenant served
 least recently goes first, so a tenant that floods the queue gets one turn per round like
-everyone else. Within a tenant, arrival order.
+everyone else. Within a tenant, arrival order. The waiter whose turn it is is never
+overtaken, not even by smaller requests that would fit sooner: a flood of small requests
+cannot starve a large one.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
@@ -80,23 +81,21 @@ class FairQueue(Generic[T]):
         self._last_served[waiter.tenant] = next(self._turns)
         return True
 
-    def _turn_order(self, tenants: dict[str, deque[Waiter[T]]]) -> list[deque[Waiter[T]]]:
-        return sorted(
-            tenants.values(),
-            key=lambda line: (self._last_served.get(line[0].tenant, 0), line[0].seq),
-        )
+    def waiting_at_or_above(self, priority: Priority) -> bool:
+        """Whether anyone of class `priority` or a higher one is waiting."""
+        rank = PRIORITIES.index(priority)
+        return any(self._classes[p] for p in PRIORITIES[: rank + 1])
 
-    def pick(self, fits: Callable[[Waiter[T]], bool]) -> Waiter[T] | None:
-        """The best waiter that fits, looking only at the highest class that has waiters."""
+    def best(self) -> Waiter[T] | None:
+        """The waiter whose turn it is: highest class, then the tenant served least recently."""
         for priority in PRIORITIES:
             tenants = self._classes[priority]
-            if not tenants:
-                continue
-            for line in self._turn_order(tenants):
-                if fits(line[0]):
-                    return line[0]
-            return None
+            if tenants:
+                return min(tenants.values(), key=self._turn_key)[0]
         return None
+
+    def _turn_key(self, line: deque[Waiter[T]]) -> tuple[int, int]:
+        return (self._last_served.get(line[0].tenant, 0), line[0].seq)
 
     def victim_for(self, priority: Priority) -> Waiter[T] | None:
         """The newest waiter of the lowest class below `priority`, to make room for it."""

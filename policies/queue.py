@@ -1,16 +1,15 @@
-"""Wait briefly for capacity: a release in the pool hands room to the best waiter that fits.
+"""Wait briefly for capacity: a release in the pool hands room to the waiter whose turn it is.
 
 No polling: every release in the pool (Router.on_release) starts one drain, which reserves
-for waiters in `FairQueue` order until the best one no longer fits. Each waiter waits at most
-min(queue.max_wait_s, its tenant's TTFT budget); then it passes to the next policy. A waiter
-whose client disconnects is cancelled by the pipeline and leaves the queue at once; a
-reservation made for a waiter that has already left is given straight back.
+for waiters in `FairQueue` order until the one whose turn it is does not fit. Each waiter
+waits at most min(queue.max_wait_s, its tenant's TTFT budget); then it passes to the next
+policy. A waiter whose client disconnects is cancelled by the pipeline and leaves the queue
+at once; a reservation made for a waiter that has already left is given straight back.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 from collections.abc import Mapping
@@ -74,14 +73,21 @@ class QueuePolicy:
     def __len__(self) -> int:
         return len(self._queue)
 
+    def lets_in(self, request: InferenceRequest) -> bool:
+        """Whether a new arrival may take free room at once: nobody of its class or a higher
+        one is waiting. Otherwise it queues, so arrivals never overtake waiters."""
+        return not self._queue.waiting_at_or_above(request.priority)
+
     def max_wait_s(self, request: InferenceRequest) -> float:
         return min(self._max_wait_s, self._budgets.get(request.tenant, math.inf))
 
     async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
+        started = self._clock.monotonic()
         result = await self.wait(request, exchange)
         if result is not QueueResult.ADMITTED:
             log.debug("%s/%s left the queue: %s", request.pool, request.tenant, result)
             return None
+        exchange.timings["queue"] = self._clock.monotonic() - started
         return await exchange.serve_local(request, Outcome.QUEUED)
 
     async def wait(self, request: InferenceRequest, exchange: Exchange) -> QueueResult:
@@ -157,15 +163,18 @@ class QueuePolicy:
 
     async def _drain(self) -> None:
         try:
-            while True:
-                waiter = self._queue.pick(functools.partial(_fits, self._room()))
-                if waiter is None:
-                    return
+            while (waiter := self._queue.best()) is not None:
                 ticket = waiter.item
+                if ticket.decided.done():  # cancelled; its own task has not run yet
+                    self._queue.remove(waiter)
+                    continue
+                if waiter.tokens > self._room():
+                    return  # the next release, or this waiter leaving, drains again
                 reservation = await ticket.exchange.reserve(ticket.request)
                 if reservation is None:
-                    return  # someone else took the room; the next release drains again
+                    return  # the room went elsewhere; the next release drains again
                 if ticket.decided.done() or not self._queue.take(waiter):
+                    self._queue.remove(waiter)
                     await self._router.release(reservation)  # it left while we reserved
                     continue
                 ticket.exchange.holding.reservation = reservation
@@ -173,7 +182,3 @@ class QueuePolicy:
                 self._depth_changed()
         except Exception:
             log.exception("draining the queue of pool %s failed", self._pool)
-
-
-def _fits(room: int, waiter: Waiter[Ticket]) -> bool:
-    return waiter.tokens <= room and not waiter.item.decided.done()

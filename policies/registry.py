@@ -5,7 +5,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from gateway.config import PoolSettings
-from policies.base import AnswerObserver, OverflowPolicy, PolicyDeps, PolicyFactory, TapFactory
+from policies.base import (
+    AdmissionGate,
+    AnswerObserver,
+    Gate,
+    OverflowPolicy,
+    PolicyDeps,
+    PolicyFactory,
+    TapFactory,
+)
 from policies.cache import CachePolicy
 from policies.degrade import DegradePolicy
 from policies.provider import ProviderPolicy
@@ -46,3 +54,13 @@ def answer_taps(chains: Mapping[str, list[OverflowPolicy]]) -> dict[str, TapFact
         if observers:
             taps[pool] = observers[0].tap_for
     return taps
+
+
+def admission_gates(chains: Mapping[str, list[OverflowPolicy]]) -> dict[str, Gate]:
+    """Per pool, what may hold new arrivals back from free room: the first gate in its chain."""
+    gates: dict[str, Gate] = {}
+    for pool, chain in chains.items():
+        found = [p for p in chain if isinstance(p, AdmissionGate)]
+        if found:
+            gates[pool] = found[0].lets_in
+    return gates

@@ -216,3 +216,39 @@ def test_sheddable_waiters_stay_off_the_reserved_headroom() -> None:
         assert s.in_flight() == 400
 
     run(scenario, sheddable_max_fill=0.5)
+
+
+def test_a_waiter_cancelled_just_as_room_frees_gets_nothing() -> None:
+    async def scenario(s: Setup) -> None:
+        full = await s.router.admit("p", CAPACITY)
+        assert full is not None
+        ex = s.exchange()
+        waiting = asyncio.create_task(s.queue.wait(request(), ex))
+        await settle()
+        await s.router.release(full)  # the drain is scheduled ...
+        waiting.cancel()  # ... and the client leaves before it runs
+        await asyncio.gather(waiting, return_exceptions=True)
+        await settle()
+        assert waiting.cancelled() and len(s.queue) == 0
+        assert s.in_flight() == 0 and ex.holding.reservation is None
+
+    run(scenario)
+
+
+def test_the_head_of_the_queue_is_not_overtaken_by_a_smaller_request() -> None:
+    async def scenario(s: Setup) -> None:
+        first = await s.router.admit("p", 500)
+        second = await s.router.admit("p", 500)
+        assert first is not None and second is not None
+        big = asyncio.create_task(s.queue.wait(request(tenant="a", tokens=800), s.exchange()))
+        await settle()
+        small = asyncio.create_task(s.queue.wait(request(tenant="b", tokens=100), s.exchange()))
+        await s.router.release(first)
+        await settle()
+        assert not big.done() and not small.done()  # 500 free: the head needs 800
+        await s.router.release(second)
+        assert await big is QueueResult.ADMITTED
+        assert await small is QueueResult.ADMITTED
+        assert s.in_flight() == 900
+
+    run(scenario)
