@@ -160,8 +160,14 @@ async def _replay(
     )
 
 
-async def _direct_target(args: argparse.Namespace, keys: dict[str, str]) -> Target:
-    urls = list(args.compare_direct)
+async def _direct_target(
+    args: argparse.Namespace, keys: dict[str, str], pool_backends: list[str]
+) -> Target:
+    urls = [u for u in args.compare_direct if u != "auto"]
+    if "auto" in args.compare_direct:
+        if not pool_backends:
+            raise ValueError("--compare-direct auto needs --admin-token to find the backends")
+        urls += pool_backends
     model = args.direct_model or await served_model(urls[0], args.direct_key)
     shape = RequestShape(model=model, endpoint=args.endpoint, timeout_s=args.timeout)
     direct_keys = {t: args.direct_key for t in keys} if args.direct_key else {}
@@ -171,16 +177,17 @@ async def _direct_target(args: argparse.Namespace, keys: dict[str, str]) -> Targ
 async def run_all(args: argparse.Namespace) -> tuple[ArrivalProfile, list[RunData]]:
     profile, plans = build_plans(args)
     keys = {t.name: t.key for t in TenantKey.parse_all(args.key)}
-    backends = list(args.backend)
-    if not backends and args.admin_token:
-        backends = await gateway_backends(args.url, args.admin_token, args.model)
+    pool_backends = []
+    if args.admin_token:
+        pool_backends = await gateway_backends(args.url, args.admin_token, args.model)
+    backends = list(args.backend) or pool_backends
     shape = RequestShape(model=args.model, endpoint=args.endpoint, timeout_s=args.timeout)
     gateway = Target(label="gateway", urls=[args.url], keys=keys, shape=shape,
                      admin_token=args.admin_token, backend_urls=backends)  # fmt: skip
     runs = [await _replay(args, plans, gateway, profile.duration_s)]
     if args.compare_direct:
-        await wait_idle(list(args.compare_direct))
-        direct = await _direct_target(args, keys)
+        direct = await _direct_target(args, keys, pool_backends)
+        await wait_idle(direct.urls)
         runs.append(await _replay(args, plans, direct, profile.duration_s))
     return profile, runs
 

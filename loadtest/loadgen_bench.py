@@ -57,6 +57,15 @@ def _loadtest(url: str, rate: float, args: argparse.Namespace, out: Path) -> dic
     }
 
 
+def _median(tries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The try with the median p99 lag (a shared machine makes single runs noisy)."""
+    ordered = sorted(tries, key=lambda r: r["lag_p99_ms"])
+    row = dict(ordered[len(ordered) // 2])
+    row["runs"] = len(tries)
+    row["worst_lag_p99_ms"] = ordered[-1]["lag_p99_ms"]
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.loadgen_bench", description=__doc__)
     p.add_argument("--rates", default="100,200,400,800")
@@ -67,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flush-interval", help="the simulator's least seconds between writes")
     p.add_argument("--no-delay", action="store_true", help="simulator answers at once")
     p.add_argument("--tolerance-ms", type=float, default=20.0)
+    p.add_argument("--repeats", type=int, default=1, help="runs per rate; the median is kept")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     port = free_port()
@@ -82,12 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         wait_for_port(port, timeout=30)
         with tempfile.TemporaryDirectory() as tmp:
             for rate in (float(r) for r in args.rates.split(",")):
-                rows.append(_loadtest(f"http://127.0.0.1:{port}", rate, args, Path(tmp, "r.json")))
+                tries = [
+                    _loadtest(f"http://127.0.0.1:{port}", rate, args, Path(tmp, "r.json"))
+                    for _ in range(args.repeats)
+                ]
+                rows.append(_median(tries))
     finally:
         sim.terminate()
         sim.wait(timeout=10)
     keys = list(rows[0]) if rows else []
-    print(f"load average before/after: {os.getloadavg()[0]:.2f}")
+    print(f"load average after: {os.getloadavg()[0]:.2f} (other work on the machine)")
     print(table([keys, *[[str(r[k]) for k in keys] for r in rows]], [">"] * len(keys)))
     kept = [r["rate"] for r in rows if r["kept"]]
     print(f"ceiling: {max(kept) if kept else 'below the lowest rate'} arrivals/s kept on schedule")

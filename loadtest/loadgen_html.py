@@ -95,10 +95,10 @@ def _fill_chart(samples: list[dict[str, Any]]) -> str:
         color = PALETTE[k % len(PALETTE)]
         pts = [(p["t"], p["backends"][name]) for p in samples if name in p["backends"]]
         short = short_name(name)
-        lines.append(Series(name=f"{short} in flight", color=color,
+        lines.append(Series(name=short, color=color,
                             points=[(t, float(b["in_flight"])) for t, b in pts]))  # fmt: skip
         bound = "limit" if any(b.get("limit") is not None for _, b in pts) else "capacity"
-        lines.append(Series(name=f"{short} {bound}", color=color, dashed=True,
+        lines.append(Series(name=f"  its {bound}", color=color, dashed=True,
                             points=[(t, float(b.get(bound) or 0)) for t, b in pts]))  # fmt: skip
     return render_svg(LineChart(
         title="tokens in flight per backend (dashed: its limit)", x_label="s", y_label="tokens",
@@ -110,7 +110,7 @@ def short_name(name: str) -> str:
     """Legend-sized: a backend URL becomes its port, a long name keeps its tail."""
     if "://" in name:
         return ":" + name.rstrip("/").rsplit(":", 1)[-1]
-    return name if len(name) <= 14 else "…" + name[-13:]
+    return name if len(name) <= 16 else "…" + name[-15:]
 
 
 def _queue_chart(samples: list[dict[str, Any]], *, direct: bool) -> str:

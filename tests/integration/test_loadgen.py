@@ -113,12 +113,8 @@ def test_a_spike_through_the_gateway_records_outcomes_and_fleet_samples(
 def test_compare_direct_replays_the_schedule_at_the_backends(
     fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    urls = [s.url for s in fleet.backends["big"]]
     html = tmp_path / "report.html"
-    data = _gateway_run(
-        fleet, tmp_path, "--compare-direct", urls[0], "--compare-direct", urls[1],
-        "--html", str(html),
-    )  # fmt: skip
+    data = _gateway_run(fleet, tmp_path, "--compare-direct", "auto", "--html", str(html))
     gateway, direct = (r["summary"] for r in data["runs"])
     assert gateway["requests"] == direct["requests"]
     assert [r["at_s"] for r in data["runs"][0]["requests"]] == [
@@ -127,6 +123,7 @@ def test_compare_direct_replays_the_schedule_at_the_backends(
     assert direct["outcomes"].keys() == {"served"}  # nothing is refused without a gateway
     assert direct["preemptions"]["total"] is not None
     assert data["runs"][1]["sampled"] == "backends"
+    assert data["runs"][1]["summary"]["urls"] == [s.url for s in fleet.backends["big"]]
     printed = capsys.readouterr().out
     table = printed[printed.rindex("gateway  ") - 30 :]
     assert "TTFT p99 ms" in table and "preemptions" in table
