@@ -75,6 +75,7 @@ class PoolDemand:
         self._hold_s += 0.1 * (now - started - self._hold_s)
 
     def _hold_refused(self, expires_at: float, tokens: int) -> None:
+        self.refused_tokens_held()  # drop what expired, so the deque stays bounded unscraped
         last = self._refused_held[-1] if self._refused_held else None
         if last is not None and expires_at - last[0] < self.BUCKET_S:
             last[1] += tokens
