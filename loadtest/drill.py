@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,6 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help=f"pool to drill (default: {DEMO_MODEL} on the demo)")
     parser.add_argument("--slo-ttft-ms", type=float, help="p99 TTFT bound for local requests")
     parser.add_argument("--demo-speed", type=float, default=1.0, help="demo simulator speed")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="write the verdicts as JSON")
 
 
 async def upstream_errors(scraper: Scraper) -> dict[str, float]:
@@ -193,11 +196,37 @@ def _header(target: DrillTarget, script: DrillScript, n: int) -> str:
     )
 
 
-def report(target: DrillTarget, script: DrillScript, checks: list[Check], data: RunData) -> int:
+def verdicts(
+    target: DrillTarget, script: DrillScript, checks: list[Check], data: RunData
+) -> dict[str, Any]:
+    """What `--json` writes: the verdict, each check, and what the spike saw."""
+    lag = LagVerdict(tolerance_s=0.05).check([r.lag_s for r in data.results])
+    return {
+        "passed": all(c.passed for c in checks),
+        "target": {"url": target.url, "model": target.model},
+        "script": dataclasses.asdict(script),
+        "checks": [dataclasses.asdict(c) for c in checks],
+        "requests": len(data.results),
+        "outcomes": dict(Counter(r.outcome for r in data.results)),
+        "lag": lag,
+    }
+
+
+def report(
+    target: DrillTarget,
+    script: DrillScript,
+    checks: list[Check],
+    data: RunData,
+    *,
+    json_path: Path | None = None,
+) -> int:
+    result = verdicts(target, script, checks, data)
+    if json_path is not None:
+        json_path.write_text(json.dumps(result, indent=1) + "\n", "utf-8")
     print(_header(target, script, len(data.results)))
     for check in checks:
         print(check.line())
-    lag = LagVerdict(tolerance_s=0.05).check([r.lag_s for r in data.results])
+    lag = result["lag"]
     state = "as scripted" if lag["kept_schedule"] else "LATE (the generator fell behind)"
     print(f"note  spike delivered {state}: send lag p99 {lag['p99_ms']} ms")
     failed = [c for c in checks if not c.passed]
@@ -208,7 +237,7 @@ def report(target: DrillTarget, script: DrillScript, checks: list[Check], data: 
     return 0
 
 
-def _resolve(args: argparse.Namespace) -> tuple[dict[str, Any], DrillScript]:
+def resolve_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], DrillScript]:
     given: dict[str, Any] = {}
     script = DrillScript()
     if args.config is not None:
@@ -223,18 +252,18 @@ def _resolve(args: argparse.Namespace) -> tuple[dict[str, Any], DrillScript]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        given, script = _resolve(args)
+        given, script = resolve_inputs(args)
         if given.get("url"):
             missing = sorted({"key", "admin_token", "model"} - set(given))
             if missing:
                 print(f"spillgate drill: with a URL, also give {missing}", file=sys.stderr)
                 return 2
             target = DrillTarget(**given)
-            return report(target, script, *run_loop(drill(target, script)))
+            return report(target, script, *run_loop(drill(target, script)), json_path=args.json)
         with DemoProcess(speed=args.demo_speed) as demo:
             target = DrillTarget(url=demo.url, key=demo.api_key, admin_token=demo.admin_token,
                                  model=given.get("model", DEMO_MODEL))  # fmt: skip
-            return report(target, script, *run_loop(drill(target, script)))
+            return report(target, script, *run_loop(drill(target, script)), json_path=args.json)
     except (ValueError, TypeError, OSError, httpx.HTTPError, TimeoutError) as exc:
         print(f"spillgate drill: {exc}", file=sys.stderr)
         return 2

@@ -79,7 +79,7 @@ class DemoProcess:
         if proc is None:
             return
         if proc.poll() is None:
-            proc.terminate()
+            proc.send_signal(signal.SIGINT)  # the demo's clean stop, as Ctrl-C
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:

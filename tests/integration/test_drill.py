@@ -1,5 +1,6 @@
 """`spillgate drill` passes against `spillgate demo` and fails loudly when a path is broken."""
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,8 +23,8 @@ def drill(*args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_drill_passes_against_the_demo_it_starts() -> None:
-    done = drill()
+def test_drill_passes_against_the_demo_it_starts(tmp_path: Path) -> None:
+    done = drill("--json", str(tmp_path / "drill.json"))
     lines = done.stdout.splitlines()
     assert done.returncode == 0, done.stdout + done.stderr
     checks = [line for line in lines if line.startswith(("PASS", "FAIL"))]
@@ -31,6 +32,9 @@ def test_drill_passes_against_the_demo_it_starts() -> None:
     for path in ("queue", "degrade", "provider", "cache", "reject"):
         assert any(line.startswith(f"PASS  overflow path '{path}' engaged") for line in lines)
     assert lines[-1] == "drill passed: 11 checks"
+    verdicts = json.loads((tmp_path / "drill.json").read_text())
+    assert verdicts["passed"] is True and len(verdicts["checks"]) == 11
+    assert set(verdicts["outcomes"]) >= {"queued", "degraded", "provider", "cached", "rejected"}
 
 
 @pytest.fixture
