@@ -13,7 +13,8 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admin import AdminEndpoints
 from gateway.auth import AdminAuth, Authenticator
@@ -117,7 +118,7 @@ def create_app(
     clock: Clock | None = None,
     redis_url: str | None = None,
     workers: int = 1,
-) -> Starlette:
+) -> FrontDoor:
     """The gateway; `workers` is how many processes of this replica share its Redis."""
     env = dict(os.environ if environ is None else environ)
     clock = clock or SystemClock()
@@ -203,21 +204,43 @@ def create_app(
                 await redis.aclose()
             metrics.close()
 
+    completions = {e: CompletionsEndpoint(e, deps) for e in Endpoint}
     routes = [
-        Route(Endpoint.CHAT, CompletionsEndpoint(Endpoint.CHAT, deps), methods=["POST"]),
-        Route(
-            Endpoint.COMPLETIONS, CompletionsEndpoint(Endpoint.COMPLETIONS, deps), methods=["POST"]
-        ),
+        *(Route(e, endpoint, methods=["POST"]) for e, endpoint in completions.items()),
         *admin.routes(),
         *dashboard.routes(),
         openapi_route(),
     ]
-    return Starlette(
+    limit = settings.server.max_header_bytes
+    app = Starlette(
         routes=routes,
-        middleware=[Middleware(HeaderLimit, max_bytes=settings.server.max_header_bytes)],
+        middleware=[Middleware(HeaderLimit, max_bytes=limit)],
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
     )
+    fast = {str(e): HeaderLimit(endpoint, max_bytes=limit) for e, endpoint in completions.items()}
+    return FrontDoor(fast, app)
+
+
+class FrontDoor:
+    """Pure ASGI: completion POSTs go straight to their endpoint, past Starlette's routing
+    and middleware (they render their own errors); everything else goes to the app."""
+
+    def __init__(self, fast: Mapping[str, ASGIApp], app: Starlette) -> None:
+        self._fast = dict(fast)
+        self.app = app
+
+    @property
+    def routes(self) -> list[BaseRoute]:
+        return self.app.routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self._fast.get(scope["path"])
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -115,9 +115,15 @@ class Exchange:
         """
         tried: set[str] = set()
         total_s = self.router.pools[request.pool].settings.timeouts.total
-        deadline = asyncio.get_running_loop().time() + total_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + total_s
+        try:
+            # the first attempt runs bare: a retry policy is only built once one is needed
+            return await self._attempt(request, outcome, tried, deadline=deadline)
+        except UpstreamUnavailable:
+            pass
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(ATTEMPTS) | stop_after_delay(total_s),
+            stop=stop_after_attempt(ATTEMPTS - 1) | stop_after_delay(deadline - loop.time()),
             retry=retry_if_exception_type(UpstreamUnavailable),
             reraise=True,
         )

@@ -164,6 +164,11 @@ class CompletionsEndpoint:
         except SpillgateError as exc:
             if not started:
                 await error_response(exc, headers)(scope, receive, send)
+        except Exception:
+            log.exception("request failed")
+            if not started:
+                error = SpillgateError("The gateway failed to handle this request.")
+                await error_response(error, headers)(scope, receive, send)
         except asyncio.CancelledError:
             if watch is None or not watch.disconnected:
                 raise

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import uvicorn
-from starlette.applications import Starlette
+from starlette.types import ASGIApp
 
 from gateway.config import Settings, load_settings
 
@@ -51,7 +51,7 @@ class WorkerSpec:
         return cls(**json.loads(text))
 
 
-def worker_app() -> Starlette:
+def worker_app() -> ASGIApp:
     """The app factory uvicorn calls in each worker process."""
     from gateway.app import create_app
 

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import os
 import secrets
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -154,6 +155,10 @@ def _banner(host: str, port: int, api_key: str, admin: str) -> str:
     )
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or "sk-demo-" + secrets.token_hex(12)
     admin = args.admin_token or secrets.token_hex(16)
@@ -169,6 +174,9 @@ def run(args: argparse.Namespace) -> int:
         )
         server = uvicorn.Server(config)
         print(_banner(args.host, args.port, api_key, admin), flush=True)
+        # uvicorn re-raises the signal that stopped it; SIGTERM must unwind like Ctrl-C
+        # so the simulators are stopped too
+        signal.signal(signal.SIGTERM, _interrupt)
         with contextlib.suppress(KeyboardInterrupt):
             server.run()
     print("Spillgate demo stopped.", flush=True)
