@@ -7,6 +7,7 @@ import contextlib
 import os
 from collections.abc import AsyncIterator, Mapping
 
+import httpx
 import redis.asyncio as aioredis
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -35,7 +36,7 @@ from gateway.providers import build_gates
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
 from gateway.request import Endpoint
 from gateway.router import Router
-from gateway.upstream import upstream_client
+from gateway.upstream import UpstreamPool
 from gateway.workers import MULTIPROC_ENV, refresh_gauges
 from policies.base import PolicyDeps
 from policies.registry import admission_gates, answer_taps, build_chain, unknown_policies
@@ -139,7 +140,8 @@ def create_app(
         feed = ReleaseFeed(
             redis, ledger=shared, waker=router, timeout_s=settings.redis.timeout_ms / 1000
         )
-    client = upstream_client(max_connections=settings.server.upstream_max_connections)
+    upstream = UpstreamPool(max_connections=settings.server.upstream_max_connections)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))  # capacity discovery and probes
     policy_deps = PolicyDeps(
         settings=settings,
         router=router,
@@ -157,7 +159,7 @@ def create_app(
         chains=chains,
         taps=answer_taps(chains),
         gates=admission_gates(chains),
-        forwarder=Forwarder(client),
+        forwarder=Forwarder(upstream),
         metrics=metrics,
         clock=clock,
         max_body_bytes=settings.server.max_body_bytes,
@@ -198,6 +200,7 @@ def create_app(
             await history.stop()
             await watcher.stop()
             await client.aclose()
+            await upstream.aclose()
             await limiter.close()
             await router.ledger.close()
             if redis is not None:

@@ -7,9 +7,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 import orjson
 from starlette.types import Send
+from yarl import URL
 
 from gateway.config import Timeouts
 from gateway.relay import (
@@ -23,6 +24,7 @@ from gateway.relay import (
     send_json_body,
 )
 from gateway.request import InferenceRequest
+from gateway.upstream import UpstreamPool
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,7 +72,7 @@ def upstream_body(request: InferenceRequest, model: str) -> bytes:
     return orjson.dumps(body)
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+def _retry_after(response: aiohttp.ClientResponse) -> float | None:
     value = response.headers.get("retry-after")
     try:
         return float(value) if value is not None else None
@@ -79,8 +81,16 @@ def _retry_after(response: httpx.Response) -> float | None:
 
 
 class Forwarder:
-    def __init__(self, client: httpx.AsyncClient) -> None:
-        self._client = client
+    def __init__(self, pool: UpstreamPool) -> None:
+        self._pool = pool
+        self._urls: dict[tuple[str, str], URL] = {}
+
+    def _url(self, target: Target, request: InferenceRequest) -> URL:
+        key = (target.api_base, request.endpoint)
+        url = self._urls.get(key)
+        if url is None:
+            url = self._urls[key] = URL(target.api_base + request.endpoint.removeprefix("/v1"))
+        return url
 
     async def forward(
         self,
@@ -101,49 +111,49 @@ class Forwarder:
         loop = asyncio.get_running_loop()
         t = target.timeouts
         deadline = min(loop.time() + t.total, deadline if deadline is not None else math.inf)
-        upstream = self._client.build_request(
-            "POST",
-            target.api_base + request.endpoint.removeprefix("/v1"),
-            content=upstream_body(request, target.model),
-            headers={"content-type": "application/json", **target.headers},
-            timeout=httpx.Timeout(connect=t.connect, read=None, write=t.connect, pool=t.connect),
-        )
         swap = model_swap(target.model, public_model)
         out_headers = raw_headers(headers)
         wait = t.first_token if request.stream else t.total
         try:
             async with asyncio.timeout_at(min(loop.time() + wait, deadline)):
-                response = await self._client.send(upstream, stream=True)
+                response = await self._pool.session.post(
+                    self._url(target, request),
+                    data=upstream_body(request, target.model),
+                    headers={"content-type": "application/json", **target.headers},
+                    timeout=aiohttp.ClientTimeout(sock_connect=t.connect),
+                )
         except TimeoutError:
             raise UpstreamUnavailable("timeout before the first byte", timed_out=True) from None
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise UpstreamUnavailable(type(exc).__name__) from None
+        done = False
         try:
-            if response.status_code >= 500 or response.status_code == 429:
+            if response.status >= 500 or response.status == 429:
                 raise UpstreamUnavailable(
-                    f"status {response.status_code}",
-                    status=response.status_code,
+                    f"status {response.status}",
+                    status=response.status,
                     retry_after=_retry_after(response),
                 )
-            if not request.stream or response.status_code >= 400:
+            if not request.stream or response.status >= 400:
                 body = await self._read_body(response, deadline)
+                done = True
                 return await send_json_body(
                     body,
                     send=send,
-                    status=response.status_code,
+                    status=response.status,
                     headers=[*JSON_HEADERS, *out_headers],
                     swap=swap,
-                    tap=tap if response.status_code == 200 else None,
+                    tap=tap if response.status == 200 else None,
                 )
-            chunks = response.aiter_raw()
+            chunks = response.content.iter_any()
             try:
                 async with asyncio.timeout_at(min(loop.time() + t.first_token, deadline)):
                     first = await anext(chunks)
-            except (TimeoutError, StopAsyncIteration, httpx.HTTPError) as exc:
+            except (TimeoutError, StopAsyncIteration, aiohttp.ClientError) as exc:
                 raise UpstreamUnavailable(
                     f"no first token: {type(exc).__name__}", timed_out=isinstance(exc, TimeoutError)
                 ) from None
-            return await relay_stream(
+            relayed = await relay_stream(
                 chunks,
                 send=send,
                 status=200,
@@ -155,14 +165,21 @@ class Forwarder:
                 deadline=deadline,
                 tap=tap,
             )
+            done = relayed.completed
+            return relayed
         finally:
-            await response.aclose()
+            # a fully read response gives its connection back; anything else closes it,
+            # which is also how an abandoned request is cancelled at the upstream
+            if done:
+                response.release()
+            else:
+                response.close()
 
-    async def _read_body(self, response: httpx.Response, deadline: float) -> bytes:
+    async def _read_body(self, response: aiohttp.ClientResponse, deadline: float) -> bytes:
         try:
             async with asyncio.timeout_at(deadline):
-                return await response.aread()
-        except (TimeoutError, httpx.HTTPError) as exc:
+                return await response.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise UpstreamUnavailable(
                 f"body not read: {type(exc).__name__}", timed_out=isinstance(exc, TimeoutError)
             ) from None

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import httpx
+import aiohttp
 import orjson
 from starlette.types import Send
 
@@ -161,7 +161,7 @@ async def relay_stream(
             async for chunk in chunks:
                 await relay.feed(chunk)
                 budget.reschedule(min(loop.time() + idle_s, deadline))
-    except (TimeoutError, httpx.HTTPError, OSError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         await relay.flush()
         message = "The upstream stopped responding mid-stream; the response is incomplete."
         if not isinstance(exc, TimeoutError):

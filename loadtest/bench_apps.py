@@ -10,11 +10,10 @@ import asyncio
 import os
 from typing import Any
 
-import httpx
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from gateway.upstream import upstream_client
+from gateway.upstream import UpstreamPool
 
 MODEL = "bench-model"
 CHUNKS = int(os.environ.get("BENCH_STREAM_CHUNKS", "32"))
@@ -90,42 +89,37 @@ async def backend(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 class RawRelay:
-    """The smallest pass-through: read the body, send it upstream, relay the bytes back."""
+    """The smallest pass-through: read the body, send it upstream, relay the bytes back.
+
+    Same server (uvicorn) and client (one aiohttp session) as the gateway, no features.
+    """
 
     def __init__(self, upstream: str) -> None:
-        self._client: httpx.AsyncClient | None = None
+        self._pool = UpstreamPool(max_connections=1024)
         self._upstream = upstream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
             return
-        assert self._client is not None
         body = await _read(receive)
-        request = self._client.build_request(
-            "POST", self._upstream + scope["path"], content=body,
-            headers={"content-type": "application/json"},
-        )  # fmt: skip
-        response = await self._client.send(request, stream=True)
-        try:
-            headers = [(b"content-type", response.headers["content-type"].encode())]
-            await send({"type": "http.response.start", "status": response.status_code,
-                        "headers": headers})  # fmt: skip
-            async for chunk in response.aiter_raw():
+        url = self._upstream + scope["path"]
+        headers = {"content-type": "application/json"}
+        async with self._pool.session.post(url, data=body, headers=headers) as response:
+            head = [(b"content-type", response.headers["content-type"].encode())]
+            await send({"type": "http.response.start", "status": response.status,
+                        "headers": head})  # fmt: skip
+            async for chunk in response.content.iter_any():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
-        finally:
-            await response.aclose()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
             message: dict[str, Any] = dict(await receive())
             if message["type"] == "lifespan.startup":
-                self._client = upstream_client(max_connections=1024)
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
-                if self._client is not None:
-                    await self._client.aclose()
+                await self._pool.aclose()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 

@@ -7,8 +7,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import httpx
-
 from gateway.backends import build_pools
 from gateway.clock import ManualClock
 from gateway.config import BackendSettings, PoolSettings, Priority, QueueSettings
@@ -18,6 +16,7 @@ from gateway.ledger import LocalLedger
 from gateway.metrics import GatewayMetrics
 from gateway.request import Endpoint, InferenceRequest
 from gateway.router import Router
+from gateway.upstream import UpstreamPool
 from policies.fair_queue import QueueResult
 from policies.queue import QueuePolicy
 
@@ -40,7 +39,7 @@ class Setup:
         pools = build_pools([self.settings], clock=self.clock)
         self.router = Router(pools, ledger=LocalLedger(), clock=self.clock)
         self.metrics = GatewayMetrics()
-        self.client = httpx.AsyncClient()
+        self.upstream = UpstreamPool(max_connections=4)
         self.budgets: dict[str, float] = {}
         self.queue = QueuePolicy(
             self.settings,
@@ -58,7 +57,7 @@ class Setup:
             send=no_send,
             headers={},
             router=self.router,
-            forwarder=Forwarder(self.client),
+            forwarder=Forwarder(self.upstream),
             metrics=self.metrics,
             clock=self.clock,
             holding=Holding(self.router),
@@ -89,7 +88,7 @@ def run(scenario: Callable[[Setup], Awaitable[None]], **options: Any) -> None:
         try:
             await scenario(setup)
         finally:
-            await setup.client.aclose()
+            await setup.upstream.aclose()
 
     asyncio.run(main())
 
