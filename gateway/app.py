@@ -70,22 +70,29 @@ def _limiter(
     clock: Clock,
     *,
     workers: int,
+    for_providers: bool = False,
 ) -> RateLimiter:
+    """Token buckets, shared through Redis when there is one.
+
+    Tenants' buckets follow the configured failure mode; providers' budgets always fall
+    back to this process's share, so a Redis outage neither stops spilling nor multiplies
+    a provider's budget by the replica count.
+    """
     local = LocalRateLimiter(clock)
     if redis is None:
         return local
     rl = settings.ratelimit
     return ResilientRateLimiter(
-        RedisRateLimiter(redis),
+        RedisRateLimiter(redis, key_prefix="spillgate:provider" if for_providers else "spillgate"),
         fallback=local,
-        failure_mode=rl.failure_mode,
+        failure_mode="local" if for_providers else rl.failure_mode,
         replicas=rl.replicas * workers,
         timeout_s=settings.redis.timeout_ms / 1000,
         failure_threshold=rl.failure_threshold,
         cooldown_s=rl.cooldown_s,
         clock=clock,
         on_store_error=metrics.ratelimit_store_errors.inc,
-        on_mode_change=metrics.set_ratelimit_mode,
+        on_mode_change=(lambda mode: None) if for_providers else metrics.set_ratelimit_mode,
     )
 
 
@@ -148,7 +155,13 @@ def create_app(
         metrics=metrics,
         clock=clock,
         redis=redis,
-        providers=build_gates(settings.providers, environ=env, clock=clock, metrics=metrics),
+        providers=build_gates(
+            settings.providers,
+            environ=env,
+            clock=clock,
+            metrics=metrics,
+            budget=_limiter(settings, redis, metrics, clock, workers=workers, for_providers=True),
+        ),
     )
     chains = {name: build_chain(pool.settings, policy_deps) for name, pool in pools.items()}
     auth = Authenticator(settings, env)

@@ -2,8 +2,10 @@
 
 One `ProviderGate` per configured provider, shared by every pool that spills to it, built
 once in `create_app`. A gate lets a request through only while the provider's breaker is
-closed (or half-open for one trial), a concurrency slot is free and its tokens-per-minute
-budget holds the request's reservation.
+closed (or half-open for one trial), a concurrency slot of this process is free and the
+provider's tokens-per-minute budget holds the request's reservation. The budget is a
+token bucket of the same limiter the tenants' buckets use, so with Redis every replica
+spends from one budget.
 """
 
 from __future__ import annotations
@@ -17,33 +19,9 @@ from gateway.config import ProviderSettings
 from gateway.errors import SpillgateError
 from gateway.forward import Target
 from gateway.metrics import GatewayMetrics
+from gateway.ratelimit import RateLimiter, TenantLimits
 
-
-class TokenBudget:
-    """A tokens-per-minute bucket: full at start, refilled continuously."""
-
-    def __init__(self, per_minute: int, *, clock: Clock) -> None:
-        self._capacity = float(per_minute)
-        self._rate = per_minute / 60.0
-        self._clock = clock
-        self._level = self._capacity
-        self._at = clock.monotonic()
-
-    def available(self) -> float:
-        now = self._clock.monotonic()
-        self._level = min(self._capacity, self._level + (now - self._at) * self._rate)
-        self._at = now
-        return self._level
-
-    def take(self, tokens: int) -> bool:
-        if self.available() < tokens:
-            return False
-        self._level -= tokens
-        return True
-
-    def give_back(self, tokens: int) -> None:
-        if tokens > 0:
-            self._level = min(self._capacity, self.available() + tokens)
+UNLIMITED_REQUESTS = 1_000_000_000  # a provider's budget counts tokens only
 
 
 class BreakerState(StrEnum):
@@ -139,12 +117,18 @@ class ProviderGate:
         *,
         api_key: str | None,
         clock: Clock,
+        budget: RateLimiter,
         on_breaker: Callable[[str, BreakerState], None] | None = None,
     ) -> None:
         self.settings = settings
         self.name = settings.name
         self._api_key = api_key
-        self.budget = TokenBudget(settings.tokens_per_minute, clock=clock)
+        self.budget = budget
+        self.limits = TenantLimits(
+            tenant=settings.name,
+            requests_per_minute=UNLIMITED_REQUESTS,
+            tokens_per_minute=settings.tokens_per_minute,
+        )
         self.breaker = CircuitBreaker(
             failures=settings.breaker_failures,
             cooldown_s=settings.breaker_cooldown_s,
@@ -163,22 +147,33 @@ class ProviderGate:
             headers=headers,
         )
 
-    def acquire(self, tokens: int) -> Ticket | Refusal:
+    async def acquire(self, tokens: int) -> Ticket | Refusal:
         """Claim a slot and budget for one request, or say why not (claiming nothing)."""
         if self.in_flight >= self.settings.max_concurrency:
             return Refusal.CONCURRENCY
-        if self.budget.available() < tokens:
-            return Refusal.BUDGET
         if not self.breaker.allow():
             return Refusal.BREAKER_OPEN
-        self.budget.take(tokens)
-        self.in_flight += 1
+        self.in_flight += 1  # claimed before the budget call, so no race past the cap
+        try:
+            decision = await self.budget.acquire(self.limits, tokens)
+        except BaseException:
+            self._unclaim()
+            raise
+        if not decision.allowed:
+            self._unclaim()
+            return Refusal.BUDGET
         return Ticket(tokens)
 
-    def release(self, ticket: Ticket, *, used: int | None) -> None:
-        """Give the slot back, and the budget the answer did not use (all of it if unused)."""
+    def _unclaim(self) -> None:
         self.in_flight -= 1
-        self.budget.give_back(ticket.tokens - (used if used is not None else ticket.tokens))
+        self.breaker.release_trial()
+
+    async def release(self, ticket: Ticket, *, used: int | None) -> None:
+        """Give the slot back, and the budget the answer did not use (none if unknown)."""
+        self.in_flight -= 1
+        spent = ticket.tokens if used is None else used
+        if spent != ticket.tokens:
+            await self.budget.reconcile(self.limits, reserved=ticket.tokens, used=spent)
 
     def cost(self, *, prompt_tokens: int, completion_tokens: int) -> float:
         s = self.settings
@@ -193,6 +188,7 @@ def build_gates(
     environ: Mapping[str, str],
     clock: Clock,
     metrics: GatewayMetrics,
+    budget: RateLimiter,
 ) -> dict[str, ProviderGate]:
     """One gate per provider; a key named but missing from the environment is an error."""
 
@@ -206,5 +202,7 @@ def build_gates(
             if p.api_key_env not in environ:
                 raise SpillgateError(f"provider {p.name!r}: ${p.api_key_env} is not set")
             key = environ[p.api_key_env]
-        gates[p.name] = ProviderGate(p, api_key=key, clock=clock, on_breaker=on_breaker)
+        gates[p.name] = ProviderGate(
+            p, api_key=key, clock=clock, budget=budget, on_breaker=on_breaker
+        )
     return gates

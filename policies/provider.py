@@ -37,7 +37,7 @@ class ProviderPolicy:
 
     async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
         gate = self._gate
-        ticket = gate.acquire(request.reserved_tokens)
+        ticket = await gate.acquire(request.reserved_tokens)
         if isinstance(ticket, Refusal):
             log.debug("provider %s passes %s: %s", gate.name, request.pool, ticket)
             return None
@@ -49,16 +49,16 @@ class ProviderPolicy:
                 public_model=request.pool,
             )
         except UpstreamUnavailable as exc:
-            gate.release(ticket, used=0)  # refused before generating: the budget comes back
+            await gate.release(ticket, used=0)  # refused before generating: budget comes back
             gate.breaker.record_failure(retry_after=exc.retry_after)
             self._metrics.upstream_errors.labels(gate.name, exc.reason.split(":")[0]).inc()
             return None
         except BaseException:  # cancelled mid-answer: keep the budget spent, free the slot
             gate.breaker.release_trial()
-            gate.release(ticket, used=None)
+            await gate.release(ticket, used=None)
             raise
         usage = served.relayed.usage
-        gate.release(ticket, used=usage.total if usage.known else None)
+        await gate.release(ticket, used=usage.total if usage.known else None)
         self._settle(served)
         return served
 

@@ -13,6 +13,7 @@ from gateway.config import ConfigError, hash_key, parse_settings
 from gateway.ledger import LocalLedger
 from gateway.metrics import GatewayMetrics
 from gateway.providers import build_gates
+from gateway.ratelimit import LocalRateLimiter
 from gateway.request import Endpoint, InferenceRequest
 from gateway.router import Router
 from policies.base import PolicyDeps
@@ -59,7 +60,13 @@ def test_the_full_chain_is_built_in_config_order_with_its_hooks() -> None:
         router=router,
         metrics=metrics,
         clock=clock,
-        providers=build_gates(settings.providers, environ={}, clock=clock, metrics=metrics),
+        providers=build_gates(
+            settings.providers,
+            environ={},
+            clock=clock,
+            metrics=metrics,
+            budget=LocalRateLimiter(clock),
+        ),
     )
     chains = {p.name: build_chain(p, deps) for p in settings.pools}
     assert [p.name for p in chains["big"]] == FULL

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from gateway.clock import ManualClock
@@ -14,9 +16,9 @@ from gateway.providers import (
     ProviderGate,
     Refusal,
     Ticket,
-    TokenBudget,
     build_gates,
 )
+from gateway.ratelimit import LocalRateLimiter
 
 
 def settings(**overrides: object) -> ProviderSettings:
@@ -33,17 +35,6 @@ def settings(**overrides: object) -> ProviderSettings:
         "completion_price_per_m": 3.0,
     }
     return ProviderSettings.model_validate({**base, **overrides})
-
-
-def test_budget_refills_at_its_per_minute_rate_and_never_beyond() -> None:
-    clock = ManualClock()
-    budget = TokenBudget(600, clock=clock)
-    assert budget.take(600) and not budget.take(1)
-    clock.advance(10)  # 10 tokens/s
-    assert budget.take(100) and not budget.take(1)
-    budget.give_back(50)
-    clock.advance(3600)
-    assert budget.available() == 600
 
 
 def test_breaker_opens_after_consecutive_failures_then_lets_one_trial_through() -> None:
@@ -83,22 +74,33 @@ def test_a_retry_after_opens_the_breaker_at_once_for_that_long() -> None:
 
 def test_gate_refuses_without_claiming_and_settles_the_budget_with_real_usage() -> None:
     clock = ManualClock()
-    gate = ProviderGate(settings(), api_key="sk-x", clock=clock)
-    a, b = gate.acquire(1000), gate.acquire(1000)
-    assert isinstance(a, Ticket) and isinstance(b, Ticket)
-    assert gate.acquire(1) is Refusal.CONCURRENCY
-    gate.release(a, used=200)  # 800 of 1000 come back
-    gate.release(b, used=None)  # usage unknown: the reservation stays spent
-    assert gate.in_flight == 0
-    assert gate.budget.available() == pytest.approx(6000 - 200 - 1000)
-    assert gate.acquire(6000) is Refusal.BUDGET
-    gate.breaker.record_failure(retry_after=5)
-    assert gate.acquire(10) is Refusal.BREAKER_OPEN
-    assert gate.in_flight == 0
+    gate = ProviderGate(settings(), api_key="sk-x", clock=clock, budget=LocalRateLimiter(clock))
+
+    async def scenario() -> None:
+        a, b = await gate.acquire(1000), await gate.acquire(1000)
+        assert isinstance(a, Ticket) and isinstance(b, Ticket)
+        assert await gate.acquire(1) is Refusal.CONCURRENCY
+        await gate.release(a, used=200)  # 800 of 1000 come back
+        await gate.release(b, used=None)  # usage unknown: the reservation stays spent
+        assert gate.in_flight == 0
+        left = (await gate.budget.peek(gate.limits)).remaining_tokens
+        assert left == 6000 - 200 - 1000
+        assert await gate.acquire(6000) is Refusal.BUDGET
+        clock.advance(60)  # a minute refills the whole budget, never beyond it
+        assert isinstance(await gate.acquire(6000), Ticket)
+        assert await gate.acquire(1) is Refusal.BUDGET
+        gate.breaker.record_failure(retry_after=5)
+        assert await gate.acquire(10) is Refusal.BREAKER_OPEN
+        assert gate.in_flight == 1
+
+    asyncio.run(scenario())
 
 
 def test_target_carries_the_providers_own_key_and_model_mapping() -> None:
-    gate = ProviderGate(settings(), api_key="sk-provider", clock=ManualClock())
+    clock = ManualClock()
+    gate = ProviderGate(
+        settings(), api_key="sk-provider", clock=clock, budget=LocalRateLimiter(clock)
+    )
     target = gate.target("big")
     assert target.api_base == "https://api.example/v1"
     assert target.model == "vendor/big-model"
@@ -109,10 +111,17 @@ def test_target_carries_the_providers_own_key_and_model_mapping() -> None:
 
 def test_a_missing_key_is_refused_at_build_and_the_breaker_drives_its_gauge() -> None:
     metrics = GatewayMetrics()
+    clock = ManualClock()
     with pytest.raises(SpillgateError, match="HOSTED_KEY"):
-        build_gates([settings()], environ={}, clock=ManualClock(), metrics=metrics)
+        build_gates(
+            [settings()], environ={}, clock=clock, metrics=metrics, budget=LocalRateLimiter(clock)
+        )
     gates = build_gates(
-        [settings()], environ={"HOSTED_KEY": "k"}, clock=ManualClock(), metrics=metrics
+        [settings()],
+        environ={"HOSTED_KEY": "k"},
+        clock=clock,
+        metrics=metrics,
+        budget=LocalRateLimiter(clock),
     )
     gates["hosted"].breaker.record_failure(retry_after=1)
     value = metrics.registry.get_sample_value(

@@ -1,0 +1,96 @@
+"""A provider's tokens-per-minute budget is one budget across replicas when Redis is shared."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import httpx
+
+from gateway.app import create_app
+from gateway.config import parse_settings
+from loadtest.fleet import tenant
+from loadtest.harness import RedisProcess, ServerThread
+from loadtest.provider_sim import ProviderConfig, create_provider_app
+from loadtest.sim_app import create_sim_app
+from loadtest.sim_config import SimConfig
+
+KEY = "sk-tenant-budget"
+PROVIDER_KEY = "sk-provider-budget"
+BUDGET = 1000  # provider tokens per minute
+MAX_TOKENS = 90  # with the prompt, about a tenth of the budget per request
+
+
+@contextlib.contextmanager
+def two_gateways(redis_url: str | None) -> Iterator[tuple[list[str], ServerThread]]:
+    started: list[ServerThread] = []
+    try:
+        backend = ServerThread(create_sim_app(SimConfig(model="m", kv_tokens=64))).start()
+        provider = ServerThread(create_provider_app(ProviderConfig(api_key=PROVIDER_KEY)))
+        started += [backend, provider.start()]
+        settings = parse_settings(
+            {
+                "redis": {"timeout_ms": 2000},
+                "tenants": [tenant("acme", KEY)],
+                "pools": [
+                    {
+                        "name": "big",
+                        # nothing fits locally: every request is the provider's or refused
+                        "backends": [{"url": backend.url, "served_model": "m", "capacity": 1}],
+                        "overflow": ["provider", "reject"],
+                        "provider": "hosted",
+                    }
+                ],
+                "providers": [
+                    {
+                        "name": "hosted",
+                        "base_url": provider.url + "/v1",
+                        "api_key_env": "HOSTED_KEY",
+                        "tokens_per_minute": BUDGET,
+                    }
+                ],
+            }
+        )
+        env = {"HOSTED_KEY": PROVIDER_KEY}
+        gateways = [
+            ServerThread(create_app(settings, environ=env, redis_url=redis_url)).start()
+            for _ in range(2)
+        ]
+        started += gateways
+        yield [g.url for g in gateways], provider
+    finally:
+        for server in reversed(started):
+            server.stop()
+
+
+def spill(urls: list[str]) -> list[str]:
+    async def go() -> list[str]:
+        headers = {"authorization": f"Bearer {KEY}"}
+        body = {"model": "big", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": MAX_TOKENS}  # fmt: skip
+        async with httpx.AsyncClient(headers=headers, timeout=20) as client:
+            replies = []
+            for i in range(30):  # one after another, alternating replicas
+                reply = await client.post(f"{urls[i % 2]}/v1/chat/completions", json=body)
+                replies.append(reply.headers["x-spillgate-outcome"])
+            return replies
+
+    return asyncio.run(go())
+
+
+def test_replicas_on_one_redis_spend_one_provider_budget(redis_proc: RedisProcess) -> None:
+    with two_gateways(redis_proc.url) as (urls, provider):
+        outcomes = spill(urls)
+        seen = httpx.get(f"{provider.url}/sim/stats").json()
+    spilled = outcomes.count("provider")
+    # about ten requests of ~100 tokens fit one budget of 1000; the rest are refused
+    assert 8 <= spilled <= 11, outcomes
+    assert outcomes.count("rejected") == 30 - spilled
+    assert seen["prompt_tokens"] + seen["completion_tokens"] <= BUDGET + 100
+
+
+def test_without_redis_each_replica_spends_its_own_budget() -> None:
+    with two_gateways(None) as (urls, _):
+        outcomes = spill(urls)
+    assert outcomes.count("provider") >= 16  # twice the budget: what sharing prevents
