@@ -1,4 +1,5 @@
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -10,3 +11,7 @@ def redis_proc() -> Iterator[RedisProcess]:
     """A private redis-server on a free port, for one test."""
     with RedisProcess() as proc:
         yield proc
+
+
+# Output captured from a real vLLM 0.32 server; shared/ lies beside the checkout.
+VLLM_FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"

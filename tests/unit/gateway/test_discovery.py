@@ -1,8 +1,5 @@
-from pathlib import Path
-
 from gateway.discovery import capacity_from_metrics
-
-FIXTURES = Path(__file__).resolve().parents[4] / "shared" / "fixtures"
+from tests.conftest import VLLM_FIXTURES as FIXTURES
 
 
 def test_reads_vllm_cache_config_from_a_real_server() -> None:

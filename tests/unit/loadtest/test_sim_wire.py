@@ -1,15 +1,15 @@
 """The simulator's bytes have the shapes a real vLLM 0.32 server sent (captured fixture)."""
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from loadtest.sim_tokens import FillerText
 from loadtest.sim_wire import DONE, Kind, StreamFrame, full_response
+from tests.conftest import VLLM_FIXTURES
 
-FIXTURE = Path("/work/shared/fixtures/vllm-0.32-chat.txt")
+FIXTURE = VLLM_FIXTURES / "vllm-0.32-chat.txt"
 
 
 def shape(value: Any) -> Any:
