@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import Receive, Scope, Send
 
 from loadtest.fleet import Fleet
-from loadtest.harness import ServerThread, free_port, wait_for_port
+from loadtest.harness import free_port, wait_for_port
+from tests.integration.overflow_support import backend_requests, chat, holding, provider_stats
+
+__all__ = ["backend_requests", "chat", "holding", "provider_stats"]  # shared with overflow tests
 
 TRICKLE_GAP_S = 0.1
 PATIENCE_S = 30.0  # no misbehaving handler outlives this, so servers always stop
@@ -210,15 +213,6 @@ def usage_total(response_text: str) -> int:
     raise AssertionError("the answer reported no usage")
 
 
-def chat(content: str, *, model: str, max_tokens: int = 20, **extra: Any) -> dict[str, Any]:
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-        **extra,
-    }
-
-
 def async_client(fleet: Fleet, tenant: str) -> httpx.AsyncClient:
     headers = {"authorization": f"Bearer {fleet.keys[tenant]}"}
     return httpx.AsyncClient(base_url=fleet.url, headers=headers, timeout=15.0)
@@ -229,39 +223,3 @@ async def wait_for(check: Callable[[], bool], *, within_s: float = 5.0) -> None:
     while not await asyncio.to_thread(check):
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.02)
-
-
-def provider_stats(provider: ServerThread) -> dict[str, Any]:
-    response = httpx.get(f"{provider.url}/sim/stats", timeout=5)
-    response.raise_for_status()
-    stats: dict[str, Any] = response.json()
-    return stats
-
-
-def backend_requests(server: ServerThread) -> float:
-    """Requests a simulated backend has seen: finished, aborted, running or waiting."""
-    return sum(
-        metric_sum(server.url, name)
-        for name in (
-            "sim_requests_finished_total",
-            "sim_requests_aborted_total",
-            "vllm:num_requests_running",
-            "vllm:num_requests_waiting",
-        )
-    )
-
-
-@contextlib.asynccontextmanager
-async def holding(
-    client: httpx.AsyncClient, model: str, *, tokens: int
-) -> AsyncIterator[httpx.Response]:
-    """A long streamed answer that holds `tokens` of one backend until the block ends."""
-    body = chat("hold", model=model, max_tokens=tokens, stream=True)
-    request = client.build_request("POST", "/v1/chat/completions", json=body)
-    response = await client.send(request, stream=True)
-    try:
-        assert response.status_code == 200, response.status_code
-        assert response.headers["x-spillgate-outcome"] == "local"
-        yield response
-    finally:
-        await response.aclose()  # the gateway sees the disconnect and releases

@@ -80,9 +80,12 @@ def provider_stats(provider: ServerThread) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def holding(client: httpx.AsyncClient, model: str) -> AsyncIterator[httpx.Response]:
-    """A long streamed answer that holds one backend of `model` full until the block ends."""
-    body = chat("hold", model=model, max_tokens=HOLD_TOKENS, stream=True)
+async def holding(
+    client: httpx.AsyncClient, model: str, *, tokens: int = HOLD_TOKENS
+) -> AsyncIterator[httpx.Response]:
+    """A long streamed answer that holds `tokens` of one backend of `model` until the block
+    ends (by default all of a 1000-token backend)."""
+    body = chat("hold", model=model, max_tokens=tokens, stream=True)
     request = client.build_request("POST", "/v1/chat/completions", json=body)
     response = await client.send(request, stream=True)
     try:
