@@ -79,6 +79,7 @@ class AdminEndpoints:
         m = self._metrics
         for name, pool in self._router.pools.items():
             capacity = 0
+            in_rotation = set(self._router.candidates(name))
             for backend in pool.backends:
                 cap = self._router.capacity(backend)
                 capacity += cap
@@ -89,9 +90,7 @@ class AdminEndpoints:
                 m.active_sessions.labels(backend.name).set(
                     self._router.ledger.sessions(backend.name)
                 )
-                m.backend_healthy.labels(backend.name).set(
-                    1.0 if backend in self._router.candidates(name) else 0.0
-                )
+                m.backend_healthy.labels(backend.name).set(1.0 if backend in in_rotation else 0.0)
             fill = self._router.pool_fill(name)
             m.pool_fill.labels(name).set(fill if math.isfinite(fill) else 1.0)
             m.pool_demand.labels(name).set(pool.demand.tokens_per_s())
@@ -113,6 +112,7 @@ class AdminEndpoints:
             return error_response(exc)
         pools = []
         for name, pool in self._router.pools.items():
+            in_rotation = set(self._router.candidates(name))
             backends = [
                 {
                     "name": b.name,
@@ -123,7 +123,7 @@ class AdminEndpoints:
                     "limit_tokens": self._router.limit(b),
                     "tokens_in_flight": self._router.ledger.tokens_in_flight(b.name),
                     "active_sessions": self._router.ledger.sessions(b.name),
-                    "healthy": b in self._router.candidates(name),
+                    "healthy": b in in_rotation,
                 }
                 for b in pool.backends
             ]

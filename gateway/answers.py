@@ -30,11 +30,14 @@ class AnswerRecorder:
         stream: bool,
         max_bytes: int,
         on_answer: Callable[[bytes], None],
+        defer: Callable[[Callable[[], None]], object] | None = None,
     ) -> None:
+        """`defer` runs the assembly later (e.g. `loop.call_soon`), off the response's path."""
         self._chat = endpoint is Endpoint.CHAT
         self._stream = stream
         self._max = max_bytes
         self._on_answer = on_answer
+        self._defer = defer
         self._parts: list[bytes] = []
         self._size = 0
         self._broken = False
@@ -51,7 +54,13 @@ class AnswerRecorder:
     def finish(self, usage: Usage) -> None:
         if self._broken:
             return
-        raw = b"".join(self._parts)
+        raw, self._parts = b"".join(self._parts), []
+        if self._defer is None:
+            self._record(raw, usage)
+        else:
+            self._defer(lambda: self._record(raw, usage))
+
+    def _record(self, raw: bytes, usage: Usage) -> None:
         doc = self._assemble(raw, usage) if self._stream else _parse(raw)
         if doc is None or not _single_choice(doc):
             return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from starlette.types import Send
@@ -50,7 +50,7 @@ class Holding:
             await self._router.release(reservation)
 
 
-def backend_target(backend: Backend, request: InferenceRequest, router: Router) -> Target:
+def backend_target(backend: Backend, router: Router) -> Target:
     return Target(
         name=backend.name,
         api_base=backend.url + "/v1",
@@ -94,7 +94,9 @@ class Exchange:
         self.holding.reservation = await self.reserve(request)
         return self.holding.reservation is not None
 
-    async def reserve(self, request: InferenceRequest) -> Reservation | None:
+    async def reserve(
+        self, request: InferenceRequest, *, exclude: Collection[str] = ()
+    ) -> Reservation | None:
         """Room for `request` in its pool, not yet held; None if there is none.
 
         A sheddable request gets none once the pool's fill reaches `sheddable_max_fill`:
@@ -105,7 +107,7 @@ class Exchange:
             self.router.pool_fill(request.pool) >= pool.sheddable_max_fill
         ):
             return None
-        return await self.router.admit(request.pool, request.reserved_tokens)
+        return await self.router.admit(request.pool, request.reserved_tokens, exclude=exclude)
 
     async def serve_local(self, request: InferenceRequest, outcome: Outcome) -> Served:
         """Forward to the backend the request holds a reservation on.
@@ -142,13 +144,16 @@ class Exchange:
     async def _attempt(
         self, request: InferenceRequest, outcome: Outcome, tried: set[str], *, deadline: float
     ) -> Served:
+        if self.holding.reservation is None and tried:
+            # a retry: room on a backend not yet tried, under the same rules as admission
+            self.holding.reservation = await self.reserve(request, exclude=tried)
         reservation = self.holding.reservation
         if reservation is None:
             raise UpstreamUnavailable("no backend of the pool has room to retry")
         backend = self.router.backend(reservation.backend)
         try:
             relayed = await self.forwarder.forward(
-                backend_target(backend, request, self.router),
+                backend_target(backend, self.router),
                 request,
                 public_model=request.pool,
                 send=self.send,
@@ -161,9 +166,6 @@ class Exchange:
             self.metrics.upstream_errors.labels(backend.name, exc.reason.split(":")[0]).inc()
             tried.add(backend.name)
             await self.holding.release()
-            self.holding.reservation = await self.router.admit(
-                request.pool, request.reserved_tokens, exclude=tried
-            )
             raise
         backend.record_success()
         return Served(outcome=outcome, target=backend.name, pool=request.pool, relayed=relayed)

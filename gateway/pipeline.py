@@ -9,7 +9,6 @@ nothing about what the gateway would accept.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -162,10 +161,14 @@ class CompletionsEndpoint:
         except ClientGone:
             return
         except SpillgateError as exc:
+            if watch is not None:
+                watch.close()  # the answer is decided: a disconnect now cancels nothing
             if not started:
                 await error_response(exc, headers)(scope, receive, send)
         except Exception:
             log.exception("request failed")
+            if watch is not None:
+                watch.close()
             if not started:
                 error = SpillgateError("The gateway failed to handle this request.")
                 await error_response(error, headers)(scope, receive, send)
@@ -207,7 +210,7 @@ class CompletionsEndpoint:
             max_model_len=pool.settings.max_model_len,
             chars_per_token=pool.estimator.chars_per_token,
         )
-        decision = await self._throttle(tenant, request, headers)
+        await self._throttle(tenant, request, headers)
         holding = Holding(d.router)
         served: Served | None = None
         outcome = Outcome.ERROR
@@ -222,8 +225,32 @@ class CompletionsEndpoint:
             outcome = Outcome.REJECTED
             raise
         finally:
+            # one shielded step, so a disconnect arriving mid-cleanup cannot skip any of it
+            settle = self._settle(
+                tenant, request, pool, holding, served, outcome,
+                cut=answering(), began=began, t0=t0,
+            )  # fmt: skip
+            await asyncio.shield(asyncio.ensure_future(settle))
+
+    async def _settle(
+        self,
+        tenant: Tenant,
+        request: InferenceRequest,
+        pool: Pool,
+        holding: Holding,
+        served: Served | None,
+        outcome: Outcome,
+        *,
+        cut: bool,
+        began: float,
+        t0: float,
+    ) -> None:
+        """Release, settle the tenant's bucket, and record, whatever else fails."""
+        used = request.reserved_tokens
+        try:
             await holding.release()
-            used = await self._reconcile(tenant, request, served, decision, cut=answering())
+            used = await self._reconcile(tenant, request, served, cut=cut)
+        finally:
             pool.demand.end(
                 request.reserved_tokens,
                 started=began,
@@ -291,7 +318,6 @@ class CompletionsEndpoint:
         tenant: Tenant,
         request: InferenceRequest,
         served: Served | None,
-        decision: Decision,
         *,
         cut: bool,
     ) -> int:
@@ -308,10 +334,7 @@ class CompletionsEndpoint:
             used = request.reserved_tokens
         reserved = request.reserved_tokens
         if used != reserved:
-            work = self._d.limiter.reconcile(tenant.limits, reserved=reserved, used=used)
-            task = asyncio.ensure_future(work)
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(task)
+            await self._d.limiter.reconcile(tenant.limits, reserved=reserved, used=used)
         return used
 
     def _record(
@@ -329,7 +352,8 @@ class CompletionsEndpoint:
             m.tokens.labels(served.target, "prompt").inc(usage.prompt_tokens)
             m.tokens.labels(served.target, "completion").inc(usage.completion_tokens)
             pool = self._d.router.pools.get(served.pool)
-            if pool is not None and served.pool == request.pool:
+            # only this pool's own backends count its prompts with its tokenizer
+            if pool is not None and served.outcome in (Outcome.LOCAL, Outcome.QUEUED):
                 pool.estimator.observe(
                     prompt_chars=request.prompt_chars, prompt_tokens=usage.prompt_tokens
                 )

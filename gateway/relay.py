@@ -105,7 +105,18 @@ class StreamRelay:
             self._pending = data
             return
         out, self._pending = data[: cut + 2], data[cut + 2 :]
-        if b'"usage"' in out:
+        await self._emit(out)
+
+    async def flush(self) -> None:
+        """Relay what is left after the upstream's last blank line, treated like the rest."""
+        if self._pending:
+            rest, self._pending = self._pending, b""
+            await self._emit(rest)
+
+    async def _emit(self, out: bytes) -> None:
+        # providers send `"usage":null` on every chunk once usage is asked for: only a
+        # usage object is worth parsing
+        if b'"usage":{' in out or b'"usage": {' in out:
             out = self._read_usage(out)
         if self._swap is not None:
             out = out.replace(*self._swap)
@@ -113,11 +124,6 @@ class StreamRelay:
             self._tap.feed(out)
         if out:
             await self._send({"type": "http.response.body", "body": out, "more_body": True})
-
-    async def flush(self) -> None:
-        if self._pending:
-            rest, self._pending = self._pending, b""
-            await self._send({"type": "http.response.body", "body": rest, "more_body": True})
 
     def _read_usage(self, out: bytes) -> bytes:
         kept: list[bytes] = []

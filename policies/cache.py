@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import orjson
@@ -109,12 +110,14 @@ class CachePolicy:
         """A recorder for the answer to `request`, if that answer may be stored."""
         if not storable(request, self._settings):
             return None
-        key = self.key(request)
+        # the key and the document are worked out only once an answer is complete, after
+        # the response has been handed on: the client does not wait for the cache
         return AnswerRecorder(
             endpoint=request.endpoint,
             stream=request.stream,
             max_bytes=self._settings.max_entry_bytes,
-            on_answer=lambda body: self._write(key, body),
+            on_answer=lambda body: self._write(self.key(request), body),
+            defer=_soon,
         )
 
     def _write(self, key: str, body: bytes) -> None:
@@ -146,3 +149,7 @@ class CachePolicy:
         return Served(
             outcome=Outcome.CACHED, target=CACHE_TARGET, pool=request.pool, relayed=relayed
         )
+
+
+def _soon(work: Callable[[], None]) -> None:
+    asyncio.get_running_loop().call_soon(work)

@@ -49,17 +49,18 @@ class ProviderPolicy:
                 public_model=request.pool,
             )
         except UpstreamUnavailable as exc:
-            await gate.release(ticket, used=0)  # refused before generating: budget comes back
+            # the breaker first: nothing awaited below may leave a half-open trial claimed
             gate.breaker.record_failure(retry_after=exc.retry_after)
             self._metrics.upstream_errors.labels(gate.name, exc.reason.split(":")[0]).inc()
+            await gate.release(ticket, used=0)  # refused before generating: budget comes back
             return None
         except BaseException:  # cancelled mid-answer: keep the budget spent, free the slot
             gate.breaker.release_trial()
             await gate.release(ticket, used=None)
             raise
+        self._settle(served)
         usage = served.relayed.usage
         await gate.release(ticket, used=usage.total if usage.known else None)
-        self._settle(served)
         return served
 
     def _settle(self, served: Served) -> None:
