@@ -51,14 +51,17 @@ class Fleet:
         return httpx.get(f"{self.url}/metrics", timeout=10).text
 
     def status(self) -> dict[str, Any]:
-        response = httpx.get(
-            f"{self.url}/admin/status",
-            headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
-            timeout=10,
-        )
-        response.raise_for_status()
-        data: dict[str, Any] = response.json()
-        return data
+        return admin_status(self.url)
+
+
+def admin_status(url: str, *, token: str = ADMIN_TOKEN, timeout: float = 10) -> dict[str, Any]:
+    """A gateway's GET /admin/status."""
+    response = httpx.get(
+        f"{url}/admin/status", headers={"authorization": f"Bearer {token}"}, timeout=timeout
+    )
+    response.raise_for_status()
+    data: dict[str, Any] = response.json()
+    return data
 
 
 @contextlib.contextmanager

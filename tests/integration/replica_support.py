@@ -24,7 +24,7 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.fleet import ADMIN_TOKEN, tenant
+from loadtest.fleet import ADMIN_TOKEN, admin_status, tenant
 from loadtest.harness import ServerThread, free_port
 from loadtest.sim_app import create_sim_app
 from loadtest.sim_config import SimConfig
@@ -59,14 +59,7 @@ class GatewayProcess:
                 self.kill()
 
     def status(self) -> dict[str, Any]:
-        response = httpx.get(
-            f"{self.url}/admin/status",
-            headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
-            timeout=5,
-        )
-        response.raise_for_status()
-        data: dict[str, Any] = response.json()
-        return data
+        return admin_status(self.url, timeout=5)
 
     def reserved(self) -> dict[str, tuple[int, int]]:
         """backend → (tokens in flight, sessions) as this gateway sees them."""

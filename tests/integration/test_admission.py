@@ -18,7 +18,9 @@ TARGET_FILL = 0.5
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
-    sims = [SimConfig(model="m", kv_tokens=CAPACITY, speed=5.0) for _ in range(2)]
+    # real-time decode: 300 tokens take ~2.5 s, so the pool is still full when the extra
+    # request arrives 0.5 s in, however loaded the machine is
+    sims = [SimConfig(model="m", kv_tokens=CAPACITY, speed=1.0) for _ in range(2)]
     with run_fleet(
         pools={"big": sims},
         pool_options={"big": {"target_fill": TARGET_FILL}},
