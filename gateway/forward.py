@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -63,8 +63,13 @@ UPSTREAM_CHOOSING_FIELDS = frozenset(
 )
 
 
+JSON_CONTENT_TYPE = {"content-type": "application/json"}
+
+
 def upstream_body(request: InferenceRequest, model: str) -> bytes:
-    body = {k: v for k, v in request.body.items() if k not in UPSTREAM_CHOOSING_FIELDS}
+    body = dict(request.body)
+    if not UPSTREAM_CHOOSING_FIELDS.isdisjoint(body):
+        body = {k: v for k, v in body.items() if k not in UPSTREAM_CHOOSING_FIELDS}
     body["model"] = model
     if request.stream:
         options = body.get("stream_options") or {}
@@ -84,6 +89,7 @@ class Forwarder:
     def __init__(self, pool: UpstreamPool) -> None:
         self._pool = pool
         self._urls: dict[tuple[str, str], URL] = {}
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
     def _url(self, target: Target, request: InferenceRequest) -> URL:
         key = (target.api_base, request.endpoint)
@@ -91,6 +97,20 @@ class Forwarder:
         if url is None:
             url = self._urls[key] = URL(target.api_base + request.endpoint.removeprefix("/v1"))
         return url
+
+    def _post(self, target: Target, request: InferenceRequest) -> Awaitable[aiohttp.ClientResponse]:
+        connect = target.timeouts.connect
+        timeout = self._timeouts.get(connect)
+        if timeout is None:
+            # the connect budget only: the caller's deadline bounds the rest
+            timeout = self._timeouts[connect] = aiohttp.ClientTimeout(sock_connect=connect)
+        headers = {**JSON_CONTENT_TYPE, **target.headers} if target.headers else JSON_CONTENT_TYPE
+        return self._pool.session.post(
+            self._url(target, request),
+            data=upstream_body(request, target.model),
+            headers=headers,
+            timeout=timeout,
+        )
 
     async def forward(
         self,
@@ -113,28 +133,27 @@ class Forwarder:
         deadline = min(loop.time() + t.total, deadline if deadline is not None else math.inf)
         swap = model_swap(target.model, public_model)
         out_headers = raw_headers(headers)
-        wait = t.first_token if request.stream else t.total
+        if not request.stream:
+            status, body = await self._whole(target, request, deadline)
+            return await send_json_body(
+                body,
+                send=send,
+                status=status,
+                headers=[*JSON_HEADERS, *out_headers],
+                swap=swap,
+                tap=tap if status == 200 else None,
+            )
         try:
-            async with asyncio.timeout_at(min(loop.time() + wait, deadline)):
-                response = await self._pool.session.post(
-                    self._url(target, request),
-                    data=upstream_body(request, target.model),
-                    headers={"content-type": "application/json", **target.headers},
-                    timeout=aiohttp.ClientTimeout(sock_connect=t.connect),
-                )
+            async with asyncio.timeout_at(min(loop.time() + t.first_token, deadline)):
+                response = await self._post(target, request)
         except TimeoutError:
             raise UpstreamUnavailable("timeout before the first byte", timed_out=True) from None
         except aiohttp.ClientError as exc:
             raise UpstreamUnavailable(type(exc).__name__) from None
         done = False
         try:
-            if response.status >= 500 or response.status == 429:
-                raise UpstreamUnavailable(
-                    f"status {response.status}",
-                    status=response.status,
-                    retry_after=_retry_after(response),
-                )
-            if not request.stream or response.status >= 400:
+            _check_status(response)
+            if response.status >= 400:
                 body = await self._read_body(response, deadline)
                 done = True
                 return await send_json_body(
@@ -143,7 +162,7 @@ class Forwarder:
                     status=response.status,
                     headers=[*JSON_HEADERS, *out_headers],
                     swap=swap,
-                    tap=tap if response.status == 200 else None,
+                    tap=None,
                 )
             chunks = response.content.iter_any()
             try:
@@ -175,6 +194,29 @@ class Forwarder:
             else:
                 response.close()
 
+    async def _whole(
+        self, target: Target, request: InferenceRequest, deadline: float
+    ) -> tuple[int, bytes]:
+        """A non-streaming answer, status and body, within one deadline for both."""
+        response: aiohttp.ClientResponse | None = None
+        read = False
+        try:
+            async with asyncio.timeout_at(deadline):
+                response = await self._post(target, request)
+                _check_status(response)
+                body = await response.read()
+                read = True
+                return response.status, body
+        except TimeoutError:
+            reason = "body not read: TimeoutError" if response else "timeout before the first byte"
+            raise UpstreamUnavailable(reason, timed_out=True) from None
+        except aiohttp.ClientError as exc:
+            name = type(exc).__name__
+            raise UpstreamUnavailable(f"body not read: {name}" if response else name) from None
+        finally:
+            if response is not None and not read:
+                response.close()  # see forward: an unread response closes its connection
+
     async def _read_body(self, response: aiohttp.ClientResponse, deadline: float) -> bytes:
         try:
             async with asyncio.timeout_at(deadline):
@@ -183,3 +225,13 @@ class Forwarder:
             raise UpstreamUnavailable(
                 f"body not read: {type(exc).__name__}", timed_out=isinstance(exc, TimeoutError)
             ) from None
+
+
+def _check_status(response: aiohttp.ClientResponse) -> None:
+    """5xx and 429 are the upstream's failures before the answer: worth trying elsewhere."""
+    if response.status >= 500 or response.status == 429:
+        raise UpstreamUnavailable(
+            f"status {response.status}",
+            status=response.status,
+            retry_after=_retry_after(response),
+        )

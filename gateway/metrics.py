@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Final, Literal
+from typing import Final, Generic, Literal, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
@@ -25,6 +25,27 @@ WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 
 FLEET: Final[Literal["livemostrecent"]] = "livemostrecent"  # same in every worker: latest wins
 OWN: Final[Literal["livesum"]] = "livesum"  # each worker's own part: added up
 _LIVE_GAUGE_FILE = re.compile(r"gauge_live\w+_(\d+)\.db")
+
+M = TypeVar("M", Counter, Gauge, Histogram)
+
+
+class Children(Generic[M]):
+    """A metric's labelled children, each looked up once: `labels()` checks and converts its
+    arguments and takes a lock on every call, which the request path need not repeat.
+
+    Only for label values drawn from the config (pools, tenants, targets, outcomes), so
+    the cache stays as small as the metric itself.
+    """
+
+    def __init__(self, metric: M) -> None:
+        self._metric: M = metric
+        self._children: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
 
 
 class GatewayMetrics:
@@ -110,6 +131,10 @@ class GatewayMetrics:
             "spillgate_provider_breaker_open", "1 while a provider's circuit breaker is open",
             ["provider"], registry=r, multiprocess_mode="livemax",
         )  # fmt: skip
+        # the request path's metrics, by label values
+        self.requests_of = Children(self.requests)
+        self.ttft_of = Children(self.ttft)
+        self.tokens_of = Children(self.tokens)
 
     def set_ratelimit_mode(self, mode: str) -> None:
         for name in ("shared", "local", "allow", "deny"):

@@ -108,16 +108,30 @@ async def _read_chunks(receive: Receive, limit: int) -> bytes:
 
 
 class DisconnectWatch:
-    """Cancels the handling task when the client goes away before the response ends."""
+    """Cancels the handling task when the client goes away before the response ends.
 
-    def __init__(self, receive: Receive) -> None:
+    The watch begins `after_s` into the response: an answer ready sooner (a cached one, a
+    refusal, an error) costs a timer instead of a task, and a client that left meanwhile is
+    still seen, since the server keeps its disconnect for the next `receive()`.
+    """
+
+    def __init__(self, receive: Receive, *, after_s: float = 0.1) -> None:
         self.finished = False
         self.disconnected = False
+        self._receive = receive
         self._task = asyncio.current_task()
-        self._watch = asyncio.create_task(self._wait(receive))
+        self._watch: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            after_s, self._begin
+        )
 
-    async def _wait(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
+    def _begin(self) -> None:
+        self._timer = None
+        if not self.finished:
+            self._watch = asyncio.create_task(self._wait())
+
+    async def _wait(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
             pass
         if not self.finished and self._task is not None:
             self.disconnected = True
@@ -125,7 +139,11 @@ class DisconnectWatch:
 
     def close(self) -> None:
         self.finished = True
-        self._watch.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._watch is not None:
+            self._watch.cancel()
 
 
 class CompletionsEndpoint:
@@ -157,7 +175,7 @@ class CompletionsEndpoint:
                 scope, receive, self._d.max_body_bytes, timeout_s=self._d.request_read_timeout_s
             )
             watch = DisconnectWatch(receive)
-            await self._handle(scope, raw, tracked, headers, answering=lambda: started)
+            await self._handle(scope, raw, tracked, headers, watch, answering=lambda: started)
         except ClientGone:
             return
         except SpillgateError as exc:
@@ -192,6 +210,7 @@ class CompletionsEndpoint:
         raw: bytes,
         send: Send,
         headers: dict[str, str],
+        watch: DisconnectWatch,
         *,
         answering: Callable[[], bool],
     ) -> None:
@@ -225,12 +244,13 @@ class CompletionsEndpoint:
             outcome = Outcome.REJECTED
             raise
         finally:
-            # one shielded step, so a disconnect arriving mid-cleanup cannot skip any of it
-            settle = self._settle(
+            # the answer is over: from here a disconnect cancels nothing, so no part of the
+            # cleanup can be skipped
+            watch.close()
+            await self._settle(
                 tenant, request, pool, holding, served, outcome,
                 cut=answering(), began=began, t0=t0,
             )  # fmt: skip
-            await asyncio.shield(asyncio.ensure_future(settle))
 
     async def _settle(
         self,
@@ -297,7 +317,7 @@ class CompletionsEndpoint:
                 f"Rate limit reached for tenant {tenant.name!r} on {decision.reason} per minute.",
                 retry_after=decision.retry_after_s,
             )
-        self._d.metrics.requests.labels(request.pool, tenant.name, error.outcome).inc()
+        self._d.metrics.requests_of(request.pool, tenant.name, error.outcome).inc()
         raise error
 
     async def _dispatch(self, request: InferenceRequest, exchange: Exchange) -> Served:
@@ -341,16 +361,16 @@ class CompletionsEndpoint:
         self, request: InferenceRequest, served: Served | None, outcome: Outcome, t0: float
     ) -> None:
         m = self._d.metrics
-        m.requests.labels(request.pool, request.tenant, outcome).inc()
+        m.requests_of(request.pool, request.tenant, outcome).inc()
         if served is None:
             return
         relayed = served.relayed
         if relayed.first_byte_at is not None:
-            m.ttft.labels(request.pool, outcome).observe(relayed.first_byte_at - t0)
+            m.ttft_of(request.pool, outcome).observe(relayed.first_byte_at - t0)
         usage = relayed.usage
         if usage.known:
-            m.tokens.labels(served.target, "prompt").inc(usage.prompt_tokens)
-            m.tokens.labels(served.target, "completion").inc(usage.completion_tokens)
+            m.tokens_of(served.target, "prompt").inc(usage.prompt_tokens)
+            m.tokens_of(served.target, "completion").inc(usage.completion_tokens)
             pool = self._d.router.pools.get(served.pool)
             # only this pool's own backends count its prompts with its tokenizer
             if pool is not None and served.outcome in (Outcome.LOCAL, Outcome.QUEUED):

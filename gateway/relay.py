@@ -8,6 +8,7 @@ model name, which is swapped back to the name the client asked for.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ class Relayed:
     completed: bool  # False when the upstream broke mid-stream
 
 
+@functools.lru_cache(maxsize=256)
 def model_swap(served: str, public: str) -> tuple[bytes, bytes] | None:
     if served == public:
         return None

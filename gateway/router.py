@@ -51,20 +51,32 @@ class Router:
         return held / capacity if capacity else 1.0
 
     def candidates(self, pool: str, *, exclude: Collection[str] = ()) -> list[Backend]:
+        """The pool's usable backends (healthy, with known capacity), least filled first."""
+        return [backend for backend, _ in self._ranked(pool, exclude)]
+
+    def _ranked(self, pool: str, exclude: Collection[str]) -> list[tuple[Backend, int]]:
+        """(backend, limit) of each usable backend, least filled first; each capacity once."""
+        p = self.pools[pool]
         now = self._clock.monotonic()
-        usable = [
-            b
-            for b in self.pools[pool].backends
-            if b.name not in exclude and b.healthy(now) and self.capacity(b) > 0
-        ]
-        return sorted(usable, key=self.fill)
+        stale, target = p.settings.metrics_stale_s, p.settings.target_fill
+        tokens = self.ledger.tokens_in_flight
+        ranked: list[tuple[float, int, Backend, int]] = []
+        for i, b in enumerate(p.backends):
+            if b.name in exclude or not b.healthy(now):
+                continue
+            capacity = b.capacity(now=now, stale_after=stale)
+            if capacity > 0:
+                ranked.append((tokens(b.name) / capacity, i, b, math.floor(capacity * target)))
+        if len(ranked) > 1:
+            ranked.sort()
+        return [(b, limit) for _, _, b, limit in ranked]
 
     async def admit(
         self, pool: str, tokens: int, *, exclude: Collection[str] = ()
     ) -> Reservation | None:
         """Reserve on the least-filled backend with room under the target fill, else None."""
-        for backend in self.candidates(pool, exclude=exclude):
-            reservation = await self.ledger.reserve(backend.name, tokens, limit=self.limit(backend))
+        for backend, limit in self._ranked(pool, exclude):
+            reservation = await self.ledger.reserve(backend.name, tokens, limit=limit)
             if reservation is not None:
                 return reservation
         return None

@@ -53,9 +53,9 @@ class LocalRateLimiter:
     async def acquire(self, limits: TenantLimits, tokens: int) -> Decision:
         bucket.check_tokens(tokens=tokens)
         levels = self._levels(limits)
-        judged = bucket.judged(limits, requests=levels.requests, tokens=levels.tokens, cost=tokens)
-        if not judged.allowed:
-            return judged
+        requests, level = levels.requests, levels.tokens
+        if bucket.refusal(limits, requests=requests, tokens=level, cost=tokens):
+            return bucket.judged(limits, requests=requests, tokens=level, cost=tokens)
         levels.requests -= 1
         levels.tokens -= tokens
         return bucket.decision(
