@@ -115,3 +115,36 @@ def test_reservations_return_to_zero_after_every_kind_of_ending(fleet: Fleet) ->
         for s in f.samples
     ]
     assert running == [0.0]  # the disconnected and cancelled requests were aborted upstream
+
+
+def running_upstream(fleet: Fleet) -> float:
+    backend = httpx.get(f"{fleet.backends['big'][0].url}/metrics").text
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(backend)
+        if f.name == "vllm:num_requests_running"
+        for s in f.samples
+    )
+
+
+def test_a_client_gone_before_the_disconnect_watch_begins_is_still_seen(fleet: Fleet) -> None:
+    """The watch starts 100 ms into a request; a client that left sooner is seen then."""
+
+    async def leave_at_once() -> None:
+        headers = {"authorization": f"Bearer {fleet.keys['acme']}"}
+        async with httpx.AsyncClient(base_url=fleet.url, headers=headers, timeout=20) as client:
+            body = {"model": "big", **CHAT, "max_tokens": 4000}  # seconds of decoding
+            pending = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+            await asyncio.sleep(0.02)
+            pending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pending
+
+    asyncio.run(leave_at_once())
+    deadline = time.monotonic() + 1.5  # the answer itself would take several seconds
+    while time.monotonic() < deadline:
+        if not gauges(fleet, "spillgate_inflight_tokens")["big-0"] and not running_upstream(fleet):
+            break
+        time.sleep(0.02)
+    assert gauges(fleet, "spillgate_inflight_tokens")["big-0"] == 0.0
+    assert running_upstream(fleet) == 0.0
