@@ -110,9 +110,10 @@ async def _read_chunks(receive: Receive, limit: int) -> bytes:
 class DisconnectWatch:
     """Cancels the handling task when the client goes away before the response ends.
 
-    The watch begins `after_s` into the response: an answer ready sooner (a cached one, a
-    refusal, an error) costs a timer instead of a task, and a client that left meanwhile is
-    still seen, since the server keeps its disconnect for the next `receive()`.
+    The watch begins `after_s` after the request body has arrived: an answer ready sooner
+    (a cached one, a refusal, an error) costs a timer instead of a task, and a client that
+    left meanwhile is still seen, since the server keeps its disconnect for the next
+    `receive()`.
     """
 
     def __init__(self, receive: Receive, *, after_s: float = 0.1) -> None:
