@@ -81,6 +81,11 @@ class Router:
                 return reservation
         return None
 
+    def most_room(self, pool: str) -> int:
+        """The most tokens any usable backend of the pool could take now."""
+        tokens = self.ledger.tokens_in_flight
+        return max((limit - tokens(b.name) for b, limit in self._ranked(pool, ())), default=0)
+
     def fits_ever(self, pool: str, tokens: int) -> bool:
         """Whether any backend of the pool could hold this request even when idle."""
         return any(self.limit(b) >= tokens for b in self.pools[pool].backends)

@@ -155,12 +155,6 @@ class QueuePolicy:
         if len(self._queue) and (self._drainer is None or self._drainer.done()):
             self._drainer = asyncio.get_running_loop().create_task(self._drain())
 
-    def _room(self) -> int:
-        """The most tokens any usable backend of the pool could take now."""
-        r = self._router
-        free = (r.limit(b) - r.ledger.tokens_in_flight(b.name) for b in r.candidates(self._pool))
-        return max(free, default=0)
-
     async def _drain(self) -> None:
         try:
             while (waiter := self._queue.best()) is not None:
@@ -168,7 +162,7 @@ class QueuePolicy:
                 if ticket.decided.done():  # cancelled; its own task has not run yet
                     self._queue.remove(waiter)
                     continue
-                if waiter.tokens > self._room():
+                if waiter.tokens > self._router.most_room(self._pool):
                     return  # the next release, or this waiter leaving, drains again
                 reservation = await ticket.exchange.reserve(ticket.request)
                 if reservation is None:
