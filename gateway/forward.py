@@ -146,10 +146,8 @@ class Forwarder:
         try:
             async with asyncio.timeout_at(min(loop.time() + t.first_token, deadline)):
                 response = await self._post(target, request)
-        except TimeoutError:
-            raise UpstreamUnavailable("timeout before the first byte", timed_out=True) from None
-        except aiohttp.ClientError as exc:
-            raise UpstreamUnavailable(type(exc).__name__) from None
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _unavailable(exc, answered=False) from None
         done = False
         try:
             _check_status(response)
@@ -207,12 +205,8 @@ class Forwarder:
                 body = await response.read()
                 read = True
                 return response.status, body
-        except TimeoutError:
-            reason = "body not read: TimeoutError" if response else "timeout before the first byte"
-            raise UpstreamUnavailable(reason, timed_out=True) from None
-        except aiohttp.ClientError as exc:
-            name = type(exc).__name__
-            raise UpstreamUnavailable(f"body not read: {name}" if response else name) from None
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _unavailable(exc, answered=response is not None) from None
         finally:
             if response is not None and not read:
                 response.close()  # see forward: an unread response closes its connection
@@ -222,9 +216,18 @@ class Forwarder:
             async with asyncio.timeout_at(deadline):
                 return await response.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise UpstreamUnavailable(
-                f"body not read: {type(exc).__name__}", timed_out=isinstance(exc, TimeoutError)
-            ) from None
+            raise _unavailable(exc, answered=True) from None
+
+
+def _unavailable(exc: Exception, *, answered: bool) -> UpstreamUnavailable:
+    """A timeout or connection error before the answer's head arrived, or while its body
+    was read (`answered`), as the failure the caller may try elsewhere."""
+    timed_out = isinstance(exc, TimeoutError)
+    if answered:
+        return UpstreamUnavailable(f"body not read: {type(exc).__name__}", timed_out=timed_out)
+    if timed_out:
+        return UpstreamUnavailable("timeout before the first byte", timed_out=True)
+    return UpstreamUnavailable(type(exc).__name__)
 
 
 def _check_status(response: aiohttp.ClientResponse) -> None:
