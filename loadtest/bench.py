@@ -56,7 +56,8 @@ end
 # of one open-loop schedule instead: each request takes the next arrival of a Poisson
 # process at the offered rate (LuaJIT's ffi reads the monotonic clock) and waits for it.
 # Latency still runs from each request's own send; an arm that cannot keep up shows it
-# as an achieved rate below the offer, since its connections are all busy at their slots.
+# as an achieved rate below direct's, since its connections are all busy at their slots.
+# The seed is fixed per offer, so every arm is sent the same arrivals.
 PACING = """
 local ffi = require("ffi")
 ffi.cdef[[
@@ -68,6 +69,7 @@ local function now_ms()
   ffi.C.clock_gettime(1, ts)
   return tonumber(ts.tv_sec) * 1000 + tonumber(ts.tv_nsec) / 1e6
 end
+math.randomseed(%d)
 local mean_ms = %.4f
 local next_at = nil
 delay = function()
@@ -80,7 +82,7 @@ end
 
 def script(path: Path, *, rate: float | None = None) -> Path:
     """A wrk script posting the bench request: back to back, or paced to `rate` req/s."""
-    pacing = "" if rate is None else PACING % (1000 / rate)
+    pacing = "" if rate is None else PACING % (round(rate), 1000 / rate)
     path.write_text(WRK_SCRIPT % (KEY, pacing))
     return path
 
@@ -175,6 +177,8 @@ def _wrk(url: str, connections: int, seconds: float, script: Path) -> dict[str, 
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 30, check=True)
     line = [row for row in out.stdout.splitlines() if row.startswith("{")][-1]
     result: dict[str, Any] = orjson.loads(line)
+    result["rps"] = result["requests"] / (result["duration_us"] / 1e6)
+    result["failed"] = result["errors"] + result["non2xx"]
     return result
 
 
@@ -197,22 +201,22 @@ def _pct(values: list[float], q: float) -> float:
 Step = Callable[[Arm], None]
 
 
-def steps(*, seconds: float, script: Path, paced: dict[int, Path]) -> list[tuple[str, Step]]:
+def steps(*, seconds: float, plain: Path, paced: dict[int, Path]) -> list[tuple[str, Step]]:
     """Every measurement of one round, each to be taken of all arms back to back: this
     machine's speed drifts over minutes, so arms compare best measured side by side."""
 
     def at_c1(arm: Arm) -> None:
-        one = _wrk(arm.url, 1, seconds, script)
+        one = _wrk(arm.url, 1, seconds, plain)
         arm.add("c1_p50_ms", one["p50_us"] / 1000)
         arm.add("c1_p99_ms", one["p99_us"] / 1000)
 
     def closed(level: int) -> Step:
         def step(arm: Arm) -> None:
             cpu0 = _tree_cpu_s(arm.pid) if arm.pid else 0.0
-            run = _wrk(arm.url, level, seconds, script)
-            arm.add(f"c{level}_rps", run["requests"] / (run["duration_us"] / 1e6))
+            run = _wrk(arm.url, level, seconds, plain)
+            arm.add(f"c{level}_rps", run["rps"])
             arm.add(f"c{level}_p99_ms", run["p99_us"] / 1000)
-            arm.add(f"c{level}_errors", run["errors"] + run["non2xx"])
+            arm.add(f"c{level}_errors", run["failed"])
             if level == 64 and arm.pid:
                 arm.add("cpu_s_per_1k", (_tree_cpu_s(arm.pid) - cpu0) / run["requests"] * 1000)
 
@@ -221,10 +225,10 @@ def steps(*, seconds: float, script: Path, paced: dict[int, Path]) -> list[tuple
     def offered(rate: int) -> Step:
         def step(arm: Arm) -> None:
             run = _wrk(arm.url, PACED_CONNECTIONS, seconds, paced[rate])
-            arm.add(f"r{rate}_rps", run["requests"] / (run["duration_us"] / 1e6))
+            arm.add(f"r{rate}_rps", run["rps"])
             arm.add(f"r{rate}_p50_ms", run["p50_us"] / 1000)
             arm.add(f"r{rate}_p99_ms", run["p99_us"] / 1000)
-            arm.add(f"r{rate}_errors", run["errors"] + run["non2xx"])
+            arm.add(f"r{rate}_errors", run["failed"])
 
         return step
 
@@ -321,11 +325,13 @@ def _table(arms: list[Arm]) -> str:
 
 def rate_under(arm: Arm, direct: Arm, budget_ms: float) -> float:
     """The highest achieved rate of the paced sweep whose p99, less direct's p99 at the same
-    offer, stays within `budget_ms`: offers the arm fell more than 5 % short of end it."""
+    offer, stays within `budget_ms`; an offer at which the arm fell more than 5 % short of
+    direct's achieved rate (the same arrivals) ends it."""
     best = 0.0
     for rate in RATES:
         achieved = arm.median(f"r{rate}_rps")
-        if not achieved >= 0.95 * rate or arm.median(f"r{rate}_errors") > 0:
+        kept_up = achieved >= 0.95 * direct.median(f"r{rate}_rps")
+        if not kept_up or arm.median(f"r{rate}_errors") > 0:
             break
         added = arm.median(f"r{rate}_p99_ms") - direct.median(f"r{rate}_p99_ms")
         if added > budget_ms:
@@ -349,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
             url = f"http://127.0.0.1:{port}"
             with _arms(args, url, tmp) as arms:
                 for rep in range(args.repeats):
-                    for label, step in steps(seconds=args.seconds, script=plain, paced=paced):
+                    for label, step in steps(seconds=args.seconds, plain=plain, paced=paced):
                         print(f"round {rep + 1}/{args.repeats}: {label}", file=sys.stderr)
                         for arm in arms:
                             step(arm)
