@@ -76,22 +76,11 @@ class ClientGone(Exception):
     """The client hung up before its request body had arrived: nobody to answer."""
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int, *, timeout_s: float) -> bytes:
-    """The whole request body, at most `limit` bytes, within `timeout_s` (else 408)."""
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole request body, at most `limit` bytes (its deadline is the RequestWatch's)."""
     declared = _header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"The request body exceeds the limit of {limit} bytes.")
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await _read_chunks(receive, limit)
-    except TimeoutError:
-        raise RequestTimeout(
-            f"The request body did not arrive within {timeout_s:g} seconds.",
-            headers={"connection": "close"},
-        ) from None
-
-
-async def _read_chunks(receive: Receive, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -107,42 +96,76 @@ async def _read_chunks(receive: Receive, limit: int) -> bytes:
             return b"".join(chunks)
 
 
-class DisconnectWatch:
-    """Cancels the handling task when the client goes away before the response ends.
+class RequestWatch:
+    """One timer per request: it bounds the body's arrival, then watches for a disconnect.
 
-    The watch begins `after_s` after the request body has arrived: an answer ready sooner
-    (a cached one, a refusal, an error) costs a timer instead of a task, and a client that
-    left meanwhile is still seen, since the server keeps its disconnect for the next
-    `receive()`.
+    The timer first fires `after_s` in. A body still arriving then has until `read_s`
+    after the start, or the handling task is cancelled (`read_timed_out`, answered 408).
+    Once the body has arrived (and no sooner, since the handler itself reads it), a task
+    waits for the client to leave and cancels the handling task if it does before the
+    response ends (`disconnected`). An answer ready within `after_s` (a cached one, a
+    refusal, an error) costs the timer only, and a client that left meanwhile is still
+    seen, since the server keeps its disconnect for the next `receive()`.
     """
 
-    def __init__(self, receive: Receive, *, after_s: float = 0.1) -> None:
+    def __init__(self, receive: Receive, *, read_s: float, after_s: float = 0.1) -> None:
         self.finished = False
         self.disconnected = False
+        self.read_timed_out = False
         self._receive = receive
+        self._after_s = after_s
+        self._reading = True
+        self._ticked = False  # the first tick came while the body was still arriving
         self._task = asyncio.current_task()
         self._watch: asyncio.Task[None] | None = None
-        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
-            after_s, self._begin
+        self._loop = asyncio.get_running_loop()
+        self._read_by = self._loop.time() + read_s
+        self._timer: asyncio.TimerHandle | None = self._loop.call_later(
+            min(after_s, read_s), self._tick
         )
 
-    def _begin(self) -> None:
+    def body_read(self) -> None:
+        self._reading = False
+        if self._ticked:  # the body took longer than the first tick: watch from now
+            self._cancel_timer()
+            self._begin()
+
+    def _tick(self) -> None:
         self._timer = None
-        if not self.finished:
+        if self.finished:
+            return
+        if not self._reading:
+            self._begin()
+        elif self._loop.time() >= self._read_by:
+            self.read_timed_out = True
+            self._cancel()
+        else:
+            self._ticked = True
+            self._timer = self._loop.call_at(self._read_by, self._tick)
+
+    def _begin(self) -> None:
+        if not self.finished and self._watch is None:
             self._watch = asyncio.create_task(self._wait())
 
     async def _wait(self) -> None:
         while (await self._receive())["type"] != "http.disconnect":
             pass
-        if not self.finished and self._task is not None:
+        if not self.finished:
             self.disconnected = True
+            self._cancel()
+
+    def _cancel(self) -> None:
+        if self._task is not None:
             self._task.cancel()
 
-    def close(self) -> None:
-        self.finished = True
+    def _cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def close(self) -> None:
+        self.finished = True
+        self._cancel_timer()
         if self._watch is not None:
             self._watch.cancel()
 
@@ -163,43 +186,44 @@ class CompletionsEndpoint:
             if message["type"] == "http.response.start":
                 started = True
             elif not message.get("more_body", False):
-                if watch is not None:
-                    watch.finished = True
+                watch.finished = True
                 last = message  # held until the tenant's bucket is settled (see finally)
                 return
             await send(message)
 
-        watch: DisconnectWatch | None = None
+        watch = RequestWatch(receive, read_s=self._d.request_read_timeout_s)
         headers: dict[str, str] = {}
         try:
-            raw = await read_body(
-                scope, receive, self._d.max_body_bytes, timeout_s=self._d.request_read_timeout_s
-            )
-            watch = DisconnectWatch(receive)
+            raw = await read_body(scope, receive, self._d.max_body_bytes)
+            watch.body_read()
             await self._handle(scope, raw, tracked, headers, watch, answering=lambda: started)
         except ClientGone:
             return
         except SpillgateError as exc:
-            if watch is not None:
-                watch.close()  # the answer is decided: a disconnect now cancels nothing
+            watch.close()  # the answer is decided: a disconnect now cancels nothing
             if not started:
                 await error_response(exc, headers)(scope, receive, send)
         except Exception:
             log.exception("request failed")
-            if watch is not None:
-                watch.close()
+            watch.close()
             if not started:
                 error = SpillgateError("The gateway failed to handle this request.")
                 await error_response(error, headers)(scope, receive, send)
         except asyncio.CancelledError:
-            if watch is None or not watch.disconnected:
+            if not (watch.disconnected or watch.read_timed_out):
                 raise
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
+            if watch.read_timed_out:
+                timeout_s = self._d.request_read_timeout_s
+                error = RequestTimeout(
+                    f"The request body did not arrive within {timeout_s:g} seconds.",
+                    headers={"connection": "close"},
+                )
+                await error_response(error)(scope, receive, send)
         finally:
-            if watch is not None:
-                watch.close()
+            watch.close()
             if last is not None:
                 # only now does the client hold the whole response: its next request sees
                 # this one's refund in x-ratelimit-remaining-tokens
@@ -211,7 +235,7 @@ class CompletionsEndpoint:
         raw: bytes,
         send: Send,
         headers: dict[str, str],
-        watch: DisconnectWatch,
+        watch: RequestWatch,
         *,
         answering: Callable[[], bool],
     ) -> None:

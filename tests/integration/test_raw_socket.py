@@ -164,6 +164,19 @@ def test_a_request_trickled_slower_than_the_read_deadline_is_closed_with_408(
     assert elapsed < 2.5  # cut off long before the whole body could have arrived
 
 
+def test_a_body_slower_than_the_first_watch_tick_but_inside_the_deadline_is_served(
+    fleet: Fleet,
+) -> None:
+    """Head and three parts 0.1 s apart: the watch's first tick (0.1 s) comes mid-body and
+    the body is whole at about 0.3 s, inside the 0.5 s deadline."""
+    third = len(GOOD) // 3
+    parts = [GOOD[:third], GOOD[third : 2 * third], GOOD[2 * third :]]
+    status = asyncio.run(
+        exchange(fleet, [head(fleet, f"content-length: {len(GOOD)}"), *parts], gap_s=0.1)
+    )
+    assert status == 200
+
+
 def test_the_408_is_openai_shaped_and_closes_the_connection(fleet: Fleet) -> None:
     async def scenario() -> bytes:
         reader, writer = await asyncio.open_connection(fleet.gateway.host, fleet.gateway.port)
