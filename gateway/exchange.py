@@ -15,7 +15,6 @@ from tenacity import (
     stop_after_delay,
 )
 
-from gateway.backends import Backend
 from gateway.clock import Clock
 from gateway.errors import UpstreamError, UpstreamTimeout
 from gateway.forward import Forwarder, Target, UpstreamUnavailable
@@ -48,15 +47,6 @@ class Holding:
         reservation, self.reservation = self.reservation, None
         if reservation is not None:
             await self._router.release(reservation)
-
-
-def backend_target(backend: Backend, router: Router) -> Target:
-    return Target(
-        name=backend.name,
-        api_base=backend.url + "/v1",
-        model=backend.served_model,
-        timeouts=router.pools[backend.pool].settings.timeouts,
-    )
 
 
 class Exchange:
@@ -153,7 +143,7 @@ class Exchange:
         backend = self.router.backend(reservation.backend)
         try:
             relayed = await self.forwarder.forward(
-                backend_target(backend, self.router),
+                self.router.target(backend),
                 request,
                 public_model=request.pool,
                 send=self.send,

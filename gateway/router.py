@@ -8,6 +8,7 @@ from collections.abc import Callable, Collection
 from gateway.backends import Backend, Pool
 from gateway.clock import Clock
 from gateway.demand import RateMeter
+from gateway.forward import Target
 from gateway.ledger import Ledger, Reservation
 
 ReleaseListener = Callable[[str], None]
@@ -21,9 +22,22 @@ class Router:
         self._backends = {b.name: b for p in pools.values() for b in p.backends}
         self._listeners: list[ReleaseListener] = []
         self._drain = {name: RateMeter(clock) for name in pools}
+        self._targets: dict[str, Target] = {}
 
     def backend(self, name: str) -> Backend:
         return self._backends[name]
+
+    def target(self, backend: Backend) -> Target:
+        """Where requests reserved on `backend` go; made once, as pools never change."""
+        target = self._targets.get(backend.name)
+        if target is None:
+            target = self._targets[backend.name] = Target(
+                name=backend.name,
+                api_base=backend.url + "/v1",
+                model=backend.served_model,
+                timeouts=self.pools[backend.pool].settings.timeouts,
+            )
+        return target
 
     def on_release(self, listener: ReleaseListener) -> None:
         """Call `listener(pool)` whenever capacity is given back in a pool."""

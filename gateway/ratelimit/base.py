@@ -9,7 +9,7 @@ real usage, and may leave the token bucket below zero (debt the tenant repays by
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 Reason = Literal["", "requests", "tokens", "too_large", "store_unavailable"]
@@ -26,20 +26,17 @@ class TenantLimits:
     tokens_per_minute: int
     request_burst: int | None = None  # bucket size; None = requests_per_minute
     token_burst: int | None = None  # bucket size; None = tokens_per_minute
+    request_capacity: int = field(init=False)  # the request bucket's size
+    token_capacity: int = field(init=False)  # the token bucket's size
 
     def __post_init__(self) -> None:
         for name in ("requests_per_minute", "tokens_per_minute", "request_burst", "token_burst"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
-
-    @property
-    def request_capacity(self) -> int:
-        return self.request_burst or self.requests_per_minute
-
-    @property
-    def token_capacity(self) -> int:
-        return self.token_burst or self.tokens_per_minute
+        # read on every decision: worked out once
+        object.__setattr__(self, "request_capacity", self.request_burst or self.requests_per_minute)
+        object.__setattr__(self, "token_capacity", self.token_burst or self.tokens_per_minute)
 
     def divided(self, replicas: int) -> TenantLimits:
         """This tenant's share on one of `replicas` gateways that cannot see each other."""
@@ -54,7 +51,7 @@ class TenantLimits:
         )
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Decision:
     """The answer for one request, and the bucket state the response headers report.
 
