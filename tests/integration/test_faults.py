@@ -318,11 +318,16 @@ def test_a_provider_that_times_out_is_asked_once_and_hung_up_on(matrix: Matrix) 
 
 
 def test_a_provider_429_keeps_it_unasked_for_its_retry_after(matrix: Matrix) -> None:
-    """The provider allows three requests a minute; the fourth is refused with 429 and
-    Retry-After, which opens its breaker: the fifth is passed on without asking."""
+    """The provider allows three requests a minute; the next is refused with 429 and
+    Retry-After, which opens its breaker: the one after is passed on without asking."""
     book = matrix.books["acme"]
-    before = provider_stats(matrix.hosted)
-    refused = spill(matrix)
+    for _ in range(4):  # whatever is left of the provider's minute is spent first
+        before = provider_stats(matrix.hosted)
+        refused = spill(matrix)
+        if refused.status_code != 200:
+            break
+        book.used("provider answered", refused.headers, usage_total(refused.text))
+        matrix.settled("acme")
     assert refused.status_code == 503
     after = provider_stats(matrix.hosted)
     assert after["by_status"].get("429", 0) == before["by_status"].get("429", 0) + 1
