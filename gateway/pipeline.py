@@ -113,7 +113,6 @@ class RequestWatch:
         self.disconnected = False
         self.read_timed_out = False
         self._receive = receive
-        self._after_s = after_s
         self._reading = True
         self._ticked = False  # the first tick came while the body was still arriving
         self._task = asyncio.current_task()
