@@ -31,7 +31,7 @@ from loadtest.bench_litellm import litellm_arm
 from loadtest.harness import RedisProcess, free_port, wait_for_port
 
 KEY = "sk-bench-key"
-LEVELS = (1, 2, 4, 8, 16, 32, 64)
+CONCURRENCY = 64  # closed-loop throughput and CPU per request are measured at this
 RATES = (250, 500, 1000, 1500, 2000, 2500, 3000)  # offered req/s of the paced sweep
 PACED_CONNECTIONS = 32
 ADDED_P99_BUDGET_MS = 5.0
@@ -205,30 +205,25 @@ def steps(*, seconds: float, plain: Path, paced: dict[int, Path]) -> list[tuple[
     """Every measurement of one round, each to be taken of all arms back to back: this
     machine's speed drifts over minutes, so arms compare best measured side by side."""
 
+    def keep(arm: Arm, prefix: str, run: dict[str, Any]) -> None:
+        arm.add(f"{prefix}_rps", run["rps"])
+        arm.add(f"{prefix}_p50_ms", run["p50_us"] / 1000)
+        arm.add(f"{prefix}_p99_ms", run["p99_us"] / 1000)
+        arm.add(f"{prefix}_errors", run["failed"])
+
     def at_c1(arm: Arm) -> None:
-        one = _wrk(arm.url, 1, seconds, plain)
-        arm.add("c1_p50_ms", one["p50_us"] / 1000)
-        arm.add("c1_p99_ms", one["p99_us"] / 1000)
+        keep(arm, "c1", _wrk(arm.url, 1, seconds, plain))
 
-    def closed(level: int) -> Step:
-        def step(arm: Arm) -> None:
-            cpu0 = _tree_cpu_s(arm.pid) if arm.pid else 0.0
-            run = _wrk(arm.url, level, seconds, plain)
-            arm.add(f"c{level}_rps", run["rps"])
-            arm.add(f"c{level}_p99_ms", run["p99_us"] / 1000)
-            arm.add(f"c{level}_errors", run["failed"])
-            if level == 64 and arm.pid:
-                arm.add("cpu_s_per_1k", (_tree_cpu_s(arm.pid) - cpu0) / run["requests"] * 1000)
-
-        return step
+    def closed(arm: Arm) -> None:
+        cpu0 = _tree_cpu_s(arm.pid) if arm.pid else 0.0
+        run = _wrk(arm.url, CONCURRENCY, seconds, plain)
+        keep(arm, f"c{CONCURRENCY}", run)
+        if arm.pid:
+            arm.add("cpu_s_per_1k", (_tree_cpu_s(arm.pid) - cpu0) / run["requests"] * 1000)
 
     def offered(rate: int) -> Step:
         def step(arm: Arm) -> None:
-            run = _wrk(arm.url, PACED_CONNECTIONS, seconds, paced[rate])
-            arm.add(f"r{rate}_rps", run["rps"])
-            arm.add(f"r{rate}_p50_ms", run["p50_us"] / 1000)
-            arm.add(f"r{rate}_p99_ms", run["p99_us"] / 1000)
-            arm.add(f"r{rate}_errors", run["failed"])
+            keep(arm, f"r{rate}", _wrk(arm.url, PACED_CONNECTIONS, seconds, paced[rate]))
 
         return step
 
@@ -243,7 +238,7 @@ def steps(*, seconds: float, plain: Path, paced: dict[int, Path]) -> list[tuple[
 
     return [
         ("c1", at_c1),
-        *((f"c{level}", closed(level)) for level in LEVELS[1:]),
+        (f"c{CONCURRENCY}", closed),
         *((f"{rate} req/s offered", offered(rate)) for rate in paced),
         ("streams 2 ms apart", gapped),
         ("streams back to back", fast),
@@ -293,11 +288,12 @@ def _arms(args: argparse.Namespace, backend: str, tmp: Path) -> Iterator[list[Ar
 
 def _table(arms: list[Arm]) -> str:
     direct, raw = arms[0], next((a for a in arms if a.name == "raw relay"), None)
+    c, rps = f"@c{CONCURRENCY}", f"c{CONCURRENCY}_rps"
     rows = [
         ("added p50 @c1 (ms)", lambda a: a.median("c1_p50_ms") - direct.median("c1_p50_ms")),
         ("added p99 @c1 (ms)", lambda a: a.median("c1_p99_ms") - direct.median("c1_p99_ms")),
-        ("req/s @c64", lambda a: a.median("c64_rps")),
-        ("req/s @c64 vs raw", lambda a: a.median("c64_rps") / raw.median("c64_rps") if raw else 0),
+        (f"req/s {c}", lambda a: a.median(rps)),
+        (f"req/s {c} vs raw", lambda a: a.median(rps) / raw.median(rps) if raw else 0),
         ("max req/s, added p99<5ms", lambda a: rate_under(a, direct, ADDED_P99_BUDGET_MS)),
         ("paced added p50 @500/s (ms)",
          lambda a: a.median("r500_p50_ms") - direct.median("r500_p50_ms")),
@@ -311,7 +307,7 @@ def _table(arms: list[Arm]) -> str:
         ("stream chunks/s vs raw",
          lambda a: a.median("stream_chunks_per_s") / raw.median("stream_chunks_per_s")
          if raw else 0),
-        ("CPU s / 1k req @c64", lambda a: a.median("cpu_s_per_1k")),
+        (f"CPU s / 1k req {c}", lambda a: a.median("cpu_s_per_1k")),
         ("CPU vs raw", lambda a: a.median("cpu_s_per_1k") / raw.median("cpu_s_per_1k")
          if raw else 0),
     ]  # fmt: skip
