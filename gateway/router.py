@@ -49,8 +49,7 @@ class Router:
 
     def limit(self, backend: Backend) -> int:
         """Tokens this backend may hold: capacity × the pool's target fill."""
-        fill = self.pools[backend.pool].settings.target_fill
-        return math.floor(self.capacity(backend) * fill)
+        return _limit(self.capacity(backend), self.pools[backend.pool].settings.target_fill)
 
     def fill(self, backend: Backend) -> float:
         capacity = self.capacity(backend)
@@ -80,7 +79,7 @@ class Router:
                 continue
             capacity = b.capacity(now=now, stale_after=stale)
             if capacity > 0:
-                ranked.append((tokens(b.name) / capacity, i, b, math.floor(capacity * target)))
+                ranked.append((tokens(b.name) / capacity, i, b, _limit(capacity, target)))
         if len(ranked) > 1:
             ranked.sort()
         return [(b, limit) for _, _, b, limit in ranked]
@@ -130,3 +129,7 @@ class Router:
         self._drain[pool].record(tokens)
         for listener in self._listeners:
             listener(pool)
+
+
+def _limit(capacity: int, target_fill: float) -> int:
+    return math.floor(capacity * target_fill)
