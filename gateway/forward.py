@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ from starlette.types import Send
 from yarl import URL
 
 from gateway.config import Timeouts
+from gateway.deadlines import Deadlines
 from gateway.relay import (
     JSON_HEADERS,
     SSE_HEADERS,
@@ -86,8 +86,9 @@ def _retry_after(response: aiohttp.ClientResponse) -> float | None:
 
 
 class Forwarder:
-    def __init__(self, pool: UpstreamPool) -> None:
+    def __init__(self, pool: UpstreamPool, deadlines: Deadlines) -> None:
         self._pool = pool
+        self._deadlines = deadlines
         self._urls: dict[tuple[str, str], URL] = {}
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
@@ -128,7 +129,7 @@ class Forwarder:
         `deadline` (event-loop time) ends the whole exchange, earlier attempts included;
         by default it is `timeouts.total` from now.
         """
-        loop = asyncio.get_running_loop()
+        loop = self._deadlines.loop
         t = target.timeouts
         deadline = min(loop.time() + t.total, deadline if deadline is not None else math.inf)
         swap = model_swap(target.model, public_model)
@@ -144,7 +145,7 @@ class Forwarder:
                 tap=tap if status == 200 else None,
             )
         try:
-            async with asyncio.timeout_at(min(loop.time() + t.first_token, deadline)):
+            async with self._deadlines.timeout_at(min(loop.time() + t.first_token, deadline)):
                 response = await self._post(target, request)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _unavailable(exc, answered=False) from None
@@ -164,7 +165,7 @@ class Forwarder:
                 )
             chunks = response.content.iter_any()
             try:
-                async with asyncio.timeout_at(min(loop.time() + t.first_token, deadline)):
+                async with self._deadlines.timeout_at(min(loop.time() + t.first_token, deadline)):
                     first = await anext(chunks)
             except (TimeoutError, StopAsyncIteration, aiohttp.ClientError) as exc:
                 raise UpstreamUnavailable(
@@ -180,6 +181,7 @@ class Forwarder:
                 keep_usage=request.client_wants_usage,
                 idle_s=t.idle,
                 deadline=deadline,
+                deadlines=self._deadlines,
                 tap=tap,
             )
             done = relayed.completed
@@ -199,7 +201,7 @@ class Forwarder:
         response: aiohttp.ClientResponse | None = None
         read = False
         try:
-            async with asyncio.timeout_at(deadline):
+            async with self._deadlines.timeout_at(deadline):
                 response = await self._post(target, request)
                 _check_status(response)
                 body = await response.read()
@@ -213,7 +215,7 @@ class Forwarder:
 
     async def _read_body(self, response: aiohttp.ClientResponse, deadline: float) -> bytes:
         try:
-            async with asyncio.timeout_at(deadline):
+            async with self._deadlines.timeout_at(deadline):
                 return await response.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _unavailable(exc, answered=True) from None
