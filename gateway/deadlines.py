@@ -18,6 +18,7 @@ from types import TracebackType
 
 FINEST_S = 0.01  # the narrowest slot
 SPREAD = 64  # a slot is at most 1/SPREAD of its deadlines' distance wide, or FINEST_S
+NEAR_S = 2 * FINEST_S * SPREAD  # nearer than this, every slot is FINEST_S wide
 
 
 class Alarm:
@@ -51,10 +52,13 @@ class Deadlines:
 
     def call_at(self, when: float, callback: Callable[[], object]) -> Alarm:
         """Run `callback` from the loop at `when` (loop time) or up to one slot later."""
-        loop = self.loop
+        loop = self._loop or self.loop
         distance = when - loop.time()
-        width = int(distance / (2 * FINEST_S * SPREAD)).bit_length() if distance > 0 else 0
-        size = FINEST_S * (1 << width)
+        if distance < NEAR_S:  # most deadlines, and the finest slots: the short way
+            width, size = 0, FINEST_S
+        else:
+            width = int(distance / NEAR_S).bit_length()
+            size = FINEST_S * (1 << width)
         key = (width, int(when / size) + 1)
         alarms = self._slots.get(key)
         if alarms is None:

@@ -49,6 +49,7 @@ from gateway.router import Router
 from policies.base import Gate, OverflowPolicy, TapFactory
 
 log = logging.getLogger("spillgate.pipeline")
+PRIORITY_HEADER_BYTES = PRIORITY_HEADER.encode()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,20 +68,24 @@ class PipelineDeps:
     gates: Mapping[str, Gate] = field(default_factory=dict)  # pool → may arrivals go first
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return str(value.decode("latin-1"))
-    return None
+def request_headers(scope: Scope) -> dict[bytes, bytes]:
+    """The request's headers by name, read in one pass; a repeated header counts once,
+    as it first came (built from the end, so the earliest is written last)."""
+    return dict(reversed(scope["headers"]))
+
+
+def _text(headers: Mapping[bytes, bytes], name: bytes) -> str | None:
+    value = headers.get(name)
+    return None if value is None else value.decode("latin-1")
 
 
 class ClientGone(Exception):
     """The client hung up before its request body had arrived: nobody to answer."""
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+async def read_body(headers: Mapping[bytes, bytes], receive: Receive, limit: int) -> bytes:
     """The whole request body, at most `limit` bytes (its deadline is the RequestWatch's)."""
-    declared = _header(scope, b"content-length")
+    declared = headers.get(b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(f"The request body exceeds the limit of {limit} bytes.")
     chunks: list[bytes] = []
@@ -197,9 +202,10 @@ class CompletionsEndpoint:
         watch = RequestWatch(receive, self._d.deadlines, read_s=self._d.request_read_timeout_s)
         headers: dict[str, str] = {}
         try:
-            raw = await read_body(scope, receive, self._d.max_body_bytes)
+            fields = request_headers(scope)
+            raw = await read_body(fields, receive, self._d.max_body_bytes)
             watch.body_read()
-            await self._handle(scope, raw, tracked, headers, watch, answering=lambda: started)
+            await self._handle(fields, raw, tracked, headers, watch, answering=lambda: started)
         except ClientGone:
             return
         except SpillgateError as exc:
@@ -234,7 +240,7 @@ class CompletionsEndpoint:
 
     async def _handle(
         self,
-        scope: Scope,
+        fields: Mapping[bytes, bytes],
         raw: bytes,
         send: Send,
         headers: dict[str, str],
@@ -244,7 +250,7 @@ class CompletionsEndpoint:
     ) -> None:
         d = self._d
         t0 = time.perf_counter()
-        tenant = d.auth.tenant(_header(scope, b"authorization"))
+        tenant = d.auth.tenant(_text(fields, b"authorization"))
         body = decode_body(raw)
         pool = self._pool(tenant, requested_model(body))
         request = parse_request(
@@ -252,7 +258,7 @@ class CompletionsEndpoint:
             endpoint=self._endpoint,
             tenant=tenant.name,
             pool=pool.name,
-            priority=effective_priority(tenant.priority, _header(scope, PRIORITY_HEADER.encode())),
+            priority=effective_priority(tenant.priority, _text(fields, PRIORITY_HEADER_BYTES)),
             default_max_tokens=pool.settings.default_max_tokens,
             max_model_len=pool.settings.max_model_len,
             chars_per_token=pool.estimator.chars_per_token,

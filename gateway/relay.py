@@ -74,8 +74,11 @@ def model_swap(served: str, public: str) -> tuple[bytes, bytes] | None:
     )
 
 
+_LATIN1 = functools.partial(str.encode, encoding="latin-1")
+
+
 def raw_headers(extra: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
-    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
+    return list(zip(map(_LATIN1, extra.keys()), map(_LATIN1, extra.values()), strict=True))
 
 
 def sse_error_event(message: str, *, code: str = "upstream_error") -> bytes:
