@@ -24,7 +24,6 @@ from gateway.backends import FleetWatcher, Pool, build_pools
 from gateway.clock import Clock, SystemClock
 from gateway.config import Settings
 from gateway.dashboard import Dashboard, OutcomeHistory
-from gateway.deadlines import Deadlines
 from gateway.errors import InvalidRequest, SpillgateError, error_response
 from gateway.forward import Forwarder
 from gateway.guard import HeaderLimit
@@ -167,7 +166,6 @@ def create_app(
     )
     chains = {name: build_chain(pool.settings, policy_deps) for name, pool in pools.items()}
     auth = Authenticator(settings, env)
-    deadlines = Deadlines()
     deps = PipelineDeps(
         auth=auth,
         limiter=limiter,
@@ -175,10 +173,9 @@ def create_app(
         chains=chains,
         taps=answer_taps(chains),
         gates=admission_gates(chains),
-        forwarder=Forwarder(upstream, deadlines),
+        forwarder=Forwarder(upstream),
         metrics=metrics,
         clock=clock,
-        deadlines=deadlines,
         max_body_bytes=settings.server.max_body_bytes,
         request_read_timeout_s=settings.server.request_read_timeout_s,
     )

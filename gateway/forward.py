@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
@@ -12,7 +13,6 @@ from starlette.types import Send
 from yarl import URL
 
 from gateway.config import Timeouts
-from gateway.deadlines import Deadlines
 from gateway.relay import (
     JSON_HEADERS,
     SSE_HEADERS,
@@ -86,9 +86,8 @@ def _retry_after(response: aiohttp.ClientResponse) -> float | None:
 
 
 class Forwarder:
-    def __init__(self, pool: UpstreamPool, deadlines: Deadlines) -> None:
+    def __init__(self, pool: UpstreamPool) -> None:
         self._pool = pool
-        self._deadlines = deadlines
         self._urls: dict[tuple[str, str], URL] = {}
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
@@ -129,7 +128,7 @@ class Forwarder:
         `deadline` (event-loop time) ends the whole exchange, earlier attempts included;
         by default it is `timeouts.total` from now.
         """
-        loop = self._deadlines.loop
+        loop = asyncio.get_running_loop()
         t = target.timeouts
         deadline = min(loop.time() + t.total, deadline if deadline is not None else math.inf)
         swap = model_swap(target.model, public_model)
@@ -145,7 +144,7 @@ class Forwarder:
                 tap=tap if status == 200 else None,
             )
         try:
-            async with self._deadlines.timeout_at(min(loop.time() + t.first_token, deadline)):
+            async with asyncio.timeout_at(min(loop.time() + t.first_token, deadline)):
                 response = await self._post(target, request)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _unavailable(exc, answered=False) from None
@@ -165,7 +164,7 @@ class Forwarder:
                 )
             chunks = response.content.iter_any()
             try:
-                async with self._deadlines.timeout_at(min(loop.time() + t.first_token, deadline)):
+                async with asyncio.timeout_at(min(loop.time() + t.first_token, deadline)):
                     first = await anext(chunks)
             except (TimeoutError, StopAsyncIteration, aiohttp.ClientError) as exc:
                 raise UpstreamUnavailable(
@@ -181,7 +180,6 @@ class Forwarder:
                 keep_usage=request.client_wants_usage,
                 idle_s=t.idle,
                 deadline=deadline,
-                deadlines=self._deadlines,
                 tap=tap,
             )
             done = relayed.completed
@@ -201,7 +199,7 @@ class Forwarder:
         response: aiohttp.ClientResponse | None = None
         read = False
         try:
-            async with self._deadlines.timeout_at(deadline):
+            async with asyncio.timeout_at(deadline):
                 response = await self._post(target, request)
                 _check_status(response)
                 body = await response.read()
@@ -215,7 +213,7 @@ class Forwarder:
 
     async def _read_body(self, response: aiohttp.ClientResponse, deadline: float) -> bytes:
         try:
-            async with self._deadlines.timeout_at(deadline):
+            async with asyncio.timeout_at(deadline):
                 return await response.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _unavailable(exc, answered=True) from None

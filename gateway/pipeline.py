@@ -19,7 +19,6 @@ from starlette.types import Message, Receive, Scope, Send
 from gateway.auth import Authenticator, Tenant
 from gateway.backends import Pool
 from gateway.clock import Clock
-from gateway.deadlines import Alarm, Deadlines
 from gateway.errors import (
     BodyTooLarge,
     LimiterUnavailable,
@@ -61,7 +60,6 @@ class PipelineDeps:
     forwarder: Forwarder
     metrics: GatewayMetrics
     clock: Clock
-    deadlines: Deadlines
     max_body_bytes: int
     request_read_timeout_s: float = 30.0
     taps: Mapping[str, TapFactory] = field(default_factory=dict)  # pool → answer watcher
@@ -104,21 +102,18 @@ async def read_body(headers: Mapping[bytes, bytes], receive: Receive, limit: int
 
 
 class RequestWatch:
-    """One alarm per request: it bounds the body's arrival, then watches for a disconnect.
+    """One timer per request: it bounds the body's arrival, then watches for a disconnect.
 
-    The alarm first rings `after_s` in (or up to a slot later: see Deadlines). A body
-    still arriving then has until `read_s` after the start, or the handling task is
-    cancelled (`read_timed_out`, answered 408).
+    The timer first fires `after_s` in. A body still arriving then has until `read_s`
+    after the start, or the handling task is cancelled (`read_timed_out`, answered 408).
     Once the body has arrived (and no sooner, since the handler itself reads it), a task
     waits for the client to leave and cancels the handling task if it does before the
     response ends (`disconnected`). An answer ready within `after_s` (a cached one, a
-    refusal, an error) costs the alarm only, and a client that left meanwhile is still
+    refusal, an error) costs the timer only, and a client that left meanwhile is still
     seen, since the server keeps its disconnect for the next `receive()`.
     """
 
-    def __init__(
-        self, receive: Receive, deadlines: Deadlines, *, read_s: float, after_s: float = 0.1
-    ) -> None:
+    def __init__(self, receive: Receive, *, read_s: float, after_s: float = 0.1) -> None:
         self.finished = False
         self.disconnected = False
         self.read_timed_out = False
@@ -127,10 +122,11 @@ class RequestWatch:
         self._ticked = False  # the first tick came while the body was still arriving
         self._task = asyncio.current_task()
         self._watch: asyncio.Task[None] | None = None
-        self._deadlines = deadlines
-        now = deadlines.loop.time()
-        self._read_by = now + read_s
-        self._timer: Alarm | None = deadlines.call_at(now + min(after_s, read_s), self._tick)
+        self._loop = asyncio.get_running_loop()
+        self._read_by = self._loop.time() + read_s
+        self._timer: asyncio.TimerHandle | None = self._loop.call_later(
+            min(after_s, read_s), self._tick
+        )
 
     def body_read(self) -> None:
         self._reading = False
@@ -144,12 +140,12 @@ class RequestWatch:
             return
         if not self._reading:
             self._begin()
-        elif self._deadlines.loop.time() >= self._read_by:
+        elif self._loop.time() >= self._read_by:
             self.read_timed_out = True
             self._cancel()
         else:
             self._ticked = True
-            self._timer = self._deadlines.call_at(self._read_by, self._tick)
+            self._timer = self._loop.call_at(self._read_by, self._tick)
 
     def _begin(self) -> None:
         if not self.finished and self._watch is None:
@@ -199,7 +195,7 @@ class CompletionsEndpoint:
                 return
             await send(message)
 
-        watch = RequestWatch(receive, self._d.deadlines, read_s=self._d.request_read_timeout_s)
+        watch = RequestWatch(receive, read_s=self._d.request_read_timeout_s)
         headers: dict[str, str] = {}
         try:
             fields = request_headers(scope)

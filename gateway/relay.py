@@ -7,6 +7,7 @@ model name, which is swapped back to the name the client asked for.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -16,8 +17,6 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 from starlette.types import Send
-
-from gateway.deadlines import Deadlines
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -161,16 +160,15 @@ async def relay_stream(
     keep_usage: bool,
     idle_s: float,
     deadline: float,
-    deadlines: Deadlines,
     tap: ResponseTap | None,
 ) -> Relayed:
     relay = StreamRelay(send=send, swap=swap, keep_usage=keep_usage, tap=tap)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await relay.feed(first_chunk)
     first_byte_at = time.perf_counter()
-    loop = deadlines.loop
+    loop = asyncio.get_running_loop()
     try:
-        async with deadlines.timeout_at(min(loop.time() + idle_s, deadline)) as budget:
+        async with asyncio.timeout_at(min(loop.time() + idle_s, deadline)) as budget:
             async for chunk in chunks:
                 await relay.feed(chunk)
                 budget.reschedule(min(loop.time() + idle_s, deadline))

@@ -10,7 +10,6 @@ from typing import Any
 from gateway.backends import build_pools
 from gateway.clock import ManualClock
 from gateway.config import BackendSettings, PoolSettings, Priority, QueueSettings
-from gateway.deadlines import Deadlines
 from gateway.exchange import Exchange, Holding
 from gateway.forward import Forwarder
 from gateway.ledger import LocalLedger
@@ -58,7 +57,7 @@ class Setup:
             send=no_send,
             headers={},
             router=self.router,
-            forwarder=Forwarder(self.upstream, Deadlines()),
+            forwarder=Forwarder(self.upstream),
             metrics=self.metrics,
             clock=self.clock,
             holding=Holding(self.router),

@@ -1,0 +1,24 @@
+"""`python -m loadtest.bench_ops`: the bytecode each arm runs per request, against the real
+zero-delay backend."""
+
+from __future__ import annotations
+
+from loadtest.bench_ops import count
+
+
+def test_counts_each_arms_own_bytecode_and_the_gateway_runs_more_than_the_raw_relay() -> None:
+    result = count(requests=20, warmup=5)
+    raw, gateway = result["raw relay"], result["spillgate"]
+    # both relay through aiohttp; only the gateway runs its own pipeline
+    assert raw["by_package"]["aiohttp"] > 1000
+    assert gateway["by_package"]["aiohttp"] > 1000
+    assert raw["by_package"].get("gateway", 0) < 50  # its connection pool's property only
+    assert gateway["by_package"]["gateway"] > 1000
+    assert gateway["opcodes_per_request"] > raw["opcodes_per_request"]
+    assert any(name.startswith("gateway:") for name in gateway["top_functions"])
+
+
+def test_counts_are_stable_from_run_to_run() -> None:
+    first = count(("spillgate",), requests=20, warmup=5)["spillgate"]["opcodes_per_request"]
+    second = count(("spillgate",), requests=20, warmup=5)["spillgate"]["opcodes_per_request"]
+    assert abs(first - second) / first < 0.05
