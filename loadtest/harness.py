@@ -34,6 +34,18 @@ def wait_for_port(port: int, *, host: str = "127.0.0.1", timeout: float = 15.0) 
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
 
 
+@contextlib.contextmanager
+def serving_process(cmd: list[str], port: int, *, timeout: float = 30.0) -> Iterator[str]:
+    """`cmd` as a child process, yielded as its URL once it listens on `port`; stopped after."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, timeout=timeout)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 class ServerThread:
     """One uvicorn server in a thread with its own event loop."""
 

@@ -13,7 +13,6 @@ busy with other work slows a simulator below its timeline, so that check may tak
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from collections.abc import Iterator
 
@@ -21,7 +20,7 @@ import httpx
 import pytest
 
 from gateway.cli import main
-from loadtest.harness import free_port, wait_for_port
+from loadtest.harness import free_port, serving_process
 
 SPEED = 20.0
 ATTEMPTS = 3
@@ -36,17 +35,8 @@ def sim_url() -> Iterator[str]:
     port = free_port()
     args = ["sim", "--model", MODEL, "--gpu", GPU, "--max-model-len", MAX_LEN,
             "--speed", str(SPEED), "--port", str(port)]  # fmt: skip
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_for_port(port, timeout=20)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    with serving_process([sys.executable, "-m", "gateway.cli", *args], port, timeout=20) as url:
+        yield url
 
 
 def run_json(capsys: pytest.CaptureFixture[str], args: list[str]) -> dict[str, object]:
