@@ -31,6 +31,7 @@ from loadtest.bench_litellm import litellm_arm
 from loadtest.harness import RedisProcess, free_port, wait_for_port
 
 KEY = "sk-bench-key"
+BODY = b'{"model":"bench","messages":[{"role":"user","content":"hi"}],"max_tokens":16}'
 CONCURRENCY = 64  # closed-loop throughput and CPU per request are measured at this
 RATES = (250, 500, 1000, 1500, 2000, 2500, 3000)  # offered req/s of the paced sweep
 PACED_CONNECTIONS = 32
@@ -38,7 +39,7 @@ ADDED_P99_BUDGET_MS = 5.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 WRK_SCRIPT = """
 wrk.method = "POST"
-wrk.body = '{"model":"bench","messages":[{"role":"user","content":"hi"}],"max_tokens":16}'
+wrk.body = '%s'
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["Authorization"] = "Bearer %s"
 %s
@@ -83,7 +84,7 @@ end
 def script(path: Path, *, rate: float | None = None) -> Path:
     """A wrk script posting the bench request: back to back, or paced to `rate` req/s."""
     pacing = "" if rate is None else PACING % (round(rate), 1000 / rate)
-    path.write_text(WRK_SCRIPT % (KEY, pacing))
+    path.write_text(WRK_SCRIPT % (BODY.decode(), KEY, pacing))
     return path
 
 
