@@ -1,7 +1,7 @@
 """Token-bucket arithmetic shared by the local limiter and the Redis one (bucket.lua).
 
 Pure functions of levels and time, so both implementations report the same numbers.
-bucket.lua repeats `refill` and `refusal` inside Redis; keep the two in step.
+bucket.lua repeats `refilled` and `refusal` inside Redis; keep the two in step.
 """
 
 from __future__ import annotations
@@ -11,9 +11,16 @@ import math
 from gateway.ratelimit.base import Decision, Reason, TenantLimits
 
 
-def refill(level: float, *, elapsed_s: float, per_minute: int, capacity: int) -> float:
-    """The level after `elapsed_s` of refilling, capped at the bucket size."""
-    return min(float(capacity), level + max(0.0, elapsed_s) * per_minute / 60.0)
+def refilled(
+    limits: TenantLimits, requests: float, tokens: float, elapsed_s: float
+) -> tuple[float, float]:
+    """Both levels after `elapsed_s` of refilling, each capped at its bucket's size."""
+    if elapsed_s <= 0:
+        return requests, tokens
+    return (
+        min(float(limits.request_capacity), requests + elapsed_s * limits.requests_per_minute / 60),
+        min(float(limits.token_capacity), tokens + elapsed_s * limits.tokens_per_minute / 60),
+    )
 
 
 def wait_s(level: float, *, need: float, per_minute: int) -> float:
@@ -51,20 +58,18 @@ def decision(
     limits: TenantLimits, *, requests: float, tokens: float, reason: Reason, retry_after: float
 ) -> Decision:
     """A Decision reporting the levels left after it (debited or not)."""
+    request_capacity, token_capacity = limits.request_capacity, limits.token_capacity
+    # each reset is wait_s(level, need=capacity), written out: this runs on every request
     return Decision(
         allowed=not reason,
         reason=reason,
         retry_after_s=retry_after,
-        limit_requests=limits.request_capacity,
-        limit_tokens=limits.token_capacity,
+        limit_requests=request_capacity,
+        limit_tokens=token_capacity,
         remaining_requests=max(0, math.floor(requests)),
         remaining_tokens=max(0, math.floor(tokens)),
-        reset_requests_s=wait_s(
-            requests, need=limits.request_capacity, per_minute=limits.requests_per_minute
-        ),
-        reset_tokens_s=wait_s(
-            tokens, need=limits.token_capacity, per_minute=limits.tokens_per_minute
-        ),
+        reset_requests_s=max(0.0, request_capacity - requests) * 60.0 / limits.requests_per_minute,
+        reset_tokens_s=max(0.0, token_capacity - tokens) * 60.0 / limits.tokens_per_minute,
     )
 
 

@@ -34,33 +34,23 @@ class LocalRateLimiter:
             levels = _Levels(float(limits.request_capacity), float(limits.token_capacity), now)
             self._tenants[limits.tenant] = levels
             return levels
-        elapsed = now - levels.at
-        levels.requests = bucket.refill(
-            levels.requests,
-            elapsed_s=elapsed,
-            per_minute=limits.requests_per_minute,
-            capacity=limits.request_capacity,
-        )
-        levels.tokens = bucket.refill(
-            levels.tokens,
-            elapsed_s=elapsed,
-            per_minute=limits.tokens_per_minute,
-            capacity=limits.token_capacity,
-        )
-        levels.at = max(levels.at, now)
+        if now > levels.at:
+            levels.requests, levels.tokens = bucket.refilled(
+                limits, levels.requests, levels.tokens, now - levels.at
+            )
+            levels.at = now
         return levels
 
     async def acquire(self, limits: TenantLimits, tokens: int) -> Decision:
-        bucket.check_tokens(tokens=tokens)
+        if tokens < 0:
+            bucket.check_tokens(tokens=tokens)
         levels = self._levels(limits)
         requests, level = levels.requests, levels.tokens
         if bucket.refusal(limits, requests=requests, tokens=level, cost=tokens):
             return bucket.judged(limits, requests=requests, tokens=level, cost=tokens)
-        levels.requests -= 1
-        levels.tokens -= tokens
-        return bucket.decision(
-            limits, requests=levels.requests, tokens=levels.tokens, reason="", retry_after=0.0
-        )
+        levels.requests = requests = requests - 1
+        levels.tokens = level = level - tokens
+        return bucket.decision(limits, requests=requests, tokens=level, reason="", retry_after=0.0)
 
     async def reconcile(self, limits: TenantLimits, *, reserved: int, used: int) -> None:
         bucket.check_tokens(reserved=reserved, used=used)
