@@ -75,6 +75,11 @@ class AdminEndpoints:
             return json_response({"status": "not ready", "pools_without_capacity": missing}, 503)
         return json_response({"status": "ready"})
 
+    def publish(self) -> None:
+        """This worker's metrics as of now, for whichever worker answers the next scrape."""
+        self.refresh_gauges()
+        self._metrics.flush()
+
     def refresh_gauges(self) -> None:
         m = self._metrics
         for name, pool in self._router.pools.items():

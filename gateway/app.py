@@ -203,7 +203,7 @@ def create_app(
             feed.start()
         gauges = None
         if metrics.multiprocess_dir is not None:
-            gauges = asyncio.create_task(refresh_gauges(admin.refresh_gauges))
+            gauges = asyncio.create_task(refresh_gauges(admin.publish))
         # everything built at start-up lives as long as the process: keep it out of the
         # collector's full passes, which otherwise stall the event loop for tens of ms
         gc.collect()

@@ -72,6 +72,7 @@ class OutcomeHistory:
 
     def _totals(self) -> Counts:
         totals: Counts = {}
+        self._metrics.flush()
         for family in self._metrics.requests.collect():
             for sample in family.samples:
                 if not sample.name.endswith("_total"):

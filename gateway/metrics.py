@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import re
+from bisect import bisect_left
 from pathlib import Path
-from typing import Final, Generic, Literal, TypeVar
+from typing import Final, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
@@ -26,26 +27,66 @@ FLEET: Final[Literal["livemostrecent"]] = "livemostrecent"  # same in every work
 OWN: Final[Literal["livesum"]] = "livesum"  # each worker's own part: added up
 _LIVE_GAUGE_FILE = re.compile(r"gauge_live\w+_(\d+)\.db")
 
-M = TypeVar("M", Counter, Gauge, Histogram)
 
+class RequestTally:
+    """The request path's counts as plain numbers, handed to prometheus-client in bulk.
 
-class Children(Generic[M]):
-    """A metric's labelled children, each looked up once: `labels()` checks and converts its
-    arguments and takes a lock on every call, which the request path need not repeat.
-
-    Only for label values drawn from the config (pools, tenants, targets, outcomes), so
-    the cache stays as small as the metric itself.
+    A labelled child checks, converts and locks on every inc() and observe(), which costs
+    more than the count itself; the request path adds to dicts instead, and `flush` moves
+    the sums into the metrics. GatewayMetrics flushes before every scrape it answers and,
+    with several workers, every second (another worker's scrape reads this one's files).
+    Only for label values drawn from the config (pools, tenants, targets, outcomes).
     """
 
-    def __init__(self, metric: M) -> None:
-        self._metric: M = metric
-        self._children: dict[tuple[str, ...], M] = {}
+    def __init__(self, requests: Counter, tokens: Counter, ttft: Histogram) -> None:
+        self._metrics = (requests, tokens, ttft)
+        self._requests: dict[tuple[str, str, str], int] = {}
+        self._tokens: dict[tuple[str, str], int] = {}
+        self._ttft: dict[tuple[str, str], list[float]] = {}  # per bucket, then the sum
 
-    def __call__(self, *values: str) -> M:
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = self._metric.labels(*values)
-        return child
+    def request(self, pool: str, tenant: str, outcome: str) -> None:
+        key = (pool, tenant, outcome)
+        self._requests[key] = self._requests.get(key, 0) + 1
+
+    def tokens(self, target: str, prompt: int, completion: int) -> None:
+        counts = self._tokens
+        key = (target, "prompt")
+        counts[key] = counts.get(key, 0) + prompt
+        key = (target, "completion")
+        counts[key] = counts.get(key, 0) + completion
+
+    def ttft(self, pool: str, outcome: str, seconds: float) -> None:
+        counts = self._ttft.get((pool, outcome))
+        if counts is None:
+            counts = self._ttft[(pool, outcome)] = [0.0] * (len(TTFT_BUCKETS) + 2)
+        # the bucket observe() would count it in: the first bound at or above it (+Inf last)
+        counts[bisect_left(TTFT_BUCKETS, seconds)] += 1
+        counts[-1] += seconds
+
+    def flush(self) -> None:
+        requests, tokens, ttft = self._metrics
+        pending_requests, self._requests = self._requests, {}
+        for request_labels, n in pending_requests.items():
+            requests.labels(*request_labels).inc(n)
+        pending_tokens, self._tokens = self._tokens, {}
+        for token_labels, n in pending_tokens.items():
+            if n:
+                tokens.labels(*token_labels).inc(n)
+        pending_ttft, self._ttft = self._ttft, {}
+        for ttft_labels, counts in pending_ttft.items():
+            _add_observations(ttft.labels(*ttft_labels), counts)
+
+
+def _add_observations(child: Histogram, counts: list[float]) -> None:
+    """Add per-bucket counts and their sum (last) to a histogram child, as that many
+    observe() calls would. prometheus-client has no bulk observe, so this writes the
+    child's bucket and sum values itself; tests/unit/gateway/test_metrics_tally.py checks
+    the result against observe()."""
+    *per_bucket, total = counts
+    child._sum.inc(total)
+    for value, n in zip(child._buckets, per_bucket, strict=True):
+        if n:
+            value.inc(n)
 
 
 class GatewayMetrics:
@@ -131,10 +172,8 @@ class GatewayMetrics:
             "spillgate_provider_breaker_open", "1 while a provider's circuit breaker is open",
             ["provider"], registry=r, multiprocess_mode="livemax",
         )  # fmt: skip
-        # the request path's metrics, by label values
-        self.requests_of = Children(self.requests)
-        self.ttft_of = Children(self.ttft)
-        self.tokens_of = Children(self.tokens)
+        # the request path's metrics, counted in bulk
+        self.tally = RequestTally(self.requests, self.tokens, self.ttft)
 
     def set_ratelimit_mode(self, mode: str) -> None:
         for name in ("shared", "local", "allow", "deny"):
@@ -144,8 +183,13 @@ class GatewayMetrics:
         for name in ("shared", "local"):
             self.ledger_mode.labels(name).set(1.0 if name == mode else 0.0)
 
+    def flush(self) -> None:
+        """Bring the request path's counts into the metrics (see RequestTally)."""
+        self.tally.flush()
+
     def render(self) -> bytes:
         """The exposition text: this registry's, or every worker's added up."""
+        self.flush()
         if self.multiprocess_dir is None:
             return generate_latest(self.registry)
         _forget_dead_workers(self.multiprocess_dir)
@@ -155,6 +199,7 @@ class GatewayMetrics:
 
     def close(self) -> None:
         """Take this process's live gauges out of the workers' sums (a clean exit)."""
+        self.flush()
         if self.multiprocess_dir is not None:
             mark_process_dead(os.getpid(), self.multiprocess_dir)  # type: ignore[no-untyped-call]
 

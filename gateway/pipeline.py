@@ -347,7 +347,7 @@ class CompletionsEndpoint:
                 f"Rate limit reached for tenant {tenant.name!r} on {decision.reason} per minute.",
                 retry_after=decision.retry_after_s,
             )
-        self._d.metrics.requests_of(request.pool, tenant.name, error.outcome).inc()
+        self._d.metrics.tally.request(request.pool, tenant.name, error.outcome)
         raise error
 
     async def _dispatch(self, request: InferenceRequest, exchange: Exchange) -> Served:
@@ -390,17 +390,16 @@ class CompletionsEndpoint:
     def _record(
         self, request: InferenceRequest, served: Served | None, outcome: Outcome, t0: float
     ) -> None:
-        m = self._d.metrics
-        m.requests_of(request.pool, request.tenant, outcome).inc()
+        tally = self._d.metrics.tally
+        tally.request(request.pool, request.tenant, outcome)
         if served is None:
             return
         relayed = served.relayed
         if relayed.first_byte_at is not None:
-            m.ttft_of(request.pool, outcome).observe(relayed.first_byte_at - t0)
+            tally.ttft(request.pool, outcome, relayed.first_byte_at - t0)
         usage = relayed.usage
         if usage.known:
-            m.tokens_of(served.target, "prompt").inc(usage.prompt_tokens)
-            m.tokens_of(served.target, "completion").inc(usage.completion_tokens)
+            tally.tokens(served.target, usage.prompt_tokens, usage.completion_tokens)
             pool = self._d.router.pools.get(served.pool)
             # only this pool's own backends count its prompts with its tokenizer
             if pool is not None and served.outcome in (Outcome.LOCAL, Outcome.QUEUED):

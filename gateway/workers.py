@@ -122,11 +122,11 @@ def metrics_dir() -> Iterator[str]:
 
 
 async def refresh_gauges(refresh: Callable[[], None], *, every_s: float = GAUGE_REFRESH_S) -> None:
-    """Keep a worker's gauges current between the scrapes other workers answer."""
+    """Keep a worker's gauges and counts current between the scrapes other workers answer."""
     log = logging.getLogger("spillgate.metrics")
     while True:
         try:
             refresh()
         except Exception:
-            log.exception("refreshing gauges failed")
+            log.exception("publishing metrics failed")
         await asyncio.sleep(every_s)
