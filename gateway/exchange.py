@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -175,4 +174,4 @@ class Exchange:
         return Served(outcome=outcome, target=target.name, pool=request.pool, relayed=relayed)
 
     def degraded(self, request: InferenceRequest, pool: str) -> InferenceRequest:
-        return dataclasses.replace(request, pool=pool)
+        return request._replace(pool=pool)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
-@dataclass(frozen=True, slots=True)
-class Reservation:
+class Reservation(NamedTuple):
+    """What one admitted request holds on one backend (a NamedTuple: one per request)."""
+
     backend: str
     tokens: int
     lease: str

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -15,6 +14,8 @@ MAX_TOKENS_CEILING = 1_000_000
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other; orjson writes at most 254
 PRIORITY_HEADER = "x-spillgate-priority"
 NUMBER = (int, float)  # built once: `int | float` in isinstance makes a new union per call
+NUMBER_FIELD_ORDER = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+NUMBER_FIELDS = frozenset(NUMBER_FIELD_ORDER)
 
 
 class Endpoint(StrEnum):
@@ -22,8 +23,10 @@ class Endpoint(StrEnum):
     COMPLETIONS = "/v1/completions"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class InferenceRequest:
+class InferenceRequest(NamedTuple):
+    """One parsed request; immutable (a NamedTuple: one is made per request, and a frozen
+    dataclass costs several times as much to build)."""
+
     endpoint: Endpoint
     tenant: str
     pool: str
@@ -186,10 +189,11 @@ def parse_request(
     if options is not None and not isinstance(options, dict):
         raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
     wants_usage = bool(stream and options and options.get("include_usage") is True)
-    for key in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-        value = body.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, NUMBER)):
-            raise InvalidRequest(f"'{key}' must be a number.", param=key)
+    if not NUMBER_FIELDS.isdisjoint(body):  # most bodies set none of them
+        for key in NUMBER_FIELD_ORDER:
+            value = body.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, NUMBER)):
+                raise InvalidRequest(f"'{key}' must be a number.", param=key)
     n = body.get("n")
     if n is not None and n != 1:
         raise InvalidRequest("Only n=1 is supported.", param="n")
