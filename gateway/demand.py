@@ -9,11 +9,19 @@ from gateway.clock import Clock
 
 
 class RateMeter:
-    """An exponentially weighted rate (units per second) with a half-life."""
+    """An exponentially weighted rate (units per second) with a half-life.
+
+    Recording decays the rate in steps of `STEP_S`: amounts recorded within one step count
+    as recorded together, which moves the rate by under 1 % at a half-life of 5 s and
+    spares the request path a power per record. Reading it decays it exactly.
+    """
+
+    STEP_S = 0.05
 
     def __init__(self, clock: Clock, *, half_life_s: float = 5.0) -> None:
         self._clock = clock
         self._half_life = half_life_s
+        self._per_unit = math.log(2) / half_life_s  # one unit's weight in the rate
         self._rate = 0.0
         self._last = clock.monotonic()
 
@@ -23,8 +31,10 @@ class RateMeter:
         self._last = now
 
     def record(self, amount: float) -> None:
-        self._decay(self._clock.monotonic())
-        self._rate += amount * math.log(2) / self._half_life
+        now = self._clock.monotonic()
+        if now - self._last >= self.STEP_S:
+            self._decay(now)
+        self._rate += amount * self._per_unit
 
     def rate(self) -> float:
         self._decay(self._clock.monotonic())
