@@ -96,9 +96,10 @@ async def read_body(headers: Mapping[bytes, bytes], receive: Receive, limit: int
         size += len(body)
         if size > limit:
             raise BodyTooLarge(f"The request body exceeds the limit of {limit} bytes.")
-        chunks.append(body)
         if not message.get("more_body", False):
-            return b"".join(chunks)
+            # most bodies come in one message: nothing to join
+            return b"".join((*chunks, body)) if chunks else body
+        chunks.append(body)
 
 
 class RequestWatch:

@@ -65,10 +65,11 @@ class Router:
 
     def candidates(self, pool: str, *, exclude: Collection[str] = ()) -> list[Backend]:
         """The pool's usable backends (healthy, with known capacity), least filled first."""
-        return [backend for backend, _ in self._ranked(pool, exclude)]
+        return [backend for *_, backend, _ in self._ranked(pool, exclude)]
 
-    def _ranked(self, pool: str, exclude: Collection[str]) -> list[tuple[Backend, int]]:
-        """(backend, limit) of each usable backend, least filled first; each capacity once."""
+    def _ranked(self, pool: str, exclude: Collection[str]) -> list[tuple[float, int, Backend, int]]:
+        """(fill, index, backend, limit) of each usable backend, least filled first; each
+        capacity worked out once."""
         p = self.pools[pool]
         now = self._clock.monotonic()
         stale, target = p.settings.metrics_stale_s, p.settings.target_fill
@@ -82,13 +83,13 @@ class Router:
                 ranked.append((tokens(b.name) / capacity, i, b, _limit(capacity, target)))
         if len(ranked) > 1:
             ranked.sort()
-        return [(b, limit) for _, _, b, limit in ranked]
+        return ranked
 
     async def admit(
         self, pool: str, tokens: int, *, exclude: Collection[str] = ()
     ) -> Reservation | None:
         """Reserve on the least-filled backend with room under the target fill, else None."""
-        for backend, limit in self._ranked(pool, exclude):
+        for *_, backend, limit in self._ranked(pool, exclude):
             reservation = await self.ledger.reserve(backend.name, tokens, limit=limit)
             if reservation is not None:
                 return reservation
@@ -97,7 +98,8 @@ class Router:
     def most_room(self, pool: str) -> int:
         """The most tokens any usable backend of the pool could take now."""
         tokens = self.ledger.tokens_in_flight
-        return max((limit - tokens(b.name) for b, limit in self._ranked(pool, ())), default=0)
+        ranked = self._ranked(pool, ())
+        return max((limit - tokens(b.name) for *_, b, limit in ranked), default=0)
 
     def fits_ever(self, pool: str, tokens: int) -> bool:
         """Whether any backend of the pool could hold this request even when idle."""
