@@ -41,7 +41,7 @@ class RequestTally:
     def __init__(self, requests: Counter, tokens: Counter, ttft: Histogram) -> None:
         self._metrics = (requests, tokens, ttft)
         self._requests: dict[tuple[str, str, str], int] = {}
-        self._tokens: dict[tuple[str, str], int] = {}
+        self._tokens: dict[str, list[int]] = {}  # target → [prompt, completion]
         self._ttft: dict[tuple[str, str], list[float]] = {}  # per bucket, then the sum
 
     def request(self, pool: str, tenant: str, outcome: str) -> None:
@@ -49,11 +49,11 @@ class RequestTally:
         self._requests[key] = self._requests.get(key, 0) + 1
 
     def tokens(self, target: str, prompt: int, completion: int) -> None:
-        counts = self._tokens
-        key = (target, "prompt")
-        counts[key] = counts.get(key, 0) + prompt
-        key = (target, "completion")
-        counts[key] = counts.get(key, 0) + completion
+        counts = self._tokens.get(target)
+        if counts is None:
+            counts = self._tokens[target] = [0, 0]
+        counts[0] += prompt
+        counts[1] += completion
 
     def ttft(self, pool: str, outcome: str, seconds: float) -> None:
         counts = self._ttft.get((pool, outcome))
@@ -69,9 +69,11 @@ class RequestTally:
         for request_labels, n in pending_requests.items():
             requests.labels(*request_labels).inc(n)
         pending_tokens, self._tokens = self._tokens, {}
-        for token_labels, n in pending_tokens.items():
-            if n:
-                tokens.labels(*token_labels).inc(n)
+        for target, (prompt, completion) in pending_tokens.items():
+            if prompt:
+                tokens.labels(target, "prompt").inc(prompt)
+            if completion:
+                tokens.labels(target, "completion").inc(completion)
         pending_ttft, self._ttft = self._ttft, {}
         for ttft_labels, counts in pending_ttft.items():
             _add_observations(ttft.labels(*ttft_labels), counts)
