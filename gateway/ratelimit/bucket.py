@@ -1,7 +1,8 @@
 """Token-bucket arithmetic shared by the local limiter and the Redis one (bucket.lua).
 
 Pure functions of levels and time, so both implementations report the same numbers.
-bucket.lua repeats `refilled` and `refusal` inside Redis; keep the two in step.
+The refill itself is written out in LocalRateLimiter._levels and in bucket.lua, and
+bucket.lua repeats `refusal` inside Redis; keep them in step.
 """
 
 from __future__ import annotations
@@ -9,18 +10,6 @@ from __future__ import annotations
 import math
 
 from gateway.ratelimit.base import Decision, Reason, TenantLimits
-
-
-def refilled(
-    limits: TenantLimits, requests: float, tokens: float, elapsed_s: float
-) -> tuple[float, float]:
-    """Both levels after `elapsed_s` of refilling, each capped at its bucket's size."""
-    if elapsed_s <= 0:
-        return requests, tokens
-    return (
-        min(float(limits.request_capacity), requests + elapsed_s * limits.requests_per_minute / 60),
-        min(float(limits.token_capacity), tokens + elapsed_s * limits.tokens_per_minute / 60),
-    )
 
 
 def wait_s(level: float, *, need: float, per_minute: int) -> float:

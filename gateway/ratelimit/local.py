@@ -34,10 +34,12 @@ class LocalRateLimiter:
             levels = _Levels(float(limits.request_capacity), float(limits.token_capacity), now)
             self._tenants[limits.tenant] = levels
             return levels
-        if now > levels.at:
-            levels.requests, levels.tokens = bucket.refilled(
-                limits, levels.requests, levels.tokens, now - levels.at
-            )
+        elapsed = now - levels.at
+        if elapsed > 0:  # both buckets refill at their rate, capped at their size
+            requests = levels.requests + elapsed * limits.requests_per_minute / 60
+            tokens = levels.tokens + elapsed * limits.tokens_per_minute / 60
+            levels.requests = min(float(limits.request_capacity), requests)
+            levels.tokens = min(float(limits.token_capacity), tokens)
             levels.at = now
         return levels
 
