@@ -114,20 +114,20 @@ class RequestWatch:
     seen, since the server keeps its disconnect for the next `receive()`.
     """
 
+    # a watch's state as it starts (class attributes: one is made per request)
+    finished = False
+    disconnected = False
+    read_timed_out = False
+    _reading = True
+    _ticked = False  # the first tick came while the body was still arriving
+    _watch: asyncio.Task[None] | None = None
+
     def __init__(self, receive: Receive, *, read_s: float, after_s: float = 0.1) -> None:
-        self.finished = False
-        self.disconnected = False
-        self.read_timed_out = False
         self._receive = receive
-        self._reading = True
-        self._ticked = False  # the first tick came while the body was still arriving
         self._task = asyncio.current_task()
-        self._watch: asyncio.Task[None] | None = None
-        self._loop = asyncio.get_running_loop()
-        self._read_by = self._loop.time() + read_s
-        self._timer: asyncio.TimerHandle | None = self._loop.call_later(
-            min(after_s, read_s), self._tick
-        )
+        self._loop = loop = asyncio.get_running_loop()
+        self._read_by = loop.time() + read_s
+        self._timer: asyncio.TimerHandle | None = loop.call_later(min(after_s, read_s), self._tick)
 
     def body_read(self) -> None:
         self._reading = False
@@ -170,7 +170,9 @@ class RequestWatch:
 
     def close(self) -> None:
         self.finished = True
-        self._cancel_timer()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._watch is not None:
             self._watch.cancel()
 
