@@ -26,7 +26,7 @@ from gateway.config import Settings
 from gateway.dashboard import Dashboard, OutcomeHistory
 from gateway.errors import InvalidRequest, SpillgateError, error_response
 from gateway.forward import Forwarder
-from gateway.guard import HeaderLimit
+from gateway.guard import HeaderLimit, head_bytes
 from gateway.ledger import LocalLedger
 from gateway.ledger_feed import ReleaseFeed
 from gateway.ledger_redis import RedisLedger
@@ -239,17 +239,19 @@ def create_app(
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
     )
-    fast = {str(e): HeaderLimit(endpoint, max_bytes=limit) for e, endpoint in completions.items()}
-    return FrontDoor(fast, app)
+    return FrontDoor({str(e): endpoint for e, endpoint in completions.items()}, app, limit)
 
 
 class FrontDoor:
     """Pure ASGI: completion POSTs go straight to their endpoint, past Starlette's routing
-    and middleware (they render their own errors); everything else goes to the app."""
+    and middleware (they render their own errors, and the head's size is checked here as
+    the app's HeaderLimit would); everything else goes to the app."""
 
-    def __init__(self, fast: Mapping[str, ASGIApp], app: Starlette) -> None:
+    def __init__(self, fast: Mapping[str, ASGIApp], app: Starlette, max_header_bytes: int) -> None:
         self._fast = dict(fast)
         self.app = app
+        self._max_header_bytes = max_header_bytes
+        self._header_limit = HeaderLimit(app, max_bytes=max_header_bytes)
 
     @property
     def routes(self) -> list[BaseRoute]:
@@ -259,7 +261,10 @@ class FrontDoor:
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = self._fast.get(scope["path"])
             if endpoint is not None:
-                await endpoint(scope, receive, send)
+                if head_bytes(scope) > self._max_header_bytes:
+                    await self._header_limit.refuse(scope, receive, send)
+                else:
+                    await endpoint(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
