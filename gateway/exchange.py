@@ -72,7 +72,7 @@ class Exchange:
         self.timings: dict[str, float] = {}  # phase → seconds, told as `server-timing`
 
     def headers(self, outcome: Outcome) -> dict[str, str]:
-        headers = {**self.base_headers, OUTCOME_HEADER: outcome.value}
+        headers: dict[str, str] = {**self.base_headers, OUTCOME_HEADER: outcome}  # a StrEnum
         if self.timings:
             phases = (f"{name};dur={sec * 1000:.1f}" for name, sec in self.timings.items())
             headers["server-timing"] = ", ".join(phases)

@@ -6,6 +6,7 @@ import asyncio
 import math
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import aiohttp
 import orjson
@@ -85,31 +86,37 @@ def _retry_after(response: aiohttp.ClientResponse) -> float | None:
         return None
 
 
+class _Route(NamedTuple):
+    """What posting to one target's endpoint needs, worked out on the first request."""
+
+    url: URL
+    headers: Mapping[str, str]
+    timeout: aiohttp.ClientTimeout  # the connect budget only: the caller's deadline bounds the rest
+
+
 class Forwarder:
     def __init__(self, pool: UpstreamPool) -> None:
         self._pool = pool
-        self._urls: dict[tuple[str, str], URL] = {}
-        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+        # by target name, base and endpoint: a target's headers and timeouts never change
+        self._routes: dict[tuple[str, str, str], _Route] = {}
 
-    def _url(self, target: Target, request: InferenceRequest) -> URL:
-        key = (target.api_base, request.endpoint)
-        url = self._urls.get(key)
-        if url is None:
-            url = self._urls[key] = URL(target.api_base + request.endpoint.removeprefix("/v1"))
-        return url
+    def _route(self, target: Target, endpoint: str) -> _Route:
+        route = self._routes[(target.name, target.api_base, endpoint)] = _Route(
+            url=URL(target.api_base + endpoint.removeprefix("/v1")),
+            headers={**JSON_CONTENT_TYPE, **target.headers},
+            timeout=aiohttp.ClientTimeout(sock_connect=target.timeouts.connect),
+        )
+        return route
 
     def _post(self, target: Target, request: InferenceRequest) -> Awaitable[aiohttp.ClientResponse]:
-        connect = target.timeouts.connect
-        timeout = self._timeouts.get(connect)
-        if timeout is None:
-            # the connect budget only: the caller's deadline bounds the rest
-            timeout = self._timeouts[connect] = aiohttp.ClientTimeout(sock_connect=connect)
-        headers = {**JSON_CONTENT_TYPE, **target.headers} if target.headers else JSON_CONTENT_TYPE
+        route = self._routes.get((target.name, target.api_base, request.endpoint))
+        if route is None:
+            route = self._route(target, request.endpoint)
         return self._pool.session.post(
-            self._url(target, request),
+            route.url,
             data=upstream_body(request, target.model),
-            headers=headers,
-            timeout=timeout,
+            headers=route.headers,
+            timeout=route.timeout,
         )
 
     async def forward(

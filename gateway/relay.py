@@ -196,16 +196,14 @@ async def send_json_body(
     swap: tuple[bytes, bytes] | None,
     tap: ResponseTap | None,
 ) -> Relayed:
-    usage = Usage()
     try:
         parsed = orjson.loads(body)
-        if isinstance(parsed, dict):
-            usage = Usage.from_json(parsed.get("usage"))
     except orjson.JSONDecodeError:
-        pass
+        parsed = None
+    usage = Usage.from_json(parsed.get("usage")) if isinstance(parsed, dict) else Usage()
     if swap is not None:
         body = body.replace(*swap)
-    all_headers = [*headers, (b"content-length", str(len(body)).encode())]
+    all_headers = [*headers, (b"content-length", b"%d" % len(body))]
     await send({"type": "http.response.start", "status": status, "headers": all_headers})
     if tap is not None:
         tap.feed(body)

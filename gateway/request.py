@@ -73,11 +73,11 @@ def _depth_over(value: Any, limit: int) -> bool:
     return False
 
 
-def _content_chars(content: Any, param: str) -> int:
+def _content_chars(content: Any, i: int) -> int:
+    """The characters of message `i`'s content that is not a plain string."""
     if content is None:
         return 0
-    if isinstance(content, str):
-        return len(content)
+    param = f"messages[{i}].content"
     if isinstance(content, list):
         total = 0
         for j, part in enumerate(content):
@@ -103,7 +103,9 @@ def _chat_prompt_chars(body: dict[str, Any]) -> int:
         role = message.get("role")
         if not isinstance(role, str):
             raise InvalidRequest("Each message needs a string 'role'.", param=f"messages[{i}].role")
-        total += _content_chars(message.get("content"), f"messages[{i}].content") + 16
+        content = message.get("content")
+        # 16 for the role and the chat template's markers around each message
+        total += (len(content) if isinstance(content, str) else _content_chars(content, i)) + 16
     return total
 
 
@@ -121,18 +123,21 @@ def _completion_prompt_chars(body: dict[str, Any]) -> int:
 
 
 def _max_tokens(body: dict[str, Any], default: int) -> int:
-    for key in ("max_completion_tokens", "max_tokens"):
+    """max_completion_tokens, else max_tokens (its older name), else the pool's default."""
+    key = "max_completion_tokens"
+    value = body.get(key)
+    if value is None:
+        key = "max_tokens"
         value = body.get(key)
         if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InvalidRequest(f"'{key}' must be an integer.", param=key)
-        if value < 1 or value > MAX_TOKENS_CEILING:
-            raise InvalidRequest(
-                f"'{key}' must be between 1 and {MAX_TOKENS_CEILING}; got {value}.", param=key
-            )
-        return value
-    return default
+            return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"'{key}' must be an integer.", param=key)
+    if value < 1 or value > MAX_TOKENS_CEILING:
+        raise InvalidRequest(
+            f"'{key}' must be between 1 and {MAX_TOKENS_CEILING}; got {value}.", param=key
+        )
+    return value
 
 
 def _flag(body: dict[str, Any], key: str) -> bool:
