@@ -64,7 +64,10 @@ UPSTREAM_CHOOSING_FIELDS = frozenset(
 )
 
 
-JSON_CONTENT_TYPE = {"content-type": "application/json"}
+# answers are relayed as the upstream sent them, so none may come compressed (aiohttp
+# would otherwise offer gzip and deflate, and a compressing proxy in front of a backend
+# would hand the client gzip labelled as JSON)
+UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
 
 
 def upstream_body(request: InferenceRequest, model: str) -> bytes:
@@ -103,7 +106,7 @@ class Forwarder:
     def _route(self, target: Target, endpoint: str) -> _Route:
         route = self._routes[(target.name, target.api_base, endpoint)] = _Route(
             url=URL(target.api_base + endpoint.removeprefix("/v1")),
-            headers={**JSON_CONTENT_TYPE, **target.headers},
+            headers={**UPSTREAM_HEADERS, **target.headers},
             timeout=aiohttp.ClientTimeout(sock_connect=target.timeouts.connect),
         )
         return route
