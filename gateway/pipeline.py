@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from starlette.types import Message, Receive, Scope, Send
@@ -103,7 +103,8 @@ async def read_body(headers: Mapping[bytes, bytes], receive: Receive, limit: int
 
 
 class RequestWatch:
-    """One timer per request: it bounds the body's arrival, then watches for a disconnect.
+    """One per request: it bounds the body's arrival, then watches for a disconnect, and
+    sees the response go out (`send`).
 
     The timer first fires `after_s` in. A body still arriving then has until `read_s`
     after the start, or the handling task is cancelled (`read_timed_out`, answered 408).
@@ -112,6 +113,9 @@ class RequestWatch:
     response ends (`disconnected`). An answer ready within `after_s` (a cached one, a
     refusal, an error) costs the timer only, and a client that left meanwhile is still
     seen, since the server keeps its disconnect for the next `receive()`.
+
+    `send` passes the response on to the client, except its last message, which it holds
+    (`last`) until the request is settled: only then may the client hold the whole answer.
     """
 
     # a watch's state as it starts (class attributes: one is made per request)
@@ -121,13 +125,27 @@ class RequestWatch:
     _reading = True
     _ticked = False  # the first tick came while the body was still arriving
     _watch: asyncio.Task[None] | None = None
+    started = False  # the response's head has gone out
+    last: Message | None = None
 
-    def __init__(self, receive: Receive, *, read_s: float, after_s: float = 0.1) -> None:
+    def __init__(
+        self, receive: Receive, send: Send, *, read_s: float, after_s: float = 0.1
+    ) -> None:
         self._receive = receive
+        self._send = send
         self._task = asyncio.current_task()
         self._loop = loop = asyncio.get_running_loop()
         self._read_by = loop.time() + read_s
         self._timer: asyncio.TimerHandle | None = loop.call_later(min(after_s, read_s), self._tick)
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        elif not message.get("more_body", False):
+            self.finished = True
+            self.last = message
+            return
+        await self._send(message)
 
     def body_read(self) -> None:
         self._reading = False
@@ -185,36 +203,23 @@ class CompletionsEndpoint:
         self._d = deps
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = False
-        last: Message | None = None
-
-        async def tracked(message: Message) -> None:
-            nonlocal started, last
-            if message["type"] == "http.response.start":
-                started = True
-            elif not message.get("more_body", False):
-                watch.finished = True
-                last = message  # held until the tenant's bucket is settled (see finally)
-                return
-            await send(message)
-
-        watch = RequestWatch(receive, read_s=self._d.request_read_timeout_s)
+        watch = RequestWatch(receive, send, read_s=self._d.request_read_timeout_s)
         headers: dict[str, str] = {}
         try:
             fields = request_headers(scope)
             raw = await read_body(fields, receive, self._d.max_body_bytes)
             watch.body_read()
-            await self._handle(fields, raw, tracked, headers, watch, answering=lambda: started)
+            await self._handle(fields, raw, headers, watch)
         except ClientGone:
             return
         except SpillgateError as exc:
             watch.close()  # the answer is decided: a disconnect now cancels nothing
-            if not started:
+            if not watch.started:
                 await error_response(exc, headers)(scope, receive, send)
         except Exception:
             log.exception("request failed")
             watch.close()
-            if not started:
+            if not watch.started:
                 error = SpillgateError("The gateway failed to handle this request.")
                 await error_response(error, headers)(scope, receive, send)
         except asyncio.CancelledError:
@@ -232,20 +237,17 @@ class CompletionsEndpoint:
                 await error_response(error)(scope, receive, send)
         finally:
             watch.close()
-            if last is not None:
+            if watch.last is not None:
                 # only now does the client hold the whole response: its next request sees
                 # this one's refund in x-ratelimit-remaining-tokens
-                await send(last)
+                await send(watch.last)
 
     async def _handle(
         self,
         fields: Mapping[bytes, bytes],
         raw: bytes,
-        send: Send,
         headers: dict[str, str],
         watch: RequestWatch,
-        *,
-        answering: Callable[[], bool],
     ) -> None:
         d = self._d
         t0 = time.perf_counter()
@@ -262,14 +264,15 @@ class CompletionsEndpoint:
             max_model_len=pool.settings.max_model_len,
             chars_per_token=pool.estimator.chars_per_token,
         )
+        reserved = request.reserved_tokens
         await self._throttle(tenant, request, headers)
         holding = Holding(d.router)
         served: Served | None = None
         outcome = Outcome.ERROR
-        began = pool.demand.begin(request.reserved_tokens)
+        began = pool.demand.begin(reserved)
         try:
             served = await self._dispatch(request, Exchange(
-                send=send, headers=headers, router=d.router, forwarder=d.forwarder,
+                send=watch.send, headers=headers, router=d.router, forwarder=d.forwarder,
                 metrics=d.metrics, clock=d.clock, holding=holding, tap=self._tap(request),
             ))  # fmt: skip
             outcome = served.outcome
@@ -278,39 +281,18 @@ class CompletionsEndpoint:
             raise
         finally:
             # the answer is over: from here a disconnect cancels nothing, so no part of the
-            # cleanup can be skipped
+            # cleanup can be skipped. Release, settle the tenant's bucket, and record,
+            # whatever else fails.
             watch.close()
-            await self._settle(
-                tenant, request, pool, holding, served, outcome,
-                cut=answering(), began=began, t0=t0,
-            )  # fmt: skip
-
-    async def _settle(
-        self,
-        tenant: Tenant,
-        request: InferenceRequest,
-        pool: Pool,
-        holding: Holding,
-        served: Served | None,
-        outcome: Outcome,
-        *,
-        cut: bool,
-        began: float,
-        t0: float,
-    ) -> None:
-        """Release, settle the tenant's bucket, and record, whatever else fails."""
-        used = request.reserved_tokens
-        try:
-            await holding.release()
-            used = await self._reconcile(tenant, request, served, cut=cut)
-        finally:
-            pool.demand.end(
-                request.reserved_tokens,
-                started=began,
-                used=used,
-                refused=outcome is Outcome.REJECTED,
-            )
-            self._record(request, served, outcome, t0)
+            used = reserved
+            try:
+                await holding.release()
+                used = await self._reconcile(tenant, request, served, cut=watch.started)
+            finally:
+                pool.demand.end(
+                    reserved, started=began, used=used, refused=outcome is Outcome.REJECTED
+                )
+                self._record(request, served, outcome, t0)
 
     def _tap(self, request: InferenceRequest) -> ResponseTap | None:
         observe = self._d.taps.get(request.pool)
