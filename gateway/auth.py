@@ -46,9 +46,10 @@ def bearer_token(authorization: str | None) -> str | None:
     if not authorization:
         return None
     scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
+    token = token.strip()
+    if not token or scheme.lower() != "bearer":
         return None
-    return token.strip()
+    return token
 
 
 class Authenticator:
