@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Mapping
 
 import httpx
 import redis.asyncio as aioredis
+import redis.exceptions
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -45,12 +46,16 @@ from policies.registry import admission_gates, answer_taps, build_chain, unknown
 REDIS_POOL_SIZE = 64  # connections per process
 
 
-def _redis_client(settings: Settings, url: str) -> aioredis.Redis:
+def redis_client(settings: Settings, url: str) -> aioredis.Redis:
     """One client per process, shared by the limiter, the ledger and the cache.
 
     The pool blocks when every connection is busy: a burst larger than the pool waits its
     turn within each call's time budget. redis-py's default pool instead fails the call at
     once, which would push the limiter into its failure mode exactly when a spike arrives.
+
+    A call that finds its connection closed (after a Redis restart or failover every idle
+    pooled connection is) is sent once more on a new connection, rather than failing once
+    per pooled connection. Timeouts are not retried: each call keeps its time budget.
     """
     timeout = settings.redis.timeout_ms / 1000
     pool = aioredis.BlockingConnectionPool.from_url(
@@ -60,6 +65,7 @@ def _redis_client(settings: Settings, url: str) -> aioredis.Redis:
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         health_check_interval=30,
+        retry_on_error=[redis.exceptions.ConnectionError],
     )
     return aioredis.Redis.from_pool(pool)
 
@@ -136,7 +142,7 @@ def create_app(
         raise SpillgateError("invalid overflow chain: " + "; ".join(problems))
     metrics = GatewayMetrics(multiprocess_dir=env.get(MULTIPROC_ENV))
     url = redis_url or env.get(settings.redis.url_env)
-    redis = _redis_client(settings, url) if url else None
+    redis = redis_client(settings, url) if url else None
     limiter = _limiter(settings, redis, metrics, clock, workers=workers)
     pools = build_pools(settings.pools, clock=clock)
     shared = None

@@ -58,7 +58,7 @@ class Setup:
             assert time.monotonic() < deadline, "shared mode never resumed"
             self.ask()  # the limiter probes Redis again on a request after its cooldown
             time.sleep(0.1)
-        clean = 0  # after a restart each pooled connection fails once before it reconnects
+        clean = 0  # three answers in a row without a store error
         while clean < 3:
             assert time.monotonic() < deadline, "Redis calls kept failing"
             errors = self.errors()

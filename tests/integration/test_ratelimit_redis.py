@@ -12,7 +12,9 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from gateway.app import redis_client
 from gateway.clock import ManualClock
+from gateway.config import parse_settings
 from gateway.ratelimit import (
     LocalRateLimiter,
     RedisRateLimiter,
@@ -250,3 +252,32 @@ def test_keys_share_a_hash_tag_and_expire_when_full(redis_proc: RedisProcess) ->
             assert 3_000 < await client.pttl(tokens_key) <= 4_000
 
     asyncio.run(scenario())
+
+
+def test_a_restarted_redis_fails_no_call_on_a_stale_pooled_connection() -> None:
+    """After a restart every idle pooled connection is dead. The gateway's client reconnects
+    one on first use instead of failing that call, which would have sent the limiter into
+    its failure mode (and the request to the local share) once per pooled connection."""
+    settings = parse_settings({
+        "tenants": [{"name": "acme", "key_sha256": "0" * 64}],
+        "pools": [{"name": "p", "backends": [{"url": "http://127.0.0.1:9", "capacity": 1}]}],
+        "redis": {"timeout_ms": 2000},
+    })  # fmt: skip
+    limits = TenantLimits(tenant="acme", requests_per_minute=600, tokens_per_minute=100_000)
+
+    async def scenario(server: RedisProcess) -> None:
+        client = redis_client(settings, server.url)
+        limiter = RedisRateLimiter(client)
+        try:
+            # at once, so the pool opens a connection for each
+            first = await asyncio.gather(*(limiter.acquire(limits, 10) for _ in range(8)))
+            assert all(d.allowed for d in first)
+            server.restart()  # same port, empty
+            again = await asyncio.gather(*(limiter.acquire(limits, 10) for _ in range(8)))
+            assert all(d.allowed for d in again)
+            assert {d.remaining_requests for d in again} == set(range(592, 600))  # buckets new
+        finally:
+            await client.aclose()
+
+    with RedisProcess() as server:
+        asyncio.run(scenario(server))
