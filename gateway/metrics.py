@@ -5,7 +5,8 @@ prometheus-client's multiprocess files under PROMETHEUS_MULTIPROC_DIR and a scra
 the workers up: counters and histograms sum; gauges of the fleet as the shared ledger sees
 it (in flight, capacity, fill) show the most recent worker's view; gauges of a process's
 own state (queue depth, modes, demand) sum over the live workers; a breaker counts as open
-when any worker's is.
+when any worker's is. The request path's counts (requests, tokens, TTFT) reach the files
+once a second and before every scrape the worker itself answers (RequestTally).
 """
 
 from __future__ import annotations

@@ -54,6 +54,11 @@ def test_workers_share_one_ledger_and_their_metrics_add_up(tmp_path: Path) -> No
                 within_s=3,
                 what="nothing in flight",
             )
+            until(  # each worker hands its request counts to the shared files every second
+                lambda: gateway.metric("spillgate_requests_total", pool="big") == 30,
+                within_s=3,
+                what="both workers' counts published",
+            )
             scrapes = [httpx.get(f"{gateway.url}/metrics", timeout=5).text for _ in range(6)]
             stats = backend_stats(sim)
         finally:

@@ -1,4 +1,7 @@
 import asyncio
+import math
+
+import pytest
 
 from gateway.backends import build_pools
 from gateway.clock import ManualClock
@@ -96,6 +99,20 @@ def test_rate_meter_estimates_time_to_free() -> None:
     rate = meter.rate()
     assert 500 < rate < 1500
     assert abs(meter.seconds_to(rate * 5) - 5.0) < 0.01
+
+
+def test_rate_meter_records_within_a_step_stay_within_a_percent_of_exact_decay() -> None:
+    clock = ManualClock()
+    meter = RateMeter(clock, half_life_s=5.0)
+    exact = 0.0  # every record decayed from its own instant
+    for _ in range(200):  # 100 records a second for 2 s: five to a 50 ms step
+        exact = exact * 0.5 ** (0.01 / 5.0) + 10 * math.log(2) / 5.0
+        meter.record(10)
+        clock.advance(0.01)
+    exact *= 0.5 ** (0.01 / 5.0)  # to the reading, 10 ms after the last record
+    rate = meter.rate()
+    assert rate == pytest.approx(exact, rel=0.01)
+    assert rate != pytest.approx(exact, rel=1e-6)  # the steps are real, and this small
 
 
 def test_desired_backends_counts_spilled_and_refused_demand() -> None:
