@@ -38,6 +38,8 @@ class Served:
 class Holding:
     """The reservation a request currently holds; released once, on every path."""
 
+    __slots__ = ("_router", "reservation")  # one per request
+
     def __init__(self, router: Router) -> None:
         self._router = router
         self.reservation: Reservation | None = None
@@ -49,6 +51,19 @@ class Holding:
 
 
 class Exchange:
+    # one per request
+    __slots__ = (
+        "base_headers",
+        "clock",
+        "forwarder",
+        "holding",
+        "metrics",
+        "router",
+        "send",
+        "tap",
+        "timings",
+    )  # fmt: skip
+
     def __init__(
         self,
         *,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -140,7 +139,9 @@ class Forwarder:
         """
         loop = asyncio.get_running_loop()
         t = target.timeouts
-        deadline = min(loop.time() + t.total, deadline if deadline is not None else math.inf)
+        end = loop.time() + t.total
+        if deadline is None or deadline > end:
+            deadline = end
         swap = model_swap(target.model, public_model)
         out_headers = raw_headers(headers)
         if not request.stream:

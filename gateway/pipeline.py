@@ -118,21 +118,35 @@ class RequestWatch:
     (`last`) until the request is settled: only then may the client hold the whole answer.
     """
 
-    # a watch's state as it starts (class attributes: one is made per request)
-    finished = False
-    disconnected = False
-    read_timed_out = False
-    _reading = True
-    _ticked = False  # the first tick came while the body was still arriving
-    _watch: asyncio.Task[None] | None = None
-    started = False  # the response's head has gone out
-    last: Message | None = None
+    # one per request
+    __slots__ = (
+        "_loop",
+        "_read_by",
+        "_reading",
+        "_receive",
+        "_send",
+        "_task",
+        "_ticked",
+        "_timer",
+        "_watch",
+        "disconnected",
+        "finished",
+        "last",
+        "read_timed_out",
+        "started",
+    )  # fmt: skip
 
     def __init__(
         self, receive: Receive, send: Send, *, read_s: float, after_s: float = 0.1
     ) -> None:
+        self.finished = self.disconnected = self.read_timed_out = False
+        self.started = False  # the response's head has gone out
+        self.last: Message | None = None
         self._receive = receive
         self._send = send
+        self._reading = True
+        self._ticked = False  # the first tick came while the body was still arriving
+        self._watch: asyncio.Task[None] | None = None
         self._task = asyncio.current_task()
         self._loop = loop = asyncio.get_running_loop()
         self._read_by = loop.time() + read_s

@@ -73,11 +73,10 @@ def model_swap(served: str, public: str) -> tuple[bytes, bytes] | None:
     )
 
 
-_LATIN1 = functools.partial(str.encode, encoding="latin-1")
-
-
 def raw_headers(extra: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
-    return list(zip(map(_LATIN1, extra.keys()), map(_LATIN1, extra.values()), strict=True))
+    """Headers as ASGI wants them. The gateway's own headers are ASCII, so str.encode's
+    UTF-8 gives their latin-1 bytes, through C alone."""
+    return list(zip(map(str.encode, extra.keys()), map(str.encode, extra.values()), strict=True))
 
 
 def sse_error_event(message: str, *, code: str = "upstream_error") -> bytes:

@@ -227,5 +227,5 @@ class PromptEstimator:
         if prompt_tokens <= 0 or prompt_chars <= 0:
             return
         seen = prompt_chars / prompt_tokens
-        self.chars_per_token += self._weight * (seen - self.chars_per_token)
-        self.chars_per_token = min(16.0, max(1.0, self.chars_per_token))
+        estimate = self.chars_per_token + self._weight * (seen - self.chars_per_token)
+        self.chars_per_token = 1.0 if estimate < 1.0 else 16.0 if estimate > 16.0 else estimate

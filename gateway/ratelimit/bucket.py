@@ -48,17 +48,22 @@ def decision(
 ) -> Decision:
     """A Decision reporting the levels left after it (debited or not)."""
     request_capacity, token_capacity = limits.request_capacity, limits.token_capacity
-    # each reset is wait_s(level, need=capacity), written out: this runs on every request
+    # each reset is wait_s(level, need=capacity) and each remaining floor(level) at least 0,
+    # written out: this runs on every request
     return Decision(
         allowed=not reason,
         reason=reason,
         retry_after_s=retry_after,
         limit_requests=request_capacity,
         limit_tokens=token_capacity,
-        remaining_requests=max(0, math.floor(requests)),
-        remaining_tokens=max(0, math.floor(tokens)),
-        reset_requests_s=max(0.0, request_capacity - requests) * 60.0 / limits.requests_per_minute,
-        reset_tokens_s=max(0.0, token_capacity - tokens) * 60.0 / limits.tokens_per_minute,
+        remaining_requests=math.floor(requests) if requests > 0 else 0,
+        remaining_tokens=math.floor(tokens) if tokens > 0 else 0,
+        reset_requests_s=(request_capacity - requests) * 60.0 / limits.requests_per_minute
+        if requests < request_capacity
+        else 0.0,
+        reset_tokens_s=(token_capacity - tokens) * 60.0 / limits.tokens_per_minute
+        if tokens < token_capacity
+        else 0.0,
     )
 
 

@@ -38,8 +38,10 @@ class LocalRateLimiter:
         if elapsed > 0:  # both buckets refill at their rate, capped at their size
             requests = levels.requests + elapsed * limits.requests_per_minute / 60
             tokens = levels.tokens + elapsed * limits.tokens_per_minute / 60
-            levels.requests = min(float(limits.request_capacity), requests)
-            levels.tokens = min(float(limits.token_capacity), tokens)
+            capacity = limits.request_capacity
+            levels.requests = requests if requests < capacity else float(capacity)
+            capacity = limits.token_capacity
+            levels.tokens = tokens if tokens < capacity else float(capacity)
             levels.at = now
         return levels
 
