@@ -27,7 +27,7 @@ from gateway.config import Settings
 from gateway.dashboard import Dashboard, OutcomeHistory
 from gateway.errors import InvalidRequest, SpillgateError, error_response
 from gateway.forward import Forwarder
-from gateway.guard import HeaderLimit, head_bytes
+from gateway.guard import HeaderLimit
 from gateway.ledger import LocalLedger
 from gateway.ledger_feed import ReleaseFeed
 from gateway.ledger_redis import RedisLedger
@@ -39,7 +39,7 @@ from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, R
 from gateway.request import Endpoint
 from gateway.router import Router
 from gateway.upstream import UpstreamPool
-from gateway.workers import MULTIPROC_ENV, refresh_gauges
+from gateway.workers import MULTIPROC_ENV, publish_metrics
 from policies.base import PolicyDeps
 from policies.registry import admission_gates, answer_taps, build_chain, unknown_policies
 
@@ -209,7 +209,7 @@ def create_app(
             feed.start()
         gauges = None
         if metrics.multiprocess_dir is not None:
-            gauges = asyncio.create_task(refresh_gauges(admin.publish))
+            gauges = asyncio.create_task(publish_metrics(admin.publish))
         # everything built at start-up lives as long as the process: keep it out of the
         # collector's full passes, which otherwise stall the event loop for tens of ms
         gc.collect()
@@ -245,19 +245,17 @@ def create_app(
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
     )
-    return FrontDoor({str(e): endpoint for e, endpoint in completions.items()}, app, limit)
+    fast = {str(e): HeaderLimit(endpoint, max_bytes=limit) for e, endpoint in completions.items()}
+    return FrontDoor(fast, app)
 
 
 class FrontDoor:
     """Pure ASGI: completion POSTs go straight to their endpoint, past Starlette's routing
-    and middleware (they render their own errors, and the head's size is checked here as
-    the app's HeaderLimit would); everything else goes to the app."""
+    and middleware (they render their own errors); everything else goes to the app."""
 
-    def __init__(self, fast: Mapping[str, ASGIApp], app: Starlette, max_header_bytes: int) -> None:
+    def __init__(self, fast: Mapping[str, ASGIApp], app: Starlette) -> None:
         self._fast = dict(fast)
         self.app = app
-        self._max_header_bytes = max_header_bytes
-        self._header_limit = HeaderLimit(app, max_bytes=max_header_bytes)
 
     @property
     def routes(self) -> list[BaseRoute]:
@@ -267,10 +265,7 @@ class FrontDoor:
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = self._fast.get(scope["path"])
             if endpoint is not None:
-                if head_bytes(scope) > self._max_header_bytes:
-                    await self._header_limit.refuse(scope, receive, send)
-                else:
-                    await endpoint(scope, receive, send)
+                await endpoint(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -28,10 +28,6 @@ class HeaderLimit:
         if scope["type"] != "http" or head_bytes(scope) <= self._max_bytes:
             await self._app(scope, receive, send)
             return
-        await self.refuse(scope, receive, send)
-
-    async def refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The 431 for a head over the limit (for callers that checked head_bytes themselves)."""
         error = HeadersTooLarge(
             f"The request headers exceed the limit of {self._max_bytes} bytes.",
             headers={"connection": "close"},

@@ -202,9 +202,7 @@ class RequestWatch:
 
     def close(self) -> None:
         self.finished = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._cancel_timer()
         if self._watch is not None:
             self._watch.cancel()
 

@@ -31,7 +31,7 @@ from gateway.config import Settings, load_settings
 
 SPEC_ENV = "SPILLGATE_WORKER_SPEC"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-GAUGE_REFRESH_S = 1.0
+PUBLISH_S = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,12 +121,12 @@ def metrics_dir() -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-async def refresh_gauges(refresh: Callable[[], None], *, every_s: float = GAUGE_REFRESH_S) -> None:
+async def publish_metrics(publish: Callable[[], None], *, every_s: float = PUBLISH_S) -> None:
     """Keep a worker's gauges and counts current between the scrapes other workers answer."""
     log = logging.getLogger("spillgate.metrics")
     while True:
         try:
-            refresh()
+            publish()
         except Exception:
             log.exception("publishing metrics failed")
         await asyncio.sleep(every_s)

@@ -14,7 +14,7 @@ from gateway.ratelimit.base import Decision, Reason, TenantLimits
 
 def wait_s(level: float, *, need: float, per_minute: int) -> float:
     """Seconds until a bucket at `level` holds `need`."""
-    return max(0.0, need - level) * 60.0 / per_minute
+    return (need - level) * 60.0 / per_minute if level < need else 0.0
 
 
 def check_tokens(**counts: int) -> None:
@@ -47,23 +47,20 @@ def decision(
     limits: TenantLimits, *, requests: float, tokens: float, reason: Reason, retry_after: float
 ) -> Decision:
     """A Decision reporting the levels left after it (debited or not)."""
-    request_capacity, token_capacity = limits.request_capacity, limits.token_capacity
-    # each reset is wait_s(level, need=capacity) and each remaining floor(level) at least 0,
-    # written out: this runs on every request
     return Decision(
         allowed=not reason,
         reason=reason,
         retry_after_s=retry_after,
-        limit_requests=request_capacity,
-        limit_tokens=token_capacity,
+        limit_requests=limits.request_capacity,
+        limit_tokens=limits.token_capacity,
         remaining_requests=math.floor(requests) if requests > 0 else 0,
         remaining_tokens=math.floor(tokens) if tokens > 0 else 0,
-        reset_requests_s=(request_capacity - requests) * 60.0 / limits.requests_per_minute
-        if requests < request_capacity
-        else 0.0,
-        reset_tokens_s=(token_capacity - tokens) * 60.0 / limits.tokens_per_minute
-        if tokens < token_capacity
-        else 0.0,
+        reset_requests_s=wait_s(
+            requests, need=limits.request_capacity, per_minute=limits.requests_per_minute
+        ),
+        reset_tokens_s=wait_s(
+            tokens, need=limits.token_capacity, per_minute=limits.tokens_per_minute
+        ),
     )
 
 
