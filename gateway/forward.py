@@ -13,6 +13,7 @@ from starlette.types import Send
 from yarl import URL
 
 from gateway.config import Timeouts
+from gateway.deadline import Deadline
 from gateway.relay import (
     JSON_HEADERS,
     SSE_HEADERS,
@@ -155,7 +156,7 @@ class Forwarder:
                 tap=tap if status == 200 else None,
             )
         try:
-            async with asyncio.timeout_at(min(loop.time() + t.first_token, deadline)):
+            with Deadline(min(loop.time() + t.first_token, deadline)):
                 response = await self._post(target, request)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _unavailable(exc, answered=False) from None
@@ -175,7 +176,7 @@ class Forwarder:
                 )
             chunks = response.content.iter_any()
             try:
-                async with asyncio.timeout_at(min(loop.time() + t.first_token, deadline)):
+                with Deadline(min(loop.time() + t.first_token, deadline)):
                     first = await anext(chunks)
             except (TimeoutError, StopAsyncIteration, aiohttp.ClientError) as exc:
                 raise UpstreamUnavailable(
@@ -210,7 +211,7 @@ class Forwarder:
         response: aiohttp.ClientResponse | None = None
         read = False
         try:
-            async with asyncio.timeout_at(deadline):
+            with Deadline(deadline):
                 response = await self._post(target, request)
                 _check_status(response)
                 body = await response.read()
@@ -224,7 +225,7 @@ class Forwarder:
 
     async def _read_body(self, response: aiohttp.ClientResponse, deadline: float) -> bytes:
         try:
-            async with asyncio.timeout_at(deadline):
+            with Deadline(deadline):
                 return await response.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _unavailable(exc, answered=True) from None
