@@ -1,4 +1,4 @@
-"""A deadline on the running task, for the forwarding path.
+"""A deadline on the running task, for the request path (forwarding and Redis calls).
 
 `with Deadline(when):` behaves as `async with asyncio.timeout_at(when):`: at `when`
 (event-loop time) the task is cancelled and the block raises TimeoutError, while a
@@ -27,6 +27,11 @@ class Deadline:
         self._when = self._armed_for = when
         self.expired = False
         self._handle: asyncio.TimerHandle | None = None
+
+    @classmethod
+    def after(cls, seconds: float) -> Deadline:
+        """A deadline `seconds` from now, as asyncio.timeout(seconds)."""
+        return cls(asyncio.get_running_loop().time() + seconds)
 
     def __enter__(self) -> Deadline:
         self._loop = loop = asyncio.get_running_loop()

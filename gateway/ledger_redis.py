@@ -34,6 +34,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.clock import Clock
+from gateway.deadline import Deadline
 from gateway.ledger import Reservation
 
 log = logging.getLogger("spillgate.ledger")
@@ -304,7 +305,7 @@ class RedisLedger:
         if self._mode == "local":
             return None
         try:
-            async with asyncio.timeout(self._timeout_s):
+            with Deadline.after(self._timeout_s):
                 return await call()
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed(exc)

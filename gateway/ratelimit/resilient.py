@@ -17,11 +17,11 @@ mode ("shared", "local", "allow", "deny") to `on_mode_change`, starting with "sh
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Literal, TypeVar
 
 from gateway.clock import Clock
+from gateway.deadline import Deadline
 from gateway.ratelimit import bucket
 from gateway.ratelimit.base import Decision, RateLimiter, StoreError, TenantLimits
 
@@ -145,7 +145,7 @@ class ResilientRateLimiter:
             return _STORE_DOWN
         self._probing = probe
         try:
-            async with asyncio.timeout(self._timeout_s):
+            with Deadline.after(self._timeout_s):
                 result = await call()
         except (TimeoutError, StoreError):
             self._failed()
