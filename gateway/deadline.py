@@ -1,9 +1,8 @@
-"""A deadline on the running task, for the request path (forwarding and Redis calls).
+"""A deadline on the running task, for the request path (forwarding, Redis calls, the queue).
 
 `with Deadline(when):` behaves as `async with asyncio.timeout_at(when):`: at `when`
 (event-loop time) the task is cancelled and the block raises TimeoutError, while a
-cancellation from elsewhere passes through untouched. It is what the forwarding path
-uses because:
+cancellation from elsewhere passes through untouched. The request path uses it because:
 
 - it is a plain context manager, so entering and leaving it runs no coroutine: a
   non-streaming request costs about 6.8k fewer instructions than under asyncio.timeout_at

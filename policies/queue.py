@@ -18,6 +18,7 @@ from typing import ClassVar
 
 from gateway.clock import Clock
 from gateway.config import PoolSettings
+from gateway.deadline import Deadline
 from gateway.exchange import Exchange, Served
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
@@ -109,7 +110,7 @@ class QueuePolicy:
         if not self._enqueue(waiter):
             return QueueResult.REJECTED_FULL
         try:
-            async with asyncio.timeout(self.max_wait_s(request)):
+            with Deadline.after(self.max_wait_s(request)):
                 await ticket.decided
         except TimeoutError:
             pass
