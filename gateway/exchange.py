@@ -64,9 +64,8 @@ class Exchange:
         "timings",
     )  # fmt: skip
 
-    def __init__(
+    def __init__(  # positional or keyword: the pipeline builds one per request positionally
         self,
-        *,
         send: Send,
         headers: Mapping[str, str],
         router: Router,
@@ -172,7 +171,7 @@ class Exchange:
             await self.holding.release()
             raise
         backend.record_success()
-        return Served(outcome=outcome, target=backend.name, pool=request.pool, relayed=relayed)
+        return Served(outcome, backend.name, request.pool, relayed)  # target, then pool
 
     async def serve_target(
         self, target: Target, request: InferenceRequest, *, outcome: Outcome, public_model: str

@@ -39,10 +39,9 @@ class Usage:
     def from_json(cls, usage: Any) -> Usage:
         if not isinstance(usage, dict):
             return cls()
+        # positional (prompt, completion, known): built once per answer
         return cls(
-            prompt_tokens=int(usage.get("prompt_tokens") or 0),
-            completion_tokens=int(usage.get("completion_tokens") or 0),
-            known=True,
+            int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), True
         )
 
     @property
@@ -180,12 +179,12 @@ async def relay_stream(
             message = f"The upstream connection failed mid-stream: {type(exc).__name__}."
         body = sse_error_event(message)
         await send({"type": "http.response.body", "body": body, "more_body": False})
-        return Relayed(usage=relay.usage, first_byte_at=first_byte_at, completed=False)
+        return Relayed(relay.usage, first_byte_at, False)  # not completed
     await relay.flush()
     if tap is not None:
         tap.finish(relay.usage)
     await send({"type": "http.response.body", "body": b"", "more_body": False})
-    return Relayed(usage=relay.usage, first_byte_at=first_byte_at, completed=True)
+    return Relayed(relay.usage, first_byte_at, True)
 
 
 async def send_json_body(
@@ -210,4 +209,4 @@ async def send_json_body(
         tap.feed(body)
         tap.finish(usage)
     await send({"type": "http.response.body", "body": body, "more_body": False})
-    return Relayed(usage=usage, first_byte_at=time.perf_counter(), completed=True)
+    return Relayed(usage, time.perf_counter(), True)
