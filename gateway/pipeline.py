@@ -19,6 +19,7 @@ from starlette.types import Message, Receive, Scope, Send
 from gateway.auth import Authenticator, Tenant
 from gateway.backends import Pool
 from gateway.clock import Clock
+from gateway.deadline import Sweep
 from gateway.errors import (
     BodyTooLarge,
     LimiterUnavailable,
@@ -106,12 +107,13 @@ class RequestWatch:
     """One per request: it bounds the body's arrival, then watches for a disconnect, and
     sees the response go out (`send`).
 
-    The timer first fires `after_s` in. A body still arriving then has until `read_s`
-    after the start, or the handling task is cancelled (`read_timed_out`, answered 408).
-    Once the body has arrived (and no sooner, since the handler itself reads it), a task
-    waits for the client to leave and cancels the handling task if it does before the
-    response ends (`disconnected`). An answer ready within `after_s` (a cached one, a
-    refusal, an error) costs the timer only, and a client that left meanwhile is still
+    It is first due `after_s` in, on the loop's Sweep (gateway/deadline.py), which holds
+    it without a timer of its own. A body still arriving then has until `read_s` after
+    the start, or the handling task is cancelled (`read_timed_out`, answered 408). Once
+    the body has arrived (and no sooner, since the handler itself reads it), a task waits
+    for the client to leave and cancels the handling task if it does before the response
+    ends (`disconnected`). An answer ready within `after_s` (a cached one, a refusal, an
+    error) costs a set entry on the sweep, and a client that left meanwhile is still
     seen, since the server keeps its disconnect for the next `receive()`.
 
     `send` passes the response on to the client, except its last message, which it holds
@@ -120,16 +122,16 @@ class RequestWatch:
 
     # one per request
     __slots__ = (
-        "_loop",
         "_read_by",
         "_reading",
         "_receive",
         "_send",
+        "_sweep",
         "_task",
         "_ticked",
-        "_timer",
         "_watch",
         "disconnected",
+        "due",
         "finished",
         "last",
         "read_timed_out",
@@ -147,10 +149,13 @@ class RequestWatch:
         self._reading = True
         self._ticked = False  # the first tick came while the body was still arriving
         self._watch: asyncio.Task[None] | None = None
-        self._task = asyncio.current_task()
-        self._loop = loop = asyncio.get_running_loop()
-        self._read_by = loop.time() + read_s
-        self._timer: asyncio.TimerHandle | None = loop.call_later(min(after_s, read_s), self._tick)
+        loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task(loop)
+        now = loop.time()
+        self._read_by = now + read_s
+        self.due = now + (after_s if after_s < read_s else read_s)
+        self._sweep = sweep = Sweep.of(loop)
+        sweep.hold(self)
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -164,21 +169,21 @@ class RequestWatch:
     def body_read(self) -> None:
         self._reading = False
         if self._ticked:  # the body took longer than the first tick: watch from now
-            self._cancel_timer()
+            self._sweep.held.discard(self)
             self._begin()
 
-    def _tick(self) -> None:
-        self._timer = None
+    def on_due(self, now: float) -> None:
         if self.finished:
             return
         if not self._reading:
             self._begin()
-        elif self._loop.time() >= self._read_by:
+        elif now >= self._read_by:
             self.read_timed_out = True
             self._cancel()
         else:
             self._ticked = True
-            self._timer = self._loop.call_at(self._read_by, self._tick)
+            self.due = self._read_by
+            self._sweep.hold(self)
 
     def _begin(self) -> None:
         if not self.finished and self._watch is None:
@@ -195,14 +200,9 @@ class RequestWatch:
         if self._task is not None:
             self._task.cancel()
 
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
     def close(self) -> None:
         self.finished = True
-        self._cancel_timer()
+        self._sweep.held.discard(self)
         if self._watch is not None:
             self._watch.cancel()
 

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import uvloop
 
-from gateway.deadline import Deadline
+from gateway import deadline as deadline_module
+from gateway.deadline import Deadline, Sweep
 
 
 def run(main: Callable[[], Awaitable[Any]]) -> Any:
@@ -87,3 +88,52 @@ def test_pushed_on_every_step_it_fires_only_once_the_steps_stop() -> None:
         return steps
 
     assert run(main) == 20  # every step within the idle budget went through
+
+
+def test_a_sooner_deadline_entered_under_a_later_one_fires_on_its_own_time() -> None:
+    async def main() -> tuple[float, bool]:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        # the outer deadline sets the sweep's timer for 5 s from now
+        with Deadline(start + 5) as outer, pytest.raises(TimeoutError), Deadline(start + 0.05):
+            await asyncio.sleep(5)
+        return loop.time() - start, outer.expired
+
+    took, outer_expired = run(main)
+    assert 0.045 <= took < 1.0
+    assert outer_expired is False
+
+
+def test_the_sweep_lets_go_of_every_deadline_and_of_its_loop_once_idle() -> None:
+    async def main() -> tuple[int, int, bool]:
+        loop = asyncio.get_running_loop()
+        for _ in range(100):  # done long before they are due, as most requests are
+            with Deadline(loop.time() + 0.05):
+                await asyncio.sleep(0)
+        sweep = Sweep.of(loop)
+        held_after_exits = len(sweep.held)
+        with Deadline(loop.time() + 0.02):
+            held_inside = len(sweep.held)
+        await asyncio.sleep(0.1)  # past every due: the sweep's timer has fired and found none
+        return held_after_exits, held_inside, loop in deadline_module._SWEEPS
+
+    held_after_exits, held_inside, still_listed = run(main)
+    assert (held_after_exits, held_inside) == (0, 1)
+    assert still_listed is False
+
+
+def test_many_deadlines_on_one_loop_each_fire_once_at_their_own_time() -> None:
+    async def one(delay_s: float) -> float:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(TimeoutError), Deadline(start + delay_s):
+            await asyncio.sleep(5)
+        return loop.time() - start
+
+    async def main() -> list[float]:
+        return await asyncio.gather(*(one(0.02 * (i % 5 + 1)) for i in range(50)))
+
+    took = run(main)
+    for i, seconds in enumerate(took):
+        wanted = 0.02 * (i % 5 + 1)
+        assert wanted - 0.005 <= seconds < wanted + 0.5
