@@ -275,7 +275,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     error = InvalidRequest(f"{request.method} {request.url.path}: {exc.detail}")
     error.status = exc.status_code
     error.code = "not_found" if exc.status_code == 404 else "method_not_allowed"
-    return error_response(error, exc.headers)
+    error.headers.update(exc.headers or {})  # Allow, on a 405
+    return error_response(error)
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:

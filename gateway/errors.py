@@ -6,7 +6,7 @@ Handlers raise; `error_response` renders, in one place.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import orjson
 from starlette.responses import Response
@@ -121,13 +121,19 @@ class UpstreamTimeout(UpstreamError):
     code = "upstream_timeout"
 
 
-def error_response(exc: SpillgateError, extra_headers: Mapping[str, str] | None = None) -> Response:
-    headers = {OUTCOME_HEADER: exc.outcome.value, **exc.headers, **(extra_headers or {})}
+def error_response(
+    exc: SpillgateError, extra_headers: Sequence[tuple[bytes, bytes]] = ()
+) -> Response:
+    """The error in OpenAI's shape; `extra_headers` (the rate-limit headers the request
+    was already given) go out as they are."""
+    headers = {OUTCOME_HEADER: exc.outcome.value, **exc.headers}
     if exc.retry_after is not None:
         headers["retry-after"] = str(max(1, math.ceil(exc.retry_after)))
-    return Response(
+    response = Response(
         orjson.dumps(exc.body()),
         status_code=exc.status,
         headers=headers,
         media_type="application/json",
     )
+    response.raw_headers.extend(extra_headers)
+    return response

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from starlette.types import Send
@@ -19,7 +19,7 @@ from gateway.errors import UpstreamError, UpstreamTimeout
 from gateway.forward import Forwarder, Target, UpstreamUnavailable
 from gateway.ledger import Reservation
 from gateway.metrics import GatewayMetrics
-from gateway.outcome import OUTCOME_HEADER, Outcome
+from gateway.outcome import OUTCOME_HEADERS, Outcome
 from gateway.relay import Relayed, ResponseTap
 from gateway.request import InferenceRequest
 from gateway.router import Router
@@ -67,7 +67,7 @@ class Exchange:
     def __init__(  # positional or keyword: the pipeline builds one per request positionally
         self,
         send: Send,
-        headers: Mapping[str, str],
+        headers: Sequence[tuple[bytes, bytes]],
         router: Router,
         forwarder: Forwarder,
         metrics: GatewayMetrics,
@@ -85,11 +85,12 @@ class Exchange:
         self.tap = tap
         self.timings: dict[str, float] = {}  # phase → seconds, told as `server-timing`
 
-    def headers(self, outcome: Outcome) -> dict[str, str]:
-        headers: dict[str, str] = {**self.base_headers, OUTCOME_HEADER: outcome}  # a StrEnum
+    def headers(self, outcome: Outcome) -> list[tuple[bytes, bytes]]:
+        """The gateway's own response headers, as ASGI wants them."""
+        headers = [*self.base_headers, OUTCOME_HEADERS[outcome]]
         if self.timings:
             phases = (f"{name};dur={sec * 1000:.1f}" for name, sec in self.timings.items())
-            headers["server-timing"] = ", ".join(phases)
+            headers.append((b"server-timing", ", ".join(phases).encode()))
         return headers
 
     async def admit(self, request: InferenceRequest) -> bool:

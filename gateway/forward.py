@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -20,7 +20,6 @@ from gateway.relay import (
     Relayed,
     ResponseTap,
     model_swap,
-    raw_headers,
     relay_stream,
     send_json_body,
 )
@@ -129,7 +128,7 @@ class Forwarder:
         *,
         public_model: str,
         send: Send,
-        headers: Mapping[str, str],
+        headers: Sequence[tuple[bytes, bytes]],
         tap: ResponseTap | None = None,
         deadline: float | None = None,
     ) -> Relayed:
@@ -144,14 +143,13 @@ class Forwarder:
         if deadline is None or deadline > end:
             deadline = end
         swap = model_swap(target.model, public_model)
-        out_headers = raw_headers(headers)
         if not request.stream:
             status, body = await self._whole(target, request, deadline)
             return await send_json_body(
                 body,
                 send=send,
                 status=status,
-                headers=[*JSON_HEADERS, *out_headers],
+                headers=[*JSON_HEADERS, *headers],
                 swap=swap,
                 tap=tap if status == 200 else None,
             )
@@ -170,7 +168,7 @@ class Forwarder:
                     body,
                     send=send,
                     status=response.status,
-                    headers=[*JSON_HEADERS, *out_headers],
+                    headers=[*JSON_HEADERS, *headers],
                     swap=swap,
                     tap=None,
                 )
@@ -186,7 +184,7 @@ class Forwarder:
                 chunks,
                 send=send,
                 status=200,
-                headers=[*SSE_HEADERS, *out_headers],
+                headers=[*SSE_HEADERS, *headers],
                 first_chunk=first,
                 swap=swap,
                 keep_usage=request.client_wants_usage,

@@ -15,3 +15,5 @@ class Outcome(StrEnum):
 
 
 OUTCOME_HEADER = "x-spillgate-outcome"
+# the header as a response carries it, one per outcome, made once
+OUTCOME_HEADERS = {o: (OUTCOME_HEADER.encode(), o.value.encode()) for o in Outcome}

@@ -216,7 +216,7 @@ class CompletionsEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = RequestWatch(receive, send, read_s=self._d.request_read_timeout_s)
-        headers: dict[str, str] = {}
+        headers: list[tuple[bytes, bytes]] = []  # the rate-limit headers, once decided
         try:
             fields = request_headers(scope)
             raw = await read_body(fields, receive, self._d.max_body_bytes)
@@ -258,7 +258,7 @@ class CompletionsEndpoint:
         self,
         fields: Mapping[bytes, bytes],
         raw: bytes,
-        headers: dict[str, str],
+        headers: list[tuple[bytes, bytes]],
         watch: RequestWatch,
     ) -> None:
         d = self._d
@@ -318,10 +318,10 @@ class CompletionsEndpoint:
         return pool
 
     async def _throttle(
-        self, tenant: Tenant, request: InferenceRequest, headers: dict[str, str]
+        self, tenant: Tenant, request: InferenceRequest, headers: list[tuple[bytes, bytes]]
     ) -> Decision:
         decision = await self._d.limiter.acquire(tenant.limits, request.reserved_tokens)
-        headers.update(decision.headers())
+        headers += decision.headers()
         if decision.allowed:
             return decision
         error: SpillgateError

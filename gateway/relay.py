@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -72,12 +72,6 @@ def model_swap(served: str, public: str) -> tuple[bytes, bytes] | None:
         b'"model":' + orjson.dumps(served),
         b'"model":' + orjson.dumps(public),
     )
-
-
-def raw_headers(extra: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
-    """Headers as ASGI wants them. The gateway's own headers are ASCII, so str.encode's
-    UTF-8 gives their latin-1 bytes, through C alone."""
-    return list(zip(map(str.encode, extra.keys()), map(str.encode, extra.values()), strict=True))
 
 
 def sse_error_event(message: str, *, code: str = "upstream_error") -> bytes:

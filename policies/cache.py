@@ -27,7 +27,7 @@ from gateway.cache import LocalResponseCache, RedisResponseCache, ResponseCache
 from gateway.config import CacheSettings, PoolSettings
 from gateway.exchange import Exchange, Served
 from gateway.outcome import Outcome
-from gateway.relay import JSON_HEADERS, raw_headers, send_json_body
+from gateway.relay import JSON_HEADERS, send_json_body
 from gateway.request import InferenceRequest
 from policies.base import PolicyDeps
 
@@ -131,7 +131,7 @@ class CachePolicy:
         raw = await self._store.get(self.key(request))
         if raw is None:
             return None
-        headers = raw_headers(exchange.headers(Outcome.CACHED))
+        headers = exchange.headers(Outcome.CACHED)
         if request.stream:
             include_usage = request.client_wants_usage
             relayed = await send_replay(

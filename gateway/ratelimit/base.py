@@ -69,16 +69,17 @@ class Decision:
     reset_requests_s: float
     reset_tokens_s: float
 
-    def headers(self) -> dict[str, str]:
-        """The `x-ratelimit-*` headers, formatted as OpenAI sends them."""
-        return {
-            "x-ratelimit-limit-requests": str(self.limit_requests),
-            "x-ratelimit-limit-tokens": str(self.limit_tokens),
-            "x-ratelimit-remaining-requests": str(self.remaining_requests),
-            "x-ratelimit-remaining-tokens": str(self.remaining_tokens),
-            "x-ratelimit-reset-requests": format_duration(self.reset_requests_s),
-            "x-ratelimit-reset-tokens": format_duration(self.reset_tokens_s),
-        }
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """The `x-ratelimit-*` headers, formatted as OpenAI sends them, as ASGI wants them
+        (made once per request, they go out as they are made)."""
+        return [
+            (b"x-ratelimit-limit-requests", b"%d" % self.limit_requests),
+            (b"x-ratelimit-limit-tokens", b"%d" % self.limit_tokens),
+            (b"x-ratelimit-remaining-requests", b"%d" % self.remaining_requests),
+            (b"x-ratelimit-remaining-tokens", b"%d" % self.remaining_tokens),
+            (b"x-ratelimit-reset-requests", format_duration(self.reset_requests_s).encode()),
+            (b"x-ratelimit-reset-tokens", format_duration(self.reset_tokens_s).encode()),
+        ]
 
 
 def format_duration(seconds: float) -> str:

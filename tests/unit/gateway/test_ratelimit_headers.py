@@ -40,11 +40,11 @@ def test_headers_carry_limits_remaining_and_resets() -> None:
         reset_requests_s=1.0,
         reset_tokens_s=0.0064,
     )
-    assert decision.headers() == {
-        "x-ratelimit-limit-requests": "60",
-        "x-ratelimit-limit-tokens": "150000",
-        "x-ratelimit-remaining-requests": "59",
-        "x-ratelimit-remaining-tokens": "149984",
-        "x-ratelimit-reset-requests": "1s",
-        "x-ratelimit-reset-tokens": "7ms",
-    }
+    assert decision.headers() == [
+        (b"x-ratelimit-limit-requests", b"60"),
+        (b"x-ratelimit-limit-tokens", b"150000"),
+        (b"x-ratelimit-remaining-requests", b"59"),
+        (b"x-ratelimit-remaining-tokens", b"149984"),
+        (b"x-ratelimit-reset-requests", b"1s"),
+        (b"x-ratelimit-reset-tokens", b"7ms"),
+    ]
