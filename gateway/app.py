@@ -13,7 +13,6 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -27,7 +26,7 @@ from gateway.config import Settings
 from gateway.dashboard import Dashboard, OutcomeHistory
 from gateway.errors import InvalidRequest, SpillgateError, error_response
 from gateway.forward import Forwarder
-from gateway.guard import HeaderLimit
+from gateway.guard import head_bytes, head_too_large
 from gateway.ledger import LocalLedger
 from gateway.ledger_feed import ReleaseFeed
 from gateway.ledger_redis import RedisLedger
@@ -238,35 +237,44 @@ def create_app(
         *dashboard.routes(),
         openapi_route(),
     ]
-    limit = settings.server.max_header_bytes
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(HeaderLimit, max_bytes=limit)],
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
     )
-    fast = {str(e): HeaderLimit(endpoint, max_bytes=limit) for e, endpoint in completions.items()}
-    return FrontDoor(fast, app)
+    fast = {str(e): endpoint for e, endpoint in completions.items()}
+    return FrontDoor(fast, app, max_header_bytes=settings.server.max_header_bytes)
 
 
 class FrontDoor:
-    """Pure ASGI: completion POSTs go straight to their endpoint, past Starlette's routing
-    and middleware (they render their own errors); everything else goes to the app."""
+    """Pure ASGI, and the app uvicorn serves. An HTTP request whose target and headers
+    exceed `max_header_bytes` gets a 431 before any handler runs (gateway/guard.py);
+    completion POSTs go straight to their endpoint, past Starlette's routing and
+    middleware (they render their own errors); everything else goes to the app. One
+    layer for both, as every layer is a frame each request passes through on every wait.
+    """
 
-    def __init__(self, fast: Mapping[str, ASGIApp], app: Starlette) -> None:
+    def __init__(
+        self, fast: Mapping[str, ASGIApp], app: Starlette, *, max_header_bytes: int
+    ) -> None:
         self._fast = dict(fast)
         self.app = app
+        self._max_header_bytes = max_header_bytes
 
     @property
     def routes(self) -> list[BaseRoute]:
         return self.app.routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = self._fast.get(scope["path"])
-            if endpoint is not None:
-                await endpoint(scope, receive, send)
+        if scope["type"] == "http":
+            if head_bytes(scope) > self._max_header_bytes:
+                await head_too_large(self._max_header_bytes)(scope, receive, send)
                 return
+            if scope["method"] == "POST":
+                endpoint = self._fast.get(scope["path"])
+                if endpoint is not None:
+                    await endpoint(scope, receive, send)
+                    return
         await self.app(scope, receive, send)
 
 

@@ -1,10 +1,11 @@
-"""Pure ASGI middleware that refuses oversized request heads before any handler runs."""
+"""The front door's first check: an oversized request head is refused before any handler."""
 
 from __future__ import annotations
 
 from itertools import chain
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.responses import Response
+from starlette.types import Scope
 
 from gateway.errors import HeadersTooLarge, error_response
 
@@ -16,20 +17,11 @@ def head_bytes(scope: Scope) -> int:
     return target + sum(map(len, chain.from_iterable(headers))) + 4 * len(headers)
 
 
-class HeaderLimit:
-    """A request whose target and headers exceed `max_bytes` gets a 431 and a closed
-    connection; its body is never read."""
-
-    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
-        self._app = app
-        self._max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or head_bytes(scope) <= self._max_bytes:
-            await self._app(scope, receive, send)
-            return
-        error = HeadersTooLarge(
-            f"The request headers exceed the limit of {self._max_bytes} bytes.",
-            headers={"connection": "close"},
-        )
-        await error_response(error)(scope, receive, send)
+def head_too_large(max_bytes: int) -> Response:
+    """The 431 for a request whose target and headers exceed `max_bytes`; the connection
+    is closed, and the body never read."""
+    error = HeadersTooLarge(
+        f"The request headers exceed the limit of {max_bytes} bytes.",
+        headers={"connection": "close"},
+    )
+    return error_response(error)
