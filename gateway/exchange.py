@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Sequence
+from collections.abc import Awaitable, Collection, Sequence
 from dataclasses import dataclass
 
 from starlette.types import Send
@@ -35,6 +35,10 @@ class Served:
     relayed: Relayed
 
 
+async def _nothing() -> None:
+    """Nothing to await: no room to reserve, or no reservation to release."""
+
+
 class Holding:
     """The reservation a request currently holds; released once, on every path."""
 
@@ -44,10 +48,12 @@ class Holding:
         self._router = router
         self.reservation: Reservation | None = None
 
-    async def release(self) -> None:
+    def release(self) -> Awaitable[None]:
+        """The release to await (the router's own: one frame fewer per request)."""
         reservation, self.reservation = self.reservation, None
-        if reservation is not None:
-            await self._router.release(reservation)
+        if reservation is None:
+            return _nothing()
+        return self._router.release(reservation)
 
 
 class Exchange:
@@ -98,20 +104,21 @@ class Exchange:
         self.holding.reservation = await self.reserve(request)
         return self.holding.reservation is not None
 
-    async def reserve(
+    def reserve(
         self, request: InferenceRequest, *, exclude: Collection[str] = ()
-    ) -> Reservation | None:
-        """Room for `request` in its pool, not yet held; None if there is none.
+    ) -> Awaitable[Reservation | None]:
+        """Room for `request` in its pool, not yet held, to await; None if there is none.
 
         A sheddable request gets none once the pool's fill reaches `sheddable_max_fill`:
-        the rest is headroom kept for critical and standard requests.
+        the rest is headroom kept for critical and standard requests. (Not a coroutine
+        itself: it hands back the router's, one frame fewer on every admission.)
         """
         pool = self.router.pools[request.pool].settings
         if request.priority == "sheddable" and (
             self.router.pool_fill(request.pool) >= pool.sheddable_max_fill
         ):
-            return None
-        return await self.router.admit(request.pool, request.reserved_tokens, exclude=exclude)
+            return _nothing()
+        return self.router.admit(request.pool, request.reserved_tokens, exclude=exclude)
 
     async def serve_local(self, request: InferenceRequest, outcome: Outcome) -> Served:
         """Forward to the backend the request holds a reservation on.

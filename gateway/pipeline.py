@@ -277,7 +277,8 @@ class CompletionsEndpoint:
             chars_per_token=pool.estimator.chars_per_token,
         )
         reserved = request.reserved_tokens
-        await self._throttle(tenant, request, headers)
+        decision = await d.limiter.acquire(tenant.limits, reserved)
+        self._throttle(tenant, request, decision, headers)
         holding = Holding(d.router)
         served: Served | None = None
         outcome = Outcome.ERROR
@@ -300,7 +301,9 @@ class CompletionsEndpoint:
             used = reserved
             try:
                 await holding.release()
-                used = await self._reconcile(tenant, request, served, cut=watch.started)
+                used = self._used(request, served, cut=watch.started)
+                if used != reserved:  # settle the tenant's bucket with what was really used
+                    await d.limiter.reconcile(tenant.limits, reserved=reserved, used=used)
             finally:
                 pool.demand.end(
                     reserved, started=began, used=used, refused=outcome is Outcome.REJECTED
@@ -317,13 +320,17 @@ class CompletionsEndpoint:
             raise ModelNotFound(f"The model {model!r} does not exist.", param="model")
         return pool
 
-    async def _throttle(
-        self, tenant: Tenant, request: InferenceRequest, headers: list[tuple[bytes, bytes]]
-    ) -> Decision:
-        decision = await self._d.limiter.acquire(tenant.limits, request.reserved_tokens)
+    def _throttle(
+        self,
+        tenant: Tenant,
+        request: InferenceRequest,
+        decision: Decision,
+        headers: list[tuple[bytes, bytes]],
+    ) -> None:
+        """Tell the limiter's decision in the headers; raise the refusal if it is one."""
         headers += decision.headers()
         if decision.allowed:
-            return decision
+            return
         error: SpillgateError
         if decision.reason == "store_unavailable":
             error = LimiterUnavailable(
@@ -361,29 +368,18 @@ class CompletionsEndpoint:
             retry_after=self._d.router.retry_after(request.pool, request.reserved_tokens),
         )
 
-    async def _reconcile(
-        self,
-        tenant: Tenant,
-        request: InferenceRequest,
-        served: Served | None,
-        *,
-        cut: bool,
-    ) -> int:
-        """Settle the tenant's bucket with what was really used; returns the tokens used.
+    @staticmethod
+    def _used(request: InferenceRequest, served: Served | None, *, cut: bool) -> int:
+        """The tokens the request really used, to settle the tenant's bucket with.
 
         `cut`: the answer had begun when the request ended without one (the client left
         mid-stream); what the upstream generated is unknown, so the reservation stands.
         """
         if served is None:
-            used = request.reserved_tokens if cut else 0  # nothing sent: all of it back
-        elif served.relayed.usage.known:
-            used = served.relayed.usage.total
-        else:
-            used = request.reserved_tokens
-        reserved = request.reserved_tokens
-        if used != reserved:
-            await self._d.limiter.reconcile(tenant.limits, reserved=reserved, used=used)
-        return used
+            return request.reserved_tokens if cut else 0  # nothing sent: all of it back
+        if served.relayed.usage.known:
+            return served.relayed.usage.total
+        return request.reserved_tokens
 
     def _record(
         self, request: InferenceRequest, served: Served | None, outcome: Outcome, t0: float
