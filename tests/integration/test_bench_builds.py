@@ -1,0 +1,36 @@
+"""`python -m loadtest.bench_builds`: two builds side by side, each round beside the raw relay."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from loadtest.bench_builds import RAW, compare, summary
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("wrk") is None, reason="needs wrk (apt-get install wrk)"
+)
+
+
+def test_the_same_build_twice_is_measured_beside_the_raw_relay_round_by_round() -> None:
+    figures = compare(ROOT, ROOT, rounds=2, seconds=1)
+    assert set(figures) == {RAW, "before", "after"}
+    for arm in figures.values():
+        assert len(arm["rps"]) == len(arm["cpu_us"]) == 2
+        assert all(rps > 50 for rps in arm["rps"])
+        assert all(cpu > 0 for cpu in arm["cpu_us"])
+    result = summary(figures)
+    assert result["rounds"] == 2
+    # one build against itself: neither is several times the other
+    assert 0.33 < result["after/before req/s"] < 3
+    # the gateway does the raw relay's work and its own
+    assert result["after CPU vs raw relay"] > 0.8
+
+
+def test_a_checkout_without_its_virtualenv_is_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="make the checkout's virtualenv"):
+        compare(tmp_path, tmp_path, rounds=1, seconds=1)
