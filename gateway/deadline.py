@@ -19,9 +19,12 @@ cancellation from elsewhere passes through untouched. The request path uses it b
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from types import TracebackType
 from typing import Protocol
+
+log = logging.getLogger("spillgate.deadline")
 
 
 class Timed(Protocol):
@@ -78,7 +81,10 @@ class Sweep:
         due = [timed for timed in self.held if timed.due <= now]
         self.held.difference_update(due)
         for timed in due:
-            timed.on_due(now)  # may hold itself again, and so set the timer
+            try:
+                timed.on_due(now)  # may hold itself again, and so set the timer
+            except Exception:  # one failing must not keep the others' deadlines from firing
+                log.exception("a timed callback failed")
         if self.held:
             self.wake_by(min(timed.due for timed in self.held))
         elif _SWEEPS.get(self._loop) is self:
@@ -114,10 +120,12 @@ class Deadline:
         return self
 
     def extend(self, when: float) -> None:
-        """Move the deadline to `when`: a later one costs nothing until the sweep runs."""
+        """Move the deadline to `when`: a later one costs nothing until the sweep runs (the
+        sweep is never set later than a held due); only an earlier one may wake it."""
+        earlier = when < self.due
         self.due = when
-        if self._sweep is not None and not self.expired:
-            self._sweep.wake_by(when)  # a no-op unless `when` is sooner than the sweep's
+        if earlier and self._sweep is not None and not self.expired:
+            self._sweep.wake_by(when)
 
     def on_due(self, now: float) -> None:
         self.expired = True

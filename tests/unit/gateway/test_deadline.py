@@ -137,3 +137,25 @@ def test_many_deadlines_on_one_loop_each_fire_once_at_their_own_time() -> None:
     for i, seconds in enumerate(took):
         wanted = 0.02 * (i % 5 + 1)
         assert wanted - 0.005 <= seconds < wanted + 0.5
+
+
+def test_a_held_callback_that_fails_does_not_keep_a_deadline_due_with_it_from_firing() -> None:
+    class Failing:
+        def __init__(self, due: float) -> None:
+            self.due = due
+
+        def on_due(self, now: float) -> None:
+            raise RuntimeError("a broken callback")
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        sweep = Sweep.of(loop)
+        for _ in range(3):  # due together with the deadline, whatever the set's order
+            sweep.hold(Failing(start + 0.05))
+        with pytest.raises(TimeoutError), Deadline(start + 0.05):
+            await asyncio.sleep(5)
+        return loop.time() - start
+
+    took = run(main)
+    assert 0.045 <= took < 1.0
