@@ -128,6 +128,11 @@ def _uvicorn(target: str, port: int) -> list[str]:
     ]  # fmt: skip
 
 
+def serve_command(python: str, config: Path) -> list[str]:
+    """`spillgate serve` of the bench's config with `python`; the port is added by the caller."""
+    return [python, "-m", "gateway.cli", "serve", "-c", str(config), "--log-level", "warning"]
+
+
 def _spillgate_config(backend_url: str, path: Path) -> None:
     config = {
         "tenants": [
@@ -259,8 +264,7 @@ def _arms(args: argparse.Namespace, backend: str, tmp: Path) -> Iterator[list[Ar
         arms.append(Arm("raw relay", f"http://127.0.0.1:{port}", procs[-1].pid))
         config = tmp / "spillgate.yaml"
         _spillgate_config(backend, config)
-        serve = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(config),
-                 "--log-level", "warning"]  # fmt: skip
+        serve = serve_command(sys.executable, config)
         port = free_port()
         procs.append(_pinned(0, [*serve, "--port", str(port)]))
         arms.append(Arm("spillgate", f"http://127.0.0.1:{port}", procs[-1].pid))

@@ -20,7 +20,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench import _pinned, _spillgate_config, _tree_cpu_s, _uvicorn, _wrk, script
+from loadtest.bench import (
+    _pinned,
+    _spillgate_config,
+    _tree_cpu_s,
+    _uvicorn,
+    _wrk,
+    script,
+    serve_command,
+)
 from loadtest.harness import free_port, wait_for_port
 
 RAW = "raw relay"
@@ -30,8 +38,7 @@ def _serve(root: Path, config: Path, port: int) -> subprocess.Popen[bytes]:
     python = root / ".venv" / "bin" / "python"
     if not python.exists():
         raise FileNotFoundError(f"{python}: make the checkout's virtualenv (make .venv/.dev)")
-    cmd = [str(python), "-m", "gateway.cli", "serve", "-c", str(config),
-           "--log-level", "warning", "--port", str(port)]  # fmt: skip
+    cmd = [*serve_command(str(python), config), "--port", str(port)]
     return subprocess.Popen(
         ["taskset", "-c", "0", *cmd], cwd=root,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -17,7 +17,6 @@ starts; the child moves that tick past the run.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shutil
 import subprocess
@@ -39,28 +38,12 @@ def _child(arm: str, requests: int, backend: str) -> None:
     import uvloop
 
     from gateway import pipeline
-    from loadtest.bench_ops import _app, _lifespan, _request
+    from loadtest.bench_ops import _app, drive
 
     # the default itself, so that no wrapper adds its own cost to every request
     pipeline.RequestWatch.__init__.__kwdefaults__["after_s"] = TICK_PAST_RUN_S
-
-    async def main() -> None:
-        with tempfile.TemporaryDirectory() as tmp:
-            app = _app(arm, backend, Path(tmp))
-            started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            stop = asyncio.Event()
-            lifespan = asyncio.create_task(_lifespan(app, started, stop))
-            await started
-            try:
-                for _ in range(requests):
-                    status = await _request(app)
-                    if status != 200:
-                        raise RuntimeError(f"{arm} answered {status}, not 200")
-            finally:
-                stop.set()
-                await lifespan
-
-    uvloop.run(main())
+    with tempfile.TemporaryDirectory() as tmp:
+        uvloop.run(drive(_app(arm, backend, Path(tmp)), requests))
 
 
 def _instructions(arm: str, requests: int, backend: str, out: Path) -> int:

@@ -148,20 +148,26 @@ def _app(arm: str, backend: str, tmp: Path) -> ASGIApp:
     return create_app(load_settings(config), environ={})
 
 
-async def _count(app: ASGIApp, requests: int, warmup: int) -> OpcodeCounter:
+async def drive(
+    app: ASGIApp, requests: int, *, warmup: int = 0, counter: OpcodeCounter | None = None
+) -> None:
+    """`warmup`, then `requests` bench requests through `app`, one at a time, inside its
+    lifespan; `counter`, when given, counts the second lot only. Raises unless every one
+    of them was answered 200."""
     started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     stop = asyncio.Event()
     lifespan = asyncio.create_task(_lifespan(app, started, stop))
-    counter = OpcodeCounter()
     try:
         await asyncio.wait_for(asyncio.shield(started), timeout=30)
         for _ in range(warmup):  # connections opened, caches filled, estimators settled
             await _request(app)
-        counter.start()
+        if counter is not None:
+            counter.start()
         try:
             statuses = [await _request(app) for _ in range(requests)]
         finally:
-            counter.stop()
+            if counter is not None:
+                counter.stop()
     finally:
         stop.set()  # the app's shutdown closes its upstream connections on every path
         if not started.done():
@@ -169,6 +175,11 @@ async def _count(app: ASGIApp, requests: int, warmup: int) -> OpcodeCounter:
         await asyncio.gather(lifespan, return_exceptions=True)
     if set(statuses) != {200}:
         raise RuntimeError(f"the arm answered {sorted(set(statuses))}, not only 200")
+
+
+async def _count(app: ASGIApp, requests: int, warmup: int) -> OpcodeCounter:
+    counter = OpcodeCounter()
+    await drive(app, requests, warmup=warmup, counter=counter)
     return counter
 
 
