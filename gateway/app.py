@@ -242,6 +242,9 @@ def create_app(
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
     )
+    # Starlette would answer `/dashboard/` with a redirect to an absolute URL built from the
+    # request's Host header, query string (and admin token) included: a 404 instead
+    app.router.redirect_slashes = False
     fast = {str(e): endpoint for e, endpoint in completions.items()}
     return FrontDoor(fast, app, max_header_bytes=settings.server.max_header_bytes)
 

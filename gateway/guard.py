@@ -1,4 +1,5 @@
-"""The front door's first check: an oversized request head is refused before any handler."""
+"""The front door's refusals of oversized requests: a head before any handler runs, a body
+as soon as it is known to be too large. Both close the connection."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from itertools import chain
 from starlette.responses import Response
 from starlette.types import Scope
 
-from gateway.errors import HeadersTooLarge, error_response
+from gateway.errors import BodyTooLarge, HeadersTooLarge, error_response
 
 
 def head_bytes(scope: Scope) -> int:
@@ -25,3 +26,12 @@ def head_too_large(max_bytes: int) -> Response:
         headers={"connection": "close"},
     )
     return error_response(error)
+
+
+def body_too_large(max_bytes: int) -> BodyTooLarge:
+    """The 413 for a body over `max_bytes`. The connection is closed: the rest of the body
+    may still be on its way, and reading it only to throw it away is what the limit stops."""
+    return BodyTooLarge(
+        f"The request body exceeds the limit of {max_bytes} bytes.",
+        headers={"connection": "close"},
+    )

@@ -21,7 +21,6 @@ from gateway.backends import Pool
 from gateway.clock import Clock
 from gateway.deadline import Sweep
 from gateway.errors import (
-    BodyTooLarge,
     LimiterUnavailable,
     ModelNotFound,
     Rejected,
@@ -32,6 +31,7 @@ from gateway.errors import (
 )
 from gateway.exchange import Exchange, Holding, Served
 from gateway.forward import Forwarder
+from gateway.guard import body_too_large
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
 from gateway.ratelimit import Decision, RateLimiter
@@ -86,7 +86,7 @@ async def read_body(headers: Mapping[bytes, bytes], receive: Receive, limit: int
     """The whole request body, at most `limit` bytes (its deadline is the RequestWatch's)."""
     declared = headers.get(b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(f"The request body exceeds the limit of {limit} bytes.")
+        raise body_too_large(limit)
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -96,7 +96,7 @@ async def read_body(headers: Mapping[bytes, bytes], receive: Receive, limit: int
         body = message.get("body", b"")
         size += len(body)
         if size > limit:
-            raise BodyTooLarge(f"The request body exceeds the limit of {limit} bytes.")
+            raise body_too_large(limit)
         if not message.get("more_body", False):
             # most bodies come in one message: nothing to join
             return b"".join((*chunks, body)) if chunks else body

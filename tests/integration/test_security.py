@@ -4,9 +4,11 @@ credentials, and one tenant cannot read or detect another's cached answers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import secrets
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -343,3 +345,76 @@ def test_a_cache_hit_is_not_observable_across_tenants(secure: SecureFleet) -> No
     assert set(seen["beta_same"].headers) == set(seen["beta_fresh"].headers)
     # only acme's first question and the holding stream reached the backend
     assert backend_requests(fleet.backends["big"][0]) - backend_before == 2
+
+
+def raw_exchange(fleet: Fleet, request: bytes) -> tuple[bytes, bytes, bool]:
+    """Send `request` as bytes on a fresh connection and read until the gateway closes it
+    (3 s at most): the response head, its body, and whether the gateway closed."""
+    with socket.create_connection((fleet.gateway.host, fleet.gateway.port), timeout=3) as sock:
+        sock.sendall(request)
+        received = b""
+        closed = False
+        with contextlib.suppress(TimeoutError):
+            while chunk := sock.recv(65536):
+                received += chunk
+            closed = True
+    head, _, body = received.partition(b"\r\n\r\n")
+    return head, body, closed
+
+
+TRAILING_SLASH_REQUESTS = {
+    "dashboard": f"GET /dashboard/?token={ADMIN_TOKEN} HTTP/1.1",
+    "admin status": "GET /admin/status/ HTTP/1.1",
+    "chat completions": "POST /v1/chat/completions/ HTTP/1.1",
+    "completions": "POST /v1/completions/ HTTP/1.1",
+    "models": "GET /v1/models/ HTTP/1.1",
+}
+
+
+@pytest.mark.parametrize("path", list(TRAILING_SLASH_REQUESTS))
+def test_a_trailing_slash_is_a_404_never_a_redirect_to_the_requests_host(
+    secure: SecureFleet, path: str
+) -> None:
+    """A redirect built from the Host header would send the admin token (in the dashboard's
+    query string) or a tenant's request to whatever host the request named."""
+    body = orjson.dumps(chat("hi", model="rec"))
+    request = "\r\n".join(
+        [
+            TRAILING_SLASH_REQUESTS[path],
+            "host: evil.example.com",
+            f"authorization: Bearer {ADMIN_TOKEN}",
+            "content-type: application/json",
+            f"content-length: {len(body)}",
+            "connection: close",
+            "",
+            "",
+        ]
+    ).encode()
+    head, answer, _ = raw_exchange(secure.fleet, request + body)
+    assert head.split(b"\r\n")[0] == b"HTTP/1.1 404 Not Found"
+    assert b"location:" not in head.lower()
+    assert b"evil" not in head + answer
+    error = orjson.loads(answer)["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "not_found")
+
+
+def test_a_413_says_connection_close_and_the_gateway_closes_it(secure: SecureFleet) -> None:
+    """The rest of an oversized body is never read: the connection it would come on ends."""
+    limit = secure.fleet.settings.server.max_body_bytes
+    request = "\r\n".join(
+        [
+            "POST /v1/chat/completions HTTP/1.1",
+            f"host: {secure.fleet.gateway.host}",
+            f"authorization: Bearer {secure.fleet.keys['acme']}",
+            "content-type: application/json",
+            f"content-length: {limit + 1}",
+            "",
+            "",
+        ]
+    ).encode()
+    head, answer, closed = raw_exchange(secure.fleet, request + b'{"model": "rec"')
+    lines = head.lower().split(b"\r\n")
+    assert lines[0] == b"http/1.1 413 request entity too large"
+    assert b"connection: close" in lines
+    assert orjson.loads(answer)["error"]["code"] == "request_too_large"
+    assert closed, "the gateway kept the connection open after the 413"
