@@ -40,7 +40,7 @@ from gateway.router import Router
 from gateway.upstream import UpstreamPool
 from gateway.workers import MULTIPROC_ENV, publish_metrics
 from policies.base import PolicyDeps
-from policies.registry import admission_gates, answer_taps, build_chain, unknown_policies
+from policies.registry import admission_gates, answer_taps, build_chain
 
 REDIS_POOL_SIZE = 64  # connections per process
 
@@ -136,9 +136,6 @@ def create_app(
     """The gateway; `workers` is how many processes of this replica share its Redis."""
     env = dict(os.environ if environ is None else environ)
     clock = clock or SystemClock()
-    problems = unknown_policies(settings.pools)
-    if problems:
-        raise SpillgateError("invalid overflow chain: " + "; ".join(problems))
     metrics = GatewayMetrics(multiprocess_dir=env.get(MULTIPROC_ENV))
     url = redis_url or env.get(settings.redis.url_env)
     redis = redis_client(settings, url) if url else None

@@ -8,15 +8,36 @@ URL are named by the environment variable that holds them.
 from __future__ import annotations
 
 import hashlib
-import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from gateway.config_problems import (
+    ConfigDocument,
+    Problem,
+    Problems,
+    describe,
+    yaml_syntax,
+)
+from gateway.config_references import reference_problems
 
 Priority = Literal["critical", "standard", "sheddable"]
 PRIORITIES: tuple[Priority, ...] = ("critical", "standard", "sheddable")
+# the overflow policies policies/registry.py builds, by the names a pool's chain uses
+PolicyName = Literal["queue", "degrade", "provider", "cache", "reject"]
+POLICY_NAMES: tuple[PolicyName, ...] = get_args(PolicyName)
 
 
 class _Model(BaseModel):
@@ -38,13 +59,18 @@ class BackendSettings(_Model):
     capacity: int | Literal["auto"] = "auto"  # tokens the backend can hold in flight
     name: str | None = None
 
-    @model_validator(mode="after")
-    def _check(self) -> BackendSettings:
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError("url must start with http:// or https://")
-        if isinstance(self.capacity, int) and self.capacity <= 0:
-            raise ValueError("capacity must be a positive number of tokens or 'auto'")
-        return self
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        return _http_url(url)
+
+    @field_validator("capacity", mode="before")
+    @classmethod
+    def _capacity(cls, value: Any) -> Any:
+        tokens = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        if not tokens and value != "auto":
+            raise ValueError(f"should be a positive number of tokens or 'auto', not {value!r}")
+        return value
 
 
 class QueueSettings(_Model):
@@ -66,7 +92,7 @@ class PoolSettings(_Model):
     target_fill: float = Field(0.9, gt=0, le=1)
     default_max_tokens: int = Field(256, gt=0)  # reserved when a request names no max_tokens
     max_model_len: int = Field(32_768, gt=0)
-    overflow: list[str] = Field(default_factory=lambda: ["reject"])
+    overflow: list[PolicyName] = Field(default_factory=lambda: list[PolicyName](["reject"]))
     timeouts: Timeouts = Timeouts()
     queue: QueueSettings = QueueSettings()
     degrade_to: str | None = None
@@ -81,6 +107,12 @@ class ProviderSettings(_Model):
     name: str = Field(min_length=1)
     base_url: str
     api_key_env: str | None = None
+
+    @field_validator("base_url")
+    @classmethod
+    def _base_url(cls, url: str) -> str:
+        return _http_url(url)
+
     models: dict[str, str] = Field(default_factory=dict)  # pool name → provider model
     tokens_per_minute: int = Field(100_000, gt=0)
     max_concurrency: int = Field(16, gt=0)
@@ -103,12 +135,17 @@ class TenantSettings(_Model):
     pools: list[str] = Field(default_factory=list)  # empty: every pool
     ttft_budget_ms: float | None = Field(None, gt=0)
 
+    @field_validator("key_sha256")
+    @classmethod
+    def _sha256(cls, value: str | None) -> str | None:
+        if value is not None and not _is_sha256(value):
+            raise ValueError("should be 64 lowercase hex digits: the key's SHA-256")
+        return value
+
     @model_validator(mode="after")
-    def _check(self) -> TenantSettings:
+    def _one_key(self) -> TenantSettings:
         if (self.key_sha256 is None) == (self.key_env is None):
             raise ValueError("give exactly one of key_sha256 or key_env")
-        if self.key_sha256 is not None and not _is_sha256(self.key_sha256):
-            raise ValueError("key_sha256 must be 64 lowercase hex digits")
         return self
 
     def key_hash(self, environ: dict[str, str]) -> str:
@@ -163,39 +200,26 @@ class Settings(_Model):
     providers: list[ProviderSettings] = Field(default_factory=list)
 
     @model_validator(mode="after")
-    def _cross_check(self) -> Settings:
-        pools = {p.name for p in self.pools}
-        providers = {p.name for p in self.providers}
-        problems: list[str] = []
-        if len(pools) != len(self.pools):
-            problems.append("pools: names must be unique")
-        for i, pool in enumerate(self.pools):
-            if pool.degrade_to is not None and pool.degrade_to not in pools:
-                problems.append(f"pools.{i}.degrade_to: no pool named {pool.degrade_to!r}")
-            if pool.provider is not None and pool.provider not in providers:
-                problems.append(f"pools.{i}.provider: no provider named {pool.provider!r}")
-            if pool.degrade_to == pool.name:
-                problems.append(f"pools.{i}.degrade_to: a pool cannot degrade to itself")
-            if "degrade" in pool.overflow and pool.degrade_to is None:
-                problems.append(f"pools.{i}.overflow: 'degrade' needs pools.{i}.degrade_to")
-            if "provider" in pool.overflow and pool.provider is None:
-                problems.append(f"pools.{i}.overflow: 'provider' needs pools.{i}.provider")
-        for i, tenant in enumerate(self.tenants):
-            for name in tenant.pools:
-                if name not in pools:
-                    problems.append(f"tenants.{i}.pools: no pool named {name!r}")
+    def _references(self) -> Settings:
+        problems = reference_problems(self.model_dump())
         if problems:
-            raise ValueError("; ".join(problems))
+            raise Problems(problems)
         return self
 
 
 class ConfigError(Exception):
-    """Every problem of one config file, each with its key path."""
+    """Every problem of one config file, one line each (file, line, key path, problem)."""
 
     def __init__(self, path: str, problems: list[str]) -> None:
         self.path = path
         self.problems = problems
-        super().__init__(f"{path}: invalid config\n" + "\n".join(f"  - {p}" for p in problems))
+        super().__init__("\n".join(problems))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadedConfig:
+    settings: Settings
+    document: ConfigDocument  # tells a later problem (the environment's) on its line
 
 
 def hash_key(key: str) -> str:
@@ -206,38 +230,102 @@ def _is_sha256(value: str) -> bool:
     return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
-def _loc(loc: tuple[int | str, ...]) -> str:
-    return ".".join(str(part) for part in loc) or "(top level)"
+def _http_url(url: str) -> str:
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"should start with http:// or https://, not {url!r}")
+    return url
+
+
+def validate(data: Any) -> tuple[Settings | None, list[Problem]]:
+    """The settings, or every problem of `data` at once: the references between its parts
+    are checked even where some part is malformed."""
+    if data is None:
+        return None, [Problem(loc=(), message="the file is empty: it needs tenants and pools")]
+    try:
+        return Settings.model_validate(data), []
+    except ValidationError as exc:
+        problems = describe(exc.errors(), root=Settings)
+        if not any(isinstance(e.get("ctx", {}).get("error"), Problems) for e in exc.errors()):
+            problems += reference_problems(data)  # the model's own check never ran
+        return None, problems
 
 
 def parse_settings(data: Any, *, source: str = "<config>") -> Settings:
+    return _settings(data, ConfigDocument(name=source))
+
+
+def _settings(data: Any, document: ConfigDocument, *, also: Sequence[Problem] = ()) -> Settings:
+    settings, problems = validate(data)
+    if settings is None or also:
+        raise ConfigError(document.name, document.lines([*also, *problems]))
+    return settings
+
+
+def load_config(path: str | Path) -> LoadedConfig:
+    """The file's settings, or a ConfigError with every problem of the file."""
+    name = str(path)
     try:
-        return Settings.model_validate(data)
-    except ValidationError as exc:
-        problems = [f"{_loc(e['loc'])}: {e['msg']}" for e in exc.errors()]
-        raise ConfigError(source, problems) from None
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(name, [f"{name}: cannot be read: {exc.strerror or exc}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(name, [f"{name}: not UTF-8 text (byte {exc.start})"]) from None
+    try:
+        document = ConfigDocument.parse(name, text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(name, [yaml_syntax(name, exc)]) from None
+    settings = _settings(data, document, also=document.repeated_keys())
+    return LoadedConfig(settings=settings, document=document)
 
 
 def load_settings(path: str | Path) -> Settings:
-    text = Path(path).read_text()
+    return load_config(path).settings
+
+
+def check_environment(settings: Settings, *, environ: Mapping[str, str]) -> list[Problem]:
+    """The secrets the config names by environment variable, unset or empty in `environ`,
+    and tenant keys that two variables share."""
+    problems: list[Problem] = []
+    holders: dict[str, int] = {
+        t.key_sha256: i for i, t in enumerate(settings.tenants) if t.key_sha256
+    }
+    for i, tenant in enumerate(settings.tenants):
+        if tenant.key_env is None:
+            continue
+        loc = ("tenants", i, "key_env")
+        problem = _secret(loc, tenant.key_env, environ)
+        if problem is not None:
+            problems.append(problem)
+            continue
+        digest = hash_key(environ[tenant.key_env])
+        if digest in holders:
+            message = f"${tenant.key_env} holds the key of tenants[{holders[digest]}] too"
+            problems.append(Problem(loc=loc, message=message))
+        holders.setdefault(digest, i)
+    for i, provider in enumerate(settings.providers):
+        if provider.api_key_env is not None:
+            problem = _secret(("providers", i, "api_key_env"), provider.api_key_env, environ)
+            problems += [problem] if problem is not None else []
+    return problems
+
+
+def _secret(loc: tuple[str | int, ...], name: str, environ: Mapping[str, str]) -> Problem | None:
+    value = environ.get(name)
+    if value is None:
+        return Problem(loc=loc, message=f"${name} is not set")
+    if not value.strip():
+        return Problem(loc=loc, message=f"${name} is empty")
+    return None
+
+
+def redis_url_problem(url: str) -> str | None:
+    """Why redis-py could not use `url`, without repeating it (it may hold a password)."""
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(str(path), [f"not valid YAML: {exc}"]) from None
-    return parse_settings(data, source=str(path))
-
-
-def check_environment(settings: Settings, environ: dict[str, str] | None = None) -> list[str]:
-    """Environment variables the config names but the process lacks."""
-    env = dict(os.environ) if environ is None else environ
-    missing = [
-        f"tenants.{i}.key_env: ${t.key_env} is not set"
-        for i, t in enumerate(settings.tenants)
-        if t.key_env is not None and t.key_env not in env
-    ]
-    missing += [
-        f"providers.{i}.api_key_env: ${p.api_key_env} is not set"
-        for i, p in enumerate(settings.providers)
-        if p.api_key_env is not None and p.api_key_env not in env
-    ]
-    return missing
+        parts = urlsplit(url)
+        _ = parts.port  # a port that is not a number raises
+    except ValueError:
+        return "is not a valid URL (its port should be a number)"
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        return "is not a Redis URL: it should start with redis://, rediss:// or unix://"
+    return None

@@ -14,7 +14,15 @@ import sys
 import uvicorn
 
 from gateway.app import create_app
-from gateway.config import ConfigError, check_environment, load_settings
+from gateway.config import (
+    ConfigError,
+    LoadedConfig,
+    Settings,
+    check_environment,
+    load_config,
+    redis_url_problem,
+)
+from gateway.config_problems import Problem
 from gateway.workers import refusal, serve_workers
 
 
@@ -25,10 +33,17 @@ def _workers(value: str) -> int:
     return count
 
 
+def _port(value: str) -> int:
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError("must be a port number, 0 to 65535")
+    return port
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--config", required=True, help="YAML config file")
     parser.add_argument("--host", help="listen address (default: server.host from the config)")
-    parser.add_argument("--port", type=int, help="listen port (default: server.port)")
+    parser.add_argument("--port", type=_port, help="listen port (default: server.port)")
     parser.add_argument("--redis", help="Redis URL (default: the env variable redis.url_env names)")
     parser.add_argument(
         "--workers", type=_workers, default=1, help="worker processes (more than 1 needs Redis)"
@@ -40,24 +55,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
-        settings = load_settings(args.config)
-    except (ConfigError, OSError) as exc:
-        print(f"spillgate: {exc}", file=sys.stderr)
+        loaded = load_config(args.config)
+    except ConfigError as exc:
+        _tell(exc.problems)
         return 2
-    missing = check_environment(settings)
-    if missing:
-        print(f"spillgate: {args.config}: missing environment", file=sys.stderr)
-        for line in missing:
-            print(f"  - {line}", file=sys.stderr)
-        return 2
+    settings = loaded.settings
     redis_url = args.redis or os.environ.get(settings.redis.url_env)
-    problem = refusal(settings, workers=args.workers, redis_url=redis_url)
-    if problem is not None:
-        print(f"spillgate: {problem}", file=sys.stderr)
+    # `--check` needs no secrets (a CI job checking a file has none): one unset is a
+    # warning there, while `serve` refuses to start without it
+    unset = check_environment(settings, environ=os.environ)
+    warnings = loaded.document.lines(unset, warning=True) if args.check else []
+    problems = [
+        *([] if args.check else loaded.document.lines(unset)),
+        *_redis_problems(loaded, redis_url=redis_url, from_args=args.redis is not None),
+        *_worker_problems(settings, workers=args.workers, redis_url=redis_url),
+    ]
+    _tell([*warnings, *problems])
+    if problems:
         return 2
     if args.check:
-        print(f"{args.config}: ok ({len(settings.pools)} pools, {len(settings.tenants)} tenants)")
+        counts = f"{len(settings.pools)} pools, {len(settings.tenants)} tenants"
+        needs = "; serve needs the variables above" if warnings else ""
+        print(f"{args.config}: ok ({counts}){needs}")
         return 0
+    return _serve(args, settings, redis_url=redis_url)
+
+
+def _serve(args: argparse.Namespace, settings: Settings, *, redis_url: str | None) -> int:
     host = args.host or settings.server.host
     port = args.port if args.port is not None else settings.server.port
     if args.workers > 1 and redis_url:
@@ -81,3 +105,23 @@ def run(args: argparse.Namespace) -> int:
         http="httptools",
     )
     return 0
+
+
+def _tell(lines: list[str]) -> None:
+    for line in lines:
+        print(line, file=sys.stderr)
+
+
+def _redis_problems(loaded: LoadedConfig, *, redis_url: str | None, from_args: bool) -> list[str]:
+    problem = None if redis_url is None else redis_url_problem(redis_url)
+    if problem is None:
+        return []
+    if from_args:
+        return [f"spillgate: --redis {problem}"]
+    env = loaded.settings.redis.url_env
+    return loaded.document.lines([Problem(loc=("redis", "url_env"), message=f"${env} {problem}")])
+
+
+def _worker_problems(settings: Settings, *, workers: int, redis_url: str | None) -> list[str]:
+    problem = refusal(settings, workers=workers, redis_url=redis_url)
+    return [] if problem is None else [f"spillgate: {problem}"]

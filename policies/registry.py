@@ -22,6 +22,8 @@ from policies.reject import RejectPolicy
 
 
 def registry() -> dict[str, PolicyFactory]:
+    """Every policy by its name; the config accepts exactly these (gateway/config.py
+    PolicyName), so a chain that loaded builds."""
     return {
         QueuePolicy.name: QueuePolicy.build,
         DegradePolicy.name: DegradePolicy.build,
@@ -29,16 +31,6 @@ def registry() -> dict[str, PolicyFactory]:
         CachePolicy.name: CachePolicy.build,
         RejectPolicy.name: RejectPolicy.build,
     }
-
-
-def unknown_policies(pools: list[PoolSettings]) -> list[str]:
-    known = registry()
-    return [
-        f"pools.{i}.overflow: unknown policy {name!r} (known: {', '.join(sorted(known))})"
-        for i, pool in enumerate(pools)
-        for name in pool.overflow
-        if name not in known
-    ]
 
 
 def build_chain(pool: PoolSettings, deps: PolicyDeps) -> list[OverflowPolicy]:

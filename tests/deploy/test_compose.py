@@ -13,7 +13,6 @@ import pytest
 import yaml
 
 from gateway.config import Settings, load_settings
-from policies.registry import unknown_policies
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -87,7 +86,6 @@ def test_gateway_config_loads_and_points_at_the_simulated_fleet(
 ) -> None:
     settings = gateway_config(services["gateway-1"])
     assert gateway_config(services["gateway-2"]) == settings
-    assert unknown_policies(settings.pools) == []
     environment = services["gateway-1"]["environment"]
     needed = {settings.server.admin_token_env, settings.redis.url_env}
     needed |= {t.key_env for t in settings.tenants if t.key_env}
@@ -168,8 +166,7 @@ def test_every_gateway_config_under_deploy_loads() -> None:
         documents = list(yaml.safe_load_all(path.read_text()))
         data = documents[0] if len(documents) == 1 else None
         if isinstance(data, dict) and {"pools", "tenants"} <= set(data):
-            settings = load_settings(path)
-            assert unknown_policies(settings.pools) == [], path
+            load_settings(path)  # refuses a file with any problem, unknown policies included
             loaded.append(path.relative_to(DEPLOY).as_posix())
     assert {"compose/gateway.yaml", "examples/gateway.yaml"} <= set(loaded)
 

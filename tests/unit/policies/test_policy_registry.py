@@ -83,10 +83,10 @@ def test_the_full_chain_is_built_in_config_order_with_its_hooks() -> None:
     [
         (
             {"overflow": ["degrade", "reject"]},
-            "pools.0.overflow: 'degrade' needs pools.0.degrade_to",
+            "pools[0].overflow[0]: 'degrade' needs pools[0].degrade_to",
         ),
-        ({"overflow": ["provider"]}, "pools.0.overflow: 'provider' needs pools.0.provider"),
-        ({"degrade_to": "big"}, "pools.0.degrade_to: a pool cannot degrade to itself"),
+        ({"overflow": ["provider"]}, "pools[0].overflow[0]: 'provider' needs pools[0].provider"),
+        ({"degrade_to": "big"}, "pools[0].degrade_to: a pool cannot degrade to itself"),
     ],
 )
 def test_a_chain_missing_what_a_policy_needs_is_refused_at_load(

@@ -1,0 +1,147 @@
+"""The config's names that must be unique and the names that must point at something.
+
+Read from the plain data (a YAML document's, or a validated Settings' model_dump), and
+tolerant of parts that are malformed, so that these problems are reported beside every
+other problem of a file rather than only once the rest is right.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from gateway.config_problems import Problem, did_you_mean, key_path
+
+Entry = tuple[int, dict[str, Any]]
+
+
+def reference_problems(data: Any) -> list[Problem]:
+    doc = data if isinstance(data, dict) else {}
+    pools, providers, tenants = (_entries(doc, key) for key in ("pools", "providers", "tenants"))
+    pool_names, provider_names = _names(pools), _names(providers)
+    problems = [
+        *_repeated_names("pools", pools),
+        *_repeated_names("providers", providers),
+        *_repeated_names("tenants", tenants),
+        *_repeated_backend_names(pools),
+        *_repeated_tenant_keys(tenants),
+    ]
+    for i, pool in pools:
+        problems += _pool_references(i, pool, pools=pool_names, providers=provider_names)
+    for i, tenant in tenants:
+        for j, name in _strings(tenant.get("pools")):
+            if name not in pool_names:
+                problems.append(_missing(("tenants", i, "pools", j), "pool", name, pool_names))
+    for i, provider in providers:
+        models = provider.get("models")
+        for name in models if isinstance(models, dict) else {}:
+            if name not in pool_names:
+                problems.append(
+                    _missing(("providers", i, "models", name), "pool", name, pool_names)
+                )
+    return problems
+
+
+def backend_name(pool: str, index: int, name: Any) -> str:
+    """The name a backend is known by in metrics and the shared ledger (gateway/backends.py)."""
+    return name if isinstance(name, str) and name else f"{pool}-{index}"
+
+
+def _pool_references(
+    i: int, pool: dict[str, Any], *, pools: list[str], providers: list[str]
+) -> list[Problem]:
+    problems: list[Problem] = []
+    degrade_to, provider = pool.get("degrade_to"), pool.get("provider")
+    if isinstance(degrade_to, str) and degrade_to not in pools:
+        problems.append(_missing(("pools", i, "degrade_to"), "pool", degrade_to, pools))
+    elif isinstance(degrade_to, str) and degrade_to == pool.get("name"):
+        problems.append(
+            Problem(loc=("pools", i, "degrade_to"), message="a pool cannot degrade to itself")
+        )
+    if isinstance(provider, str) and provider not in providers:
+        problems.append(_missing(("pools", i, "provider"), "provider", provider, providers))
+    chain = list(_strings(pool.get("overflow")))
+    needs = {"degrade": "degrade_to", "provider": "provider"}
+    first: dict[str, int] = {}
+    for j, policy in chain:
+        loc = ("pools", i, "overflow", j)
+        if policy in first:
+            message = f"{policy!r} is in the chain already, at overflow[{first[policy]}]"
+            problems.append(Problem(loc=loc, message=message))
+        elif policy in needs and pool.get(needs[policy]) is None:
+            needed = key_path(("pools", i, needs[policy]))
+            problems.append(Problem(loc=loc, message=f"{policy!r} needs {needed}"))
+        first.setdefault(policy, j)
+    rejects = [j for j, policy in chain if policy == "reject"]
+    if rejects and rejects[0] != chain[-1][0]:
+        message = "'reject' refuses every request: the policies after it would never run"
+        problems.append(Problem(loc=("pools", i, "overflow", rejects[0]), message=message))
+    return problems
+
+
+def _repeated_names(section: str, entries: list[Entry]) -> Iterator[Problem]:
+    first: dict[str, int] = {}
+    for i, entry in entries:
+        name = entry.get("name")
+        if not isinstance(name, str):
+            continue
+        if name in first:
+            message = f"{name!r} is the name of {section}[{first[name]}] already"
+            yield Problem(loc=(section, i, "name"), message=message)
+        first.setdefault(name, i)
+
+
+def _repeated_backend_names(pools: list[Entry]) -> Iterator[Problem]:
+    first: dict[str, str] = {}
+    for i, pool in pools:
+        pool_name = pool.get("name")
+        backends = pool.get("backends")
+        if not isinstance(pool_name, str) or not isinstance(backends, list):
+            continue
+        for j, backend in enumerate(backends):
+            if not isinstance(backend, dict):
+                continue
+            name = backend_name(pool_name, j, backend.get("name"))
+            loc: tuple[str | int, ...] = ("pools", i, "backends", j)
+            if name in first:
+                written = isinstance(backend.get("name"), str)
+                message = (
+                    f"backend name {name!r} is taken by {first[name]} already: metrics and "
+                    "the shared ledger tell backends apart by name"
+                )
+                yield Problem(loc=(*loc, "name") if written else loc, message=message)
+            first.setdefault(name, key_path(loc))
+
+
+def _repeated_tenant_keys(tenants: list[Entry]) -> Iterator[Problem]:
+    first: dict[str, int] = {}
+    for i, tenant in tenants:
+        digest = tenant.get("key_sha256")
+        if not isinstance(digest, str):
+            continue
+        if digest in first:
+            message = f"the key of tenants[{first[digest]}] too: a key names one tenant"
+            yield Problem(loc=("tenants", i, "key_sha256"), message=message)
+        first.setdefault(digest, i)
+
+
+def _missing(loc: tuple[str | int, ...], kind: str, name: str, known: list[str]) -> Problem:
+    if not known:
+        return Problem(loc=loc, message=f"no {kind} named {name!r}: the file has no {kind}s")
+    return Problem(loc=loc, message=f"no {kind} named {name!r}{did_you_mean(name, known)}")
+
+
+def _entries(doc: dict[str, Any], key: str) -> list[Entry]:
+    items = doc.get(key)
+    if not isinstance(items, list):
+        return []
+    return [(i, item) for i, item in enumerate(items) if isinstance(item, dict)]
+
+
+def _names(entries: list[Entry]) -> list[str]:
+    return [entry["name"] for _, entry in entries if isinstance(entry.get("name"), str)]
+
+
+def _strings(items: Any) -> Iterator[tuple[int, str]]:
+    if isinstance(items, list):
+        yield from ((i, item) for i, item in enumerate(items) if isinstance(item, str))
