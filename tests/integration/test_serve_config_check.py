@@ -111,6 +111,10 @@ def test_the_readmes_check_command_works_as_written_and_warns_of_unset_secrets()
     """A new user has none of the example's secrets: `--check` says the file is good and
     which variables `serve` will need; `serve` refuses to start without them."""
     config = "deploy/examples/gateway.yaml"
+    for readme in ("README.md", "deploy/README.md"):
+        assert f"spillgate serve -c {config} --check" in (ROOT / readme).read_text().replace(
+            "\n", " "
+        )
     checked = spillgate("serve", "-c", config, "--check", cwd=ROOT)
     unset = "tenants[0].key_env: $ACME_API_KEY is not set"
     assert checked == Ran(
