@@ -11,7 +11,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -37,7 +37,6 @@ Priority = Literal["critical", "standard", "sheddable"]
 PRIORITIES: tuple[Priority, ...] = ("critical", "standard", "sheddable")
 # the overflow policies policies/registry.py builds, by the names a pool's chain uses
 PolicyName = Literal["queue", "degrade", "provider", "cache", "reject"]
-POLICY_NAMES: tuple[PolicyName, ...] = get_args(PolicyName)
 
 
 class _Model(BaseModel):

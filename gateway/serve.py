@@ -48,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workers", type=_workers, default=1, help="worker processes (more than 1 needs Redis)"
     )
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
     parser.add_argument("--check", action="store_true", help="validate the config and exit")
 
 
