@@ -3,7 +3,9 @@
 Control and inspection endpoints (loopback test tooling, no key needed):
   GET  /sim/stats   requests seen, statuses, the last request's headers, every distinct
                     Authorization value seen (so tests prove a client's key never got here)
-  POST /sim/fail    {"status": 500, "count": N}: the next N requests answer that status
+  POST /sim/fail    {"status": 500, "count": N, "body": "..."}: the next N requests answer
+                    that status with `body` as is, or by default with an OpenAI-shaped error
+                    that, as real providers' do, names the model for a 4xx (404: no such model)
   POST /sim/delay   {"seconds": S, "count": N}: the next N requests wait S more before answering
   POST /sim/reset   forget stats and cues, refill the rate-limit buckets
 """
@@ -81,6 +83,20 @@ class ProviderConfig:
 def _openai_error(message: str, *, error_type: str, code: str | None = None) -> bytes:
     return orjson.dumps(
         {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    )
+
+
+def _failure_body(status: int, model: str) -> bytes:
+    """The error a real provider answers with `status`; its 4xx name the model asked for."""
+    if status == 404:
+        message = f"The model `{model}` does not exist or you do not have access to it."
+        return _openai_error(message, error_type="invalid_request_error", code="model_not_found")
+    if status < 500:
+        message = f"Invalid request for model `{model}`: 'max_tokens' is not supported."
+        return _openai_error(message, error_type="invalid_request_error")
+    return _openai_error(
+        "The server had an error while processing your request. Sorry about that!",
+        error_type="server_error",
     )
 
 
@@ -164,7 +180,7 @@ class ProviderEndpoint:
             body = _openai_error(exc.message, error_type="invalid_request_error")
             await send_json(send, exc.status, body)
             return
-        if await self._injected_failure(send):
+        if await self._injected_failure(send, model):
             return
         tokens = req.prompt_tokens + req.max_tokens
         verdict = self._limits.admit(tokens)
@@ -202,21 +218,18 @@ class ProviderEndpoint:
             )
         await send_json(send, 401, body)
 
-    async def _injected_failure(self, send: Send) -> bool:
+    async def _injected_failure(self, send: Send, model: str) -> bool:
         state, config = self._state, self._config
+        body = None
         if state.fail_count > 0:
             state.fail_count -= 1
-            status = state.fail_status
+            status, body = state.fail_status, state.fail_body
         elif config.fail_rate > 0 and self._rng.random() < config.fail_rate:
             status = config.fail_status
         else:
             return False
         state.record(status)
-        body = _openai_error(
-            "The server had an error while processing your request. Sorry about that!",
-            error_type="server_error",
-        )
-        await send_json(send, status, body)
+        await send_json(send, status, body or _failure_body(status, model))
         return True
 
     async def _rate_limited(self, send: Send, verdict: Verdict, model: str, tokens: int) -> None:

@@ -23,6 +23,7 @@ class ProviderState:
     aborted: int = 0
     fail_status: int = 500
     fail_count: int = 0
+    fail_body: bytes | None = None  # answered as is; None: an error naming the model
     delay_s: float = 0.0
     delay_count: int = 0
 
@@ -60,10 +61,13 @@ def admin_routes(state: ProviderState, limits: ProviderLimits) -> list[Route]:
 
     async def fail(request: Request) -> Response:
         body = await _json_object(request)
-        status = body.get("status", 500)
-        if not isinstance(status, int) or not 400 <= status <= 599:
-            return JSONResponse({"error": "status must be an HTTP error code"}, status_code=400)
+        status, raw = body.get("status", 500), body.get("body")
+        if not isinstance(status, int) or not 200 <= status <= 599:
+            return JSONResponse({"error": "status must be an HTTP status code"}, status_code=400)
+        if not isinstance(raw, str | None) or (raw is None and status < 400):
+            return JSONResponse({"error": "body must be a string, given below 400"}, 400)
         state.fail_status, state.fail_count = status, _count(body)
+        state.fail_body = None if raw is None else raw.encode()
         return JSONResponse({"status": status, "count": state.fail_count})
 
     async def delay(request: Request) -> Response:
