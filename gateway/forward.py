@@ -203,6 +203,7 @@ class Forwarder:
                 idle_s=t.idle,
                 deadline=deadline,
                 tap=tap,
+                hide_errors=target.external,
             )
             done = relayed.completed
             return relayed

@@ -69,6 +69,7 @@ class Relayed:
     usage: Usage
     first_byte_at: float | None  # perf_counter when the first byte reached the client
     completed: bool  # False when the upstream broke mid-stream
+    upstream_error: bytes = b""  # an error event the upstream sent, hidden from the client
 
 
 # puts the public model name in place of the served one in every `"model"` field of the
@@ -101,10 +102,24 @@ def sse_error_event(message: str, *, code: str = "upstream_error") -> bytes:
 
 
 # an event that carries a usage object (providers send `"usage":null` on every chunk once
-# usage is asked for: only an object is worth parsing), or one that finishes a choice
-_USAGE = re.compile(rb'"usage"\s*:\s*\{')
-_USAGE_OR_FINISH = re.compile(rb'"usage"\s*:\s*\{|"finish_reason"\s*:\s*"')
-_FINISH = re.compile(rb'"finish_reason"\s*:\s*"')
+# usage is asked for: only an object is worth parsing), one that finishes a choice, and an
+# error event
+_USAGE = rb'"usage"\s*:\s*\{'
+_FINISH = rb'"finish_reason"\s*:\s*"'
+_ERROR = rb'data:\s*\{\s*"error"\s*:'
+# what is worth a look, by (keep_usage, hide_errors): a finishing event only when the
+# usage chunk is dropped, an error event only from an upstream whose errors are hidden
+_NOTABLE = {
+    (keep, hide): re.compile(b"|".join(p for p, wanted in parts if wanted))
+    for keep in (False, True)
+    for hide in (False, True)
+    for parts in [((_USAGE, True), (_FINISH, not keep), (_ERROR, hide))]
+}
+_USAGE_EVENT, _FINISH_EVENT, _ERROR_EVENT = map(re.compile, (_USAGE, _FINISH, _ERROR))
+HIDDEN_ERROR = (
+    b'data: {"error":{"message":"The provider failed mid-stream; the response is incomplete.",'
+    b'"type":"server_error","param":null,"code":"upstream_error"}}'
+)
 
 
 class StreamRelay:
@@ -117,16 +132,20 @@ class StreamRelay:
         swap: ModelSwap | None,
         keep_usage: bool,
         tap: ResponseTap | None,
+        hide_errors: bool = False,
     ) -> None:
+        """`hide_errors`: the upstream's error events (an external provider's, which name
+        its model and account) are replaced by the gateway's own; the caller logs them."""
         self._send = send
         self._swap = swap
         self._keep_usage = keep_usage
         self._tap = tap
+        self._hide_errors = hide_errors
         self._pending = b""
-        # the events worth parsing; a finishing event only when the usage chunk is dropped
-        self._notable = _USAGE if keep_usage else _USAGE_OR_FINISH
+        self._notable = _NOTABLE[(keep_usage, hide_errors)]
         self._held: bytes | None = None  # a finishing event, until the next event arrives
         self.usage = Usage()
+        self.upstream_error = b""  # the error event the upstream sent, hidden from the client
 
     async def feed(self, chunk: bytes) -> None:
         data = self._pending + chunk if self._pending else chunk
@@ -167,6 +186,8 @@ class StreamRelay:
         its fingerprint to the finishing event before it, held back until now."""
         kept: list[bytes] = []
         for event in out.split(b"\n\n"):
+            if self._hide_errors and _ERROR_EVENT.match(event):
+                event = self._hidden(event)
             payload = self._usage_payload(event)
             if payload is not None:
                 self.usage = Usage.from_json(payload["usage"])
@@ -180,16 +201,20 @@ class StreamRelay:
             if event and self._held is not None:
                 kept.append(self._held)
                 self._held = None
-            if not self._keep_usage and _FINISH.search(event):
+            if not self._keep_usage and _FINISH_EVENT.search(event):
                 self._held = event
                 continue
             kept.append(event)
         return b"\n\n".join(kept)
 
+    def _hidden(self, event: bytes) -> bytes:
+        self.upstream_error = event
+        return HIDDEN_ERROR
+
     @staticmethod
     def _usage_payload(event: bytes) -> dict[str, Any] | None:
         """The event's JSON when it carries a usage object, else None."""
-        if not event.startswith(b"data: ") or not _USAGE.search(event):
+        if not event.startswith(b"data: ") or not _USAGE_EVENT.search(event):
             return None
         try:
             payload = orjson.loads(event[6:])
@@ -221,8 +246,11 @@ async def relay_stream(
     idle_s: float,
     deadline: float,
     tap: ResponseTap | None,
+    hide_errors: bool = False,
 ) -> Relayed:
-    relay = StreamRelay(send=send, swap=swap, keep_usage=keep_usage, tap=tap)
+    relay = StreamRelay(
+        send=send, swap=swap, keep_usage=keep_usage, tap=tap, hide_errors=hide_errors
+    )
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await relay.feed(first_chunk)
     first_byte_at = time.perf_counter()
@@ -241,10 +269,11 @@ async def relay_stream(
         await send({"type": "http.response.body", "body": body, "more_body": False})
         return Relayed(relay.usage, first_byte_at, False)  # not completed
     await relay.flush()
-    if tap is not None:
+    failed = bool(relay.upstream_error)
+    if tap is not None and not failed:
         tap.finish(relay.usage)
     await send({"type": "http.response.body", "body": b"", "more_body": False})
-    return Relayed(relay.usage, first_byte_at, True)
+    return Relayed(relay.usage, first_byte_at, not failed, upstream_error=relay.upstream_error)
 
 
 async def send_json_body(

@@ -7,6 +7,8 @@ Control and inspection endpoints (loopback test tooling, no key needed):
                     that status with `body` as is, or by default with an OpenAI-shaped error
                     that, as real providers' do, names the model for a 4xx (404: no such model)
   POST /sim/delay   {"seconds": S, "count": N}: the next N requests wait S more before answering
+  POST /sim/break   {"after_tokens": K, "count": N}: the next N streams end after K tokens
+                    with an error event naming the model, then `[DONE]`
   POST /sim/reset   forget stats and cues, refill the rate-limit buckets
 """
 
@@ -39,7 +41,7 @@ from loadtest.sim_protocol import Limits, SimRequest, SimRequestError, parse_req
 from loadtest.sim_provider_state import ProviderState, admin_routes
 from loadtest.sim_ratelimit import ProviderLimits, Verdict
 from loadtest.sim_tokens import FillerText
-from loadtest.sim_wire import Kind, StreamFrame, full_response
+from loadtest.sim_wire import DONE, Kind, StreamFrame, full_response
 
 FINGERPRINT = "fp_sim_provider"
 DEFAULT_API_KEY = "sk-sim-provider"
@@ -98,6 +100,11 @@ def _failure_body(status: int, model: str) -> bytes:
         "The server had an error while processing your request. Sorry about that!",
         error_type="server_error",
     )
+
+
+def _error_event(model: str) -> bytes:
+    message = f"The server had an error while generating with `{model}`. Sorry about that!"
+    return b"data: " + _openai_error(message, error_type="server_error") + b"\n\n" + DONE
 
 
 async def _client_left_during(seconds: float, gone: asyncio.Event) -> bool:
@@ -243,6 +250,14 @@ class ProviderEndpoint:
         body = _rate_limited_body(verdict, model, self._limits, tokens)
         await send_json(send, 429, body, headers)
 
+    def _breaks(self) -> bool:
+        """Whether this stream is one /sim/break asked to end in an error event."""
+        state = self._state
+        if state.break_count <= 0:
+            return False
+        state.break_count -= 1
+        return True
+
     def _extra_delay(self) -> float:
         state = self._state
         if state.delay_count <= 0:
@@ -297,6 +312,9 @@ class ProviderEndpoint:
         )
         await start_sse(send, self._limits.headers())
         per_token, total = config.token_latency_s, req.max_tokens
+        broken = self._breaks()
+        if broken:
+            total = min(total, self._state.break_after)
         loop = asyncio.get_running_loop()
         started_at = loop.time()
         sent = 0
@@ -305,8 +323,11 @@ class ProviderEndpoint:
             due = total if per_token == 0 else 1 + int((loop.time() - started_at) / per_token)
             due = min(total, max(due, sent + 1))
             done = due == total
-            body = head + frame.tokens(sent, due, finish_reason=req.finish_reason if done else None)
-            if done:
+            finish = req.finish_reason if done and not broken else None
+            body = head + frame.tokens(sent, due, finish_reason=finish)
+            if done and broken:
+                body += _error_event(model)
+            elif done:
                 body += frame.end(prompt_tokens=req.prompt_tokens, completion_tokens=total)
             await send_chunk(send, body, last=done)
             sent, head = due, b""

@@ -26,6 +26,8 @@ class ProviderState:
     fail_body: bytes | None = None  # answered as is; None: an error naming the model
     delay_s: float = 0.0
     delay_count: int = 0
+    break_after: int = 0
+    break_count: int = 0
 
     def record(self, status: int) -> None:
         self.by_status[status] = self.by_status.get(status, 0) + 1
@@ -78,6 +80,14 @@ def admin_routes(state: ProviderState, limits: ProviderLimits) -> list[Route]:
         state.delay_s, state.delay_count = float(seconds), _count(body)
         return JSONResponse({"seconds": state.delay_s, "count": state.delay_count})
 
+    async def break_stream(request: Request) -> Response:
+        body = await _json_object(request)
+        after = body.get("after_tokens", 1)
+        if not isinstance(after, int) or after < 1:
+            return JSONResponse({"error": "after_tokens must be a positive integer"}, 400)
+        state.break_after, state.break_count = after, _count(body)
+        return JSONResponse({"after_tokens": after, "count": state.break_count})
+
     async def reset(request: Request) -> Response:
         fresh = ProviderState()
         for name in state.__dataclass_fields__:
@@ -89,5 +99,6 @@ def admin_routes(state: ProviderState, limits: ProviderLimits) -> list[Route]:
         Route("/sim/stats", stats, methods=["GET"]),
         Route("/sim/fail", fail, methods=["POST"]),
         Route("/sim/delay", delay, methods=["POST"]),
+        Route("/sim/break", break_stream, methods=["POST"]),
         Route("/sim/reset", reset, methods=["POST"]),
     ]

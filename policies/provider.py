@@ -28,6 +28,7 @@ log = logging.getLogger("spillgate.provider")
 # statuses that refuse this one request, not the provider's service: no breaker failure
 REQUEST_REFUSALS = frozenset({400, 413, 422})
 LOGGED_DETAIL_CHARS = 500
+MID_STREAM = "mid-stream"  # the reason label of a failure after the first byte
 
 
 class ProviderPolicy:
@@ -82,11 +83,21 @@ class ProviderPolicy:
         return served
 
     def _settle(self, served: Served) -> None:
-        gate, usage = self._gate, served.relayed.usage
-        if served.relayed.completed:
+        gate, relayed = self._gate, served.relayed
+        usage = relayed.usage
+        if relayed.completed:
             gate.breaker.record_success()
         else:
+            # past the first byte: the client got the gateway's own error event
             gate.breaker.record_failure()
+            self._metrics.upstream_errors.labels(gate.name, MID_STREAM).inc()
+            said = relayed.upstream_error.decode("utf-8", "replace")
+            log.warning(
+                "provider %s failed mid-stream for pool %s: %s",
+                gate.name,
+                served.pool,
+                gate.redact(said)[:LOGGED_DETAIL_CHARS],
+            )
         if usage.known:
             cost = gate.cost(
                 prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens

@@ -10,6 +10,7 @@ the pool `typo` is mapped to a name it does not serve, as a misconfigured gatewa
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -168,3 +169,32 @@ def test_a_refusal_of_one_request_leaves_the_breaker_closed_and_a_404_opens_it()
         assert ask(fleet, content="four")[:2] == (503, "rejected")
         assert provider_stats(hosted)["requests"] == asked  # breaker open: not asked
         assert provider_stats(hosted)["by_status"] == {"200": 1, "400": 1, "404": 1}
+
+
+def test_a_provider_error_mid_stream_reaches_the_client_in_the_gateways_words(
+    spill: tuple[Fleet, ServerThread], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past the first byte the request cannot pass on: the stream ends in an error event,
+    the gateway's own, not the provider's."""
+    fleet, hosted = spill
+    caplog.set_level(logging.WARNING, logger="spillgate.provider")
+    counted = failures(fleet, "mid-stream")
+    cut = {"after_tokens": 3, "count": 1}
+    httpx.post(f"{hosted.url}/sim/break", json=cut, timeout=5).raise_for_status()
+    status, outcome, body = ask(fleet, stream=True, content="cut short")
+    assert (status, outcome) == (200, "provider")
+    events = [e.removeprefix("data: ") for e in body.split("\n\n") if e.startswith("data: ")]
+    assert len(events) == 1 + 3 + 2  # the role, three tokens, the error, [DONE]
+    assert json.loads(events[-2]) == {
+        "error": {
+            "message": "The provider failed mid-stream; the response is incomplete.",
+            "type": "server_error",
+            "param": None,
+            "code": "upstream_error",
+        }
+    }
+    assert events[-1] == "[DONE]"
+    assert_nothing_leaked(body)
+    assert failures(fleet, "mid-stream") == counted + 1
+    logged = [r.getMessage() for r in caplog.records if r.name == "spillgate.provider"]
+    assert len(logged) == 1 and f"while generating with `{SERVED}`" in logged[0]

@@ -5,7 +5,7 @@ import orjson
 import pytest
 from starlette.types import Message
 
-from gateway.relay import StreamRelay, model_swap, send_json_body
+from gateway.relay import HIDDEN_ERROR, StreamRelay, model_swap, send_json_body
 from tests.vllm_capture import sse
 
 CHUNK = b'data: {"id":"c","model":"served","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
@@ -165,3 +165,31 @@ def test_a_finishing_chunk_is_held_only_until_the_next_event() -> None:
         assert sent == [finish + other, finish]
 
     asyncio.run(go())
+
+
+PROVIDER_ERROR = b'data: {"error":{"message":"gpt-secret broke","type":"server_error"}}\n\n'
+
+
+@pytest.mark.parametrize("hide", [False, True])
+def test_an_error_event_is_replaced_only_where_the_upstreams_errors_are_hidden(
+    hide: bool,
+) -> None:
+    sent: list[bytes] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message["body"])
+
+    relay = StreamRelay(send=send, swap=None, keep_usage=True, tap=None, hide_errors=hide)
+
+    async def go() -> None:
+        for chunk in _cuts(CHUNK + PROVIDER_ERROR + DONE, 9):
+            await relay.feed(chunk)
+        await relay.flush()
+
+    asyncio.run(go())
+    if hide:
+        assert b"".join(sent) == CHUNK + HIDDEN_ERROR + b"\n\n" + DONE
+        assert relay.upstream_error == PROVIDER_ERROR.strip()
+    else:
+        assert b"".join(sent) == CHUNK + PROVIDER_ERROR + DONE
+        assert relay.upstream_error == b""
