@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -36,6 +37,9 @@ class Target:
     model: str  # the model name the upstream serves
     timeouts: Timeouts
     headers: Mapping[str, str] = field(default_factory=dict)  # the upstream's own credentials
+    # an external provider: any answer but a readable success is its failure, never relayed
+    # (its errors name its models and account); the caller passes the request on
+    external: bool = False
 
 
 class UpstreamUnavailable(Exception):
@@ -48,12 +52,14 @@ class UpstreamUnavailable(Exception):
         status: int | None = None,
         retry_after: float | None = None,
         timed_out: bool = False,
+        detail: bytes = b"",
     ):
         super().__init__(reason)
         self.reason = reason
         self.status = status
         self.retry_after = retry_after
         self.timed_out = timed_out
+        self.detail = detail  # what the upstream said, for the log only
 
 
 # Fields some SDKs and proxies read to pick the upstream or its credentials. The gateway
@@ -145,6 +151,8 @@ class Forwarder:
         swap = model_swap(target.model, public_model)
         if not request.stream:
             status, body = await self._whole(target, request, deadline)
+            if target.external:
+                _check_external_body(status, body)
             return await send_json_body(
                 body,
                 send=send,
@@ -164,6 +172,8 @@ class Forwarder:
             if response.status >= 400:
                 body = await self._read_body(response, deadline)
                 done = True
+                if target.external:
+                    _check_external_body(response.status, body)
                 return await send_json_body(
                     body,
                     send=send,
@@ -180,6 +190,8 @@ class Forwarder:
                 raise UpstreamUnavailable(
                     f"no first token: {type(exc).__name__}", timed_out=isinstance(exc, TimeoutError)
                 ) from None
+            if target.external:
+                _check_external_first_chunk(first)
             relayed = await relay_stream(
                 chunks,
                 send=send,
@@ -191,6 +203,7 @@ class Forwarder:
                 idle_s=t.idle,
                 deadline=deadline,
                 tap=tap,
+                hide_errors=target.external,
             )
             done = relayed.completed
             return relayed
@@ -248,3 +261,25 @@ def _check_status(response: aiohttp.ClientResponse) -> None:
             status=response.status,
             retry_after=_retry_after(response),
         )
+
+
+# an answer that opens with an error event instead of tokens
+_ERROR_EVENT = re.compile(rb'\s*data:\s*\{\s*"error"\s*:')
+
+
+def _check_external_body(status: int, body: bytes) -> None:
+    """A provider's refusal (any status but 200), or a 200 that is not a JSON answer."""
+    if status != 200:
+        raise UpstreamUnavailable(f"status {status}", status=status, detail=body)
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        answer = None
+    if not isinstance(answer, dict) or "error" in answer or "choices" not in answer:
+        raise UpstreamUnavailable("bad body", status=status, detail=body)
+
+
+def _check_external_first_chunk(first: bytes) -> None:
+    """A provider's stream that opens with an error event, or is a JSON or HTML page."""
+    if _ERROR_EVENT.match(first) or first.lstrip()[:1] in (b"{", b"[", b"<"):
+        raise UpstreamUnavailable("bad body", status=200, detail=first)

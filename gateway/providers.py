@@ -145,7 +145,12 @@ class ProviderGate:
             model=self.settings.models.get(pool, pool),
             timeouts=self.settings.timeouts,
             headers=headers,
+            external=True,
         )
+
+    def redact(self, text: str) -> str:
+        """`text` without the provider's key: its errors may echo what they were sent."""
+        return text.replace(self._api_key, "***") if self._api_key else text
 
     async def acquire(self, tokens: int) -> Ticket | Refusal:
         """Claim a slot and budget for one request, or say why not (claiming nothing)."""

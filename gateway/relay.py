@@ -3,14 +3,21 @@
 Only events that carry `"usage"` are parsed (to learn real usage and to drop the usage
 chunk a client did not ask for); every other byte is relayed untouched, apart from the
 model name, which is swapped back to the name the client asked for.
+
+The gateway always asks the upstream for usage. vLLM then moves `system_fingerprint` from
+the chunk that finishes the answer to the usage chunk, so for a client that did not ask
+for usage the finishing chunk is held until the next event shows whether the usage chunk
+follows, and gets the fingerprint back: the client's stream is the one it would get direct.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
+import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -62,21 +69,57 @@ class Relayed:
     usage: Usage
     first_byte_at: float | None  # perf_counter when the first byte reached the client
     completed: bool  # False when the upstream broke mid-stream
+    upstream_error: bytes = b""  # an error event the upstream sent, hidden from the client
+
+
+# puts the public model name in place of the served one in every `"model"` field of the
+# data it is given; returns the data unchanged where there is none
+ModelSwap = Callable[[bytes], bytes]
 
 
 @functools.lru_cache(maxsize=256)
-def model_swap(served: str, public: str) -> tuple[bytes, bytes] | None:
+def model_swap(served: str, public: str) -> ModelSwap | None:
+    """The swap from `served` to `public`, or None when the names are the same.
+
+    Upstreams differ in spacing (`"model":"x"`, `"model": "x"`) and in escaping (`\\/`,
+    `\\u00e9`), so the field is matched by one compiled pattern for them all; the field
+    goes out compact. A fixed replacement keeps the substitution as cheap as a search.
+    """
     if served == public:
         return None
-    return (
-        b'"model":' + orjson.dumps(served),
-        b'"model":' + orjson.dumps(public),
-    )
+    compact = orjson.dumps(served)
+    spellings = {compact, json.dumps(served).encode(), compact.replace(b"/", b"\\/")}
+    names = b"|".join(re.escape(s) for s in sorted(spellings, key=len, reverse=True))
+    pattern = re.compile(rb'"model"\s*:\s*(?:' + names + rb")")
+    # a replacement template: the public name's own backslashes must stay literal
+    replacement = b'"model":' + orjson.dumps(public).replace(b"\\", b"\\\\")
+    return functools.partial(pattern.sub, replacement)
 
 
 def sse_error_event(message: str, *, code: str = "upstream_error") -> bytes:
     error = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     return b"data: " + orjson.dumps(error) + b"\n\n" + DONE
+
+
+# an event that carries a usage object (providers send `"usage":null` on every chunk once
+# usage is asked for: only an object is worth parsing), one that finishes a choice, and an
+# error event
+_USAGE = rb'"usage"\s*:\s*\{'
+_FINISH = rb'"finish_reason"\s*:\s*"'
+_ERROR = rb'data:\s*\{\s*"error"\s*:'
+# what is worth a look, by (keep_usage, hide_errors): a finishing event only when the
+# usage chunk is dropped, an error event only from an upstream whose errors are hidden
+_NOTABLE = {
+    (keep, hide): re.compile(b"|".join(p for p, wanted in parts if wanted))
+    for keep in (False, True)
+    for hide in (False, True)
+    for parts in [((_USAGE, True), (_FINISH, not keep), (_ERROR, hide))]
+}
+_USAGE_EVENT, _FINISH_EVENT, _ERROR_EVENT = map(re.compile, (_USAGE, _FINISH, _ERROR))
+HIDDEN_ERROR = (
+    b'data: {"error":{"message":"The provider failed mid-stream; the response is incomplete.",'
+    b'"type":"server_error","param":null,"code":"upstream_error"}}'
+)
 
 
 class StreamRelay:
@@ -86,16 +129,23 @@ class StreamRelay:
         self,
         *,
         send: Send,
-        swap: tuple[bytes, bytes] | None,
+        swap: ModelSwap | None,
         keep_usage: bool,
         tap: ResponseTap | None,
+        hide_errors: bool = False,
     ) -> None:
+        """`hide_errors`: the upstream's error events (an external provider's, which name
+        its model and account) are replaced by the gateway's own; the caller logs them."""
         self._send = send
         self._swap = swap
         self._keep_usage = keep_usage
         self._tap = tap
+        self._hide_errors = hide_errors
         self._pending = b""
+        self._notable = _NOTABLE[(keep_usage, hide_errors)]
+        self._held: bytes | None = None  # a finishing event, until the next event arrives
         self.usage = Usage()
+        self.upstream_error = b""  # the error event the upstream sent, hidden from the client
 
     async def feed(self, chunk: bytes) -> None:
         data = self._pending + chunk if self._pending else chunk
@@ -107,40 +157,81 @@ class StreamRelay:
         await self._emit(out)
 
     async def flush(self) -> None:
-        """Relay what is left after the upstream's last blank line, treated like the rest."""
+        """Relay what is left after the upstream's last blank line, treated like the rest,
+        and a finishing event still held (the upstream sent nothing after it)."""
         if self._pending:
             rest, self._pending = self._pending, b""
             await self._emit(rest)
+        if self._held is not None:
+            held, self._held = self._outgoing(self._held + b"\n\n"), None
+            await self._send({"type": "http.response.body", "body": held, "more_body": True})
 
     async def _emit(self, out: bytes) -> None:
-        # providers send `"usage":null` on every chunk once usage is asked for: only a
-        # usage object is worth parsing
-        if b'"usage":{' in out or b'"usage": {' in out:
-            out = self._read_usage(out)
-        if self._swap is not None:
-            out = out.replace(*self._swap)
-        if self._tap is not None:
-            self._tap.feed(out)
+        if self._held is not None or self._notable.search(out):
+            out = self._rewrite(out)
+        out = self._outgoing(out)
         if out:
             await self._send({"type": "http.response.body", "body": out, "more_body": True})
 
-    def _read_usage(self, out: bytes) -> bytes:
+    def _outgoing(self, out: bytes) -> bytes:
+        """`out` as the client gets it (the model name swapped back), shown to the tap."""
+        if self._swap is not None:
+            out = self._swap(out)
+        if self._tap is not None:
+            self._tap.feed(out)
+        return out
+
+    def _rewrite(self, out: bytes) -> bytes:
+        """Read the usage event; unless the client asked for usage, drop its chunk and give
+        its fingerprint to the finishing event before it, held back until now."""
         kept: list[bytes] = []
         for event in out.split(b"\n\n"):
-            if b'"usage"' in event and event.startswith(b"data: "):
-                try:
-                    payload = orjson.loads(event[6:])
-                except orjson.JSONDecodeError:
-                    payload = None
-                if isinstance(payload, dict) and payload.get("usage"):
-                    self.usage = Usage.from_json(payload["usage"])
-                    if not self._keep_usage and not payload.get("choices"):
-                        continue
-                    if not self._keep_usage:
-                        payload["usage"] = None
-                        event = b"data: " + orjson.dumps(payload)
+            if self._hide_errors and _ERROR_EVENT.match(event):
+                event = self._hidden(event)
+            payload = self._usage_payload(event)
+            if payload is not None:
+                self.usage = Usage.from_json(payload["usage"])
+                if not self._keep_usage and not payload.get("choices"):
+                    if self._held is not None:
+                        self._held = _with_fingerprint(self._held, payload)
+                    continue
+                if not self._keep_usage:
+                    payload["usage"] = None
+                    event = b"data: " + orjson.dumps(payload)
+            if event and self._held is not None:
+                kept.append(self._held)
+                self._held = None
+            if not self._keep_usage and _FINISH_EVENT.search(event):
+                self._held = event
+                continue
             kept.append(event)
         return b"\n\n".join(kept)
+
+    def _hidden(self, event: bytes) -> bytes:
+        self.upstream_error = event
+        return HIDDEN_ERROR
+
+    @staticmethod
+    def _usage_payload(event: bytes) -> dict[str, Any] | None:
+        """The event's JSON when it carries a usage object, else None."""
+        if not event.startswith(b"data: ") or not _USAGE_EVENT.search(event):
+            return None
+        try:
+            payload = orjson.loads(event[6:])
+        except orjson.JSONDecodeError:
+            return None
+        if isinstance(payload, dict) and payload.get("usage"):
+            return payload
+        return None
+
+
+def _with_fingerprint(event: bytes, usage_chunk: dict[str, Any]) -> bytes:
+    """`event` with the usage chunk's `system_fingerprint` added, where it has none."""
+    fingerprint = usage_chunk.get("system_fingerprint")
+    body = event.rstrip()
+    if fingerprint is None or b'"system_fingerprint"' in event or not body.endswith(b"}"):
+        return event
+    return body[:-1] + b',"system_fingerprint":' + orjson.dumps(fingerprint) + b"}"
 
 
 async def relay_stream(
@@ -150,13 +241,16 @@ async def relay_stream(
     status: int,
     headers: list[tuple[bytes, bytes]],
     first_chunk: bytes,
-    swap: tuple[bytes, bytes] | None,
+    swap: ModelSwap | None,
     keep_usage: bool,
     idle_s: float,
     deadline: float,
     tap: ResponseTap | None,
+    hide_errors: bool = False,
 ) -> Relayed:
-    relay = StreamRelay(send=send, swap=swap, keep_usage=keep_usage, tap=tap)
+    relay = StreamRelay(
+        send=send, swap=swap, keep_usage=keep_usage, tap=tap, hide_errors=hide_errors
+    )
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await relay.feed(first_chunk)
     first_byte_at = time.perf_counter()
@@ -175,10 +269,11 @@ async def relay_stream(
         await send({"type": "http.response.body", "body": body, "more_body": False})
         return Relayed(relay.usage, first_byte_at, False)  # not completed
     await relay.flush()
-    if tap is not None:
+    failed = bool(relay.upstream_error)
+    if tap is not None and not failed:
         tap.finish(relay.usage)
     await send({"type": "http.response.body", "body": b"", "more_body": False})
-    return Relayed(relay.usage, first_byte_at, True)
+    return Relayed(relay.usage, first_byte_at, not failed, upstream_error=relay.upstream_error)
 
 
 async def send_json_body(
@@ -187,7 +282,7 @@ async def send_json_body(
     send: Send,
     status: int,
     headers: list[tuple[bytes, bytes]],
-    swap: tuple[bytes, bytes] | None,
+    swap: ModelSwap | None,
     tap: ResponseTap | None,
 ) -> Relayed:
     try:
@@ -196,7 +291,7 @@ async def send_json_body(
         parsed = None
     usage = Usage.from_json(parsed.get("usage")) if isinstance(parsed, dict) else Usage()
     if swap is not None:
-        body = body.replace(*swap)
+        body = swap(body)
     all_headers = [*headers, (b"content-length", b"%d" % len(body))]
     await send({"type": "http.response.start", "status": status, "headers": all_headers})
     if tap is not None:

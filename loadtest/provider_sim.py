@@ -3,8 +3,12 @@
 Control and inspection endpoints (loopback test tooling, no key needed):
   GET  /sim/stats   requests seen, statuses, the last request's headers, every distinct
                     Authorization value seen (so tests prove a client's key never got here)
-  POST /sim/fail    {"status": 500, "count": N}: the next N requests answer that status
+  POST /sim/fail    {"status": 500, "count": N, "body": "..."}: the next N requests answer
+                    that status with `body` as is, or by default with an OpenAI-shaped error
+                    that, as real providers' do, names the model for a 4xx (404: no such model)
   POST /sim/delay   {"seconds": S, "count": N}: the next N requests wait S more before answering
+  POST /sim/break   {"after_tokens": K, "count": N}: the next N streams end after K tokens
+                    with an error event naming the model, then `[DONE]`
   POST /sim/reset   forget stats and cues, refill the rate-limit buckets
 """
 
@@ -37,7 +41,7 @@ from loadtest.sim_protocol import Limits, SimRequest, SimRequestError, parse_req
 from loadtest.sim_provider_state import ProviderState, admin_routes
 from loadtest.sim_ratelimit import ProviderLimits, Verdict
 from loadtest.sim_tokens import FillerText
-from loadtest.sim_wire import Kind, StreamFrame, full_response
+from loadtest.sim_wire import DONE, Kind, StreamFrame, full_response
 
 FINGERPRINT = "fp_sim_provider"
 DEFAULT_API_KEY = "sk-sim-provider"
@@ -82,6 +86,25 @@ def _openai_error(message: str, *, error_type: str, code: str | None = None) -> 
     return orjson.dumps(
         {"error": {"message": message, "type": error_type, "param": None, "code": code}}
     )
+
+
+def _failure_body(status: int, model: str) -> bytes:
+    """The error a real provider answers with `status`; its 4xx name the model asked for."""
+    if status == 404:
+        message = f"The model `{model}` does not exist or you do not have access to it."
+        return _openai_error(message, error_type="invalid_request_error", code="model_not_found")
+    if status < 500:
+        message = f"Invalid request for model `{model}`: 'max_tokens' is not supported."
+        return _openai_error(message, error_type="invalid_request_error")
+    return _openai_error(
+        "The server had an error while processing your request. Sorry about that!",
+        error_type="server_error",
+    )
+
+
+def _error_event(model: str) -> bytes:
+    message = f"The server had an error while generating with `{model}`. Sorry about that!"
+    return b"data: " + _openai_error(message, error_type="server_error") + b"\n\n" + DONE
 
 
 async def _client_left_during(seconds: float, gone: asyncio.Event) -> bool:
@@ -164,7 +187,7 @@ class ProviderEndpoint:
             body = _openai_error(exc.message, error_type="invalid_request_error")
             await send_json(send, exc.status, body)
             return
-        if await self._injected_failure(send):
+        if await self._injected_failure(send, model):
             return
         tokens = req.prompt_tokens + req.max_tokens
         verdict = self._limits.admit(tokens)
@@ -202,21 +225,18 @@ class ProviderEndpoint:
             )
         await send_json(send, 401, body)
 
-    async def _injected_failure(self, send: Send) -> bool:
+    async def _injected_failure(self, send: Send, model: str) -> bool:
         state, config = self._state, self._config
+        body = None
         if state.fail_count > 0:
             state.fail_count -= 1
-            status = state.fail_status
+            status, body = state.fail_status, state.fail_body
         elif config.fail_rate > 0 and self._rng.random() < config.fail_rate:
             status = config.fail_status
         else:
             return False
         state.record(status)
-        body = _openai_error(
-            "The server had an error while processing your request. Sorry about that!",
-            error_type="server_error",
-        )
-        await send_json(send, status, body)
+        await send_json(send, status, body or _failure_body(status, model))
         return True
 
     async def _rate_limited(self, send: Send, verdict: Verdict, model: str, tokens: int) -> None:
@@ -229,6 +249,14 @@ class ProviderEndpoint:
         ]
         body = _rate_limited_body(verdict, model, self._limits, tokens)
         await send_json(send, 429, body, headers)
+
+    def _breaks(self) -> bool:
+        """Whether this stream is one /sim/break asked to end in an error event."""
+        state = self._state
+        if state.break_count <= 0:
+            return False
+        state.break_count -= 1
+        return True
 
     def _extra_delay(self) -> float:
         state = self._state
@@ -284,6 +312,9 @@ class ProviderEndpoint:
         )
         await start_sse(send, self._limits.headers())
         per_token, total = config.token_latency_s, req.max_tokens
+        broken = self._breaks()
+        if broken:
+            total = min(total, self._state.break_after)
         loop = asyncio.get_running_loop()
         started_at = loop.time()
         sent = 0
@@ -292,8 +323,11 @@ class ProviderEndpoint:
             due = total if per_token == 0 else 1 + int((loop.time() - started_at) / per_token)
             due = min(total, max(due, sent + 1))
             done = due == total
-            body = head + frame.tokens(sent, due, finish_reason=req.finish_reason if done else None)
-            if done:
+            finish = req.finish_reason if done and not broken else None
+            body = head + frame.tokens(sent, due, finish_reason=finish)
+            if done and broken:
+                body += _error_event(model)
+            elif done:
                 body += frame.end(prompt_tokens=req.prompt_tokens, completion_tokens=total)
             await send_chunk(send, body, last=done)
             sent, head = due, b""

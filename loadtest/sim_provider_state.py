@@ -23,8 +23,11 @@ class ProviderState:
     aborted: int = 0
     fail_status: int = 500
     fail_count: int = 0
+    fail_body: bytes | None = None  # answered as is; None: an error naming the model
     delay_s: float = 0.0
     delay_count: int = 0
+    break_after: int = 0
+    break_count: int = 0
 
     def record(self, status: int) -> None:
         self.by_status[status] = self.by_status.get(status, 0) + 1
@@ -60,10 +63,13 @@ def admin_routes(state: ProviderState, limits: ProviderLimits) -> list[Route]:
 
     async def fail(request: Request) -> Response:
         body = await _json_object(request)
-        status = body.get("status", 500)
-        if not isinstance(status, int) or not 400 <= status <= 599:
-            return JSONResponse({"error": "status must be an HTTP error code"}, status_code=400)
+        status, raw = body.get("status", 500), body.get("body")
+        if not isinstance(status, int) or not 200 <= status <= 599:
+            return JSONResponse({"error": "status must be an HTTP status code"}, status_code=400)
+        if not isinstance(raw, str | None) or (raw is None and status < 400):
+            return JSONResponse({"error": "body must be a string, given below 400"}, 400)
         state.fail_status, state.fail_count = status, _count(body)
+        state.fail_body = None if raw is None else raw.encode()
         return JSONResponse({"status": status, "count": state.fail_count})
 
     async def delay(request: Request) -> Response:
@@ -73,6 +79,14 @@ def admin_routes(state: ProviderState, limits: ProviderLimits) -> list[Route]:
             return JSONResponse({"error": "seconds must be a non-negative number"}, status_code=400)
         state.delay_s, state.delay_count = float(seconds), _count(body)
         return JSONResponse({"seconds": state.delay_s, "count": state.delay_count})
+
+    async def break_stream(request: Request) -> Response:
+        body = await _json_object(request)
+        after = body.get("after_tokens", 1)
+        if not isinstance(after, int) or after < 1:
+            return JSONResponse({"error": "after_tokens must be a positive integer"}, 400)
+        state.break_after, state.break_count = after, _count(body)
+        return JSONResponse({"after_tokens": after, "count": state.break_count})
 
     async def reset(request: Request) -> Response:
         fresh = ProviderState()
@@ -85,5 +99,6 @@ def admin_routes(state: ProviderState, limits: ProviderLimits) -> list[Route]:
         Route("/sim/stats", stats, methods=["GET"]),
         Route("/sim/fail", fail, methods=["POST"]),
         Route("/sim/delay", delay, methods=["POST"]),
+        Route("/sim/break", break_stream, methods=["POST"]),
         Route("/sim/reset", reset, methods=["POST"]),
     ]

@@ -1,8 +1,12 @@
 """Spill to the pool's external provider while its breaker, budget and concurrency allow.
 
-A provider failure before the first byte (5xx, 429, timeout, connection error) counts
-against its breaker and passes the request to the next policy; a 429's `Retry-After`
-keeps the breaker open that long. Spend is counted per provider from the real usage.
+A provider failure before the first byte (any error status, timeout, connection error,
+an answer that is not one) is a failed spill: it is counted in
+`spillgate_upstream_errors_total{target=<provider>}`, logged with what the provider said,
+and the request passes to the next policy. The client never sees the provider's error:
+it names the provider's model and account. A 429's `Retry-After` keeps the breaker open
+that long; a refusal of this one request (400, 413, 422) leaves the breaker as it was, so
+no client can open it for everyone. Spend is counted per provider from the real usage.
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ from gateway.request import InferenceRequest
 from policies.base import PolicyDeps
 
 log = logging.getLogger("spillgate.provider")
+
+# statuses that refuse this one request, not the provider's service: no breaker failure
+REQUEST_REFUSALS = frozenset({400, 413, 422})
+LOGGED_DETAIL_CHARS = 500
+MID_STREAM = "mid-stream"  # the reason label of a failure after the first byte
 
 
 class ProviderPolicy:
@@ -50,8 +59,18 @@ class ProviderPolicy:
             )
         except UpstreamUnavailable as exc:
             # the breaker first: nothing awaited below may leave a half-open trial claimed
-            gate.breaker.record_failure(retry_after=exc.retry_after)
+            if exc.status in REQUEST_REFUSALS:
+                gate.breaker.release_trial()
+            else:
+                gate.breaker.record_failure(retry_after=exc.retry_after)
             self._metrics.upstream_errors.labels(gate.name, exc.reason.split(":")[0]).inc()
+            log.warning(
+                "provider %s failed for pool %s (%s), passing the request on: %s",
+                gate.name,
+                request.pool,
+                exc.reason,
+                gate.redact(exc.detail.decode("utf-8", "replace"))[:LOGGED_DETAIL_CHARS],
+            )
             await gate.release(ticket, used=0)  # refused before generating: budget comes back
             return None
         except BaseException:  # cancelled mid-answer: keep the budget spent, free the slot
@@ -64,11 +83,21 @@ class ProviderPolicy:
         return served
 
     def _settle(self, served: Served) -> None:
-        gate, usage = self._gate, served.relayed.usage
-        if served.relayed.completed:
+        gate, relayed = self._gate, served.relayed
+        usage = relayed.usage
+        if relayed.completed:
             gate.breaker.record_success()
         else:
+            # past the first byte: the client got the gateway's own error event
             gate.breaker.record_failure()
+            self._metrics.upstream_errors.labels(gate.name, MID_STREAM).inc()
+            said = relayed.upstream_error.decode("utf-8", "replace")
+            log.warning(
+                "provider %s failed mid-stream for pool %s: %s",
+                gate.name,
+                served.pool,
+                gate.redact(said)[:LOGGED_DETAIL_CHARS],
+            )
         if usage.known:
             cost = gate.cost(
                 prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens

@@ -1,9 +1,12 @@
 import asyncio
+import json
 
 import orjson
+import pytest
 from starlette.types import Message
 
-from gateway.relay import StreamRelay, model_swap
+from gateway.relay import HIDDEN_ERROR, StreamRelay, model_swap, send_json_body
+from tests.vllm_capture import sse
 
 CHUNK = b'data: {"id":"c","model":"served","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
 USAGE = (
@@ -13,15 +16,15 @@ USAGE = (
 DONE = b"data: [DONE]\n\n"
 
 
-def _run(chunks: list[bytes], *, keep_usage: bool) -> tuple[bytes, StreamRelay]:
+def _run(
+    chunks: list[bytes], *, keep_usage: bool, served: str = "served"
+) -> tuple[bytes, StreamRelay]:
     sent: list[bytes] = []
 
     async def send(message: Message) -> None:
         sent.append(message["body"])
 
-    relay = StreamRelay(
-        send=send, swap=model_swap("served", "pool"), keep_usage=keep_usage, tap=None
-    )
+    relay = StreamRelay(send=send, swap=model_swap(served, "pool"), keep_usage=keep_usage, tap=None)
 
     async def go() -> None:
         for c in chunks:
@@ -47,3 +50,146 @@ def test_drops_the_usage_chunk_the_client_did_not_ask_for() -> None:
     assert relay.usage.known and relay.usage.total == 18
     events = [e for e in out.split(b"\n\n") if e.startswith(b"data: {")]
     assert all(orjson.loads(e[6:])["model"] == "pool" for e in events)
+
+
+def _cuts(whole: bytes, size: int) -> list[bytes]:
+    return [whole[i : i + size] for i in range(0, len(whole), size)]
+
+
+def _events(out: bytes) -> list[dict[str, object]]:
+    return [orjson.loads(e[6:]) for e in out.split(b"\n\n") if e.startswith(b"data: {")]
+
+
+SWAP = model_swap("meta/served", 'pub"lic\\x')
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        b'"model":"meta/served"',
+        b'"model": "meta/served"',  # Python's json.dumps
+        b'"model" :\t"meta/served"',
+        b'"model":\n  "meta/served"',  # json.dumps(indent=2)
+        b'"model":"meta\\/served"',  # an escaped solidus
+    ],
+)
+def test_swaps_the_model_field_whatever_its_spacing(field: bytes) -> None:
+    assert SWAP is not None
+    body = b'{"id":"x",' + field + b',"n":1}'
+    assert json.loads(SWAP(body)) == {"id": "x", "model": 'pub"lic\\x', "n": 1}
+
+
+def test_swaps_only_the_served_name_and_only_a_model_field() -> None:
+    assert SWAP is not None
+    untouched = [
+        b'{"model": "meta/served-2"}',
+        b'{"model": "x/meta/served"}',
+        b'{"content": "the \\"model\\": \\"meta/served\\" field"}',
+        b'{"root": "meta/served"}',
+    ]
+    assert [SWAP(body) for body in untouched] == untouched
+    ascii_only = model_swap("caf\u00e9", "pool")  # json.dumps escapes what orjson writes as is
+    assert ascii_only is not None
+    assert ascii_only(json.dumps({"model": "caf\u00e9"}).encode()) == b'{"model":"pool"}'
+    assert ascii_only(orjson.dumps({"model": "caf\u00e9"})) == b'{"model":"pool"}'
+    assert model_swap("same", "same") is None
+
+
+def test_a_json_body_written_by_pythons_json_is_swapped() -> None:
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    body = json.dumps({"model": "served", "choices": [], "usage": {"prompt_tokens": 3}}).encode()
+    relayed = asyncio.run(
+        send_json_body(
+            body, send=send, status=200, headers=[], swap=model_swap("served", "pool"), tap=None
+        )
+    )
+    assert json.loads(sent[1]["body"])["model"] == "pool"
+    assert b"served" not in sent[1]["body"]
+    assert relayed.usage.prompt_tokens == 3
+
+
+def test_a_spaced_stream_is_swapped_in_every_event() -> None:
+    spaced = b"".join(
+        b"data: " + json.dumps({"model": "served", "choices": [{"index": 0}]}).encode() + b"\n\n"
+        for _ in range(3)
+    )
+    out, _ = _run(_cuts(spaced + DONE, 5), keep_usage=False)
+    assert b"served" not in out
+    assert [e["model"] for e in _events(out)] == ["pool", "pool", "pool"]
+
+
+# vLLM 0.32, asked for usage, puts `system_fingerprint` on the usage chunk alone; not asked,
+# on the chunk that finishes the answer (captured in tests/fixtures/vllm-0.32-chat.txt)
+WITH_USAGE, WITHOUT_USAGE = sse("2"), sse("3")
+
+
+@pytest.mark.parametrize("size", [7, 64, len(WITH_USAGE)])
+def test_a_client_without_usage_gets_the_fingerprint_on_the_finishing_chunk(size: int) -> None:
+    out, relay = _run(_cuts(WITH_USAGE, size), keep_usage=False, served="tiny")
+    ours, upstream = _events(out), _events(WITH_USAGE)
+    assert ours == [{**e, "model": "pool"} for e in upstream[:-2]] + [
+        {**upstream[-2], "model": "pool", "system_fingerprint": "vllm-0.32.0-3c666876"}
+    ]
+    direct = _events(WITHOUT_USAGE)  # what the client gets asking vLLM itself
+    assert [list(e) for e in ours[-1:]] == [list(e) for e in direct[-1:]]
+    assert [list(e) for e in ours[:-1]] == [list(direct[0])] + [list(direct[1])] * (len(ours) - 2)
+    assert out.endswith(b"data: [DONE]\n\n")
+    assert relay.usage.prompt_tokens == 10 and relay.usage.completion_tokens == 8
+
+
+def test_a_client_that_asked_for_usage_gets_the_stream_as_sent() -> None:
+    out, _ = _run(_cuts(WITH_USAGE, 11), keep_usage=True, served="tiny")
+    assert out == WITH_USAGE.replace(b'"model":"tiny"', b'"model":"pool"')
+
+
+def test_a_finishing_chunk_is_held_only_until_the_next_event() -> None:
+    finish = b'data: {"model":"served","choices":[{"index":0,"finish_reason":"stop"}]}\n\n'
+    other = b'data: {"model":"served","choices":[{"index":1,"finish_reason":null}]}\n\n'
+    sent: list[bytes] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message["body"])
+
+    async def go() -> None:
+        relay = StreamRelay(send=send, swap=None, keep_usage=False, tap=None)
+        await relay.feed(finish)
+        assert sent == []  # held: the usage chunk may follow
+        await relay.feed(other)
+        assert sent == [finish + other]  # another choice's event came first: sent as it was
+        await relay.feed(finish)
+        await relay.flush()  # the stream ended without a usage chunk
+        assert sent == [finish + other, finish]
+
+    asyncio.run(go())
+
+
+PROVIDER_ERROR = b'data: {"error":{"message":"gpt-secret broke","type":"server_error"}}\n\n'
+
+
+@pytest.mark.parametrize("hide", [False, True])
+def test_an_error_event_is_replaced_only_where_the_upstreams_errors_are_hidden(
+    hide: bool,
+) -> None:
+    sent: list[bytes] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message["body"])
+
+    relay = StreamRelay(send=send, swap=None, keep_usage=True, tap=None, hide_errors=hide)
+
+    async def go() -> None:
+        for chunk in _cuts(CHUNK + PROVIDER_ERROR + DONE, 9):
+            await relay.feed(chunk)
+        await relay.flush()
+
+    asyncio.run(go())
+    if hide:
+        assert b"".join(sent) == CHUNK + HIDDEN_ERROR + b"\n\n" + DONE
+        assert relay.upstream_error == PROVIDER_ERROR.strip()
+    else:
+        assert b"".join(sent) == CHUNK + PROVIDER_ERROR + DONE
+        assert relay.upstream_error == b""

@@ -106,7 +106,19 @@ def test_target_carries_the_providers_own_key_and_model_mapping() -> None:
     assert target.model == "vendor/big-model"
     assert target.headers == {"authorization": "Bearer sk-provider"}
     assert gate.target("other").model == "other"  # unmapped pools keep their name
+    assert target.external  # its refusals are its failures, never relayed
     assert gate.cost(prompt_tokens=1_000_000, completion_tokens=500_000) == pytest.approx(2.5)
+
+
+def test_what_the_provider_said_is_logged_without_its_key() -> None:
+    clock = ManualClock()
+    gate = ProviderGate(
+        settings(), api_key="sk-provider", clock=clock, budget=LocalRateLimiter(clock)
+    )
+    said = "Incorrect API key provided: sk-provider. Again: sk-provider"
+    assert gate.redact(said) == "Incorrect API key provided: ***. Again: ***"
+    keyless = ProviderGate(settings(), api_key=None, clock=clock, budget=LocalRateLimiter(clock))
+    assert keyless.redact(said) == said
 
 
 def test_a_missing_key_is_refused_at_build_and_the_breaker_drives_its_gauge() -> None:
