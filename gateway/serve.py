@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -15,7 +14,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import ConfigError, check_environment, load_settings
-from gateway.workers import refusal, serve_workers
+from gateway.workers import configure_logging, refusal, serve_workers
 
 
 def _workers(value: str) -> int:
@@ -38,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    configure_logging(args.log_level)
     try:
         settings = load_settings(args.config)
     except (ConfigError, OSError) as exc:
