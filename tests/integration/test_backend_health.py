@@ -7,23 +7,29 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
+import yaml
 
 from gateway.app import create_app
 from gateway.config import parse_settings
 from loadtest.fleet import ADMIN_TOKEN, Fleet, tenant
-from loadtest.harness import ServerThread, free_port
+from loadtest.harness import ServerThread, free_port, wait_for_port
 from loadtest.sim_app import create_sim_app
 from loadtest.sim_config import SimConfig
 from tests.integration.fault_support import FaultBackend, chat
 
 KEY = "sk-health-" + secrets.token_hex(8)
+MODELS_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32-models.json"
 
 
 @contextlib.contextmanager
@@ -233,3 +239,46 @@ def test_a_hung_backend_times_out_whole_answers_which_go_elsewhere_until_it_is_e
     reason = "3 requests in a row failed (last: timeout before the first byte)"
     assert states == {"p-0": ("down", reason), "p-1": ("up", None)}
     assert state_lines(caplog, "p-0") == [f"backend p-0 is down: {reason}"]
+
+
+def test_the_simulator_lists_its_model_as_vllm_does() -> None:
+    real = orjson.loads(MODELS_FIXTURE.read_bytes())["data"][0]  # vLLM 0.32's /v1/models
+    sim = SimConfig(model="m", kv_tokens=8192, max_model_len=2048, no_delay=True)
+    with ServerThread(create_sim_app(sim)) as backend:
+        listed = httpx.get(f"{backend.url}/v1/models", timeout=5).json()["data"][0]
+    assert listed.keys() == real.keys()
+    assert listed["permission"][0].keys() == real["permission"][0].keys()
+    assert (listed["id"], listed["root"], listed["max_model_len"]) == ("m", "m", 2048)
+
+
+def test_probes_and_scrapes_write_no_log_line_each(tmp_path: Path) -> None:
+    """Probes every 0.2 s and three scrapes of /metrics in two seconds: the log holds the
+    start-up and shutdown lines only."""
+    sim = SimConfig(model="m", kv_tokens=8192, no_delay=True)
+    with ServerThread(create_sim_app(sim)) as backend:
+        config = {
+            "tenants": [tenant("acme", KEY)],
+            "pools": [
+                {
+                    "name": "p",
+                    "capacity_refresh_s": 0.2,
+                    "backends": [{"url": backend.url, "served_model": "m"}],
+                }
+            ],
+        }
+        path = tmp_path / "gateway.yaml"
+        path.write_text(yaml.safe_dump(config))
+        port = free_port()
+        cmd = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path), "--port", str(port)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_for_port(port, timeout=30)
+            for _ in range(3):
+                scrape = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+                assert scrape.status_code == 200
+                time.sleep(0.7)
+        finally:
+            proc.terminate()
+            out, _ = proc.communicate(timeout=10)
+    assert [line for line in out.splitlines() if "HTTP" in line or "metrics" in line] == []
+    assert "spillgate.backends" not in out  # the backend never changed state
