@@ -216,8 +216,10 @@ class FleetWatcher:
             response = await self._client.get(f"{backend.url}{path}", timeout=budget_s)
         except httpx.TimeoutException:
             raise ProbeFailed(f"no answer from {backend.url} within {budget_s:g} s") from None
-        except httpx.TransportError as exc:
+        except httpx.ConnectError as exc:
             raise ProbeFailed(unreachable_reason(backend.url, exc)) from None
+        except httpx.TransportError as exc:
+            raise ProbeFailed(f"GET {path} failed: {type(exc).__name__}") from None
         if response.status_code >= 500:
             raise ProbeFailed(f"GET {path} answered {response.status_code}")
         return response.text if response.status_code < 400 else None
