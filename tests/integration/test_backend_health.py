@@ -282,3 +282,28 @@ def test_probes_and_scrapes_write_no_log_line_each(tmp_path: Path) -> None:
             out, _ = proc.communicate(timeout=10)
     assert [line for line in out.splitlines() if "HTTP" in line or "metrics" in line] == []
     assert "spillgate.backends" not in out  # the backend never changed state
+
+
+def test_a_whole_answer_whose_body_stalls_is_cut_by_idle_and_served_elsewhere() -> None:
+    """The stalling backend sends its head and a first piece at once, then nothing: the
+    idle timeout (0.5 s), not the 10 s deadline, ends the wait, and the other backend
+    answers, as nothing had reached the client."""
+    faults = FaultBackend()
+    sim = SimConfig(model="m", kv_tokens=8192, no_delay=True)
+    with ServerThread(faults) as stalling, ServerThread(create_sim_app(sim)) as good:
+        pool = {
+            "name": "p",
+            "timeouts": {"first_token": 5, "idle": 0.5, "total": 10},
+            "backends": [
+                {"url": f"{stalling.url}/st0", "served_model": "stall", "capacity": 4096},
+                {"url": good.url, "served_model": "m", "capacity": 4096},
+            ],
+        }
+        with gateway([pool]) as fleet, fleet.client() as client:
+            started = time.monotonic()
+            answer = client.post("/v1/chat/completions", json=chat("hi", model="p"))
+            took = time.monotonic() - started
+    assert answer.status_code == 200
+    assert answer.json()["object"] == "chat.completion"
+    assert faults.arrivals["st0"] == 1
+    assert 0.5 <= took < 2.0, took
