@@ -13,7 +13,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.auth import AdminAuth, Authenticator
-from gateway.backends import FleetWatcher
+from gateway.backends import FleetWatcher, Pool
 from gateway.config import Settings
 from gateway.errors import SpillgateError, error_response
 from gateway.metrics import GatewayMetrics
@@ -59,20 +59,39 @@ class AdminEndpoints:
         except SpillgateError as exc:
             return error_response(exc)
         data = [
-            {"id": pool.name, "object": "model", "created": STARTED, "owned_by": "spillgate"}
-            for pool in self._settings.pools
-            if tenant.may_use(pool.name)
+            self._model(pool) for pool in self._router.pools.values() if tenant.may_use(pool.name)
         ]
         return json_response({"object": "list", "data": data})
+
+    @staticmethod
+    def _model(pool: Pool) -> dict[str, Any]:
+        """The pool as vLLM lists a model: its context limit and the weights behind it."""
+        return {
+            "id": pool.name,
+            "object": "model",
+            "created": STARTED,
+            "owned_by": "spillgate",
+            "root": pool.root or pool.name,
+            "parent": None,
+            "max_model_len": pool.max_model_len,
+        }
 
     async def healthz(self, request: Request) -> Response:
         return json_response({"status": "ok"})
 
     async def readyz(self, request: Request) -> Response:
-        """Ready once every pool has at least one backend in rotation with known capacity."""
+        """Ready once every pool has at least one backend in rotation with known capacity;
+        otherwise the pools without one, and why each backend that is down is down."""
         missing = [name for name in self._router.pools if not self._router.candidates(name)]
         if missing:
-            return json_response({"status": "not ready", "pools_without_capacity": missing}, 503)
+            down = {
+                b.name: b.down_reason
+                for pool in self._router.pools.values()
+                for b in pool.backends
+                if b.down_reason is not None
+            }
+            body = {"status": "not ready", "pools_without_capacity": missing, "backends_down": down}
+            return json_response(body, 503)
         return json_response({"status": "ready"})
 
     def publish(self) -> None:
@@ -129,14 +148,21 @@ class AdminEndpoints:
                     "tokens_in_flight": self._router.ledger.tokens_in_flight(b.name),
                     "active_sessions": self._router.ledger.sessions(b.name),
                     "healthy": b in in_rotation,
+                    "state": "down" if b.down_reason is not None else "up",
+                    "down_reason": b.down_reason,
+                    "max_model_len": b.max_model_len,
                 }
                 for b in pool.backends
             ]
+            down = pool.outage() is not None
             pools.append(
                 {
                     "name": name,
                     "target_fill": pool.settings.target_fill,
-                    "fill_ratio": self._router.pool_fill(name),
+                    # no backend up: the pool is not full, it has nothing to fill
+                    "fill_ratio": None if down else self._router.pool_fill(name),
+                    "state": "down" if down else "up",
+                    "max_model_len": pool.max_model_len,
                     "overflow": pool.settings.overflow,
                     "backends": backends,
                 }

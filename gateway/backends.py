@@ -1,4 +1,10 @@
-"""Backends and pools as the router sees them: capacity, health, and the loop refreshing both."""
+"""Backends and pools as the router sees them: capacity, health, and the loop refreshing both.
+
+A backend is in rotation until a probe or a request shows it cannot serve: nothing
+answers at its URL, it answers 5xx, it no longer serves the model the pool names, or
+requests to it keep failing. It is back once a probe succeeds (an ejected one no sooner
+than EJECT_S later). Each change is logged once, with its reason.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +14,22 @@ import logging
 from dataclasses import dataclass, field
 
 import httpx
+import orjson
 
 from gateway.clock import Clock
 from gateway.config import BackendSettings, PoolSettings
 from gateway.demand import PoolDemand
-from gateway.discovery import capacity_from_metrics
+from gateway.discovery import ServedModel, capacity_from_metrics, models_from_listing
+from gateway.errors import BackendUnavailable
+from gateway.forward import unreachable_reason
 from gateway.request import PromptEstimator
 
 log = logging.getLogger("spillgate.backends")
 
 FAILURES_BEFORE_EJECT = 3
 EJECT_S = 5.0
+# a pool's context limit when it sets none and no backend reports one
+FALLBACK_MAX_MODEL_LEN = 32_768
 
 
 @dataclass(eq=False, kw_only=True)
@@ -29,9 +40,13 @@ class Backend:
     served_model: str
     configured_capacity: int | None  # None: discovered from the backend's metrics
     discovered_capacity: int | None = None
+    max_model_len: int | None = None  # the served model's context, from the backend's /v1/models
+    root: str | None = None  # the weights it loaded, from the same listing
     last_scrape: float = float("-inf")
+    last_probe: float = float("-inf")
     consecutive_failures: int = 0
-    ejected_until: float = float("-inf")
+    ejected_until: float = float("-inf")  # an ejected backend is probed back no sooner
+    down_reason: str | None = None  # why it is out of rotation; None while in rotation
 
     def capacity(self, *, now: float, stale_after: float) -> int:
         """Tokens the backend can hold; 0 (full) when unknown or its metrics went stale."""
@@ -42,20 +57,47 @@ class Backend:
         return self.discovered_capacity
 
     def healthy(self, now: float) -> bool:
-        return now >= self.ejected_until
+        return self.down_reason is None
 
-    def record_failure(self, now: float) -> None:
+    def mark_down(self, reason: str, *, now: float, hold_s: float = 0.0) -> None:
+        """Out of rotation, for `reason`; a probe brings it back, no sooner than `hold_s`."""
+        self.ejected_until = max(self.ejected_until, now + hold_s)
+        if self.down_reason is None:
+            log.warning("backend %s is down: %s", self.name, reason)
+        self.down_reason = reason  # a new reason while down is no change of state: not logged
+
+    def mark_up(self) -> None:
+        self.consecutive_failures = 0
+        if self.down_reason is not None:
+            log.warning("backend %s is up again (was: %s)", self.name, self.down_reason)
+            self.down_reason = None
+
+    def record_failure(
+        self, now: float, *, reason: str = "", unreachable: str | None = None
+    ) -> None:
+        """A request to the backend failed before its answer. `unreachable` (why nothing
+        answered at its address) takes it out of rotation at once."""
         self.consecutive_failures += 1
-        if self.consecutive_failures >= FAILURES_BEFORE_EJECT:
-            if self.healthy(now):
-                log.warning(
-                    "backend %s ejected after %d failures", self.name, self.consecutive_failures
-                )
-            self.ejected_until = now + EJECT_S
+        if unreachable is not None:
+            self.mark_down(unreachable, now=now)
+        elif self.consecutive_failures >= FAILURES_BEFORE_EJECT:
+            last = f" (last: {reason})" if reason else ""
+            self.mark_down(
+                f"{FAILURES_BEFORE_EJECT} requests in a row failed{last}", now=now, hold_s=EJECT_S
+            )
 
     def record_success(self) -> None:
         self.consecutive_failures = 0
-        self.ejected_until = float("-inf")
+
+    def learn(self, models: list[ServedModel]) -> str | None:
+        """Take what the backend's /v1/models says; the reason it cannot serve, if any."""
+        for model in models:
+            if model.id == self.served_model:
+                self.max_model_len = model.max_model_len or self.max_model_len
+                self.root = model.root or self.root
+                return None
+        names = ", ".join(repr(m.id) for m in models) or "no model"
+        return f"it serves {names}, not {self.served_model!r} (check served_model)"
 
 
 @dataclass(eq=False, kw_only=True)
@@ -68,6 +110,28 @@ class Pool:
     @property
     def name(self) -> str:
         return self.settings.name
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest request (prompt plus output tokens) the pool accepts: the pool's own
+        setting, else the smallest context its backends reported, else a fallback."""
+        if self.settings.max_model_len is not None:
+            return self.settings.max_model_len
+        known = [b.max_model_len for b in self.backends if b.max_model_len is not None]
+        return min(known) if known else FALLBACK_MAX_MODEL_LEN
+
+    @property
+    def root(self) -> str | None:
+        """The weights the pool's backends serve, as the first to report them said."""
+        return next((b.root for b in self.backends if b.root is not None), None)
+
+    def outage(self) -> BackendUnavailable | None:
+        """The refusal to give when no backend of the pool is reachable, naming why."""
+        down = [b for b in self.backends if b.down_reason is not None]
+        if len(down) < len(self.backends):
+            return None
+        causes = "; ".join(f"{b.name} ({b.url}): {b.down_reason}" for b in down)
+        return BackendUnavailable(f"No backend of pool {self.name!r} is available: {causes}.")
 
 
 def build_pools(pools: list[PoolSettings], *, clock: Clock) -> dict[str, Pool]:
@@ -88,8 +152,23 @@ def _backend(pool: PoolSettings, index: int, b: BackendSettings) -> Backend:
     )
 
 
+class ProbeFailed(Exception):
+    """The backend did not answer a probe as a live server does; `reason` says how."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class FleetWatcher:
-    """Refreshes discovered capacity and probes ejected backends back into rotation."""
+    """Probes every backend: its models, its capacity (or its health), and whether it
+    answers at all; an out-of-rotation backend is probed on every tick.
+
+    Any answer below 500 shows a live server: a backend without `/health` or
+    `/v1/models` (a 404) is not held against it, only left unchecked.
+    """
+
+    TICK_S = 1.0
 
     def __init__(self, pools: dict[str, Pool], *, client: httpx.AsyncClient, clock: Clock) -> None:
         self._pools = pools
@@ -103,38 +182,52 @@ class FleetWatcher:
             self._refresh(backend, pool.settings.capacity_refresh_s)
             for pool in self._pools.values()
             for backend in pool.backends
-            if not backend.healthy(now)
-            or (
-                backend.configured_capacity is None
-                and now - backend.last_scrape >= pool.settings.capacity_refresh_s
-            )
+            if now - backend.last_probe >= pool.settings.capacity_refresh_s
+            or (backend.down_reason is not None and now >= backend.ejected_until)
         ]
         await asyncio.gather(*jobs)
 
     async def _refresh(self, backend: Backend, budget_s: float) -> None:
         now = self._clock.monotonic()
+        backend.last_probe = now
         try:
+            listing = await self._get(backend, "/v1/models", budget_s)
+            models = None if listing is None else models_from_listing(_json(listing))
             if backend.configured_capacity is None:
-                response = await self._client.get(f"{backend.url}/metrics", timeout=budget_s)
-                response.raise_for_status()
-                capacity = capacity_from_metrics(response.text)
+                text = await self._get(backend, "/metrics", budget_s)
+                capacity = None if text is None else capacity_from_metrics(text)
                 if capacity is not None:
                     backend.discovered_capacity = capacity
                     backend.last_scrape = now
             else:
-                response = await self._client.get(f"{backend.url}/health", timeout=budget_s)
-                response.raise_for_status()
-        except (httpx.HTTPError, ValueError) as exc:
-            log.debug("refresh of %s failed: %r", backend.name, exc)
+                await self._get(backend, "/health", budget_s)
+        except ProbeFailed as exc:
+            backend.mark_down(exc.reason, now=now)
             return
-        if not backend.healthy(now):
-            log.info("backend %s answered its probe; back in rotation", backend.name)
-            backend.record_success()
+        mismatch = None if models is None else backend.learn(models)
+        if mismatch is not None:
+            backend.mark_down(mismatch, now=now)
+        elif backend.down_reason is not None and now >= backend.ejected_until:
+            backend.mark_up()
+
+    async def _get(self, backend: Backend, path: str, budget_s: float) -> str | None:
+        """The body of `GET path`, None when the server has no such route."""
+        try:
+            response = await self._client.get(f"{backend.url}{path}", timeout=budget_s)
+        except httpx.TimeoutException:
+            raise ProbeFailed(f"no answer from {backend.url} within {budget_s:g} s") from None
+        except httpx.ConnectError as exc:
+            raise ProbeFailed(unreachable_reason(backend.url, exc)) from None
+        except httpx.TransportError as exc:
+            raise ProbeFailed(f"GET {path} failed: {type(exc).__name__}") from None
+        if response.status_code >= 500:
+            raise ProbeFailed(f"GET {path} answered {response.status_code}")
+        return response.text if response.status_code < 400 else None
 
     async def _loop(self) -> None:
         while True:
             await self.refresh_once()
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(self.TICK_S)
 
     def start(self) -> None:
         """Start refreshing in the background (the first refresh runs at once)."""
@@ -145,3 +238,10 @@ class FleetWatcher:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+def _json(text: str) -> object:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return None

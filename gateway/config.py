@@ -90,7 +90,8 @@ class PoolSettings(_Model):
     backends: list[BackendSettings] = Field(min_length=1)
     target_fill: float = Field(0.9, gt=0, le=1)
     default_max_tokens: int = Field(256, gt=0)  # reserved when a request names no max_tokens
-    max_model_len: int = Field(32_768, gt=0)
+    # prompt + output tokens a request may ask for; None: what the backends report
+    max_model_len: int | None = Field(None, gt=0)
     overflow: list[PolicyName] = Field(default_factory=lambda: list[PolicyName](["reject"]))
     timeouts: Timeouts = Timeouts()
     queue: QueueSettings = QueueSettings()

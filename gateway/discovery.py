@@ -1,6 +1,10 @@
-"""Read a backend's KV-cache capacity from its own Prometheus metrics (vLLM or SGLang)."""
+"""What a backend tells about itself: its KV-cache capacity, from its own Prometheus metrics
+(vLLM or SGLang), and the models it serves, from its `GET /v1/models`."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -26,3 +30,38 @@ def capacity_from_metrics(text: str) -> int | None:
                 total += int(sample.value)
                 found = True
     return total if found else None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServedModel:
+    """One entry of a backend's `GET /v1/models`, as vLLM writes it."""
+
+    id: str
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+def models_from_listing(data: Any) -> list[ServedModel] | None:
+    """The models an OpenAI-style `/v1/models` body lists, or None when it is not a listing.
+
+    vLLM reports each model's `max_model_len` (the context it accepts, prompt plus output)
+    and `root` (the weights it loaded); servers that do not are read as not telling.
+    """
+    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+        return None
+    models = []
+    for entry in data["data"]:
+        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+            continue
+        length = entry.get("max_model_len")
+        root = entry.get("root")
+        models.append(
+            ServedModel(
+                id=entry["id"],
+                root=root if isinstance(root, str) else None,
+                max_model_len=length
+                if isinstance(length, int) and not isinstance(length, bool) and length > 0
+                else None,
+            )
+        )
+    return models

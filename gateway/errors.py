@@ -110,6 +110,13 @@ class LimiterUnavailable(Rejected):
     code = "ratelimit_store_unavailable"
 
 
+class BackendUnavailable(Rejected):
+    """No backend of the pool can be reached (or serves its model), and no overflow path
+    answered: not a full pool. No Retry-After: when it comes back is not known here."""
+
+    code = "backend_unavailable"
+
+
 class UpstreamError(SpillgateError):
     status = 502
     type = "server_error"

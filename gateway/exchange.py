@@ -133,8 +133,8 @@ class Exchange:
         try:
             # the first attempt runs bare: a retry policy is only built once one is needed
             return await self._attempt(request, outcome, tried, deadline=deadline)
-        except UpstreamUnavailable:
-            pass
+        except UpstreamUnavailable as exc:
+            first = exc
         retrying = AsyncRetrying(
             stop=stop_after_attempt(ATTEMPTS - 1) | stop_after_delay(deadline - loop.time()),
             retry=retry_if_exception_type(UpstreamUnavailable),
@@ -146,8 +146,9 @@ class Exchange:
                     return await self._attempt(request, outcome, tried, deadline=deadline)
         except UpstreamUnavailable as exc:
             error = UpstreamTimeout if exc.timed_out else UpstreamError
+            reason = exc.reason if exc is first else f"{first.reason}; then {exc.reason}"
             raise error(
-                f"The backends of pool {request.pool!r} failed before answering ({exc.reason}).",
+                f"The backends of pool {request.pool!r} failed before answering ({reason}).",
                 retry_after=1.0,
             ) from None
         raise AssertionError("unreachable")
@@ -173,7 +174,9 @@ class Exchange:
                 deadline=deadline,
             )
         except UpstreamUnavailable as exc:
-            backend.record_failure(self.clock.monotonic())
+            backend.record_failure(
+                self.clock.monotonic(), reason=exc.reason, unreachable=exc.unreachable
+            )
             self.metrics.upstream_errors.labels(backend.name, exc.reason.split(":")[0]).inc()
             tried.add(backend.name)
             await self.holding.release()

@@ -53,13 +53,15 @@ class UpstreamUnavailable(Exception):
         retry_after: float | None = None,
         timed_out: bool = False,
         detail: bytes = b"",
+        unreachable: str | None = None,
     ):
         super().__init__(reason)
-        self.reason = reason
+        self.reason = reason  # "<kind>: <detail>"; the kind labels the upstream error metric
         self.status = status
         self.retry_after = retry_after
         self.timed_out = timed_out
         self.detail = detail  # what the upstream said, for the log only
+        self.unreachable = unreachable  # nothing answered at its address: in these words
 
 
 # Fields some SDKs and proxies read to pick the upstream or its credentials. The gateway
@@ -150,7 +152,7 @@ class Forwarder:
             deadline = end
         swap = model_swap(target.model, public_model)
         if not request.stream:
-            status, body = await self._whole(target, request, deadline)
+            status, body = await self._whole(target, request, deadline=deadline)
             if target.external:
                 _check_external_body(status, body)
             return await send_json_body(
@@ -165,7 +167,7 @@ class Forwarder:
             with Deadline(min(loop.time() + t.first_token, deadline)):
                 response = await self._post(target, request)
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise _unavailable(exc, answered=False) from None
+            raise _unavailable(exc, answered=False, target=target) from None
         done = False
         try:
             _check_status(response)
@@ -216,20 +218,29 @@ class Forwarder:
                 response.close()
 
     async def _whole(
-        self, target: Target, request: InferenceRequest, deadline: float
+        self, target: Target, request: InferenceRequest, *, deadline: float
     ) -> tuple[int, bytes]:
-        """A non-streaming answer, status and body, within one deadline for both."""
+        """A non-streaming answer, status and body. Its head is its first byte, which vLLM
+        sends once the whole answer is generated: the head must come within `first_token`,
+        and then no gap in the body may exceed `idle`. A backend that holds a request
+        longer has hung, and the request may go elsewhere, as nothing reached the client."""
+        loop = asyncio.get_running_loop()
+        t = target.timeouts
         response: aiohttp.ClientResponse | None = None
         read = False
         try:
-            with Deadline(deadline):
+            with Deadline(min(loop.time() + t.first_token, deadline)) as budget:
                 response = await self._post(target, request)
                 _check_status(response)
-                body = await response.read()
+                chunks: list[bytes] = []
+                budget.extend(min(loop.time() + t.idle, deadline))
+                async for chunk in response.content.iter_any():
+                    chunks.append(chunk)
+                    budget.extend(min(loop.time() + t.idle, deadline))
                 read = True
-                return response.status, body
+                return response.status, b"".join(chunks)
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise _unavailable(exc, answered=response is not None) from None
+            raise _unavailable(exc, answered=response is not None, target=target) from None
         finally:
             if response is not None and not read:
                 response.close()  # see forward: an unread response closes its connection
@@ -239,10 +250,10 @@ class Forwarder:
             with Deadline(deadline):
                 return await response.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise _unavailable(exc, answered=True) from None
+            raise _unavailable(exc, answered=True, target=None) from None
 
 
-def _unavailable(exc: Exception, *, answered: bool) -> UpstreamUnavailable:
+def _unavailable(exc: Exception, *, answered: bool, target: Target | None) -> UpstreamUnavailable:
     """A timeout or connection error before the answer's head arrived, or while its body
     was read (`answered`), as the failure the caller may try elsewhere."""
     timed_out = isinstance(exc, TimeoutError)
@@ -250,7 +261,20 @@ def _unavailable(exc: Exception, *, answered: bool) -> UpstreamUnavailable:
         return UpstreamUnavailable(f"body not read: {type(exc).__name__}", timed_out=timed_out)
     if timed_out:
         return UpstreamUnavailable("timeout before the first byte", timed_out=True)
+    if isinstance(exc, aiohttp.ClientConnectorError) and target is not None:
+        why = unreachable_reason(target.api_base.removesuffix("/v1"), exc.os_error)
+        return UpstreamUnavailable(f"{type(exc).__name__}: {why}", unreachable=why)
     return UpstreamUnavailable(type(exc).__name__)
+
+
+def unreachable_reason(url: str, exc: BaseException) -> str:
+    """Why nothing answered at `url`, in words that stay the same from one try to the next."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ConnectionRefusedError):
+            return f"connection refused at {url}"
+        cause = cause.__cause__ or cause.__context__
+    return f"cannot connect to {url}"
 
 
 def _check_status(response: aiohttp.ClientResponse) -> None:

@@ -273,7 +273,7 @@ class CompletionsEndpoint:
             pool=pool.name,
             priority=effective_priority(tenant.priority, _text(fields, PRIORITY_HEADER_BYTES)),
             default_max_tokens=pool.settings.default_max_tokens,
-            max_model_len=pool.settings.max_model_len,
+            max_model_len=pool.max_model_len,
             chars_per_token=pool.estimator.chars_per_token,
         )
         reserved = request.reserved_tokens
@@ -359,11 +359,15 @@ class CompletionsEndpoint:
         gate = self._d.gates.get(request.pool)
         if (gate is None or gate(request)) and await exchange.admit(request):
             return await exchange.serve_local(request, Outcome.LOCAL)
-        for policy in self._d.chains[request.pool]:
-            served = await policy.serve(request, exchange)
-            if served is not None:
-                return served
-        raise Rejected(
+        outage = self._d.router.pools[request.pool].outage
+        try:
+            for policy in self._d.chains[request.pool]:
+                served = await policy.serve(request, exchange)
+                if served is not None:
+                    return served
+        except Rejected as refused:
+            raise outage() or refused from None  # a pool with no backend up is not full
+        raise outage() or Rejected(
             f"Pool {request.pool!r} is at capacity.",
             retry_after=self._d.router.retry_after(request.pool, request.reserved_tokens),
         )

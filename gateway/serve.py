@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -23,7 +22,7 @@ from gateway.config import (
     redis_url_problem,
 )
 from gateway.config_problems import Problem
-from gateway.workers import refusal, serve_workers
+from gateway.workers import configure_logging, refusal, serve_workers
 
 
 def _workers(value: str) -> int:
@@ -55,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    configure_logging(args.log_level)
     try:
         loaded = load_config(args.config)
     except ConfigError as exc:

@@ -51,12 +51,21 @@ class WorkerSpec:
         return cls(**json.loads(text))
 
 
+def configure_logging(level: str) -> None:
+    """The gateway's log at `level`. httpx logs every request it makes at INFO, which for
+    the probes of every backend is a line per backend every few seconds: its requests are
+    logged at debug level only (the gateway logs each backend's changes of state)."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(message)s")
+    if logging.getLogger().level > logging.DEBUG:
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 def worker_app() -> ASGIApp:
     """The app factory uvicorn calls in each worker process."""
     from gateway.app import create_app
 
     spec = WorkerSpec.from_env(os.environ[SPEC_ENV])
-    logging.basicConfig(level=spec.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    configure_logging(spec.log_level)
     return create_app(load_settings(spec.config), redis_url=spec.redis_url, workers=spec.workers)
 
 

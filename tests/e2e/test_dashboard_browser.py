@@ -10,7 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
+from gateway.app import create_app
+from gateway.config import parse_settings
+from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet, tenant
+from loadtest.harness import ServerThread, free_port
 from loadtest.sim_config import SimConfig
 from tests.e2e.browser import dump_dom, needs_chromium, png_facts, screenshot
 
@@ -102,3 +105,19 @@ def test_without_a_good_token_the_page_asks_for_one(fleet: Fleet) -> None:
     wrong = dump_dom(f"{fleet.url}/dashboard?token=wrong", budget_ms=1500)
     assert _text(wrong, "login-error") == "Incorrect admin token."
     assert 'id="pool-big"' not in wrong
+
+
+def test_a_dead_backend_shows_as_down_with_its_reason_not_as_a_full_pool() -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    settings = parse_settings(
+        {
+            "tenants": [tenant("acme", "sk-dashboard-dead")],
+            "pools": [{"name": "gone", "backends": [{"url": url, "served_model": "m"}]}],
+        }
+    )
+    app = create_app(settings, environ={"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN})
+    with ServerThread(app) as gateway:
+        dom = dump_dom(f"{gateway.url}/dashboard?token={ADMIN_TOKEN}", budget_ms=1500)
+    assert _text(dom, "fill-gone") == "down"
+    assert f"down: connection refused at {url}" in html.unescape(dom)
+    assert 'class="dot down"' in dom

@@ -56,6 +56,9 @@ class FaultBackend:
         if scope["path"].endswith("/health"):
             await _send_all(send, 200, b"ok", b"text/plain")
             return
+        if scope["method"] != "POST":  # no /v1/models, no /metrics: probes learn nothing
+            await _send_all(send, 404, b"not found", b"text/plain")
+            return
         body = await _read(receive)
         self.arrivals[name] += 1
         gone = asyncio.Event()

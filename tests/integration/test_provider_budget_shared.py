@@ -26,7 +26,7 @@ MAX_TOKENS = 90  # with the prompt, about a tenth of the budget per request
 def two_gateways(redis_url: str | None) -> Iterator[tuple[list[str], ServerThread]]:
     started: list[ServerThread] = []
     try:
-        backend = ServerThread(create_sim_app(SimConfig(model="m", kv_tokens=64))).start()
+        backend = ServerThread(create_sim_app(SimConfig(model="m", kv_tokens=4096))).start()
         provider = ServerThread(create_provider_app(ProviderConfig(api_key=PROVIDER_KEY)))
         started += [backend, provider.start()]
         settings = parse_settings(

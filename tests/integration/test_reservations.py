@@ -25,6 +25,10 @@ async def dies_mid_stream(scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
         return
+    if scope["method"] != "POST":  # no /v1/models: the gateway's probe learns nothing
+        await send({"type": "http.response.start", "status": 404, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+        return
     await receive()
     head = [(b"content-type", b"text/event-stream")]
     await send({"type": "http.response.start", "status": 200, "headers": head})
@@ -74,8 +78,8 @@ def test_reservations_return_to_zero_after_every_kind_of_ending(fleet: Fleet) ->
             assert all(r.status_code == 200 for r in done)
 
             failed = await client.post("/v1/chat/completions", json={"model": "dead", **CHAT})
-            assert failed.status_code == 502
-            assert failed.json()["error"]["code"] == "upstream_error"
+            assert failed.status_code == 503  # its probe found nothing listening
+            assert failed.json()["error"]["code"] == "backend_unavailable"
 
             body = {"model": "broken", **CHAT, "stream": True}
             async with client.stream("POST", "/v1/chat/completions", json=body) as broken:

@@ -1,4 +1,8 @@
-from gateway.discovery import capacity_from_metrics
+from pathlib import Path
+
+import orjson
+
+from gateway.discovery import ServedModel, capacity_from_metrics, models_from_listing
 from tests.conftest import VLLM_FIXTURES as FIXTURES
 
 
@@ -19,3 +23,23 @@ def test_reads_sglang_max_total_tokens() -> None:
 
 def test_no_capacity_metric_means_unknown() -> None:
     assert capacity_from_metrics("# TYPE up gauge\nup 1.0\n") is None
+
+
+MODELS_FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "vllm-0.32-models.json"
+
+
+def test_reads_the_served_models_context_and_root_from_a_real_vllm_listing() -> None:
+    listing = orjson.loads(MODELS_FIXTURE.read_bytes())  # captured from vLLM 0.32's /v1/models
+    assert models_from_listing(listing) == [
+        ServedModel(id="tiny", root="/models/tiny", max_model_len=2048)
+    ]
+
+
+def test_a_listing_without_context_or_root_tells_only_the_names() -> None:
+    listing = {"object": "list", "data": [{"id": "a"}, {"id": "b", "max_model_len": "big"}, 7]}
+    assert models_from_listing(listing) == [ServedModel(id="a"), ServedModel(id="b")]
+
+
+def test_a_body_that_is_not_a_listing_is_not_read_as_serving_nothing() -> None:
+    assert models_from_listing({"error": "nope"}) is None
+    assert models_from_listing(None) is None
