@@ -18,6 +18,7 @@ import orjson
 
 from gateway.clock import Clock
 from gateway.config import BackendSettings, PoolSettings
+from gateway.config_references import backend_name
 from gateway.demand import PoolDemand
 from gateway.discovery import ServedModel, capacity_from_metrics, models_from_listing
 from gateway.errors import BackendUnavailable
@@ -144,7 +145,7 @@ def build_pools(pools: list[PoolSettings], *, clock: Clock) -> dict[str, Pool]:
 
 def _backend(pool: PoolSettings, index: int, b: BackendSettings) -> Backend:
     return Backend(
-        name=b.name or f"{pool.name}-{index}",
+        name=backend_name(pool.name, index, b.name),
         pool=pool.name,
         url=b.url.rstrip("/"),
         served_model=b.served_model or pool.name,

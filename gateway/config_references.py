@@ -43,7 +43,7 @@ def reference_problems(data: Any) -> list[Problem]:
 
 
 def backend_name(pool: str, index: int, name: Any) -> str:
-    """The name a backend is known by in metrics and the shared ledger (gateway/backends.py)."""
+    """The name a backend is known by in metrics and the shared ledger."""
     return name if isinstance(name, str) and name else f"{pool}-{index}"
 
 
