@@ -28,6 +28,7 @@ class Backend:
     url: str
     served_model: str
     configured_capacity: int | None  # None: discovered from the backend's metrics
+    block_size: int = 16  # tokens per KV block: configured, or discovered with the capacity
     discovered_capacity: int | None = None
     last_scrape: float = float("-inf")
     consecutive_failures: int = 0
@@ -85,6 +86,7 @@ def _backend(pool: PoolSettings, index: int, b: BackendSettings) -> Backend:
         url=b.url.rstrip("/"),
         served_model=b.served_model or pool.name,
         configured_capacity=None if b.capacity == "auto" else b.capacity,
+        block_size=b.block_size,
     )
 
 
@@ -117,9 +119,10 @@ class FleetWatcher:
             if backend.configured_capacity is None:
                 response = await self._client.get(f"{backend.url}/metrics", timeout=budget_s)
                 response.raise_for_status()
-                capacity = capacity_from_metrics(response.text)
-                if capacity is not None:
-                    backend.discovered_capacity = capacity
+                cache = capacity_from_metrics(response.text)
+                if cache is not None:
+                    backend.discovered_capacity = cache.tokens
+                    backend.block_size = cache.block_size
                     backend.last_scrape = now
             else:
                 response = await self._client.get(f"{backend.url}/health", timeout=budget_s)

@@ -104,7 +104,8 @@ async def wait_for(check: Callable[[], bool], *, within_s: float = 5.0) -> None:
 
 
 def pool(name: str, server: ServerThread, model: str, **options: Any) -> dict[str, Any]:
-    backend = {"url": server.url, "served_model": model, "capacity": 1000}
+    # token-exact: these tests are about the chain, not the KV blocks
+    backend = {"url": server.url, "served_model": model, "capacity": 1000, "block_size": 1}
     return {"name": name, "target_fill": 1.0, "backends": [backend], **options}
 
 

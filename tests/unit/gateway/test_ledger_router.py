@@ -11,7 +11,7 @@ from gateway.ledger import LocalLedger
 from gateway.router import Router
 
 
-def _router(capacities: list[int], target_fill: float = 0.5) -> Router:
+def _router(capacities: list[int], target_fill: float = 0.5, *, block_size: int = 1) -> Router:
     settings = parse_settings(
         {
             "tenants": [{"name": "t", "key_env": "K"}],
@@ -20,7 +20,11 @@ def _router(capacities: list[int], target_fill: float = 0.5) -> Router:
                     "name": "p",
                     "target_fill": target_fill,
                     "backends": [
-                        {"url": f"http://127.0.0.1:{i + 1}", "capacity": c}
+                        {
+                            "url": f"http://127.0.0.1:{i + 1}",
+                            "capacity": c,
+                            "block_size": block_size,
+                        }
                         for i, c in enumerate(capacities)
                     ],
                 }
