@@ -172,13 +172,18 @@ class Router:
         now = self._clock.monotonic()
         backends = self.pools[pool].backends
         in_flight = self.ledger.tokens_in_flight
-        room = sum(max(0, self.limit(b) - in_flight(b.name)) for b in backends)
+        need = self.pool_kv_tokens(pool, tokens, sequences=sequences)
+        limits = [self.limit(b) for b in backends]
+        if need > max(limits, default=0):  # runs alone: room is what an idle backend holds
+            limits = [self.capacity(b) for b in backends]
+        pairs = zip(limits, backends, strict=True)
+        room = sum(max(0, limit - in_flight(b.name)) for limit, b in pairs)
         names = {b.name for b in backends}
         held = [(now - at, r.tokens) for at, r in self._held.values() if r.backend in names]
         unaged = sum(in_flight(b.name) for b in backends) - sum(size for _, size in held)
         waiting = self._waiting.get(pool)
         return seconds_until_fits(
-            tokens=self.pool_kv_tokens(pool, tokens, sequences=sequences),
+            tokens=need,
             room=room,
             held=held,
             unaged_tokens=unaged,
@@ -187,8 +192,8 @@ class Router:
         )
 
     async def release(self, reservation: Reservation) -> None:
+        entry = self._held.pop(reservation.lease, None)  # forgotten even if the release fails
         await self.ledger.release(reservation)
-        entry = self._held.pop(reservation.lease, None)
         if entry is not None:
             pool = self._backends[reservation.backend].pool
             self._holds[pool].observe(self._clock.monotonic() - entry[0])

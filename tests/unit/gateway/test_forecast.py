@@ -12,17 +12,15 @@ from gateway.ledger import LocalLedger
 from gateway.router import Router
 
 
-def _router(clock: ManualClock, capacity: int = 1000) -> Router:
+def _router(clock: ManualClock, *, target_fill: float = 1.0) -> Router:
     settings = parse_settings(
         {
             "tenants": [{"name": "t", "key_env": "K"}],
             "pools": [
                 {
                     "name": "p",
-                    "target_fill": 1.0,
-                    "backends": [
-                        {"url": "http://127.0.0.1:1", "capacity": capacity, "block_size": 1}
-                    ],
+                    "target_fill": target_fill,
+                    "backends": [{"url": "http://127.0.0.1:1", "capacity": 1000, "block_size": 1}],
                 }
             ],
         }
@@ -94,3 +92,15 @@ def test_a_cold_router_tells_when_its_reservations_should_end_not_a_minute() -> 
         return [cold, warm]
 
     assert asyncio.run(scenario()) == pytest.approx([1.5, 3.5])
+
+
+def test_a_request_that_runs_alone_waits_for_an_idle_backend_not_the_ceiling() -> None:
+    async def scenario() -> float:
+        clock = ManualClock()
+        router = _router(clock, target_fill=0.5)
+        held = await router.admit("p", 400)
+        assert held is not None
+        clock.advance(2.0)
+        return router.retry_after("p", 900)  # over 500, within 1,000: alone, in ~2 s
+
+    assert asyncio.run(scenario()) == pytest.approx(2.0)
