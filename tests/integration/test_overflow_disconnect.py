@@ -33,7 +33,7 @@ def fleet() -> Iterator[Fleet]:
                 "queue": {"max_wait_s": 10},
             }
         },
-        capacity={"big": 1008},  # 63 blocks of 16: the holder's ~996 tokens take them all
+        capacity={"big": 1000},
     ) as f:
         yield f
 
