@@ -137,12 +137,6 @@ class Router:
                 return True
         return False
 
-    def most_room(self, pool: str) -> int:
-        """The most tokens any usable backend of the pool could take now."""
-        tokens = self.ledger.tokens_in_flight
-        ranked = self._ranked(pool, ())
-        return max((limit - tokens(b.name) for *_, b, limit, _ in ranked), default=0)
-
     def fits_ever(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
         """Whether any backend of the pool could hold this request even when idle."""
         return any(

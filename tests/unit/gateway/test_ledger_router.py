@@ -79,16 +79,19 @@ def test_ejected_and_unknown_capacity_backends_are_skipped() -> None:
     asyncio.run(scenario())
 
 
-def test_most_room_is_the_largest_free_share_under_target_fill() -> None:
+def test_has_room_looks_at_every_usable_backends_share_under_target_fill() -> None:
     async def scenario() -> None:
         router = _router([1000, 2000])  # limits 500 and 1000
-        assert router.most_room("p") == 1000
+        assert router.has_room("p", 1000) and not router.has_room("p", 2001)
         held = await router.admit("p", 700)  # least filled first: p-0 cannot hold 700
         assert held is not None and held.backend == "p-1"
-        assert router.most_room("p") == 500
+        assert router.has_room("p", 500)
+        assert router.has_room("p", 1000)  # alone on idle p-0, within its KV cache
+        assert not router.has_room("p", 1001)
         for _ in range(3):
             router.backend("p-0").record_failure(ManualClock().monotonic())
-        assert router.most_room("p") == 300  # an ejected backend offers no room
+        # an ejected backend offers no room
+        assert router.has_room("p", 300) and not router.has_room("p", 301)
 
     asyncio.run(scenario())
 
