@@ -13,6 +13,7 @@ from gateway.ledger import Ledger, Reservation
 
 ReleaseListener = Callable[[str], None]
 WaitingTokens = Callable[[], list[int]]  # the KV tokens of each request queued in a pool
+FORECAST_REUSE_S = 0.1  # Retry-After counts whole seconds: a burst of refusals shares one
 
 
 def kv_tokens(tokens: int, *, sequences: int = 1, block_size: int = 1) -> int:
@@ -32,7 +33,9 @@ class Router:
         self._backends = {b.name: b for p in pools.values() for b in p.backends}
         self._listeners: list[ReleaseListener] = []
         self._holds = {name: HoldTimes() for name in pools}
-        self._held: dict[str, tuple[float, Reservation]] = {}  # lease → (reserved at, it)
+        # pool → lease → (reserved at, reservation): the ages the forecast reads
+        self._held: dict[str, dict[str, tuple[float, Reservation]]] = {name: {} for name in pools}
+        self._forecasts: dict[tuple[str, int], tuple[float, float]] = {}  # → (at, seconds)
         self._waiting: dict[str, WaitingTokens] = {}
         self._targets: dict[str, Target] = {}
 
@@ -125,7 +128,8 @@ class Router:
         return None
 
     def _hold(self, reservation: Reservation) -> Reservation:
-        self._held[reservation.lease] = (self._clock.monotonic(), reservation)
+        pool = self._backends[reservation.backend].pool
+        self._held[pool][reservation.lease] = (self._clock.monotonic(), reservation)
         return reservation
 
     def has_room(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
@@ -164,16 +168,25 @@ class Router:
         """Seconds until a request of `sequences` × `tokens` likely fits in the pool, behind
         the requests already queued there (gateway/forecast.py)."""
         now = self._clock.monotonic()
+        need = self.pool_kv_tokens(pool, tokens, sequences=sequences)
+        recent = self._forecasts.get((pool, need))
+        if recent is not None and now - recent[0] < FORECAST_REUSE_S:
+            return recent[1]
+        seconds = self._forecast(pool, need, now)
+        if len(self._forecasts) > 1024:  # sizes vary without end: keep the table small
+            self._forecasts.clear()
+        self._forecasts[(pool, need)] = (now, seconds)
+        return seconds
+
+    def _forecast(self, pool: str, need: int, now: float) -> float:
         backends = self.pools[pool].backends
         in_flight = self.ledger.tokens_in_flight
-        need = self.pool_kv_tokens(pool, tokens, sequences=sequences)
         limits = [self.limit(b) for b in backends]
         if need > max(limits, default=0):  # runs alone: room is what an idle backend holds
             limits = [self.capacity(b) for b in backends]
         pairs = zip(limits, backends, strict=True)
         room = sum(max(0, limit - in_flight(b.name)) for limit, b in pairs)
-        names = {b.name for b in backends}
-        held = [(now - at, r.tokens) for at, r in self._held.values() if r.backend in names]
+        held = [(now - at, r.tokens) for at, r in self._held[pool].values()]
         unaged = sum(in_flight(b.name) for b in backends) - sum(size for _, size in held)
         waiting = self._waiting.get(pool)
         return seconds_until_fits(
@@ -186,10 +199,10 @@ class Router:
         )
 
     async def release(self, reservation: Reservation) -> None:
-        entry = self._held.pop(reservation.lease, None)  # forgotten even if the release fails
+        pool = self._backends[reservation.backend].pool
+        entry = self._held[pool].pop(reservation.lease, None)  # gone even if the release fails
         await self.ledger.release(reservation)
         if entry is not None:
-            pool = self._backends[reservation.backend].pool
             self._holds[pool].observe(self._clock.monotonic() - entry[0])
         self._freed(reservation.backend)
 

@@ -104,3 +104,20 @@ def test_a_request_that_runs_alone_waits_for_an_idle_backend_not_the_ceiling() -
         return router.retry_after("p", 900)  # over 500, within 1,000: alone, in ~2 s
 
     assert asyncio.run(scenario()) == pytest.approx(2.0)
+
+
+def test_refusals_within_a_tenth_of_a_second_share_one_forecast() -> None:
+    async def scenario() -> list[float]:
+        clock = ManualClock()
+        router = _router(clock)
+        held = [await router.admit("p", 500) for _ in range(2)]
+        assert all(r is not None for r in held)
+        clock.advance(1.5)
+        first = router.retry_after("p", 500)  # cold: ages 1.5, so 1.5 s to go
+        clock.advance(0.05)
+        shared = router.retry_after("p", 500)
+        clock.advance(0.06)
+        fresh = router.retry_after("p", 500)
+        return [first, shared, fresh]
+
+    assert asyncio.run(scenario()) == pytest.approx([1.5, 1.5, 1.61])
