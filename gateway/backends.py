@@ -40,6 +40,7 @@ class Backend:
     url: str
     served_model: str
     configured_capacity: int | None  # None: discovered from the backend's metrics
+    block_size: int = 16  # tokens per KV block: configured, or discovered with the capacity
     discovered_capacity: int | None = None
     max_model_len: int | None = None  # the served model's context, from the backend's /v1/models
     root: str | None = None  # the weights it loaded, from the same listing
@@ -150,6 +151,7 @@ def _backend(pool: PoolSettings, index: int, b: BackendSettings) -> Backend:
         url=b.url.rstrip("/"),
         served_model=b.served_model or pool.name,
         configured_capacity=None if b.capacity == "auto" else b.capacity,
+        block_size=b.block_size,
     )
 
 
@@ -196,9 +198,10 @@ class FleetWatcher:
             models = None if listing is None else models_from_listing(_json(listing))
             if backend.configured_capacity is None:
                 text = await self._get(backend, "/metrics", budget_s)
-                capacity = None if text is None else capacity_from_metrics(text)
-                if capacity is not None:
-                    backend.discovered_capacity = capacity
+                cache = None if text is None else capacity_from_metrics(text)
+                if cache is not None:
+                    backend.discovered_capacity = cache.tokens
+                    backend.block_size = cache.block_size
                     backend.last_scrape = now
             else:
                 await self._get(backend, "/health", budget_s)

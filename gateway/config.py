@@ -56,6 +56,7 @@ class BackendSettings(_Model):
     url: str
     served_model: str | None = None  # the name the backend serves; default: the pool's name
     capacity: int | Literal["auto"] = "auto"  # tokens the backend can hold in flight
+    block_size: int = Field(16, ge=1)  # KV block size with a hand-set capacity; auto reads it
     name: str | None = None
 
     @field_validator("url")

@@ -40,15 +40,6 @@ class RateMeter:
         self._decay(self._clock.monotonic())
         return self._rate
 
-    def seconds_to(self, amount: float, *, floor: float = 1.0, ceiling: float = 60.0) -> float:
-        """Seconds until `amount` more has passed at the current rate, clamped."""
-        if amount <= 0:
-            return floor
-        rate = self.rate()
-        if rate <= 0:
-            return ceiling
-        return min(ceiling, max(floor, amount / rate))
-
 
 class PoolDemand:
     """Tokens a pool's requests hold wherever they are served, and what was turned away.

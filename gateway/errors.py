@@ -59,6 +59,13 @@ class ModelNotFound(InvalidRequest):
     code = "model_not_found"
 
 
+class ContextLengthExceeded(InvalidRequest):
+    """The request can never be served: longer than the model's context, or than every
+    backend's KV cache could hold with nowhere to spill. Retrying cannot help."""
+
+    code = "context_length_exceeded"
+
+
 class BodyTooLarge(InvalidRequest):
     status = 413
     code = "request_too_large"

@@ -118,7 +118,9 @@ class Exchange:
             self.router.pool_fill(request.pool) >= pool.sheddable_max_fill
         ):
             return _nothing()
-        return self.router.admit(request.pool, request.reserved_tokens, exclude=exclude)
+        return self.router.admit(
+            request.pool, request.sequence_tokens, sequences=request.n, exclude=exclude
+        )
 
     async def serve_local(self, request: InferenceRequest, outcome: Outcome) -> Served:
         """Forward to the backend the request holds a reservation on.

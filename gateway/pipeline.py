@@ -21,6 +21,7 @@ from gateway.backends import Pool
 from gateway.clock import Clock
 from gateway.deadline import Sweep
 from gateway.errors import (
+    ContextLengthExceeded,
     LimiterUnavailable,
     ModelNotFound,
     Rejected,
@@ -50,6 +51,7 @@ from policies.base import Gate, OverflowPolicy, TapFactory
 
 log = logging.getLogger("spillgate.pipeline")
 PRIORITY_HEADER_BYTES = PRIORITY_HEADER.encode()
+SPILL_POLICIES = frozenset({"degrade", "provider"})  # may serve what the pool cannot hold
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -359,9 +361,11 @@ class CompletionsEndpoint:
         gate = self._d.gates.get(request.pool)
         if (gate is None or gate(request)) and await exchange.admit(request):
             return await exchange.serve_local(request, Outcome.LOCAL)
+        chain = self._d.chains[request.pool]
+        self._check_fits(request, chain)
         outage = self._d.router.pools[request.pool].outage
         try:
-            for policy in self._d.chains[request.pool]:
+            for policy in chain:
                 served = await policy.serve(request, exchange)
                 if served is not None:
                     return served
@@ -369,7 +373,27 @@ class CompletionsEndpoint:
             raise outage() or refused from None  # a pool with no backend up is not full
         raise outage() or Rejected(
             f"Pool {request.pool!r} is at capacity.",
-            retry_after=self._d.router.retry_after(request.pool, request.reserved_tokens),
+            retry_after=self._d.router.retry_after(
+                request.pool, request.sequence_tokens, sequences=request.n
+            ),
+        )
+
+    def _check_fits(self, request: InferenceRequest, chain: list[OverflowPolicy]) -> None:
+        """Refuse for good (400, no Retry-After) a request no backend of its pool could ever
+        hold, unless the chain has somewhere else to send it."""
+        router = self._d.router
+        if not router.never_fits(request.pool, request.sequence_tokens, sequences=request.n):
+            return
+        if any(policy.name in SPILL_POLICIES for policy in chain):
+            return
+        need = router.pool_kv_tokens(request.pool, request.sequence_tokens, sequences=request.n)
+        largest = max(router.capacity(b) for b in router.pools[request.pool].backends)
+        raise ContextLengthExceeded(
+            f"The request needs about {need} tokens of KV cache ({request.n} x (about "
+            f"{request.prompt_tokens} prompt tokens + {request.max_output_tokens} output "
+            f"tokens), in whole blocks), more than any backend of pool {request.pool!r} can "
+            f"hold ({largest} tokens). Lower max_tokens or n, or shorten the prompt.",
+            param="max_tokens",
         )
 
     @staticmethod

@@ -11,6 +11,7 @@ from gateway.config import PRIORITIES, Priority
 from gateway.errors import InvalidRequest
 
 MAX_TOKENS_CEILING = 1_000_000
+MAX_CHOICES = 128  # `n`: each choice is a sequence of its own on the backend
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other; orjson writes at most 254
 PRIORITY_HEADER = "x-spillgate-priority"
 NUMBER = (int, float)  # built once: `int | float` in isinstance makes a new union per call
@@ -35,12 +36,19 @@ class InferenceRequest(NamedTuple):
     client_wants_usage: bool
     prompt_chars: int
     prompt_tokens: int  # estimate, corrected over time from real usage
-    max_output_tokens: int  # what the backend may generate; reserved on admission
+    max_output_tokens: int  # what the backend may generate per choice; reserved on admission
     body: dict[str, Any]
+    n: int = 1  # choices asked for: vLLM runs one sequence per choice
+
+    @property
+    def sequence_tokens(self) -> int:
+        """The longest one choice's sequence can grow: prompt + max output."""
+        return self.prompt_tokens + self.max_output_tokens
 
     @property
     def reserved_tokens(self) -> int:
-        return self.prompt_tokens + self.max_output_tokens
+        """Tokens the request may use in all: the prompt once, each choice's output."""
+        return self.prompt_tokens + self.n * self.max_output_tokens
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
@@ -140,6 +148,16 @@ def _max_tokens(body: dict[str, Any], default: int) -> int:
     return value
 
 
+def _choices(body: dict[str, Any]) -> int:
+    """`n`, the number of choices; 1 when absent."""
+    value = body.get("n")
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHOICES:
+        raise InvalidRequest(f"'n' must be an integer between 1 and {MAX_CHOICES}.", param="n")
+    return value
+
+
 def _flag(body: dict[str, Any], key: str) -> bool:
     value = body.get(key, False)
     if value is None:
@@ -199,9 +217,7 @@ def parse_request(
             value = body.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, NUMBER)):
                 raise InvalidRequest(f"'{key}' must be a number.", param=key)
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise InvalidRequest("Only n=1 is supported.", param="n")
+    n = _choices(body)
     # positional, in the fields' order: a NamedTuple built with keywords costs twice as much
     return InferenceRequest(
         endpoint,
@@ -214,6 +230,7 @@ def parse_request(
         prompt_tokens,
         max_output,  # max_output_tokens
         body,
+        n,
     )
 
 

@@ -7,11 +7,22 @@ from collections.abc import Callable, Collection
 
 from gateway.backends import Backend, Pool
 from gateway.clock import Clock
-from gateway.demand import RateMeter
+from gateway.forecast import HoldTimes, expected_hold_s, seconds_until_fits
 from gateway.forward import Target
 from gateway.ledger import Ledger, Reservation
 
 ReleaseListener = Callable[[str], None]
+WaitingTokens = Callable[[], list[int]]  # the KV tokens of each request queued in a pool
+FORECAST_REUSE_S = 0.1  # Retry-After counts whole seconds: a burst of refusals shares one
+
+
+def kv_tokens(tokens: int, *, sequences: int = 1, block_size: int = 1) -> int:
+    """The KV cache `sequences` sequences of up to `tokens` tokens each may take on a backend
+    with blocks of `block_size`: vLLM allocates whole blocks, each sequence its own. The `n`
+    choices of one request share their prompt's blocks only through the prefix cache, and
+    only its full blocks, so each is counted whole: what vLLM allocates without the prefix
+    cache, and never less than it allocates with it."""
+    return sequences * -(-tokens // block_size) * block_size
 
 
 class Router:
@@ -21,7 +32,11 @@ class Router:
         self._clock = clock
         self._backends = {b.name: b for p in pools.values() for b in p.backends}
         self._listeners: list[ReleaseListener] = []
-        self._drain = {name: RateMeter(clock) for name in pools}
+        self._holds = {name: HoldTimes() for name in pools}
+        # pool → lease → (reserved at, reservation): the ages the forecast reads
+        self._held: dict[str, dict[str, tuple[float, Reservation]]] = {name: {} for name in pools}
+        self._forecasts: dict[tuple[str, int], tuple[float, float]] = {}  # → (at, seconds)
+        self._waiting: dict[str, WaitingTokens] = {}
         self._targets: dict[str, Target] = {}
 
     def backend(self, name: str) -> Backend:
@@ -65,60 +80,136 @@ class Router:
 
     def candidates(self, pool: str, *, exclude: Collection[str] = ()) -> list[Backend]:
         """The pool's usable backends (healthy, with known capacity), least filled first."""
-        return [backend for *_, backend, _ in self._ranked(pool, exclude)]
+        return [backend for *_, backend, _, _ in self._ranked(pool, exclude)]
 
-    def _ranked(self, pool: str, exclude: Collection[str]) -> list[tuple[float, int, Backend, int]]:
-        """(fill, index, backend, limit) of each usable backend, least filled first; each
-        capacity worked out once."""
+    def _ranked(
+        self, pool: str, exclude: Collection[str]
+    ) -> list[tuple[float, int, Backend, int, int]]:
+        """(fill, index, backend, limit, capacity) of each usable backend, least filled
+        first; each capacity worked out once."""
         p = self.pools[pool]
         now = self._clock.monotonic()
         stale, target = p.settings.metrics_stale_s, p.settings.target_fill
         tokens = self.ledger.tokens_in_flight
-        ranked: list[tuple[float, int, Backend, int]] = []
+        ranked: list[tuple[float, int, Backend, int, int]] = []
         for i, b in enumerate(p.backends):
             if b.name in exclude or not b.healthy(now):
                 continue
             capacity = b.capacity(now=now, stale_after=stale)
             if capacity > 0:
-                ranked.append((tokens(b.name) / capacity, i, b, _limit(capacity, target)))
+                ranked.append((tokens(b.name) / capacity, i, b, _limit(capacity, target), capacity))
         if len(ranked) > 1:
             ranked.sort()
         return ranked
 
     async def admit(
-        self, pool: str, tokens: int, *, exclude: Collection[str] = ()
+        self, pool: str, tokens: int, *, sequences: int = 1, exclude: Collection[str] = ()
     ) -> Reservation | None:
-        """Reserve on the least-filled backend with room under the target fill, else None."""
-        for *_, backend, limit in self._ranked(pool, exclude):
-            reservation = await self.ledger.reserve(backend.name, tokens, limit=limit)
+        """Reserve `sequences` sequences of up to `tokens` tokens each, in whole KV blocks, on
+        the least-filled backend with room under the target fill, else None.
+
+        A request larger than the target fill allows but within a backend's KV cache is
+        reserved on an idle backend, alone: the ledger's limit is then its own size.
+        """
+        alone: list[tuple[Backend, int]] = []
+        for *_, backend, limit, capacity in self._ranked(pool, exclude):
+            need = kv_tokens(tokens, sequences=sequences, block_size=backend.block_size)
+            if need > limit:
+                if need <= capacity:
+                    alone.append((backend, need))
+                continue
+            reservation = await self.ledger.reserve(backend.name, need, limit=limit)
             if reservation is not None:
-                return reservation
+                return self._hold(reservation)
+        for backend, need in alone:  # in-flight + need ≤ need: only when idle
+            reservation = await self.ledger.reserve(backend.name, need, limit=need)
+            if reservation is not None:
+                return self._hold(reservation)
         return None
 
-    def most_room(self, pool: str) -> int:
-        """The most tokens any usable backend of the pool could take now."""
-        tokens = self.ledger.tokens_in_flight
-        ranked = self._ranked(pool, ())
-        return max((limit - tokens(b.name) for *_, b, limit in ranked), default=0)
+    def _hold(self, reservation: Reservation) -> Reservation:
+        pool = self._backends[reservation.backend].pool
+        self._held[pool][reservation.lease] = (self._clock.monotonic(), reservation)
+        return reservation
 
-    def fits_ever(self, pool: str, tokens: int) -> bool:
+    def has_room(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
+        """Whether `admit` would find room now (from the last known tokens in flight)."""
+        held = self.ledger.tokens_in_flight
+        for *_, backend, limit, capacity in self._ranked(pool, ()):
+            need = kv_tokens(tokens, sequences=sequences, block_size=backend.block_size)
+            if need <= capacity and held(backend.name) + need <= max(limit, need):
+                return True
+        return False
+
+    def fits_ever(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
         """Whether any backend of the pool could hold this request even when idle."""
-        return any(self.limit(b) >= tokens for b in self.pools[pool].backends)
+        return any(
+            self.capacity(b) >= kv_tokens(tokens, sequences=sequences, block_size=b.block_size)
+            for b in self.pools[pool].backends
+        )
 
-    def retry_after(self, pool: str, tokens: int) -> float:
-        """Seconds until the pool has likely drained enough to hold `tokens` more."""
+    def never_fits(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
+        """Whether every backend's KV cache is known and too small for this request: waiting
+        cannot help. (A backend of unknown capacity might hold it.)"""
         backends = self.pools[pool].backends
-        room = sum(self.limit(b) - self.ledger.tokens_in_flight(b.name) for b in backends)
-        return self._drain[pool].seconds_to(max(0, tokens - room))
+        capacities = [self.capacity(b) for b in backends]
+        return all(capacities) and not self.fits_ever(pool, tokens, sequences=sequences)
+
+    def pool_kv_tokens(self, pool: str, tokens: int, *, sequences: int = 1) -> int:
+        """A request's KV tokens on the pool's backend with the largest blocks."""
+        size = max((b.block_size for b in self.pools[pool].backends), default=1)
+        return kv_tokens(tokens, sequences=sequences, block_size=size)
+
+    def on_waiting(self, pool: str, waiting: WaitingTokens) -> None:
+        """Tell the forecast what waits in `pool`'s queue (the queue policy's own count)."""
+        self._waiting[pool] = waiting
+
+    def retry_after(self, pool: str, tokens: int, *, sequences: int = 1) -> float:
+        """Seconds until a request of `sequences` × `tokens` likely fits in the pool, behind
+        the requests already queued there (gateway/forecast.py)."""
+        now = self._clock.monotonic()
+        need = self.pool_kv_tokens(pool, tokens, sequences=sequences)
+        recent = self._forecasts.get((pool, need))
+        if recent is not None and now - recent[0] < FORECAST_REUSE_S:
+            return recent[1]
+        seconds = self._forecast(pool, need, now)
+        if len(self._forecasts) > 1024:  # sizes vary without end: keep the table small
+            self._forecasts.clear()
+        self._forecasts[(pool, need)] = (now, seconds)
+        return seconds
+
+    def _forecast(self, pool: str, need: int, now: float) -> float:
+        backends = self.pools[pool].backends
+        in_flight = self.ledger.tokens_in_flight
+        limits = [self.limit(b) for b in backends]
+        if need > max(limits, default=0):  # runs alone: room is what an idle backend holds
+            limits = [self.capacity(b) for b in backends]
+        pairs = zip(limits, backends, strict=True)
+        room = sum(max(0, limit - in_flight(b.name)) for limit, b in pairs)
+        held = [(now - at, r.tokens) for at, r in self._held[pool].values()]
+        unaged = sum(in_flight(b.name) for b in backends) - sum(size for _, size in held)
+        waiting = self._waiting.get(pool)
+        return seconds_until_fits(
+            tokens=need,
+            room=room,
+            held=held,
+            unaged_tokens=unaged,
+            waiting=waiting() if waiting is not None else (),
+            hold_s=expected_hold_s(self._holds[pool], (age for age, _ in held)),
+        )
 
     async def release(self, reservation: Reservation) -> None:
+        pool = self._backends[reservation.backend].pool
+        entry = self._held[pool].pop(reservation.lease, None)  # gone even if the release fails
         await self.ledger.release(reservation)
-        self._freed(reservation.backend, reservation.tokens)
+        if entry is not None:
+            self._holds[pool].observe(self._clock.monotonic() - entry[0])
+        self._freed(reservation.backend)
 
     def released_elsewhere(self, backend: str, tokens: int) -> None:
         """Capacity another replica gave back, heard through the shared ledger."""
         if backend in self._backends:
-            self._freed(backend, tokens)
+            self._freed(backend)
 
     def wake_all(self) -> None:
         """Call every listener for every pool: releases elsewhere may have gone unheard."""
@@ -126,9 +217,8 @@ class Router:
             for listener in self._listeners:
                 listener(pool)
 
-    def _freed(self, backend: str, tokens: int) -> None:
+    def _freed(self, backend: str) -> None:
         pool = self._backends[backend].pool
-        self._drain[pool].record(tokens)
         for listener in self._listeners:
             listener(pool)
 

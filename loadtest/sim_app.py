@@ -38,6 +38,7 @@ from loadtest.sim_wire import (
     StreamFrame,
     error_body,
     full_response,
+    new_id,
 )
 
 
@@ -73,44 +74,64 @@ class CompletionsEndpoint:
         if self._config.no_delay:
             await self._answer_now(req, send)
             return
-        seq = LiveSequence(
-            prompt_tokens=req.prompt_tokens,
-            max_tokens=req.max_tokens,
-            streaming=req.stream,
-        )
-        self._engine.submit(seq)
-        watcher = asyncio.create_task(self._abort_on_disconnect(receive, seq))
+        seqs = self._submit(req)
+        watcher = asyncio.create_task(self._abort_on_disconnect(receive, seqs))
         try:
             if req.stream:
-                await self._stream(req, seq, send)
+                await self._stream(req, seqs, send)
             else:
-                await self._complete(req, seq, send)
+                await self._complete(req, seqs, send)
         finally:
             watcher.cancel()
+            for seq in seqs:
+                if not seq.done:
+                    self._engine.abort(seq)
+
+    def _submit(self, req: SimRequest) -> list[LiveSequence]:
+        """One sequence per choice, as vLLM runs `n`; they share one progress event, so one
+        reader follows them all."""
+        seqs = [
+            LiveSequence(
+                prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens, streaming=req.stream
+            )
+            for _ in range(req.n)
+        ]
+        for seq in seqs[1:]:
+            seq.progress = seqs[0].progress
+        for seq in seqs:
+            self._engine.submit(seq)
+        return seqs
+
+    async def _abort_on_disconnect(self, receive: Receive, seqs: list[LiveSequence]) -> None:
+        await wait_disconnect(receive)
+        for seq in seqs:
             if not seq.done:
                 self._engine.abort(seq)
 
-    async def _abort_on_disconnect(self, receive: Receive, seq: LiveSequence) -> None:
-        await wait_disconnect(receive)
-        if not seq.done:
-            self._engine.abort(seq)
+    def _frames(self, req: SimRequest) -> list[StreamFrame]:
+        response_id = new_id(self._kind)
+        return [
+            StreamFrame(
+                kind=self._kind,
+                model=self._config.model,
+                filler=self._filler,
+                include_usage=req.include_usage,
+                index=index,
+                response_id=response_id,
+            )
+            for index in range(req.n)
+        ]
 
-    def _frame(self, req: SimRequest) -> StreamFrame:
-        return StreamFrame(
-            kind=self._kind,
-            model=self._config.model,
-            filler=self._filler,
-            include_usage=req.include_usage,
-        )
-
-    async def _stream(self, req: SimRequest, seq: LiveSequence, send: Send) -> None:
-        frame = self._frame(req)
-        sent = 0
+    async def _stream(self, req: SimRequest, seqs: list[LiveSequence], send: Send) -> None:
+        frames = self._frames(req)
+        progress = seqs[0].progress
+        sent = [0] * len(seqs)
         started = False
         while True:
-            await seq.progress.wait()
-            seq.progress.clear()
-            if seq.state is SeqState.ABORTED:  # client gone (writes are dropped) or shutdown
+            await progress.wait()
+            progress.clear()
+            if any(seq.state is SeqState.ABORTED for seq in seqs):
+                # client gone (writes are dropped) or shutdown
                 if started:
                     await send_chunk(send, b"", last=True)
                 else:
@@ -121,24 +142,27 @@ class CompletionsEndpoint:
                 await start_sse(send)
                 started = True
                 if self._kind is Kind.CHAT:
-                    parts.append(frame.role_chunk())
-            generated = seq.generated
-            finished = seq.state is SeqState.FINISHED
-            if generated > sent:
-                reason = req.finish_reason if finished else None
-                parts.append(frame.tokens(sent, generated, finish_reason=reason))
-                sent = generated
+                    parts += [frame.role_chunk() for frame in frames]
+            for i, seq in enumerate(seqs):
+                generated = seq.generated
+                if generated > sent[i]:
+                    reason = req.finish_reason if seq.state is SeqState.FINISHED else None
+                    parts.append(frames[i].tokens(sent[i], generated, finish_reason=reason))
+                    sent[i] = generated
+            finished = all(seq.state is SeqState.FINISHED for seq in seqs)
             if finished:
-                parts.append(frame.end(prompt_tokens=req.prompt_tokens, completion_tokens=sent))
+                end = frames[0].end(prompt_tokens=req.prompt_tokens, completion_tokens=sum(sent))
+                parts.append(end)
             await send_chunk(send, b"".join(parts), last=finished)
             if finished:
                 return
 
-    async def _complete(self, req: SimRequest, seq: LiveSequence, send: Send) -> None:
-        while not seq.done:
-            await seq.progress.wait()
-            seq.progress.clear()
-        if seq.state is SeqState.ABORTED:
+    async def _complete(self, req: SimRequest, seqs: list[LiveSequence], send: Send) -> None:
+        progress = seqs[0].progress
+        while not all(seq.done for seq in seqs):
+            await progress.wait()
+            progress.clear()
+        if any(seq.state is SeqState.ABORTED for seq in seqs):
             await send_error(send, _aborted())
             return
         await send_json(send, 200, self._full(req))
@@ -150,21 +174,26 @@ class CompletionsEndpoint:
             text=self._filler.text(0, req.max_tokens),
             finish_reason=req.finish_reason,
             prompt_tokens=req.prompt_tokens,
-            completion_tokens=req.max_tokens,
+            completion_tokens=req.n * req.max_tokens,
+            choices=req.n,
         )
 
     async def _answer_now(self, req: SimRequest, send: Send) -> None:
         stats = self._engine.scheduler.stats
         stats.prompt_tokens += req.prompt_tokens
-        stats.generation_tokens += req.max_tokens
+        stats.generation_tokens += req.n * req.max_tokens
         stats.finished += 1
         if not req.stream:
             await send_json(send, 200, self._full(req))
             return
-        frame = self._frame(req)
-        head = frame.role_chunk() if self._kind is Kind.CHAT else b""
-        tokens = frame.tokens(0, req.max_tokens, finish_reason=req.finish_reason)
-        end = frame.end(prompt_tokens=req.prompt_tokens, completion_tokens=req.max_tokens)
+        frames = self._frames(req)
+        head = b"".join(f.role_chunk() for f in frames) if self._kind is Kind.CHAT else b""
+        tokens = b"".join(
+            f.tokens(0, req.max_tokens, finish_reason=req.finish_reason) for f in frames
+        )
+        end = frames[0].end(
+            prompt_tokens=req.prompt_tokens, completion_tokens=req.n * req.max_tokens
+        )
         await start_sse(send)
         await send_chunk(send, head + tokens + end, last=True)
 

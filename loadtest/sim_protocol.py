@@ -31,6 +31,7 @@ class SimRequest:
     finish_reason: str  # "length" when max_tokens capped the answer, "stop" when it ended
     stream: bool
     include_usage: bool
+    n: int = 1  # choices: one sequence each, as vLLM runs them
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,8 +108,11 @@ def parse_request(kind: Kind, raw: bytes, limits: Limits) -> SimRequest:
             status=404,
             param="model",
         )
-    if body.get("n", 1) != 1:
-        raise SimRequestError("the simulator serves n=1 only", param="n")
+    n = body.get("n")
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise SimRequestError("n must be at least 1.", param="n")
     prompt_tokens = _prompt_tokens(kind, body)
     requested = _requested_max_tokens(body)
     _check_length(prompt_tokens, requested, limits)
@@ -129,4 +133,5 @@ def parse_request(kind: Kind, raw: bytes, limits: Limits) -> SimRequest:
         finish_reason=finish_reason,
         stream=body.get("stream") is True,
         include_usage=isinstance(options, dict) and options.get("include_usage") is True,
+        n=n,
     )

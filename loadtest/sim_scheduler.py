@@ -1,11 +1,13 @@
 """Continuous batching as vLLM's V1 scheduler does it, without the GPU: pure and synchronous.
 
-KV cache is a pool of fixed-size blocks. Each step, running sequences (oldest first) get a
-slot for one more token; when the pool is empty the newest running sequence is preempted:
-its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
-(prefill of prompt + tokens generated so far) when room returns. Only in a step with no
-preemption are waiting sequences admitted, first come first served, while their whole
-prefill fits in the free blocks, the sequence limit and the step's token budget.
+KV cache is a pool of fixed-size blocks, less one that vLLM's block pool keeps back (the null
+block: 32 blocks hold 31 blocks of sequences); a sequence holds whole blocks. Each step,
+running sequences (oldest first) get a slot for one more token; when the pool is empty the
+newest running sequence is preempted: its blocks are freed and it goes back to the front of
+the waiting queue, to be recomputed (prefill of prompt + tokens generated so far) when room
+returns. Only in a step with no preemption are waiting sequences admitted, first come first
+served, while their whole prefill fits in the free blocks, the sequence limit and the step's
+token budget.
 
 A step that computes a sequence's first `n` tokens leaves `n` tokens of KV behind it and
 samples token `generated + 1`; a finished sequence frees its blocks at once.
@@ -59,10 +61,17 @@ class SchedulerLimits:
     max_num_batched_tokens: int = 8192
 
     def __post_init__(self) -> None:
-        if min(self.num_blocks, self.block_size, self.max_num_seqs) < 1:
-            raise ValueError("num_blocks, block_size and max_num_seqs must be positive")
+        if self.num_blocks < 2:
+            raise ValueError("num_blocks must be at least 2: vLLM keeps one block back")
+        if min(self.block_size, self.max_num_seqs) < 1:
+            raise ValueError("block_size and max_num_seqs must be positive")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be positive")
+
+    @property
+    def usable_blocks(self) -> int:
+        """The blocks sequences may hold: all but the null block."""
+        return self.num_blocks - 1
 
 
 S = TypeVar("S", bound=Sequence)
@@ -98,7 +107,7 @@ class SchedulerStats:
 class Scheduler(Generic[S]):
     def __init__(self, limits: SchedulerLimits) -> None:
         self.limits = limits
-        self.free_blocks = limits.num_blocks
+        self.free_blocks = limits.usable_blocks
         self.waiting: deque[S] = deque()
         self.running: list[S] = []
         self.stats = SchedulerStats()
@@ -107,7 +116,7 @@ class Scheduler(Generic[S]):
 
     @property
     def used_blocks(self) -> int:
-        return self.limits.num_blocks - self.free_blocks
+        return self.limits.usable_blocks - self.free_blocks
 
     @property
     def has_work(self) -> bool:
@@ -117,7 +126,7 @@ class Scheduler(Generic[S]):
         return -(-tokens // self.limits.block_size)
 
     def add(self, seq: S) -> None:
-        if self.blocks_for(seq.prompt_tokens + seq.max_tokens - 1) > self.limits.num_blocks:
+        if self.blocks_for(seq.prompt_tokens + seq.max_tokens - 1) > self.limits.usable_blocks:
             raise ValueError("sequence can never fit in the KV cache")
         self.waiting.append(seq)
         self.reserved_tokens += seq.prompt_tokens + seq.max_tokens

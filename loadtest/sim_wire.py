@@ -73,6 +73,7 @@ class StreamFrame:
         "_fingerprint",
         "_head",
         "_include_usage",
+        "_index",
         "_join",
         "_open",
         "_tail",
@@ -87,11 +88,15 @@ class StreamFrame:
         filler: FillerText,
         include_usage: bool,
         fingerprint: str = SYSTEM_FINGERPRINT,
+        index: int = 0,
+        response_id: str | None = None,
     ) -> None:
+        """`index`: the choice this frame writes, of a request's `n`; the choices of one
+        response share its `response_id`."""
         shape = _SHAPES[kind]
         head = (
             b'data: {"id":"'
-            + new_id(kind).encode()
+            + (response_id or new_id(kind)).encode()
             + b'","object":"'
             + shape.object_chunk.encode()
             + b'","created":'
@@ -100,7 +105,8 @@ class StreamFrame:
             + orjson.dumps(model)
         )
         self._head = head
-        self._open = head + b',"choices":[{"index":0,' + shape.content_open
+        self._index = b'"index":' + str(index).encode()
+        self._open = head + b',"choices":[{' + self._index + b"," + shape.content_open
         self._tail = (
             shape.content_close + b',"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
         )
@@ -115,7 +121,9 @@ class StreamFrame:
         """The first chat chunk: the assistant role and empty content."""
         return (
             self._head
-            + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+            + b',"choices":[{'
+            + self._index
+            + b',"delta":{"role":"assistant","content":""},'
             + b'"logprobs":null,"finish_reason":null}],'
             + b'"prompt_token_ids":null,"prompt_text":null}\n\n'
         )
@@ -149,7 +157,7 @@ class StreamFrame:
         )
 
 
-def _chat_choice(text: str, finish_reason: str) -> dict[str, object]:
+def _chat_choice(text: str, finish_reason: str, index: int) -> dict[str, object]:
     message = {
         "role": "assistant",
         "content": text,
@@ -160,7 +168,7 @@ def _chat_choice(text: str, finish_reason: str) -> dict[str, object]:
         "reasoning": None,
     }
     return {
-        "index": 0,
+        "index": index,
         "message": message,
         "logprobs": None,
         "finish_reason": finish_reason,
@@ -170,9 +178,9 @@ def _chat_choice(text: str, finish_reason: str) -> dict[str, object]:
     }
 
 
-def _completion_choice(text: str, finish_reason: str) -> dict[str, object]:
+def _completion_choice(text: str, finish_reason: str, index: int) -> dict[str, object]:
     return {
-        "index": 0,
+        "index": index,
         "text": text,
         "logprobs": None,
         "finish_reason": finish_reason,
@@ -192,16 +200,18 @@ def full_response(
     prompt_tokens: int,
     completion_tokens: int,
     fingerprint: str = SYSTEM_FINGERPRINT,
+    choices: int = 1,
 ) -> bytes:
-    """A non-streamed response body."""
+    """A non-streamed response body: `choices` choices of `text` (`completion_tokens`
+    counts them all)."""
     shape = _SHAPES[kind]
-    choice = (_chat_choice if kind is Kind.CHAT else _completion_choice)(text, finish_reason)
+    make = _chat_choice if kind is Kind.CHAT else _completion_choice
     body: dict[str, object] = {
         "id": new_id(kind),
         "object": shape.object_full,
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": [make(text, finish_reason, i) for i in range(choices)],
         "service_tier": None,
         "system_fingerprint": fingerprint,
         "usage": {

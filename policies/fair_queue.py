@@ -81,6 +81,15 @@ class FairQueue(Generic[T]):
         self._last_served[waiter.tenant] = next(self._turns)
         return True
 
+    def tokens(self) -> list[int]:
+        """The tokens of every waiter, highest class first."""
+        return [
+            waiter.tokens
+            for priority in PRIORITIES
+            for line in self._classes[priority].values()
+            for waiter in line
+        ]
+
     def waiting_at_or_above(self, priority: Priority) -> bool:
         """Whether anyone of class `priority` or a higher one is waiting."""
         rank = PRIORITIES.index(priority)

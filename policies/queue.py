@@ -59,6 +59,7 @@ class QueuePolicy:
         self._queue: FairQueue[Ticket] = FairQueue(max_depth=pool.queue.max_depth)
         self._drainer: asyncio.Task[None] | None = None
         router.on_release(self._on_release)
+        router.on_waiting(pool.name, self._queue.tokens)
 
     @classmethod
     def build(cls, pool: PoolSettings, deps: PolicyDeps) -> QueuePolicy:
@@ -93,7 +94,7 @@ class QueuePolicy:
 
     async def wait(self, request: InferenceRequest, exchange: Exchange) -> QueueResult:
         """Wait until the request holds a reservation in its pool (ADMITTED), or say why not."""
-        if not self._router.fits_ever(request.pool, request.reserved_tokens):
+        if not self._router.fits_ever(request.pool, request.sequence_tokens, sequences=request.n):
             return QueueResult.REJECTED_NEVER_FITS
         ticket = Ticket(
             request=request,
@@ -104,7 +105,9 @@ class QueuePolicy:
         waiter = Waiter(
             tenant=request.tenant,
             priority=request.priority,
-            tokens=request.reserved_tokens,
+            tokens=self._router.pool_kv_tokens(
+                request.pool, request.sequence_tokens, sequences=request.n
+            ),
             item=ticket,
         )
         if not self._enqueue(waiter):
@@ -163,7 +166,10 @@ class QueuePolicy:
                 if ticket.decided.done():  # cancelled; its own task has not run yet
                     self._queue.remove(waiter)
                     continue
-                if waiter.tokens > self._router.most_room(self._pool):
+                request = ticket.request
+                if not self._router.has_room(
+                    self._pool, request.sequence_tokens, sequences=request.n
+                ):
                     return  # the next release, or this waiter leaving, drains again
                 reservation = await ticket.exchange.reserve(ticket.request)
                 if reservation is None:

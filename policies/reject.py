@@ -22,7 +22,9 @@ class RejectPolicy:
         raise Rejected(
             f"Pool {request.pool!r} is at capacity and every overflow path is spent; "
             "retry after the indicated delay.",
-            retry_after=self._router.retry_after(request.pool, request.reserved_tokens),
+            retry_after=self._router.retry_after(
+                request.pool, request.sequence_tokens, sequences=request.n
+            ),
         )
 
     @classmethod

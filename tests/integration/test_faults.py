@@ -363,7 +363,7 @@ def test_a_provider_429_keeps_it_unasked_for_its_retry_after(matrix: Matrix) -> 
 async def holding_steady(matrix: Matrix) -> AsyncIterator[None]:
     """The holder tenant fills the steady pool with one long stream, then hangs up."""
     async with matrix.client("holder") as client:
-        body = chat("hold", model="steady", max_tokens=990, stream=True)
+        body = chat("hold", model="steady", max_tokens=980, stream=True)  # 992 in blocks
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.headers["x-spillgate-outcome"] == "local"
             matrix.books["holder"].reservation("held, then cut", response.headers)

@@ -31,7 +31,12 @@ POLL_S = 0.05
 SETTINGS = parse_settings(
     {
         "tenants": [{"name": "t", "key_env": "K"}],
-        "pools": [{"name": "p", "backends": [{"url": "http://127.0.0.1:9", "capacity": 1000}]}],
+        "pools": [
+            {
+                "name": "p",
+                "backends": [{"url": "http://127.0.0.1:9", "capacity": 1000, "block_size": 1}],
+            }
+        ],
     }
 )
 

@@ -2,14 +2,24 @@ from pathlib import Path
 
 import orjson
 
-from gateway.discovery import ServedModel, capacity_from_metrics, models_from_listing
+from gateway.discovery import KvCache, ServedModel, capacity_from_metrics, models_from_listing
 from tests.conftest import VLLM_FIXTURES as FIXTURES
 
 
 def test_reads_vllm_cache_config_from_a_real_server() -> None:
     text = (FIXTURES / "vllm-0.32-metrics.txt").read_text()
-    # num_gpu_blocks="8192" × block_size="128" in the captured vLLM 0.32 output
-    assert capacity_from_metrics(text) == 8192 * 128
+    # num_gpu_blocks="8192" × block_size="128" in the captured vLLM 0.32 output, less the
+    # one block vLLM keeps back
+    assert capacity_from_metrics(text) == KvCache(tokens=8191 * 128, block_size=128)
+
+
+def test_keeps_one_block_back_per_engine() -> None:
+    text = (
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="32"} 1.0\n'
+        'vllm:cache_config_info{block_size="128",engine="1",num_gpu_blocks="32"} 1.0\n'
+    )
+    assert capacity_from_metrics(text) == KvCache(tokens=2 * 31 * 128, block_size=128)
 
 
 def test_reads_sglang_max_total_tokens() -> None:
@@ -18,7 +28,7 @@ def test_reads_sglang_max_total_tokens() -> None:
         "# TYPE sglang:max_total_num_tokens gauge\n"
         'sglang:max_total_num_tokens{model_name="m"} 123456.0\n'
     )
-    assert capacity_from_metrics(text) == 123456
+    assert capacity_from_metrics(text) == KvCache(tokens=123456, block_size=1)
 
 
 def test_no_capacity_metric_means_unknown() -> None:

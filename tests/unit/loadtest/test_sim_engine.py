@@ -11,7 +11,7 @@ from loadtest.sim_scheduler import Scheduler, SchedulerLimits, SeqState, Step
 
 
 def engine(*, speed: float = 1e6, flush: float = 0.0, ttfts: list[float] | None = None) -> Engine:
-    scheduler: Scheduler[LiveSequence] = Scheduler(SchedulerLimits(num_blocks=64))
+    scheduler: Scheduler[LiveSequence] = Scheduler(SchedulerLimits(num_blocks=65))
     record = ttfts.append if ttfts is not None else (lambda _: None)
     return Engine(
         scheduler=scheduler,

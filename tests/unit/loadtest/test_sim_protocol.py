@@ -86,7 +86,7 @@ def test_unknown_model_is_vllms_404() -> None:
         b"[1, 2]",
         orjson.dumps({"messages": []}),
         orjson.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}),
-        orjson.dumps({"messages": [{"role": "user", "content": "x"}], "n": 2}),
+        orjson.dumps({"messages": [{"role": "user", "content": "x"}], "n": 0}),
     ],
 )
 def test_malformed_chat_requests_are_400(raw: bytes) -> None:
@@ -113,3 +113,8 @@ def test_filler_is_one_word_per_token_across_period_boundaries() -> None:
     assert filler.text(start, stop) == b"".join(words).decode()
     assert all(w.startswith(b" ") and w.count(b" ") == 1 for w in words)
     assert filler.text(0, 0) == "" and filler.word_bytes(5, 5) == []
+
+
+def test_n_choices_are_read() -> None:
+    assert parse_request(Kind.CHAT, chat(max_tokens=3, n=4), LIMITS).n == 4
+    assert parse_request(Kind.CHAT, chat(max_tokens=3), LIMITS).n == 1

@@ -5,8 +5,9 @@ import pytest
 from loadtest.sim_scheduler import Scheduler, SchedulerLimits, SeqState, Sequence
 
 
-def make(num_blocks: int, **kw: int) -> Scheduler[Sequence]:
-    return Scheduler(SchedulerLimits(num_blocks=num_blocks, block_size=16, **kw))
+def make(usable_blocks: int, **kw: int) -> Scheduler[Sequence]:
+    """A scheduler whose sequences may hold `usable_blocks`: vLLM keeps one more back."""
+    return Scheduler(SchedulerLimits(num_blocks=usable_blocks + 1, block_size=16, **kw))
 
 
 def seq(prompt: int, out: int) -> Sequence:
@@ -182,3 +183,30 @@ def test_a_sequence_that_could_never_fit_is_refused() -> None:
         s.add(seq(30, 10))
     with pytest.raises(ValueError):
         seq(0, 1)
+
+
+def test_one_block_is_kept_back_as_vllm_does() -> None:
+    s = Scheduler(SchedulerLimits(num_blocks=32, block_size=128))
+    assert s.free_blocks == 31 and s.used_blocks == 0
+    with pytest.raises(ValueError):
+        s.add(seq(3900, 100))  # 32 blocks' worth: fits the pool, not its usable part
+    with pytest.raises(ValueError):
+        SchedulerLimits(num_blocks=1)
+
+
+def test_seven_sequences_under_a_token_limit_need_more_blocks_than_vllm_has() -> None:
+    # the real server's case: 7 x (106 + 412) = 3,626 tokens fit a 3,686-token limit
+    # (4,096 x 0.9), but each sequence grows to 5 blocks of 128: 35 blocks of 31
+    s = Scheduler(SchedulerLimits(num_blocks=32, block_size=128))
+    seqs = [seq(106, 412) for _ in range(7)]
+    for sq in seqs:
+        s.add(sq)
+    while s.has_work:
+        run_step(s)
+    assert s.stats.preemptions > 0 and s.stats.finished == 7
+    five = Scheduler(SchedulerLimits(num_blocks=32, block_size=128))
+    for _ in range(6):  # 6 x 5 = 30 blocks: never preempted
+        five.add(seq(106, 412))
+    while five.has_work:
+        run_step(five)
+    assert five.stats.preemptions == 0 and five.stats.finished == 6

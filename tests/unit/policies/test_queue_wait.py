@@ -31,7 +31,7 @@ class Setup:
         self.clock = ManualClock()
         self.settings = PoolSettings(
             name="p",
-            backends=[BackendSettings(url="http://127.0.0.1:9", capacity=CAPACITY)],
+            backends=[BackendSettings(url="http://127.0.0.1:9", capacity=CAPACITY, block_size=1)],
             target_fill=1.0,
             sheddable_max_fill=sheddable_max_fill,
             queue=QueueSettings(max_depth=max_depth, max_wait_s=max_wait_s),
