@@ -28,9 +28,11 @@ def fleet() -> Iterator[Fleet]:
         yield f
 
 
-def chat(fleet: Fleet, model: str, max_tokens: int) -> tuple[int, dict[str, str], Any]:
+def chat(
+    fleet: Fleet, model: str, max_tokens: int, *, n: int = 1
+) -> tuple[int, dict[str, str], Any]:
     with fleet.client() as client:
-        body = {"model": model, "messages": MSG, "max_tokens": max_tokens}
+        body = {"model": model, "messages": MSG, "max_tokens": max_tokens, "n": n}
         response = client.post("/v1/chat/completions", json=body)
     return response.status_code, dict(response.headers), response.json()
 
@@ -42,7 +44,9 @@ def test_over_the_target_fill_but_within_the_kv_cache_runs_alone(fleet: Fleet) -
 
 
 def test_larger_than_every_kv_cache_is_a_400_without_retry_after(fleet: Fleet) -> None:
-    status, headers, body = chat(fleet, "m", 2100)  # 2,112 tokens in blocks: > 2,032
+    # each choice is within the 2,048-token context, the two together (2 x 1,120 tokens in
+    # blocks) are more than the KV cache's 2,032
+    status, headers, body = chat(fleet, "m", 1100, n=2)
     assert status == 400
     assert "retry-after" not in headers
     assert body["error"]["code"] == "context_length_exceeded"
@@ -51,6 +55,6 @@ def test_larger_than_every_kv_cache_is_a_400_without_retry_after(fleet: Fleet) -
 
 
 def test_larger_than_the_pool_spills_where_the_chain_can(fleet: Fleet) -> None:
-    status, headers, body = chat(fleet, "d", 2100)
+    status, headers, body = chat(fleet, "d", 1100, n=2)
     assert (status, headers["x-spillgate-outcome"]) == (200, "degraded")
     assert body["model"] == "big"
