@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{arm:12} {n:12,.0f} instructions per request{ratio}")
     if args.json:
         args.json.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+        print(f"wrote {args.json.resolve()}", file=sys.stderr)
     return 0
 
 

@@ -228,6 +228,8 @@ def run(args: argparse.Namespace) -> int:
         print("\n" + comparison_text(summaries[0], summaries[1]))
     if args.json:
         args.json.write_text(json.dumps(data, indent=1) + "\n", "utf-8")
+        print(f"wrote {args.json.resolve()}", file=sys.stderr)
     if args.html:
         write_html(args.html, data)
+        print(f"wrote {args.html.resolve()}", file=sys.stderr)
     return 0

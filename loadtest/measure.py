@@ -371,6 +371,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.chart is not None:
         write_chart(args.chart, result, prediction)
+        print(f"wrote {args.chart.resolve()}", file=sys.stderr)
     if args.json:
         print(json.dumps(report_json(result, workload, prediction), indent=2))
     else:

@@ -60,8 +60,9 @@ def test_streams_and_plain_requests_are_timed_against_a_backend(
     assert summary["preemptions"]["total"] == 0
     assert run["sampled"] == "backends" and run["samples"]
     assert run["samples"][0]["backends"][sim.url]["capacity"] == 200_000
-    printed = capsys.readouterr().out
-    assert "served" in printed and "kept its schedule" in printed
+    printed = capsys.readouterr()
+    assert "served" in printed.out and "kept its schedule" in printed.out
+    assert printed.err == f"wrote {out}\n"
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,9 @@ def test_compare_direct_replays_the_schedule_at_the_backends(
     assert direct["preemptions"]["total"] is not None
     assert data["runs"][1]["sampled"] == "backends"
     assert data["runs"][1]["summary"]["urls"] == [s.url for s in fleet.backends["big"]]
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert captured.err == f"wrote {tmp_path / 'run.json'}\nwrote {html}\n"
+    printed = captured.out
     table = printed[printed.rindex("gateway  ") - 30 :]
     assert "TTFT p99 ms" in table and "preemptions" in table
     page = html.read_text()
