@@ -3,7 +3,7 @@
 import orjson
 import pytest
 
-from loadtest.sim_protocol import Limits, SimRequestError, parse_request
+from loadtest.sim_protocol import Limits, SimRequestError, out_of_vocabulary, parse_request
 from loadtest.sim_tokens import FillerText, chat_prompt_tokens, completion_prompt_tokens
 from loadtest.sim_wire import Kind
 
@@ -113,3 +113,13 @@ def test_filler_is_one_word_per_token_across_period_boundaries() -> None:
     assert filler.text(start, stop) == b"".join(words).decode()
     assert all(w.startswith(b" ") and w.count(b" ") == 1 for w in words)
     assert filler.text(0, 0) == "" and filler.word_bytes(5, 5) == []
+
+
+def test_prompt_ids_beyond_the_vocabulary_are_refused_as_vllm_words_it() -> None:
+    assert out_of_vocabulary(b'{"prompt": [5, 31000, 4095]}', 4096) == (
+        "Token id 31000 is out of vocabulary"
+    )
+    assert out_of_vocabulary(b'{"prompt": [[4096]]}', 4096) == "Token id 4096 is out of vocabulary"
+    assert out_of_vocabulary(b'{"prompt": [0, 4095]}', 4096) is None
+    assert out_of_vocabulary(b'{"prompt": "text has no ids"}', 4096) is None
+    assert out_of_vocabulary(b'{"messages": [{"role": "user", "content": "hi"}]}', 4096) is None
