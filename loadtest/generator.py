@@ -26,7 +26,7 @@ from loadtest.loadgen_run import RunData, Target, run_schedule
 from loadtest.loadgen_schedule import PROFILES, ArrivalProfile, arrival_times
 from loadtest.loadgen_scrape import Scraper
 from loadtest.loadgen_stats import LagVerdict, Slo, report
-from loadtest.loadgen_text import comparison_text, summary_text
+from loadtest.loadgen_text import comparison_text, first_error_line, summary_text
 from loadtest.loadgen_workload import LengthDist, PlannedRequest, TenantKey, Workload, plan_requests
 
 ADMIN_ENV = "SPILLGATE_ADMIN_TOKEN"
@@ -232,4 +232,12 @@ def run(args: argparse.Namespace) -> int:
     if args.html:
         write_html(args.html, data)
         print(f"wrote {args.html.resolve()}", file=sys.stderr)
-    return 0
+    return _verdict(summaries)
+
+
+def _verdict(summaries: list[dict[str, Any]]) -> int:
+    """1 when most requests of a run failed (refused by the gateway is not failed)."""
+    failing = [s for s in summaries if s["failed"] * 2 > s["requests"]]
+    for s in failing:
+        print(f"spillgate loadtest: {s['label']}: {first_error_line(s)}", file=sys.stderr)
+    return 1 if failing else 0

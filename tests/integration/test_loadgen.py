@@ -135,3 +135,41 @@ def test_compare_direct_replays_the_schedule_at_the_backends(
     assert "TTFT p99 ms" in table and "preemptions" in table
     page = html.read_text()
     assert 'id="comparison"' in page and "<script" not in page
+
+
+def test_a_run_that_mostly_fails_exits_non_zero_and_shows_the_first_error(
+    fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run.json"
+    rc = loadtest([
+        "--url", fleet.url, "--model", "big", "--key", "sk-not-a-tenant", "--profile",
+        "constant", "--rate", "20", "--duration", "0.5", "--prompt-tokens", "20",
+        "--output-tokens", "8", "--json", str(out), "--no-progress",
+    ])  # fmt: skip
+    assert rc == 1
+    summary = json.loads(out.read_text())["runs"][0]["summary"]
+    assert (summary["requests"], summary["failed"], summary["statuses"]) == (10, 10, {"401": 10})
+    said = "HTTP 401: Incorrect API key provided."
+    assert summary["first_error"] == {"index": 0, "at_s": 0.025, "status": 401, "error": said}
+    printed = capsys.readouterr()
+    line = f"10 of 10 requests failed; the first, at 0.025 s: {said}"
+    assert line in printed.out.splitlines()
+    assert printed.err.splitlines() == [f"wrote {out}", f"spillgate loadtest: gateway: {line}"]
+
+
+def test_refusals_are_not_failures_and_a_few_failures_do_not_fail_the_run(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    # one tenant's key is wrong: a quarter of the requests fail, the run still exits 0
+    out = tmp_path / "run.json"
+    rc = loadtest([
+        "--url", fleet.url, "--model", "big", "--key", f"acme={fleet.keys['acme']}",
+        "--key", f"beta={fleet.keys['beta']}", "--key", f"gamma={fleet.keys['acme']}",
+        "--key", "nobody=sk-not-a-tenant", "--profile", "constant", "--rate", "20",
+        "--duration", "0.4", "--prompt-tokens", "20", "--output-tokens", "8",
+        "--json", str(out), "--no-progress",
+    ])  # fmt: skip
+    assert rc == 0
+    summary = json.loads(out.read_text())["runs"][0]["summary"]
+    failed = summary["outcomes"]["error"]["count"]
+    assert summary["failed"] == failed and 0 < failed < summary["requests"] / 2
