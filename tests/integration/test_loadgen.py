@@ -2,7 +2,9 @@
 
 import argparse
 import json
+import re
 from collections.abc import Iterator
+from html import unescape
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,9 @@ from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
 from loadtest.harness import ServerThread
 from loadtest.sim_app import create_sim_app
 from loadtest.sim_config import SimConfig
+
+# an x-axis tick label of a report's chart (its plot area ends 48 px above the bottom)
+X_TICKS = re.compile(r'<text x="([\d.]+)" y="288" text-anchor="middle">([^<]*)</text>')
 
 
 def loadtest(argv: list[str]) -> int:
@@ -135,6 +140,18 @@ def test_compare_direct_replays_the_schedule_at_the_backends(
     assert "TTFT p99 ms" in table and "preemptions" in table
     page = html.read_text()
     assert 'id="comparison"' in page and "<script" not in page
+    # prose and tables, not Python's reprs of dicts, lists and None
+    text = " ".join(unescape(re.sub(r"<[^>]+>", " ", page)).split())
+    for repr_mark in ("{'", "['", "[]", "{}", "None"):
+        assert repr_mark not in text, repr_mark
+    assert "compared straight at auto" in text and "Answers: " in text
+    # every chart of the report runs on one time axis: the same ticks at the same pixels
+    axes = [X_TICKS.findall(svg) for svg in page.split("<svg")[1:]]
+    assert len(axes) >= 7 and all(axis == axes[0] for axis in axes), axes
+    assert axes[0][0][1] == "0"
+    # both backends' limits (1000 tokens), and their capacities, coincide: one line each
+    assert page.count(">limit of both</text>") == page.count(">capacity of both</text>") == 1
+    assert "its limit" not in page and "its capacity" not in page
 
 
 def test_a_run_that_mostly_fails_exits_non_zero_and_shows_the_first_error(
