@@ -43,6 +43,8 @@ def test_streams_and_plain_requests_are_timed_against_a_backend(
         "--duration", "1", "--stream-fraction", "0.5", "--prompt-tokens", "50",
         "--output-tokens", "12", "--backend", sim.url, "--sample-interval", "0.2",
         "--endpoint", endpoint, "--json", str(out), "--no-progress",
+        # a send 20 ms late (the default tolerance) is one busy moment of a shared 2-core host
+        "--lag-tolerance-ms", "100",
     ])  # fmt: skip
     assert rc == 0
     data = json.loads(out.read_text())
