@@ -365,6 +365,7 @@ def run(args: argparse.Namespace) -> int:
                 if args.json:
                     data = {a.name: a.figures for a in arms}
                     Path(args.json).write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
+                    print(f"wrote {Path(args.json).resolve()}", file=sys.stderr)
         finally:
             backend.terminate()
             backend.wait(timeout=10)

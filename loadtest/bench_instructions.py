@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -46,17 +47,21 @@ def _child(arm: str, requests: int, backend: str) -> None:
         uvloop.run(drive(_app(arm, backend, Path(tmp)), requests))
 
 
-def _instructions(arm: str, requests: int, backend: str, out: Path) -> int:
-    """Instructions the child ran for `requests` requests, start-up and shutdown included."""
-    cmd = [
-        "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
+def child_command(arm: str, requests: int, backend: str) -> list[str]:
+    """The process callgrind watches: `requests` bench requests through `arm`."""
+    return [
         sys.executable, "-m", "loadtest.bench_instructions", "--child", arm,
         "--requests", str(requests), "--backend", backend,
     ]  # fmt: skip
+
+
+def callgrind_total(cmd: list[str], out: Path) -> int:
+    """Instructions `cmd` ran under callgrind, start-up and shutdown included."""
+    valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
     env = {**os.environ, "PYTHONHASHSEED": "0"}  # the same dict layouts run to run
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    done = subprocess.run([*valgrind, *cmd], capture_output=True, text=True, env=env, timeout=1800)
     if done.returncode != 0:
-        raise RuntimeError(f"{arm} under callgrind failed:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"{shlex.join(cmd)} failed under callgrind:\n{done.stderr[-2000:]}")
     for line in out.read_text().splitlines():
         if line.startswith(("summary:", "totals:")):
             return int(line.split()[1])
@@ -76,8 +81,10 @@ def count(
         tempfile.TemporaryDirectory() as tmp,
     ):
         for arm in arms:
-            base = _instructions(arm, warmup, backend, Path(tmp) / "base.out")
-            more = _instructions(arm, warmup + requests, backend, Path(tmp) / "more.out")
+            base = callgrind_total(child_command(arm, warmup, backend), Path(tmp) / "base.out")
+            more = callgrind_total(
+                child_command(arm, warmup + requests, backend), Path(tmp) / "more.out"
+            )
             result[arm] = (more - base) / requests
     return result
 
@@ -102,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{arm:12} {n:12,.0f} instructions per request{ratio}")
     if args.json:
         args.json.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+        print(f"wrote {args.json.resolve()}", file=sys.stderr)
     return 0
 
 

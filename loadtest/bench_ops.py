@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     print(_report(result))
     if args.json:
         args.json.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+        print(f"wrote {args.json.resolve()}", file=sys.stderr)
     return 0
 
 

@@ -46,6 +46,7 @@ class LineChart:
     width: int = 720
     height: int = 320
     log_x: bool = False
+    x_range: tuple[float, float] | None = None  # charts that share one axis; else the data's
 
 
 def nice_ticks(low: float, high: float, *, count: int = 5) -> list[float]:
@@ -107,6 +108,8 @@ def _ticks(chart: LineChart) -> tuple[list[float], list[float]]:
     if chart.log_x:
         xs = [x for x in xs if x > 0] or [1.0]
         x_ticks = _log2_ticks(min(xs), max(xs))
+    elif chart.x_range is not None:
+        x_ticks = nice_ticks(*chart.x_range)
     else:
         x_ticks = nice_ticks(min(xs, default=0.0), max(xs, default=1.0))
     y_ticks = nice_ticks(min(0.0, *ys) if ys else 0.0, max(ys, default=1.0))

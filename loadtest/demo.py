@@ -136,20 +136,39 @@ def demo_settings(fleet: dict[str, Any], *, api_key: str) -> dict[str, Any]:
     return {"tenants": [tenant], **fleet}
 
 
-def _banner(host: str, port: int, api_key: str, admin: str) -> str:
+def _backend_lines(fleet: dict[str, Any]) -> list[str]:
+    """Each pool's backends by URL and served name: what `spillgate measure` is pointed at."""
+    lines = []
+    for pool in fleet["pools"]:
+        urls = "  ".join(b["url"] for b in pool["backends"])
+        served = pool["backends"][0]["served_model"]
+        lines.append(f"{pool['name']}: {urls}  (serving {served})")
+    for provider in fleet["providers"]:
+        lines.append(f"{provider['name']}: {provider['base_url']}  (the external provider)")
+    return lines
+
+
+def _banner(host: str, port: int, *, api_key: str, admin: str, fleet: dict[str, Any]) -> str:
     url = f"http://{host}:{port}"
     curl = (
         f"curl -sS {url}/v1/chat/completions -H 'Authorization: Bearer {api_key}' "
         f"-H 'Content-Type: application/json' "
         f'-d \'{{"model": "{LARGE}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\''
     )
+    first = fleet["pools"][0]["backends"][0]
+    measure = f"spillgate measure --url {first['url']} --model {first['served_model']}"
+    backends = _backend_lines(fleet)
     return "\n".join(
         [
             f"Spillgate demo is serving on {url}",
             f"  API key:      {api_key}",
             f"  admin token:  {admin}   (GET {url}/admin/status)",
+            f"  dashboard:    {url}/dashboard?token={admin}",
             f"  pools:        {LARGE} (2 backends), {SMALL} (1 backend); spill to {PROVIDER}",
+            f"  backends:     {backends[0]}",
+            *(f"                {line}" for line in backends[1:]),
             f"  try:          {curl}",
+            f"  measure one:  {measure}",
             "Press Ctrl-C to stop.",
         ]
     )
@@ -173,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
             app, host=args.host, port=args.port, log_level="warning", access_log=False
         )
         server = uvicorn.Server(config)
-        print(_banner(args.host, args.port, api_key, admin), flush=True)
+        banner = _banner(args.host, args.port, api_key=api_key, admin=admin, fleet=fleet)
+        print(banner, flush=True)
         # uvicorn re-raises the signal that stopped it; SIGTERM must unwind like Ctrl-C
         # so the simulators are stopped too
         signal.signal(signal.SIGTERM, _interrupt)

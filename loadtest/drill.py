@@ -223,6 +223,7 @@ def report(
     result = verdicts(target, script, checks, data)
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=1) + "\n", "utf-8")
+        print(f"wrote {json_path.resolve()}", file=sys.stderr)
     print(_header(target, script, len(data.results)))
     for check in checks:
         print(check.line())

@@ -71,7 +71,10 @@ def no_dishonest_5xx(results: Sequence[Result]) -> Check:
     bad = [
         r
         for r in results
-        if r.error or r.status == 0 or (r.status >= 500 and not honest_refusal(r))
+        # a broken answer (no response, a broken stream), or a 5xx not an honest refusal
+        if (r.error and r.status < 400)
+        or r.status == 0
+        or (r.status >= 500 and not honest_refusal(r))
     ]
     honest = sum(1 for r in results if honest_refusal(r))
     if not bad:

@@ -26,7 +26,7 @@ from loadtest.loadgen_run import RunData, Target, run_schedule
 from loadtest.loadgen_schedule import PROFILES, ArrivalProfile, arrival_times
 from loadtest.loadgen_scrape import Scraper
 from loadtest.loadgen_stats import LagVerdict, Slo, report
-from loadtest.loadgen_text import comparison_text, summary_text
+from loadtest.loadgen_text import comparison_text, first_error_line, summary_text
 from loadtest.loadgen_workload import LengthDist, PlannedRequest, TenantKey, Workload, plan_requests
 
 ADMIN_ENV = "SPILLGATE_ADMIN_TOKEN"
@@ -228,6 +228,16 @@ def run(args: argparse.Namespace) -> int:
         print("\n" + comparison_text(summaries[0], summaries[1]))
     if args.json:
         args.json.write_text(json.dumps(data, indent=1) + "\n", "utf-8")
+        print(f"wrote {args.json.resolve()}", file=sys.stderr)
     if args.html:
         write_html(args.html, data)
-    return 0
+        print(f"wrote {args.html.resolve()}", file=sys.stderr)
+    return _verdict(summaries)
+
+
+def _verdict(summaries: list[dict[str, Any]]) -> int:
+    """1 when most requests of a run failed (refused by the gateway is not failed)."""
+    failing = [s for s in summaries if s["failed"] * 2 > s["requests"]]
+    for s in failing:
+        print(f"spillgate loadtest: {s['label']}: {first_error_line(s)}", file=sys.stderr)
+    return 1 if failing else 0

@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ceiling: {max(kept) if kept else 'below the lowest rate'} arrivals/s kept on schedule")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        print(f"wrote {args.json.resolve()}", file=sys.stderr)
     return 0
 
 

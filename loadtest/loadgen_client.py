@@ -133,6 +133,18 @@ class StreamState:
             self.usage = data["usage"]
 
 
+def error_message(body: bytes) -> str:
+    """The message of an OpenAI-shaped error body, else the start of the body."""
+    try:
+        error = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        error = None
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])
+    text = body[:200].decode("utf-8", "replace").strip()
+    return text or "(empty body)"
+
+
 async def send(
     pool: ConnectionPool,
     plan: PlannedRequest,
@@ -205,6 +217,8 @@ async def _read_stream(chunks: Any, result: Result, start: float) -> None:
 
 def _read_whole(body: bytes, result: Result, start: float, *, ok: bool) -> None:
     if not ok:
+        if result.outcome == ERROR_OUTCOME:  # not a refusal the gateway names (429, 503)
+            result.error = f"HTTP {result.status}: {error_message(body)}"
         return
     result.ttft_s = time.perf_counter() - start
     try:

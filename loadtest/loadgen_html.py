@@ -1,6 +1,8 @@
 """`--html FILE`: one self-contained page (inline CSS and SVG, no script, no fetches).
 
 It is rendered from the same dict `--json` writes, so a saved JSON can be re-rendered.
+Every chart of a report runs on one time axis, from the first arrival to the last
+answer or sample of any run, so a moment lines up from chart to chart.
 """
 
 from __future__ import annotations
@@ -11,7 +13,14 @@ from typing import Any
 
 from loadtest.charts import PALETTE, LineChart, Series, render_svg
 from loadtest.loadgen_svg import StackedChart, render_stacked
-from loadtest.loadgen_text import COLUMNS, COMPARED, compared_figures
+from loadtest.loadgen_text import COLUMNS, COMPARED, compared_figures, first_error_line
+
+Span = tuple[float, float]
+SHARED_LIMIT_COLOR = "#555555"
+CONFIG_LABELS = {
+    "url": "URL", "rate": "rate (req/s)", "duration_s": "duration (s)",
+    "compare_direct": "compared straight at", "requests": "requests per run",
+}  # fmt: skip
 
 CSS = """
 body { font-family: sans-serif; margin: 24px; color: #222; max-width: 1520px; }
@@ -66,11 +75,50 @@ def _table(i: int, s: dict[str, Any]) -> str:
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
-def _outcomes_chart(series: dict[str, Any]) -> str:
+def _words(value: Any) -> str:
+    """A value as a reader writes it: lists joined, nothing as "none", never a repr."""
+    if isinstance(value, dict):
+        return ", ".join(f"{_words(k)}: {_words(v)}" for k, v in value.items()) or "none"
+    if isinstance(value, list | tuple):
+        return ", ".join(_words(v) for v in value) or "none"
+    return _fmt(value)
+
+
+def _config_table(cfg: dict[str, Any]) -> str:
+    rows = "".join(
+        f"<tr><td>{escape(CONFIG_LABELS.get(k, k.replace('_', ' ')))}</td><td>{_words(v)}</td></tr>"
+        for k, v in cfg.items()
+    )
+    return f'<table id="config" class="meta">{rows}</table>'
+
+
+def _answers(run: dict[str, Any]) -> str:
+    s = run["summary"]
+    statuses = ", ".join(f"{n} × HTTP {code}" for code, n in s["statuses"].items())
+    errors = "; ".join(f"{n} × {message}" for message, n in s["errors"].items()) or "none"
+    first = f" {first_error_line(s)}." if s["first_error"] else ""
+    return (
+        f'<p class="meta">Answers: {escape(statuses)}. Errors: {escape(errors)}.{escape(first)} '
+        f"Fleet samples: {len(run['samples'])} ({run['sample_failures']} scrapes failed).</p>"
+    )
+
+
+def time_span(runs: list[dict[str, Any]]) -> Span:
+    """The time axis every chart of the report shares: 0 to the last thing any run saw."""
+    end = 0.0
+    for run in runs:
+        s, series = run["summary"], run["series"]
+        ends = [s["duration_s"], s["elapsed_s"], *(p["t"] for p in run["samples"])]
+        ends += [t + series["bucket_s"] / 2 for t in series["t"]]
+        end = max(end, *ends)
+    return 0.0, end
+
+
+def _outcomes_chart(series: dict[str, Any], span: Span) -> str:
     chart = StackedChart(
         title="arrivals vs outcomes (by arrival second)", x_label="s", y_label="requests / s",
         x=series["t"], layers=list(series["outcomes_per_s"].items()),
-        line=("arrivals", series["arrivals_per_s"]),
+        line=("arrivals", series["arrivals_per_s"]), x_range=span,
     )  # fmt: skip
     return render_stacked(chart)
 
@@ -79,30 +127,51 @@ def _points(xs: list[float], ys: list[Any]) -> list[tuple[float, float]]:
     return [(x, float(y)) for x, y in zip(xs, ys, strict=True) if y is not None]
 
 
-def _ttft_chart(series: dict[str, Any]) -> str:
+def _ttft_chart(series: dict[str, Any], span: Span) -> str:
     t = series["t"]
     return render_svg(LineChart(
         title="TTFT of answered requests (by arrival second)", x_label="s", y_label="ms",
         series=[Series(name="p50", points=_points(t, series["ttft_p50_ms"])),
                 Series(name="p99", points=_points(t, series["ttft_p99_ms"]))],
+        x_range=span,
     ))  # fmt: skip
 
 
-def _fill_chart(samples: list[dict[str, Any]]) -> str:
-    names = sorted({n for p in samples for n in p["backends"]})
+def _bound_lines(bounds: dict[str, tuple[str, list[tuple[float, float]]]]) -> list[Series]:
+    """One dashed line per distinct limit: backends whose limits coincide share one line,
+    labelled with all of them, where one line each would hide all but the last."""
+    groups: dict[tuple[str, tuple[tuple[float, float], ...]], list[str]] = {}
+    for name, (kind, points) in bounds.items():
+        groups.setdefault((kind, tuple(points)), []).append(name)
     lines = []
+    for (kind, points), names in groups.items():
+        if len(names) == 1:
+            color, label = PALETTE[sorted(bounds).index(names[0]) % len(PALETTE)], f"  its {kind}"
+        else:
+            color, label = SHARED_LIMIT_COLOR, f"{kind} of {_which(names, among=len(bounds))}"
+        lines.append(Series(name=label, color=color, dashed=True, points=points))
+    return lines
+
+
+def _which(names: list[str], *, among: int) -> str:
+    """Legend-sized: `both`, `all 3`, or the names when only some of the backends."""
+    if len(names) == among:
+        return "both" if among == 2 else f"all {among}"
+    return ", ".join(map(short_name, names))
+
+
+def _fill_chart(samples: list[dict[str, Any]], span: Span) -> str:
+    names = sorted({n for p in samples for n in p["backends"]})
+    lines, bounds = [], {}
     for k, name in enumerate(names):
-        color = PALETTE[k % len(PALETTE)]
         pts = [(p["t"], p["backends"][name]) for p in samples if name in p["backends"]]
-        short = short_name(name)
-        lines.append(Series(name=short, color=color,
+        lines.append(Series(name=short_name(name), color=PALETTE[k % len(PALETTE)],
                             points=[(t, float(b["in_flight"])) for t, b in pts]))  # fmt: skip
-        bound = "limit" if any(b.get("limit") is not None for _, b in pts) else "capacity"
-        lines.append(Series(name=f"  its {bound}", color=color, dashed=True,
-                            points=[(t, float(b.get(bound) or 0)) for t, b in pts]))  # fmt: skip
+        kind = "limit" if any(b.get("limit") is not None for _, b in pts) else "capacity"
+        bounds[name] = (kind, [(t, float(b.get(kind) or 0)) for t, b in pts])
     return render_svg(LineChart(
-        title="tokens in flight per backend (dashed: its limit)", x_label="s", y_label="tokens",
-        series=lines,
+        title="tokens in flight per backend (dashed: limits)", x_label="s", y_label="tokens",
+        series=[*lines, *_bound_lines(bounds)], x_range=span,
     ))  # fmt: skip
 
 
@@ -113,7 +182,7 @@ def short_name(name: str) -> str:
     return name if len(name) <= 16 else "…" + name[-15:]
 
 
-def _queue_chart(samples: list[dict[str, Any]], *, direct: bool) -> str:
+def _queue_chart(samples: list[dict[str, Any]], span: Span, *, direct: bool) -> str:
     names = sorted({n for p in samples for n in p["queue_depth"]})
     lines = [
         Series(name=short_name(name), points=[
@@ -123,24 +192,26 @@ def _queue_chart(samples: list[dict[str, Any]], *, direct: bool) -> str:
     title = "requests waiting inside the backend" if direct else "gateway queue depth per pool"
     if not lines:
         return f'<p class="meta">{title}: nothing reported (no queue in the overflow chain)</p>'
-    return render_svg(LineChart(title=title, x_label="s", y_label="requests", series=lines))
+    return render_svg(
+        LineChart(title=title, x_label="s", y_label="requests", series=lines, x_range=span)
+    )
 
 
-def _run_section(i: int, run: dict[str, Any]) -> str:
+def _run_section(i: int, run: dict[str, Any], span: Span) -> str:
     s = run["summary"]
     parts = [
         f'<div class="run" id="run{i}"><h2>{escape(s["label"])}: {escape(", ".join(s["urls"]))}'
         "</h2>",
         _cards(i, s),
         _table(i, s),
-        f'<p class="meta">statuses: {_fmt(s["statuses"])}; errors: {_fmt(s["errors"] or "none")}'
-        f"; samples: {len(run['samples'])} (failed scrapes: {run['sample_failures']})</p>",
-        _outcomes_chart(run["series"]),
-        _ttft_chart(run["series"]),
+        _answers(run),
+        _outcomes_chart(run["series"], span),
+        _ttft_chart(run["series"], span),
     ]
     if run["samples"]:
         direct = run.get("sampled") == "backends"
-        parts += [_fill_chart(run["samples"]), _queue_chart(run["samples"], direct=direct)]
+        samples = run["samples"]
+        parts += [_fill_chart(samples, span), _queue_chart(samples, span, direct=direct)]
     else:
         parts.append('<p class="meta">No fleet samples: give --admin-token to scrape the '
                      "gateway's /admin/status.</p>")  # fmt: skip
@@ -164,13 +235,13 @@ def _comparison(runs: list[dict[str, Any]]) -> str:
 def render_html(data: dict[str, Any]) -> str:
     cfg = data["config"]
     runs = data["runs"]
-    sections = [_run_section(i, r) for i, r in enumerate(runs)]
-    meta = ", ".join(f"{escape(k)}: {_fmt(v)}" for k, v in cfg.items() if k != "tenants")
+    span = time_span(runs)
+    sections = [_run_section(i, r, span) for i, r in enumerate(runs)]
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'
         f"<title>Spillgate load test: {escape(str(cfg.get('model', '')))}</title>"
         f"<style>{CSS}</style></head><body>"
-        f'<h1>Spillgate load test</h1><p class="meta">{meta}</p>{_comparison(runs)}'
+        f"<h1>Spillgate load test</h1>{_config_table(cfg)}{_comparison(runs)}"
         f'<div class="runs">{"".join(sections)}</div></body></html>\n'
     )
 

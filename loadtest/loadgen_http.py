@@ -70,6 +70,86 @@ class Response:
     async def body(self) -> bytes:
         return b"".join([chunk async for chunk in self.chunks()])
 
+    async def reads(self) -> AsyncIterator[bytes]:
+        """The body a network read at a time: bytes that arrived together come out together,
+        where `chunks` hands over each chunk of a read as if it had arrived on its own."""
+        chunked = self.headers.get("transfer-encoding", "").lower() == "chunked"
+        length = self.headers.get("content-length")
+        left = None if chunked or length is None else int(length)
+        decoder = Dechunker() if chunked else None
+        while left is None or left > 0:
+            data = await self.reader.read(READ_SIZE if left is None else min(left, READ_SIZE))
+            if not data:
+                if decoder is None and left is None:  # the body ends with the connection
+                    self.keep_alive = False
+                    break
+                raise HttpError("the connection closed in the middle of the body")
+            if left is not None:
+                left -= len(data)
+            payload = decoder.feed(data) if decoder is not None else data
+            if payload:
+                yield payload
+            if decoder is not None and decoder.done:
+                self.keep_alive = self.keep_alive and not decoder.leftover
+                break
+        self.finished = True
+
+
+READ_SIZE = 65536
+
+
+class Dechunker:
+    """Takes the chunked transfer coding off a body fed in pieces of any size."""
+
+    def __init__(self) -> None:
+        self._pending = b""  # an unfinished size line, chunk ending or trailer
+        self._left = 0  # bytes of the current chunk still to come
+        self._state = "size"  # size, data, crlf, trailer, done
+        self.leftover = False  # bytes came after the last chunk
+
+    @property
+    def done(self) -> bool:
+        return self._state == "done"
+
+    def feed(self, data: bytes) -> bytes:
+        buf, pos, out = self._pending + data, 0, []
+        while pos < len(buf) and self._state != "done":
+            if self._state == "data":
+                take = min(self._left, len(buf) - pos)
+                out.append(buf[pos : pos + take])
+                pos += take
+                self._left -= take
+                if self._left == 0:
+                    self._state = "crlf"
+            elif self._state == "crlf":
+                if len(buf) - pos < 2:
+                    break
+                if buf[pos : pos + 2] != b"\r\n":
+                    raise HttpError("a chunk did not end with CRLF")
+                pos += 2
+                self._state = "size"
+            else:
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    break
+                line, pos = buf[pos:end], end + 2
+                self._line(line)
+        self.leftover = self.leftover or (self._state == "done" and pos < len(buf))
+        self._pending = buf[pos:] if self._state != "done" else b""
+        return b"".join(out)
+
+    def _line(self, line: bytes) -> None:
+        if self._state == "trailer":
+            if not line:
+                self._state = "done"
+            return
+        try:
+            size = int(line.split(b";", 1)[0], 16)
+        except ValueError:
+            raise HttpError(f"bad chunk size line {line[:40]!r}") from None
+        self._left = size
+        self._state = "data" if size else "trailer"
+
 
 async def _chunked(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
     while True:

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loadtest.loadgen_client import Result
+from loadtest.loadgen_client import ERROR_OUTCOME, Result
 from loadtest.loadgen_run import RunData
 
 OUTCOME_ORDER = (
@@ -111,12 +111,24 @@ def summarize(data: RunData, *, slo: Slo, lag: LagVerdict) -> dict[str, Any]:
         },
         "lag": lag.check([r.lag_s for r in rs]),
         "errors": dict(Counter(r.error for r in rs if r.error).most_common(5)),
+        "failed": sum(1 for r in rs if r.outcome == ERROR_OUTCOME),
+        "first_error": _first_error(rs),
         "missing_retry_after": sum(
             1 for r in rs if r.status in (429, 503) and r.retry_after is None
         ),
         "preemptions": _preemption_delta(data),
         "peak_fill": peak_fill(data.samples),
     }  # fmt: skip
+
+
+def _first_error(rs: Sequence[Result]) -> dict[str, Any] | None:
+    """The earliest scheduled request that failed: when, its status and what it said."""
+    failed = [r for r in rs if r.error]
+    if not failed:
+        return None
+    first = min(failed, key=lambda r: r.at_s)
+    return {"index": first.index, "at_s": round(first.at_s, 3), "status": first.status,
+            "error": first.error}  # fmt: skip
 
 
 def _preemption_delta(data: RunData) -> dict[str, Any]:

@@ -36,6 +36,7 @@ class StackedChart:
     line: tuple[str, Sequence[float]] | None = None  # drawn over the stack, e.g. arrivals
     width: int = 720
     height: int = 320
+    x_range: tuple[float, float] | None = None  # charts that share one axis; else the data's
 
 
 def _color(name: str, i: int) -> str:
@@ -46,7 +47,7 @@ def render_stacked(chart: StackedChart) -> str:
     xs = list(chart.x) or [0.0]
     tops = [sum(layer[1][i] for layer in chart.layers) for i in range(len(xs))]
     line_max = max(chart.line[1], default=0.0) if chart.line else 0.0
-    x_ticks = nice_ticks(min(xs), max(xs))
+    x_ticks = nice_ticks(*(chart.x_range or (min(xs), max(xs))))
     y_ticks = nice_ticks(0.0, max([*tops, line_max, 1.0]))
     right, bottom = chart.width - RIGHT, chart.height - BOTTOM
 

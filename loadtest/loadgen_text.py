@@ -71,7 +71,17 @@ def summary_text(summary: dict[str, Any]) -> str:
         lines.append(f"429/503 without Retry-After: {summary['missing_retry_after']}")
     if summary["errors"]:
         lines.append("errors: " + "; ".join(f"{k} (x{v})" for k, v in summary["errors"].items()))
+    if summary["first_error"]:
+        lines.append(first_error_line(summary))
     return "\n".join(lines)
+
+
+def first_error_line(summary: dict[str, Any]) -> str:
+    first = summary["first_error"]
+    return (
+        f"{summary['failed']} of {summary['requests']} requests failed; the first, at "
+        f"{first['at_s']:g} s: {first['error']}"
+    )
 
 
 COMPARED = ("requests", "answered", "TTFT p50 ms", "TTFT p99 ms", "ITL p99 ms", "in SLO",

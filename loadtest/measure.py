@@ -1,10 +1,12 @@
 """`spillgate measure`: the batch-fill vs TTFT trade of a live OpenAI-compatible endpoint.
 
 At each concurrency level, that many clients each send streaming completions back to back
-(a closed loop). Prompts are token ids, distinct per request so no prefix cache shortens a
-prefill, and `ignore_eos` makes every answer exactly --output-tokens long. Clients start
-staggered over one request's duration so the engine sees arrivals spread out, as in a
-steady state; tokens/s counts the tokens streamed while every client was busy.
+(a closed loop). Prompts are text, distinct per request so no prefix cache shortens a
+prefill, sized on the endpoint's own token count (loadtest/measure_stream.py), and
+`ignore_eos` makes every answer exactly --output-tokens long. Clients start staggered over
+one request's duration so the engine sees arrivals spread out, as in a steady state;
+tokens/s counts the tokens streamed while every client was busy. A request that fails is
+counted, and the first failure's message is shown.
 
 With --gpu (and --catalog-model when the served name is not a catalog name) the plan's
 prediction for the same workload is printed beside each level.
@@ -14,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
-import random
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -29,6 +32,7 @@ import orjson
 from gateway.capacity import throughput
 from gateway.capacity.catalog import CapacityError
 from gateway.capacity.cli import add_replica_arguments
+from loadtest.loadgen_http import ConnectionPool, HttpError, Origin
 from loadtest.measure_report import (
     Prediction,
     predict_for,
@@ -36,10 +40,14 @@ from loadtest.measure_report import (
     report_table,
     write_chart,
 )
-
-
-class MeasureError(RuntimeError):
-    pass
+from loadtest.measure_stream import (
+    MeasureError,
+    Sample,
+    StreamReader,
+    calibrated_words,
+    error_message,
+    prompt_text,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,22 +63,6 @@ class MeasureConfig:
     poll_s: float = 0.05
 
 
-@dataclass(kw_only=True)
-class Sample:
-    started: float
-    chunks: list[float] = field(default_factory=list)
-    completion_tokens: int = 0
-    ended: float = 0.0
-
-    @property
-    def ttft_s(self) -> float:
-        return self.chunks[0] - self.started
-
-    def itls_s(self) -> list[float]:
-        per_chunk = self.completion_tokens / len(self.chunks)
-        return [(b - a) / per_chunk for a, b in zip(self.chunks, self.chunks[1:], strict=False)]
-
-
 @dataclass(frozen=True, kw_only=True)
 class Level:
     concurrency: int
@@ -82,6 +74,8 @@ class Level:
     itl_p99_ms: float
     tokens_per_s: float
     peak_running: int | None
+    prompt_tokens: float  # the endpoint's own count, the mean of the level's requests
+    first_error: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,40 +123,62 @@ def running_now(text: str) -> int | None:
     return round(sum(values)) if values else None
 
 
-def prompt_ids(index: int, tokens: int) -> list[int]:
-    """Distinct per request from the first token on, within any vocabulary of 32k or more."""
-    rng = random.Random(index)
-    return [1000 + index % 30000] + [rng.randrange(1000, 31000) for _ in range(tokens - 1)]
-
-
-async def one_request(client: httpx.AsyncClient, cfg: MeasureConfig, index: int) -> Sample:
-    body = {
+def _completion_body(cfg: MeasureConfig, prompt: str | list[int]) -> bytes:
+    return orjson.dumps({
         "model": cfg.model,
-        "prompt": prompt_ids(index, cfg.prompt_tokens),
+        "prompt": prompt,
         "max_tokens": cfg.output_tokens,
         "ignore_eos": True,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
-    }
+    })  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class Endpoint:
+    """Where the streams go (a raw client that times each network read) and the metrics."""
+
+    streams: ConnectionPool
+    headers: dict[str, str]
+    client: httpx.AsyncClient
+
+
+async def one_request(endpoint: Endpoint, cfg: MeasureConfig, prompt: str | list[int]) -> Sample:
+    """One streamed completion, timed; raises MeasureError with the endpoint's message."""
     sample = Sample(started=time.perf_counter())
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise MeasureError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            chunk = orjson.loads(line[5:])
-            if any(c.get("text") for c in chunk.get("choices") or []):
-                sample.chunks.append(time.perf_counter())
-            usage = chunk.get("usage")
-            if usage:
-                sample.completion_tokens = int(usage.get("completion_tokens") or 0)
+    reader = StreamReader(sample)
+    try:
+        async with asyncio.timeout(cfg.timeout_s):
+            await _stream(endpoint, _completion_body(cfg, prompt), reader)
+    except TimeoutError:
+        raise MeasureError(f"no complete answer within {cfg.timeout_s:g} s") from None
     sample.ended = time.perf_counter()
-    if not sample.chunks:
+    if not sample.arrivals:
         raise MeasureError("the stream carried no tokens")
-    sample.completion_tokens = sample.completion_tokens or len(sample.chunks)
+    if not reader.done:
+        raise MeasureError("the stream ended without [DONE]")
+    sample.completion_tokens = sample.completion_tokens or sum(a.events for a in sample.arrivals)
     return sample
+
+
+async def _stream(endpoint: Endpoint, body: bytes, reader: StreamReader) -> None:
+    headers = {**endpoint.headers, "content-type": "application/json"}
+    async with endpoint.streams.request(
+        "POST", "/v1/completions", headers=headers, body=body
+    ) as resp:
+        if resp.status != 200:
+            raise MeasureError(_http_error(resp.status, await resp.body()))
+        async for data in resp.reads():
+            reader.feed(data, time.perf_counter())
+
+
+def _http_error(status: int, body: bytes) -> str:
+    try:
+        message = error_message(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        message = None
+    return f"HTTP {status}: {message or body[:300].decode('utf-8', 'replace')}"
 
 
 def steady_tokens_per_s(workers: list[list[Sample]]) -> float:
@@ -174,10 +190,7 @@ def steady_tokens_per_s(workers: list[list[Sample]]) -> float:
     if end - start <= 0 or len(busy[0]) < 2:
         wall = max(s.ended for s in samples) - min(s.started for s in samples)
         return sum(s.completion_tokens for s in samples) / wall
-    tokens = 0.0
-    for s in samples:
-        per_chunk = s.completion_tokens / len(s.chunks)
-        tokens += per_chunk * sum(1 for t in s.chunks if start <= t <= end)
+    tokens = sum(s.tokens_in(a) for s in samples for a in s.arrivals if start <= a.at <= end)
     return tokens / (end - start)
 
 
@@ -193,57 +206,99 @@ async def _poll_running(client: httpx.AsyncClient, every_s: float, peak: list[in
         await asyncio.sleep(every_s)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Prompts:
+    words: int  # per prompt, calibrated on the endpoint's count
+
+    def text(self, index: int) -> str:
+        return prompt_text(index, self.words)
+
+
+@dataclass(kw_only=True)
+class Worker:
+    samples: list[Sample]
+    errors: list[str]
+
+
 async def _worker(
-    client: httpx.AsyncClient, cfg: MeasureConfig, *, first: int, count: int, delay_s: float
-) -> tuple[list[Sample], int]:
+    endpoint: Endpoint,
+    cfg: MeasureConfig,
+    prompts: Prompts,
+    *,
+    first: int,
+    count: int,
+    delay_s: float,
+) -> Worker:
     await asyncio.sleep(delay_s)
-    samples, errors = [], 0
+    worker = Worker(samples=[], errors=[])
     for index in range(first, first + count):
         try:
-            samples.append(await one_request(client, cfg, index))
-        except (httpx.HTTPError, MeasureError, ValueError):
-            errors += 1
-    return samples, errors
+            worker.samples.append(await one_request(endpoint, cfg, prompts.text(index)))
+        except (HttpError, MeasureError, ValueError) as exc:
+            worker.errors.append(str(exc))
+    return worker
+
+
+async def _run_workers(
+    endpoint: Endpoint,
+    cfg: MeasureConfig,
+    prompts: Prompts,
+    concurrency: int,
+    *,
+    first: int,
+    stagger_s: float,
+) -> list[Worker]:
+    per_client = max(1, math.ceil((cfg.requests_per_level or 4 * concurrency) / concurrency))
+    return await asyncio.gather(
+        *(
+            _worker(
+                endpoint,
+                cfg,
+                prompts,
+                first=first + i * per_client,
+                count=per_client,
+                delay_s=stagger_s * i / concurrency,
+            )
+            for i in range(concurrency)
+        )
+    )
 
 
 async def run_level(
-    client: httpx.AsyncClient, cfg: MeasureConfig, concurrency: int, *, first: int, stagger_s: float
+    endpoint: Endpoint,
+    cfg: MeasureConfig,
+    prompts: Prompts,
+    concurrency: int,
+    *,
+    first: int,
+    stagger_s: float,
 ) -> tuple[Level, list[Sample]]:
-    per_client = max(1, math.ceil((cfg.requests_per_level or 4 * concurrency) / concurrency))
     peak: list[int] = []
-    poller = asyncio.create_task(_poll_running(client, cfg.poll_s, peak))
+    poller = asyncio.create_task(_poll_running(endpoint.client, cfg.poll_s, peak))
     try:
-        results = await asyncio.gather(
-            *(
-                _worker(
-                    client,
-                    cfg,
-                    first=first + i * per_client,
-                    count=per_client,
-                    delay_s=stagger_s * i / concurrency,
-                )
-                for i in range(concurrency)
-            )
+        workers = await _run_workers(
+            endpoint, cfg, prompts, concurrency, first=first, stagger_s=stagger_s
         )
     finally:
         poller.cancel()
-    workers = [samples for samples, _ in results]
-    errors = sum(e for _, e in results)
-    samples = [s for w in workers for s in w]
+    errors = [e for w in workers for e in w.errors]
+    samples = [s for w in workers for s in w.samples]
     if not samples:
-        raise MeasureError(f"every request at concurrency {concurrency} failed")
+        raise MeasureError(f"every request at concurrency {concurrency} failed: {errors[0]}")
     ttfts = [s.ttft_s * 1e3 for s in samples]
     itls = [x * 1e3 for s in samples for x in s.itls_s()]
     level = Level(
         concurrency=concurrency,
         requests=len(samples),
-        errors=errors,
+        errors=len(errors),
         ttft_p50_ms=percentile(ttfts, 50),
         ttft_p99_ms=percentile(ttfts, 99),
         itl_p50_ms=percentile(itls, 50),
         itl_p99_ms=percentile(itls, 99),
-        tokens_per_s=steady_tokens_per_s(workers),
+        tokens_per_s=steady_tokens_per_s([w.samples for w in workers]),
         peak_running=max(peak) if peak else None,
+        prompt_tokens=sum(s.prompt_tokens for s in samples) / len(samples),
+        first_error=errors[0] if errors else None,
     )
     return level, samples
 
@@ -271,33 +326,42 @@ async def _endpoint_info(client: httpx.AsyncClient) -> tuple[EndpointKv | None, 
     return kv, max_len
 
 
-def _client(cfg: MeasureConfig) -> httpx.AsyncClient:
+@contextlib.asynccontextmanager
+async def open_endpoint(cfg: MeasureConfig) -> AsyncIterator[Endpoint]:
+    base = cfg.url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    return httpx.AsyncClient(
-        base_url=cfg.url.rstrip("/").removesuffix("/v1"),
-        headers=headers,
-        timeout=httpx.Timeout(cfg.timeout_s, connect=5.0),
-        limits=httpx.Limits(max_connections=max(cfg.concurrency) + 4),
+    streams = ConnectionPool(Origin.parse(base))
+    client = httpx.AsyncClient(
+        base_url=base, headers=headers, timeout=httpx.Timeout(cfg.timeout_s, connect=5.0)
     )
+    try:
+        yield Endpoint(streams=streams, headers=headers, client=client)
+    finally:
+        await streams.close()
+        await client.aclose()
 
 
 def mean_duration_s(samples: list[Sample]) -> float:
     return sum(s.ended - s.started for s in samples) / len(samples)
 
 
-async def measure_levels(client: httpx.AsyncClient, cfg: MeasureConfig) -> list[Level]:
-    """One warm-up request, then each level in turn.
+async def measure_levels(endpoint: Endpoint, cfg: MeasureConfig) -> list[Level]:
+    """One warm-up request, which sizes the prompts, then each level in turn.
 
     Clients start spread over about one request's duration at that level, estimated from
     the level before as growing no faster than the concurrency, so arrivals do not clump.
     """
-    warm = await one_request(client, cfg, 0)
+    warm = await one_request(endpoint, cfg, prompt_text(0, cfg.prompt_tokens))
+    words = calibrated_words(
+        target_tokens=cfg.prompt_tokens, words=cfg.prompt_tokens, tokens=warm.prompt_tokens
+    )
+    prompts = Prompts(words=words)
     duration, previous = warm.ended - warm.started, 1
     levels: list[Level] = []
     first = 1
     for c in cfg.concurrency:
         stagger = duration * max(1.0, c / previous)
-        level, samples = await run_level(client, cfg, c, first=first, stagger_s=stagger)
+        level, samples = await run_level(endpoint, cfg, prompts, c, first=first, stagger_s=stagger)
         levels.append(level)
         duration, previous = mean_duration_s(samples), c
         first += level.requests + level.errors
@@ -305,9 +369,9 @@ async def measure_levels(client: httpx.AsyncClient, cfg: MeasureConfig) -> list[
 
 
 async def measure(cfg: MeasureConfig) -> Measurement:
-    async with _client(cfg) as client:
-        kv, max_len = await _endpoint_info(client)
-        levels = await measure_levels(client, cfg)
+    async with open_endpoint(cfg) as endpoint:
+        kv, max_len = await _endpoint_info(endpoint.client)
+        levels = await measure_levels(endpoint, cfg)
     return Measurement(levels=levels, kv=kv, max_model_len=max_len)
 
 
@@ -343,10 +407,10 @@ async def _measure_and_predict(
     cfg: MeasureConfig, args: argparse.Namespace, workload: throughput.Workload
 ) -> tuple[Measurement, Prediction | None]:
     """The prediction is made first, so a wrong --gpu fails before any load is sent."""
-    async with _client(cfg) as client:
-        kv, max_len = await _endpoint_info(client)
+    async with open_endpoint(cfg) as endpoint:
+        kv, max_len = await _endpoint_info(endpoint.client)
         prediction = predict_for(args, workload, max_len)
-        levels = await measure_levels(client, cfg)
+        levels = await measure_levels(endpoint, cfg)
     return Measurement(levels=levels, kv=kv, max_model_len=max_len), prediction
 
 
@@ -366,11 +430,12 @@ def run(args: argparse.Namespace) -> int:
             prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens
         )
         result, prediction = asyncio.run(_measure_and_predict(cfg, args, workload))
-    except (CapacityError, MeasureError, httpx.HTTPError) as exc:
+    except (CapacityError, MeasureError, httpx.HTTPError, HttpError) as exc:
         print(f"spillgate measure: error: {exc}", file=sys.stderr)
         return 2
     if args.chart is not None:
         write_chart(args.chart, result, prediction)
+        print(f"wrote {args.chart.resolve()}", file=sys.stderr)
     if args.json:
         print(json.dumps(report_json(result, workload, prediction), indent=2))
     else:

@@ -84,6 +84,10 @@ def report_table(
     result: Measurement, workload: throughput.Workload, prediction: Prediction | None
 ) -> str:
     lines = [f"workload: {workload.prompt_tokens} prompt + {workload.output_tokens} output tokens"]
+    counted = [level.prompt_tokens for level in result.levels if level.prompt_tokens]
+    if counted:
+        mean = sum(counted) / len(counted)
+        lines[0] += f" (the endpoint counted {mean:,.0f} prompt tokens a request)"
     sessions = endpoint_sessions(result.kv, workload)
     if result.kv is not None:
         kv = result.kv
@@ -103,6 +107,13 @@ def report_table(
         head += " | plan tok/s   diff plan TTFT"
     lines += ["", head, *(_level_row(level, prediction) for level in result.levels)]
     lines.append("(milliseconds; run = most requests running at once, from /metrics)")
+    for level in result.levels:
+        if level.errors:
+            lines.append(
+                f"concurrency {level.concurrency}: {level.errors} of "
+                f"{level.errors + level.requests} requests failed, the first with: "
+                f"{level.first_error}"
+            )
     return "\n".join(lines)
 
 

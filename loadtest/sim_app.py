@@ -30,10 +30,17 @@ from loadtest.sim_asgi import (
 from loadtest.sim_config import ResolvedSim, SimConfig, resolve
 from loadtest.sim_engine import Engine, LiveSequence
 from loadtest.sim_metrics import SimMetrics
-from loadtest.sim_protocol import Limits, SimRequest, SimRequestError, parse_request
+from loadtest.sim_protocol import (
+    Limits,
+    SimRequest,
+    SimRequestError,
+    out_of_vocabulary,
+    parse_request,
+)
 from loadtest.sim_scheduler import Scheduler, SchedulerLimits, SeqState
 from loadtest.sim_tokens import FillerText
 from loadtest.sim_wire import (
+    DONE,
     Kind,
     StreamFrame,
     error_body,
@@ -47,6 +54,17 @@ async def send_error(send: Send, exc: SimRequestError) -> None:
         message=exc.message, error_type=exc.error_type, param=exc.param, code=exc.status
     )
     await send_json(send, exc.status, body)
+
+
+async def refuse_in_stream(send: Send, message: str, *, stream: bool) -> None:
+    """What vLLM does with a request its engine refuses after the stream began: a 200 that
+    carries one error event and [DONE]; unstreamed, a 400."""
+    if not stream:
+        await send_error(send, SimRequestError(message))
+        return
+    body = error_body(message=message, error_type="BadRequestError", param=None, code=400)
+    await start_sse(send)
+    await send_chunk(send, b"data: " + body + b"\n\n" + DONE, last=True)
 
 
 class CompletionsEndpoint:
@@ -71,6 +89,11 @@ class CompletionsEndpoint:
         except SimRequestError as exc:
             await send_error(send, exc)
             return
+        if self._config.vocab_size is not None:
+            refused = out_of_vocabulary(raw, self._config.vocab_size)
+            if refused is not None:
+                await refuse_in_stream(send, refused, stream=req.stream)
+                return
         if self._config.no_delay:
             await self._answer_now(req, send)
             return

@@ -35,6 +35,8 @@ class SimConfig:
     `max_model_len` defaults to the catalog's (else 8192), capped at the KV cache size.
     `speed` divides every step's duration (10 runs ten times faster than real time);
     `no_delay` answers at once without the engine, for overhead benchmarks.
+    `vocab_size`, when given, refuses prompt token ids at or above it as vLLM does: in a
+    200 stream, as an error event (a 400 when not streamed).
     `flush_interval_s` (real seconds) is the most often a stream's new tokens are written;
     the first token and the end go out at once. Tokens arriving faster are written
     together, one SSE event each, which keeps a socket write per token off busy hosts.
@@ -56,6 +58,7 @@ class SimConfig:
     tp: int = 1
     kv_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.speed <= 0:

@@ -135,3 +135,14 @@ def parse_request(kind: Kind, raw: bytes, limits: Limits) -> SimRequest:
         include_usage=isinstance(options, dict) and options.get("include_usage") is True,
         n=n,
     )
+
+
+def out_of_vocabulary(raw: bytes, vocab_size: int) -> str | None:
+    """vLLM's refusal of a prompt holding a token id its vocabulary lacks, or None."""
+    prompt = orjson.loads(raw).get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    ids = [t for t in prompt if isinstance(t, int)] if isinstance(prompt, list) else []
+    if ids and max(ids) >= vocab_size:
+        return f"Token id {max(ids)} is out of vocabulary"
+    return None

@@ -2,7 +2,7 @@
 
 Streams are framed per request once (`StreamFrame`); each token then costs one slice of a
 precomputed word list and one `bytes.join`, so hundreds of streams stay cheap.
-The shapes follow the captured server in /work/shared/fixtures/vllm-0.32-chat.txt.
+The shapes follow the captured server in tests/fixtures/vllm-0.32-chat.txt.
 """
 
 from __future__ import annotations

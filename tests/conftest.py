@@ -13,5 +13,5 @@ def redis_proc() -> Iterator[RedisProcess]:
         yield proc
 
 
-# Output captured from a real vLLM 0.32 server; shared/ lies beside the checkout.
-VLLM_FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+# Output captured from a real vLLM 0.32 server (the CPU build, a tiny model).
+VLLM_FIXTURES = Path(__file__).resolve().parent / "fixtures"

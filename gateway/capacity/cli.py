@@ -122,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.chart is not None:
         render.write_chart(plan, args.chart)
+        print(f"wrote {args.chart.resolve()}", file=sys.stderr)
     if args.json:
         print(json.dumps(plan_json(plan), indent=2))
     else:

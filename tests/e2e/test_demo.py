@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,6 +32,31 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> floa
     pytest.fail(f"spillgate demo was not ready after {timeout}s")
 
 
+def _banner(proc: subprocess.Popen[bytes]) -> str:
+    """The lines the demo printed before serving (it prints them before it is ready)."""
+    assert proc.stdout is not None
+    lines = []
+    while not lines or not lines[-1].startswith("Press Ctrl-C"):
+        lines.append(proc.stdout.readline().decode())
+    return "".join(lines)
+
+
+def _servers(banner: str) -> dict[str, str]:
+    """Each server URL the banner names (without /v1), with what it says the server is."""
+    servers = {}
+    for line in banner.splitlines():
+        what = re.search(r"  \((serving .+|the external provider)\)$", line)
+        if what:
+            for base in re.findall(r"http://127\.0\.0\.1:\d+", line):
+                servers[base] = what[1]
+    return servers
+
+
+def _listening_ports(process: psutil.Process) -> set[int]:
+    conns = process.net_connections(kind="tcp")
+    return {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
+
+
 def test_demo_serves_overflows_and_stops_cleanly() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -46,6 +72,22 @@ def test_demo_serves_overflows_and_stops_cleanly() -> None:
         headers = {"authorization": f"Bearer {KEY}"}
         models = httpx.get(f"{url}/v1/models", headers=headers).json()
         assert [m["id"] for m in models["data"]] == ["llama-3.1-70b", "llama-3.1-8b"]
+        banner = _banner(proc)
+        assert KEY in banner and "curl" in banner
+        dashboard = re.search(r"dashboard: +(\S+)", banner)
+        assert dashboard and dashboard[1] == f"{url}/dashboard?token={ADMIN}"
+        assert httpx.get(dashboard[1]).status_code == 200
+        # every simulated server the demo started is named, the backends with what they serve
+        served = _servers(banner)
+        ports = {int(base.rsplit(":", 1)[1]) for base in served}
+        assert ports == {port for child in children for port in _listening_ports(child)}
+        for base, what in served.items():
+            if what.startswith("serving "):
+                ids = [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]]
+                assert ids == [what.removeprefix("serving ")]
+        assert list(served.values()).count("the external provider") == 1
+        first = next(iter(served))
+        assert f"spillgate measure --url {first} --model {served[first][8:]}" in banner
 
         async def spike() -> Counter[str]:
             body = {
@@ -66,6 +108,6 @@ def test_demo_serves_overflows_and_stops_cleanly() -> None:
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=20)
-    banner = proc.stdout.read().decode() if proc.stdout else ""
-    assert KEY in banner and f"{url}" in banner and "curl" in banner
+    said = proc.stdout.read().decode() if proc.stdout else ""
+    assert said.strip() == "Spillgate demo stopped."
     assert all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in children)

@@ -16,15 +16,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_the_same_build_twice_is_measured_beside_the_raw_relay_round_by_round() -> None:
-    figures = compare(ROOT, ROOT, rounds=2, seconds=1)
+def test_the_same_build_twice_is_measured_beside_the_raw_relay() -> None:
+    # one round of one second: the plumbing, in seconds; the measurement is the script's
+    figures = compare(ROOT, ROOT, rounds=1, seconds=1)
     assert set(figures) == {RAW, "before", "after"}
     for arm in figures.values():
-        assert len(arm["rps"]) == len(arm["cpu_us"]) == 2
+        assert len(arm["rps"]) == len(arm["cpu_us"]) == 1
         assert all(rps > 50 for rps in arm["rps"])
         assert all(cpu > 0 for cpu in arm["cpu_us"])
     result = summary(figures)
-    assert result["rounds"] == 2
+    assert result["rounds"] == 1
     # one build against itself: neither is several times the other
     assert 0.33 < result["after/before req/s"] < 3
     # the gateway does the raw relay's work and its own

@@ -32,6 +32,7 @@ def test_drill_passes_against_the_demo_it_starts(tmp_path: Path) -> None:
     for path in ("queue", "degrade", "provider", "cache", "reject"):
         assert any(line.startswith(f"PASS  overflow path '{path}' engaged") for line in lines)
     assert lines[-1] == "drill passed: 11 checks"
+    assert f"wrote {tmp_path / 'drill.json'}" in done.stderr.splitlines()
     verdicts = json.loads((tmp_path / "drill.json").read_text())
     assert verdicts["passed"] is True and len(verdicts["checks"]) == 11
     assert set(verdicts["outcomes"]) >= {"queued", "degraded", "provider", "cached", "rejected"}

@@ -12,15 +12,19 @@ busy with other work slows a simulator below its timeline, so that check may tak
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from gateway.cli import main
 from loadtest.harness import free_port, serving_process
+from loadtest.measure import MeasureConfig, MeasureError, one_request, open_endpoint
+from loadtest.sim_config import DEFAULT_STEP_COST
 
 SPEED = 20.0
 ATTEMPTS = 3
@@ -112,3 +116,62 @@ def test_unreachable_endpoint_is_a_clear_error(capsys: pytest.CaptureFixture[str
     url = f"http://127.0.0.1:{free_port()}"
     assert main(["measure", "--url", url, "--model", MODEL, "--timeout", "2"]) == 2
     assert "spillgate measure: error:" in capsys.readouterr().err
+
+
+# The real tiny model behind vLLM has a vocabulary of about 4,096 tokens; vLLM refuses a
+# prompt id beyond it inside a 200 stream. Its simulated twin runs at TINY_SPEED.
+TINY_SPEED = 4.0
+
+
+@pytest.fixture(scope="module")
+def tiny_url() -> Iterator[str]:
+    port = free_port()
+    args = ["sim", "--model", "tiny", "--kv-tokens", "4096", "--vocab-size", "4096",
+            "--speed", str(TINY_SPEED), "--port", str(port)]  # fmt: skip
+    with serving_process([sys.executable, "-m", "gateway.cli", *args], port, timeout=20) as url:
+        yield url
+
+
+def test_measure_sends_text_any_vocabulary_takes_and_times_every_token(
+    tiny_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chart = tmp_path / "levels.svg"
+    args = ["measure", "--url", tiny_url, "--model", "tiny", "--concurrency", "1,4",
+            "--prompt-tokens", "100", "--output-tokens", "64", "--requests-per-level", "8",
+            "--json", "--chart", str(chart)]  # fmt: skip
+    assert main(args) == 0
+    printed = capsys.readouterr()
+    assert printed.err == f"wrote {chart}\n" and chart.read_text().startswith("<svg")
+    levels = json.loads(printed.out)["levels"]
+    assert [(lv["requests"], lv["errors"], lv["first_error"]) for lv in levels] == [
+        (8, 0, None),
+        (8, 0, None),
+    ]
+    # the words of each prompt were sized on the endpoint's own count: exactly as asked
+    assert [lv["prompt_tokens"] for lv in levels] == [100, 100]
+    # the simulator writes the tokens of 50 ms at once; each still took one decode step
+    step_ms = DEFAULT_STEP_COST.decode_step_s(0) / TINY_SPEED * 1e3
+    for level in levels:
+        assert level["itl_p50_ms"] == pytest.approx(step_ms, rel=0.1), level
+
+
+def test_an_error_event_in_a_200_stream_is_reported_with_its_message(tiny_url: str) -> None:
+    cfg = MeasureConfig(url=tiny_url, model="tiny", concurrency=(1,), output_tokens=4)
+
+    async def token_ids_beyond_the_vocabulary() -> None:
+        async with open_endpoint(cfg) as endpoint:
+            await one_request(endpoint, cfg, [5, 31000])
+
+    with pytest.raises(MeasureError) as caught:
+        asyncio.run(token_ids_beyond_the_vocabulary())
+    assert str(caught.value) == "the stream carried an error: Token id 31000 is out of vocabulary"
+
+
+def test_a_refusal_is_shown_with_the_endpoints_message(
+    tiny_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["measure", "--url", tiny_url, "--model", "nope", "--concurrency", "1"]) == 2
+    assert capsys.readouterr().err == (
+        "spillgate measure: error: HTTP 404: The model `nope` does not exist. "
+        "Valid aliases: tiny.\n"
+    )

@@ -3,7 +3,7 @@
 import orjson
 import pytest
 
-from loadtest.sim_protocol import Limits, SimRequestError, parse_request
+from loadtest.sim_protocol import Limits, SimRequestError, out_of_vocabulary, parse_request
 from loadtest.sim_tokens import FillerText, chat_prompt_tokens, completion_prompt_tokens
 from loadtest.sim_wire import Kind
 
@@ -118,3 +118,13 @@ def test_filler_is_one_word_per_token_across_period_boundaries() -> None:
 def test_n_choices_are_read() -> None:
     assert parse_request(Kind.CHAT, chat(max_tokens=3, n=4), LIMITS).n == 4
     assert parse_request(Kind.CHAT, chat(max_tokens=3), LIMITS).n == 1
+
+
+def test_prompt_ids_beyond_the_vocabulary_are_refused_as_vllm_words_it() -> None:
+    assert out_of_vocabulary(b'{"prompt": [5, 31000, 4095]}', 4096) == (
+        "Token id 31000 is out of vocabulary"
+    )
+    assert out_of_vocabulary(b'{"prompt": [[4096]]}', 4096) == "Token id 4096 is out of vocabulary"
+    assert out_of_vocabulary(b'{"prompt": [0, 4095]}', 4096) is None
+    assert out_of_vocabulary(b'{"prompt": "text has no ids"}', 4096) is None
+    assert out_of_vocabulary(b'{"messages": [{"role": "user", "content": "hi"}]}', 4096) is None

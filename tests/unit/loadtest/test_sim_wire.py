@@ -3,8 +3,6 @@
 import json
 from typing import Any
 
-import pytest
-
 from loadtest.sim_tokens import FillerText
 from loadtest.sim_wire import DONE, Kind, StreamFrame, full_response
 from tests.conftest import VLLM_FIXTURES
@@ -22,8 +20,6 @@ def shape(value: Any) -> Any:
 
 
 def fixture_sections() -> dict[str, list[str]]:
-    if not FIXTURE.exists():
-        pytest.skip("vLLM fixture not available")
     sections: dict[str, list[str]] = {}
     current = ""
     for line in FIXTURE.read_text().splitlines():

@@ -51,9 +51,12 @@ def test_model_config_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert out["kv_bytes_per_token"] == 2 * 16 * 8 * 64 * 2
 
 
-def test_chart_marks_the_kv_bound_and_knee(tmp_path: Path) -> None:
+def test_chart_marks_the_kv_bound_and_knee(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     chart = tmp_path / "plan.svg"
     assert main([*LAUNCH, "--chart", str(chart)]) == 0
+    assert capsys.readouterr().err == f"wrote {chart}\n"
     root = ET.fromstring(chart.read_text())
     texts = [t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text")]
     assert any(t.startswith("KV bound") for t in texts)
