@@ -113,7 +113,7 @@ class Router:
             return held, _limit(capacity, settings.target_fill)
         reported = math.ceil(load.kv_usage * capacity)
         beyond = max(0, reported - backend.reserved_at_load)
-        return held + beyond, _limit(capacity, backend.fill.fill) - beyond
+        return held + beyond, max(0, _limit(capacity, backend.fill.fill) - beyond)
 
     def pool_fill(self, pool: str) -> float:
         backends = self.pools[pool].backends
