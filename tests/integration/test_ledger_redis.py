@@ -217,7 +217,7 @@ def test_a_stalled_redis_costs_at_most_the_time_budget(redis_proc: RedisProcess)
     asyncio.run(scenario())
 
 
-def test_an_extension_is_shared_goes_past_the_limit_and_is_released_whole(
+def test_an_extension_is_shared_passes_the_limit_and_is_released_whole(
     redis_proc: RedisProcess,
 ) -> None:
     async def scenario() -> None:
@@ -228,6 +228,8 @@ def test_an_extension_is_shared_goes_past_the_limit_and_is_released_whole(
             assert grown == Reservation("b0", 900, held.lease)
             grown = await holder.extend(held, 200)  # running already: past the limit
             assert grown.tokens == 1100
+            assert holder.snapshot()["b0"] == (1100, 1)  # counted here at once
+            await holder.refresh()  # in Redis with the next refresh
             await other.refresh()
             assert other.snapshot()["b0"] == (1100, 1)
             assert await other.reserve("b0", 16, limit=1000) is None  # new ones see it
@@ -247,8 +249,8 @@ def test_an_extension_is_shared_goes_past_the_limit_and_is_released_whole(
 
 
 def test_a_grown_lease_the_store_lost_is_restored_grown(redis_proc: RedisProcess) -> None:
-    """A renewal carries every lease's tokens: a restarted Redis, or an extension it never
-    answered, gets the grown figure back."""
+    """A renewal carries every lease's tokens: a restarted Redis, or one that missed a
+    growth, gets the grown figure back."""
 
     async def scenario() -> None:
         options = {"timeout_s": 2.0, "lease_ttl_s": 0.3, "refresh_s": 0.1}
@@ -258,8 +260,11 @@ def test_a_grown_lease_the_store_lost_is_restored_grown(redis_proc: RedisProcess
             await ledger.extend(held, 50)
             admin = client(redis_proc)
             _, tokens, _ = ledger.keys("b1")
-            await admin.hset(tokens, held.lease, 100)  # as if the extension never arrived
-            await ledger.refresh()  # the first refresh renews every lease
+            await ledger.refresh()
+            assert int(await admin.hget(tokens, held.lease)) == 150
+            await admin.hset(tokens, held.lease, 100)  # as if that refresh never arrived
+            await asyncio.sleep(0.11)  # a third of the TTL: the leases are due again
+            await ledger.refresh()
             assert ledger.snapshot()["b1"] == (150, 1)
             for key in ledger.keys("b1"):
                 await admin.delete(key)  # as if Redis restarted empty

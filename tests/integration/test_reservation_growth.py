@@ -17,7 +17,7 @@ import pytest
 from starlette.types import Receive, Scope, Send
 
 from loadtest.fleet import Fleet, run_fleet
-from loadtest.harness import ServerThread
+from loadtest.harness import RedisProcess, ServerThread
 
 TOKENS = 100  # events the backend streams before it waits
 PRIOR = 16  # the expected output before any answer was seen
@@ -62,9 +62,11 @@ class Scripted:
         await send({"type": "http.response.body", "body": end + b"data: [DONE]\n\n"})
 
 
-@pytest.fixture(scope="module")
-def scripted() -> Iterator[tuple[Fleet, Scripted]]:
+@pytest.fixture(scope="module", params=["local", "shared"])
+def scripted(request: pytest.FixtureRequest) -> Iterator[tuple[Fleet, Scripted]]:
+    """The gateway with its own ledger, and with the shared one in Redis."""
     app = Scripted()
+    redis = RedisProcess().start() if request.param == "shared" else None
     server = ServerThread(app).start()
     reservation = {"prior_tokens": PRIOR}
 
@@ -76,10 +78,13 @@ def scripted() -> Iterator[tuple[Fleet, Scripted]]:
         "crash": {"backends": [backend("crash")], "reservation": reservation},
     }
     try:
-        with run_fleet(pools={"ok": [], "crash": []}, pool_options=pools) as fleet:
+        url = None if redis is None else redis.url
+        with run_fleet(pools={"ok": [], "crash": []}, pool_options=pools, redis_url=url) as fleet:
             yield fleet, app
     finally:
         server.stop()
+        if redis is not None:
+            redis.stop()
 
 
 def in_flight(fleet: Fleet, pool: str) -> int:
