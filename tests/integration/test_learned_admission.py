@@ -141,8 +141,7 @@ def test_realistic_answers_under_a_5x_spike_never_preempt(fleet: Fleet) -> None:
     at_once = int(0.9 * 4080) // (16 * -(-(8 + learned) // 16))
     done = asyncio.run(streams(fleet, 5 * at_once, body))
     assert {status for status, _, _ in done} == {200}
-    outcomes = {outcome for _, outcome, _ in done}
-    assert outcomes == {"local", "queued"}  # the spike waited its turn
+    assert {outcome for _, outcome, _ in done} <= {"local", "queued"}  # none spilled or refused
     assert preemptions(fleet, "spike") == 0
     assert released(fleet, "spike") == 0
 
