@@ -147,6 +147,11 @@ class Exchange:
                 with attempt:
                     return await self._attempt(request, outcome, tried, deadline=deadline)
         except UpstreamUnavailable as exc:
+            # the attempts found every backend of the pool unreachable: that is an outage,
+            # told as later requests are told it, not a failed answer
+            outage = self.router.pools[request.pool].outage()
+            if outage is not None:
+                raise outage from None
             error = UpstreamTimeout if exc.timed_out else UpstreamError
             reason = exc.reason if exc is first else f"{first.reason}; then {exc.reason}"
             raise error(
