@@ -147,7 +147,9 @@ def engine_load(data: RunData) -> dict[str, Any]:
     backend answered), most waiting, the hottest backend's peak KV use (0..1), and the
     preemptions across the run."""
     urls = list(data.preemptions)
-    complete = [p["backends"] for p in data.engine_samples if len(p["backends"]) == len(urls)]
+    complete = [
+        p["backends"] for p in data.engine_samples if urls and len(p["backends"]) == len(urls)
+    ]
     running = [sum(b["running"] for b in point.values()) for point in complete]
     waiting = [sum(b["waiting"] for b in point.values()) for point in complete]
     per_backend = {}

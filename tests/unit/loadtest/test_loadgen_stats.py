@@ -141,7 +141,10 @@ def test_engine_figures_read_side_by_side_and_unknown_is_a_dash() -> None:
         preemptions={"http://b0": {"before": 0.0, "after": 0.0}},
         engine_samples=[engine_point(0.0, b0=(19, 0, 0.36)), engine_point(0.5, b0=(7, 0, 0.1))],
     )
-    data = report([run([result(0)]), direct], slo=Slo(), lag=LagVerdict(), config={})
+    # a run that knew no backends sampled nothing of theirs
+    unknown = run([result(0)], samples=[{"t": 0.0, "backends": {}, "queue_depth": {}}])
+    unknown.engine_samples = unknown.samples
+    data = report([unknown, direct], slo=Slo(), lag=LagVerdict(), config={})
     gateway_s, direct_s = (r["summary"] for r in data["runs"])
     rows = comparison_text(gateway_s, direct_s).splitlines()
     assert rows[-3].split() == ["running", "max", "-", "19"]
