@@ -184,6 +184,18 @@ def engine_load(data: RunData) -> dict[str, Any]:
     }
 
 
+def engine_series(data: RunData) -> dict[str, list[float]]:
+    """Over time, from the backends' own /metrics: requests running over the fleet and the
+    hottest backend's KV use (0..1), at each sample in which every backend answered."""
+    n = len(data.preemptions)
+    points = [p for p in data.engine_samples if n and len(p["backends"]) == n]
+    return {
+        "t": [p["t"] for p in points],
+        "running": [sum(b["running"] for b in p["backends"].values()) for p in points],
+        "kv_usage": [max(b.get("kv_usage", 0.0) for b in p["backends"].values()) for p in points],
+    }
+
+
 def _most(values: Sequence[float]) -> float | None:
     return max(values) if values else None
 
@@ -245,6 +257,7 @@ def report(
                 "samples": d.samples,
                 "sampled": d.sampled,
                 "sample_failures": d.sample_failures,
+                "engine_series": engine_series(d),
                 "requests": [r.as_dict() for r in d.results],
             }
             for d in runs

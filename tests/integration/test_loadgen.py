@@ -243,6 +243,10 @@ def test_compare_direct_shows_running_concurrency_and_kv_use_side_by_side(
         assert engine["running_max"] >= 1 and engine["running_p50"] is not None
         assert 0 < engine["kv_usage_peak"] <= 1
         assert engine["preemptions"] == 0
+        over_time = run["engine_series"]
+        assert over_time.keys() == {"t", "running", "kv_usage"}
+        assert max(over_time["running"]) == engine["running_max"]
+        assert len(over_time["t"]) == len(over_time["kv_usage"]) == engine["samples"]
     # what the gateway reserved is known of the run through it only
     ratio = gateway["summary"]["engine"]["kv_used_per_reserved"]
     assert ratio is not None and ratio > 0
