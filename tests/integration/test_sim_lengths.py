@@ -178,3 +178,16 @@ def test_engine_metrics_have_the_names_and_types_of_vllm_0_32() -> None:
     assert "vllm:num_preemptions_total{" in text and "vllm:num_preemptions_total{" in (
         FIXTURE.read_text()
     )
+
+
+def test_an_answer_the_whole_cache_cannot_hold_is_refused_not_a_server_error() -> None:
+    # 16 blocks of 16, one kept back: 240 tokens; prompt + 246 - 1 needs 16 blocks
+    config = SimConfig(model=MODEL, kv_tokens=256, max_model_len=256, speed=1000.0)
+    prompt = chat_prompt_tokens(chat()["messages"])
+    with ServerThread(create_sim_app(config)) as sim, httpx.Client(base_url=sim.url) as http:
+        refused = http.post("/v1/chat/completions", json=chat(max_tokens=256 - prompt))
+        fits = http.post("/v1/chat/completions", json=chat(max_tokens=241 - prompt))
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == "sequence can never fit in the KV cache"
+    assert fits.status_code == 200
+    assert fits.json()["usage"]["completion_tokens"] == 241 - prompt
