@@ -14,6 +14,7 @@ the gateway's own are under `spillgate.`.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -135,6 +136,7 @@ class RequestTrace:
         "finish_reasons",
         "operation",
         "pool",
+        "recording",
         "response_model",
         "span",
         "status",
@@ -145,6 +147,8 @@ class RequestTrace:
         self.span = span
         self.operation = operation
         self.pool: str | None = None  # the pool the client named
+        # not sampled: no attributes and no child spans, only the context sent on
+        self.recording = span.is_recording()
         self._parent = set_span_in_context(span)  # the spill span while a policy runs
         self._attempts = 0
         self.status: int | None = None  # the HTTP status the client was sent
@@ -153,6 +157,8 @@ class RequestTrace:
 
     def parsed(self, request: InferenceRequest) -> None:
         """What the client asked for, once its body is read."""
+        if not self.recording:
+            return
         span = self.span
         self.pool = request.pool
         span.update_name(f"{self.operation} {request.pool}")
@@ -178,6 +184,8 @@ class RequestTrace:
 
     def settled(self, served: Served | None, outcome: Outcome) -> None:
         """How the request ended, once its reservation is released."""
+        if not self.recording:
+            return
         span = self.span
         span.set_attribute("spillgate.outcome", outcome.value)
         if served is None:
@@ -190,6 +198,8 @@ class RequestTrace:
     def failed(self, error: BaseException, *, status: int, started: bool) -> None:
         """The request ended in `error`; `status` is what the client got (`started`: its
         answer had begun, and was cut)."""
+        if not self.recording:
+            return
         span = self.span
         if isinstance(error, SpillgateError):
             span.set_attribute("spillgate.outcome", error.outcome.value)
@@ -212,6 +222,8 @@ class RequestTrace:
         self, policy: OverflowPolicy, request: InferenceRequest, exchange: Exchange
     ) -> Served | None:
         """`policy.serve`, in a span of its own; upstream attempts it makes are its children."""
+        if not self.recording:
+            return await policy.serve(request, exchange)
         span = self._tracer.start_span(
             f"spill {policy.name}",
             context=set_span_in_context(self.span),
@@ -240,19 +252,23 @@ class RequestTrace:
     def forwarder(self, inner: Forwards) -> Forwards:
         return _TracedForwarder(inner, self)
 
+    def unsampled_headers(self) -> dict[str, str]:
+        """The context an upstream gets from a request that is not sampled: its parent is
+        the server span, flagged not sampled, so the upstream records nothing either."""
+        carrier: dict[str, str] = {}
+        PROPAGATOR.inject(carrier, context=self._parent)
+        return carrier
+
     def attempt(self, target: Target) -> tuple[Span, dict[str, str]]:
         """The CLIENT span of one upstream attempt, and the headers that carry it there."""
-        address = urlsplit(target.api_base)
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": self.operation,
             "gen_ai.provider.name": PROVIDER_NAME,
             "gen_ai.request.model": target.model,
-            "server.address": address.hostname or "",
             "spillgate.backend": target.name,
             "spillgate.external": target.external,
+            **_server(target.api_base),
         }
-        if address.port is not None:
-            attributes["server.port"] = address.port
         if self._attempts:
             attributes["http.request.resend_count"] = self._attempts
         self._attempts += 1
@@ -265,6 +281,14 @@ class RequestTrace:
         carrier: dict[str, str] = {}
         PROPAGATOR.inject(carrier, context=set_span_in_context(span))
         return span, carrier
+
+
+@functools.lru_cache(maxsize=256)
+def _server(api_base: str) -> dict[str, Any]:
+    """`server.address` and `server.port` of an upstream, worked out once per upstream."""
+    url = urlsplit(api_base)
+    port = {} if url.port is None else {"server.port": url.port}
+    return {"server.address": url.hostname or "", **port}
 
 
 def _answer_attributes(
@@ -320,6 +344,17 @@ class _TracedForwarder:
         trace_headers: Mapping[str, str] | None = None,
     ) -> Relayed:
         trace = self._trace
+        if not trace.recording:
+            return await self._inner.forward(
+                target,
+                request,
+                public_model=public_model,
+                send=send,
+                headers=headers,
+                tap=tap,
+                deadline=deadline,
+                trace_headers=trace.unsampled_headers(),
+            )
         span, carrier = trace.attempt(target)
         status: list[int] = []
 

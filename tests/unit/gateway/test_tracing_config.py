@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway.config import ConfigError, TracingSettings, parse_settings
 from gateway.tracing import build_tracing, otlp_endpoint
@@ -62,3 +63,41 @@ def test_spans_go_to_the_configured_collector_else_the_standard_variables(
 ) -> None:
     settings = TracingSettings(enabled=True, otlp_endpoint=configured)
     assert otlp_endpoint(settings, environ) == expected
+
+
+def test_an_unsampled_request_records_nothing_but_sends_its_context_on() -> None:
+    exporter = InMemorySpanExporter()
+    tracing = build_tracing(
+        TracingSettings(enabled=True, sample_ratio=0.0), environ={}, exporter=exporter
+    )
+    assert tracing is not None
+    scope = {"path": "/v1/chat/completions", "method": "POST", "headers": []}
+    trace = tracing.begin(scope)
+    assert not trace.recording
+    carrier = trace.unsampled_headers()
+    context = trace.span.get_span_context()
+    assert not context.trace_flags.sampled
+    flags = f"{context.trace_flags:02x}"
+    assert carrier == {"traceparent": f"00-{context.trace_id:032x}-{context.span_id:016x}-{flags}"}
+    trace.end()
+    assert exporter.get_finished_spans() == ()
+
+
+def test_a_sampled_clients_context_is_followed_whatever_the_ratio() -> None:
+    exporter = InMemorySpanExporter()
+    tracing = build_tracing(
+        TracingSettings(enabled=True, sample_ratio=0.0), environ={}, exporter=exporter
+    )
+    assert tracing is not None
+    parent = f"00-{'a' * 32}-{'b' * 16}-01"
+    scope = {
+        "path": "/v1/completions",
+        "method": "POST",
+        "headers": [(b"traceparent", parent.encode())],
+    }
+    trace = tracing.begin(scope)
+    assert trace.recording
+    trace.end()
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "text_completion"
+    assert span.parent is not None and f"{span.parent.span_id:016x}" == "b" * 16
