@@ -11,6 +11,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,14 +97,15 @@ def _backend(url: str, model: str, **options: Any) -> dict[str, Any]:
 @contextlib.contextmanager
 def traced_fleet(*, enabled: bool) -> Iterator[Traced]:
     """Pools `chat` and `stream` (one backend each), `flaky` (a failing backend listed
-    first, then a good one), `dead` (the failing one alone), and `tiny` (too small for any
-    request: it spills through queue and provider)."""
+    first, then a good one), `dead` (the failing one alone), `queued` (one backend, then
+    the queue), and `tiny` (too small for any request: it spills through queue and
+    provider)."""
     key = "sk-" + secrets.token_hex(8)
     started: list[ServerThread] = []
     try:
         recorders = {
             name: Recorder(create_sim_app(SimConfig(model=f"{name}-served", kv_tokens=4096)))
-            for name in ("chat", "stream", "flaky")
+            for name in ("chat", "stream", "flaky", "queued")
         }
         recorders["failing"] = Recorder(failing)
         recorders["hosted"] = Recorder(create_provider_app(ProviderConfig(api_key=PROVIDER_KEY)))
@@ -125,6 +127,12 @@ def traced_fleet(*, enabled: bool) -> Iterator[Traced]:
                     ],
                 },
                 {"name": "dead", "backends": [_backend(url["failing"], "dead", name="dead")]},
+                {
+                    "name": "queued",
+                    "backends": [_backend(url["queued"], "queued-served")],
+                    "overflow": ["queue", "reject"],
+                    "queue": {"max_wait_s": 15},
+                },
                 {
                     "name": "tiny",
                     "backends": [_backend(tiny.url, "tiny", capacity=10)],
@@ -387,3 +395,73 @@ def test_with_tracing_off_no_span_is_made_and_no_traceparent_sent() -> None:
         posts = [p for r in off.recorders.values() for p in r.posts]
         assert len(posts) == 4  # chat, flaky's bad then good, the provider
         assert all("traceparent" not in p and "tracestate" not in p for p in posts)
+
+
+def _server_timing(response: httpx.Response, phase: str) -> float:
+    for part in response.headers["server-timing"].split(","):
+        name, _, duration = part.strip().partition(";dur=")
+        if name == phase:
+            return float(duration)
+    raise AssertionError(f"no {phase} in server-timing")
+
+
+def _queue_depth(traced: Traced, pool: str) -> float:
+    for line in httpx.get(f"{traced.gateway.url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(f'spillgate_queue_depth{{pool="{pool}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_request_the_queue_serves_is_a_spill_span_with_its_wait(traced: Traced) -> None:
+    hold = {"model": "queued", "messages": [{"role": "user", "content": "hold"}],
+            "max_tokens": 980, "stream": True}  # fmt: skip
+    auth = {"authorization": f"Bearer {traced.key}"}
+    with (
+        httpx.Client(base_url=traced.gateway.url, headers=auth, timeout=20) as http,
+        http.stream("POST", "/v1/chat/completions", json=hold) as held,
+        ThreadPoolExecutor(1) as background,
+    ):
+        assert held.headers["x-spillgate-outcome"] == "local"  # the backend is full now
+        waiting = background.submit(
+            traced.client().chat.completions.with_raw_response.create,
+            model="queued",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+        )
+        deadline = time.monotonic() + 10
+        while _queue_depth(traced, "queued") < 1:
+            assert time.monotonic() < deadline, "the request never queued"
+            time.sleep(0.02)
+        held.close()  # the gateway releases the hold, and the queue admits the waiter
+        raw = waiting.result(timeout=20)
+    assert raw.headers["x-spillgate-outcome"] == "queued"
+    deadline = time.monotonic() + 5
+    while not (
+        servers := [
+            s
+            for s in traced.exporter.get_finished_spans()
+            if s.kind is SpanKind.SERVER
+            and (s.attributes or {}).get("spillgate.outcome") == "queued"
+        ]
+    ):
+        assert time.monotonic() < deadline, "no span of the queued request"
+        time.sleep(0.01)
+    server = one(servers)
+    spans = traced.exporter.get_finished_spans()
+    trace = [s for s in spans if s.context.trace_id == server.context.trace_id]
+    spill = one([s for s in trace if s.kind is SpanKind.INTERNAL])
+    attempt = one([s for s in trace if s.kind is SpanKind.CLIENT])
+    assert spill.name == "spill queue"
+    assert spill.parent is not None and spill.parent.span_id == server.context.span_id
+    assert attempt.parent is not None and attempt.parent.span_id == spill.context.span_id
+    wait_s = (spill.attributes or {})["spillgate.queue_wait_s"]
+    assert dict(spill.attributes or {}) == {
+        "spillgate.policy": "queue",
+        "spillgate.served": True,
+        "spillgate.outcome": "queued",
+        "spillgate.queue_wait_s": wait_s,
+    }
+    assert (server.attributes or {})["spillgate.queue_wait_s"] == wait_s
+    # the wait the client is told in server-timing, to its 0.1 ms
+    assert f"{wait_s * 1000:.1f}" == f"{_server_timing(raw.http_response, 'queue'):.1f}"
+    assert wait_s > 0
