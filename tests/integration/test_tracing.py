@@ -276,7 +276,9 @@ def test_a_request_is_one_server_span_with_genai_attributes_and_the_backend_join
 
 def test_a_clients_traceparent_becomes_the_server_spans_parent(traced: Traced) -> None:
     trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
-    client = traced.client(default_headers={"traceparent": f"00-{trace_id}-{span_id}-01"})
+    client = traced.client(
+        default_headers={"traceparent": f"00-{trace_id}-{span_id}-01", "tracestate": "vendor=x1"}
+    )
     client.chat.completions.create(
         model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=3
     )
@@ -289,6 +291,7 @@ def test_a_clients_traceparent_becomes_the_server_spans_parent(traced: Traced) -
     assert f"{server.context.trace_id:032x}" == trace_id
     (post,) = traced.recorders["chat"].posts
     assert post["traceparent"].split("-")[1] == trace_id  # the backend joins the client's trace
+    assert post["tracestate"] == "vendor=x1"
 
 
 def test_a_retry_on_a_failing_backend_is_a_second_attempt_span(traced: Traced) -> None:
