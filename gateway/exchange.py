@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from starlette.types import Send
 from tenacity import (
@@ -16,13 +17,16 @@ from tenacity import (
 
 from gateway.clock import Clock
 from gateway.errors import UpstreamError, UpstreamTimeout
-from gateway.forward import Forwarder, Target, UpstreamUnavailable
+from gateway.forward import Forwards, Target, UpstreamUnavailable
 from gateway.ledger import Reservation
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
 from gateway.relay import Relayed, ResponseTap
 from gateway.request import InferenceRequest
 from gateway.router import Router
+
+if TYPE_CHECKING:
+    from gateway.tracing import RequestTrace
 
 ATTEMPTS = 3
 
@@ -68,6 +72,7 @@ class Exchange:
         "send",
         "tap",
         "timings",
+        "trace",
     )  # fmt: skip
 
     def __init__(  # positional or keyword: the pipeline builds one per request positionally
@@ -75,16 +80,19 @@ class Exchange:
         send: Send,
         headers: Sequence[tuple[bytes, bytes]],
         router: Router,
-        forwarder: Forwarder,
+        forwarder: Forwards,
         metrics: GatewayMetrics,
         clock: Clock,
         holding: Holding,
         tap: ResponseTap | None = None,
+        trace: RequestTrace | None = None,
     ) -> None:
         self.send = send
         self.base_headers = headers
         self.router = router
-        self.forwarder = forwarder
+        # traced, each upstream attempt is a span, its context sent on (gateway/tracing.py)
+        self.forwarder = forwarder if trace is None else trace.forwarder(forwarder)
+        self.trace = trace
         self.metrics = metrics
         self.clock = clock
         self.holding = holding
