@@ -205,6 +205,21 @@ class ServerSettings(_Model):
     upstream_max_connections: int = Field(1024, gt=0)
 
 
+class TracingSettings(_Model):
+    """OpenTelemetry spans, exported over OTLP/HTTP (gateway/tracing.py); off by default."""
+
+    enabled: bool = False
+    # the collector's OTLP/HTTP base URL (/v1/traces is added); None: $OTEL_EXPORTER_OTLP_*
+    otlp_endpoint: str | None = None
+    service_name: str = Field("spillgate", min_length=1)
+    sample_ratio: float = Field(1.0, ge=0, le=1)  # of traces the gateway starts itself
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint(cls, url: str | None) -> str | None:
+        return None if url is None else _http_url(url)
+
+
 class Settings(_Model):
     server: ServerSettings = ServerSettings()
     redis: RedisSettings = RedisSettings()
@@ -213,6 +228,7 @@ class Settings(_Model):
     tenants: list[TenantSettings] = Field(min_length=1)
     pools: list[PoolSettings] = Field(min_length=1)
     providers: list[ProviderSettings] = Field(default_factory=list)
+    tracing: TracingSettings = TracingSettings()
 
     @model_validator(mode="after")
     def _references(self) -> Settings:

@@ -138,6 +138,7 @@ class CompletionsEndpoint:
                     max_tokens=req.max_tokens,
                     answer_tokens=answer.tokens,
                     finish_reason=reason,
+                    stop_reason=answer.stop_reason,
                     streaming=req.stream,
                 )
             )
@@ -200,8 +201,15 @@ class CompletionsEndpoint:
             for i, seq in enumerate(seqs):
                 generated = seq.generated
                 if generated > sent[i]:
-                    reason = seq.finish_reason if seq.state is SeqState.FINISHED else None
-                    parts.append(frames[i].tokens(sent[i], generated, finish_reason=reason))
+                    last = seq.state is SeqState.FINISHED
+                    parts.append(
+                        frames[i].tokens(
+                            sent[i],
+                            generated,
+                            finish_reason=seq.finish_reason if last else None,
+                            stop_reason=seq.stop_reason,
+                        )
+                    )
                     sent[i] = generated
             finished = all(seq.state is SeqState.FINISHED for seq in seqs)
             if finished:
@@ -225,7 +233,10 @@ class CompletionsEndpoint:
         return full_response_of(
             kind=self._kind,
             model=self._config.model,
-            answers=[(self._filler.text(0, seq.answer_tokens), seq.finish_reason) for seq in seqs],
+            answers=[
+                (self._filler.text(0, seq.answer_tokens), seq.finish_reason, seq.stop_reason)
+                for seq in seqs
+            ],
             prompt_tokens=req.prompt_tokens,
             completion_tokens=sum(seq.answer_tokens for seq in seqs),
         )
@@ -242,7 +253,9 @@ class CompletionsEndpoint:
         frames = self._frames(req)
         head = b"".join(f.role_chunk() for f in frames) if self._kind is Kind.CHAT else b""
         tokens = b"".join(
-            f.tokens(0, seq.answer_tokens, finish_reason=seq.finish_reason)
+            f.tokens(
+                0, seq.answer_tokens, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason
+            )
             for f, seq in zip(frames, seqs, strict=True)
         )
         end = frames[0].end(prompt_tokens=req.prompt_tokens, completion_tokens=completion_tokens)
