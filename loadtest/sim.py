@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     replica.add_argument("--kv-dtype", default="auto")
     replica.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     replica.add_argument("--vocab-size", type=int, help="refuse prompt token ids from this on")
+    replica.add_argument(
+        "--embedding-dim", type=int, help="serve an embedding model with vectors of this size"
+    )
     provider = parser.add_argument_group("simulated external provider")
     provider.add_argument("--provider", action="store_true", help="run the provider instead")
     provider.add_argument(
@@ -91,6 +94,7 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         kv_dtype=args.kv_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         vocab_size=args.vocab_size,
+        embedding_dim=args.embedding_dim,
     )
 
 

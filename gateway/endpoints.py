@@ -1,0 +1,100 @@
+"""POST /v1/embeddings and POST /v1/responses: the completions pipeline, with the overflow
+steps that make sense for them, and (responses) continuations sent where they are stored.
+
+Both take the same way as a completion (parse, authenticate, throttle, admit by tokens,
+overflow, forward, release, record). What differs:
+
+- the overflow chain keeps `queue`, `provider` and `reject` only: `degrade` would answer
+  with another model (other vectors; another model's stored responses), and the response
+  cache holds chat and completion text. An embedding pool's config may not name them
+  (`serve --check` refuses it); a chat pool's chain skips them for responses;
+- a Responses request with `previous_response_id` goes only to the backend that answered
+  that response (gateway/response_homes.py), waits for room there through `queue`, and is
+  never spilled to a provider (which does not hold it); an id no backend of the pool holds
+  any more gets vLLM's 404.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Collection
+
+from gateway.errors import InvalidRequest
+from gateway.exchange import Exchange, Served
+from gateway.ledger import Reservation
+from gateway.pipeline import CompletionsEndpoint, PipelineDeps
+from gateway.request import Endpoint, InferenceRequest
+from gateway.response_homes import ResponseHomes, ResponseIdTap
+
+# the overflow steps that can serve an embedding or a response
+PASSING_POLICIES = frozenset({"queue", "provider", "reject"})
+# and a continuation, which only its own backend can serve
+PINNED_POLICIES = frozenset({"queue", "reject"})
+
+
+class ResponseNotFound(InvalidRequest):
+    status = 404
+    code = "response_not_found"
+
+
+def _only(deps: PipelineDeps, policies: frozenset[str]) -> PipelineDeps:
+    """`deps` with each pool's chain cut to `policies`, and no answer taps (the cache's)."""
+    chains = {pool: [p for p in chain if p.name in policies] for pool, chain in deps.chains.items()}
+    return dataclasses.replace(deps, chains=chains, taps={})
+
+
+class EmbeddingsEndpoint(CompletionsEndpoint):
+    """POST /v1/embeddings, for pools of `kind: embedding`."""
+
+    def __init__(self, deps: PipelineDeps) -> None:
+        super().__init__(Endpoint.EMBEDDINGS, _only(deps, PASSING_POLICIES))
+
+
+class PinnedExchange(Exchange):
+    """An exchange whose reservations (admission, queue, retry) avoid `others`: every
+    backend of the pool but the one a continuation must go to."""
+
+    __slots__ = ("others",)
+
+    def __init__(self, exchange: Exchange, *, tap: ResponseIdTap, others: frozenset[str]) -> None:
+        super().__init__(
+            exchange.send, exchange.base_headers, exchange.router, exchange.forwarder,
+            exchange.metrics, exchange.clock, exchange.holding, tap,
+        )  # fmt: skip
+        self.timings = exchange.timings
+        self.others = others
+
+    def reserve(
+        self, request: InferenceRequest, *, exclude: Collection[str] = ()
+    ) -> Awaitable[Reservation | None]:
+        return super().reserve(request, exclude=self.others.union(exclude))
+
+
+class ResponsesEndpoint(CompletionsEndpoint):
+    """POST /v1/responses, for chat pools; remembers which backend answered each response."""
+
+    def __init__(self, deps: PipelineDeps, *, homes: ResponseHomes) -> None:
+        super().__init__(Endpoint.RESPONSES, _only(deps, PASSING_POLICIES))
+        self._continuations = CompletionsEndpoint(Endpoint.RESPONSES, _only(deps, PINNED_POLICIES))
+        self._homes = homes
+
+    async def _dispatch(self, request: InferenceRequest, exchange: Exchange) -> Served:
+        tap = ResponseIdTap(self._homes, exchange.holding)
+        previous = request.body.get("previous_response_id")
+        if not isinstance(previous, str):
+            return await super()._dispatch(
+                request, PinnedExchange(exchange, tap=tap, others=frozenset())
+            )
+        home = await self._homes.backend_of(previous)
+        names = frozenset(b.name for b in self._d.router.pools[request.pool].backends)
+        if home is None or home not in names or not self._up(home):
+            # never relayed here, relayed from another pool, or its backend is down (its
+            # responses, kept in its memory, are likely gone with it): what vLLM answers
+            raise ResponseNotFound(
+                f"Response with id '{previous}' not found.", param="previous_response_id"
+            )
+        pinned = PinnedExchange(exchange, tap=tap, others=names - {home})
+        return await self._continuations._dispatch(request, pinned)
+
+    def _up(self, backend: str) -> bool:
+        return self._d.router.backend(backend).healthy(self._d.clock.monotonic())
