@@ -82,9 +82,11 @@ class ResponsesEndpoint(CompletionsEndpoint):
         tap = ResponseIdTap(self._homes, exchange.holding)
         previous = request.body.get("previous_response_id")
         if not isinstance(previous, str):
-            return await super()._dispatch(
+            served = await super()._dispatch(
                 request, PinnedExchange(exchange, tap=tap, others=frozenset())
             )
+            await tap.shared()
+            return served
         home = await self._homes.backend_of(previous)
         names = frozenset(b.name for b in self._d.router.pools[request.pool].backends)
         if home is None or home not in names or not self._up(home):
@@ -94,7 +96,9 @@ class ResponsesEndpoint(CompletionsEndpoint):
                 f"Response with id '{previous}' not found.", param="previous_response_id"
             )
         pinned = PinnedExchange(exchange, tap=tap, others=names - {home})
-        return await self._continuations._dispatch(request, pinned)
+        served = await self._continuations._dispatch(request, pinned)
+        await tap.shared()
+        return served
 
     def _up(self, backend: str) -> bool:
         return self._d.router.backend(backend).healthy(self._d.clock.monotonic())

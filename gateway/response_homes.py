@@ -42,16 +42,19 @@ class ResponseHomes:
         self._timeout_s = timeout_s
         self._writes: set[asyncio.Task[None]] = set()
 
-    def remember(self, response_id: str, backend: str) -> None:
+    def remember(self, response_id: str, backend: str) -> asyncio.Task[None] | None:
+        """Note where `response_id` lives; the write to Redis, if any, to await before the
+        answer ends (written meanwhile: relaying the answer never waits on Redis)."""
         self._local[response_id] = backend
         self._local.move_to_end(response_id)
         while len(self._local) > self._max:
             self._local.popitem(last=False)
-        if self._redis is not None:
-            # written in the background: relaying the answer never waits on Redis
-            task = asyncio.create_task(self._share(response_id, backend))
-            self._writes.add(task)
-            task.add_done_callback(self._writes.discard)
+        if self._redis is None:
+            return None
+        task = asyncio.create_task(self._share(response_id, backend))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+        return task
 
     async def _share(self, response_id: str, backend: str) -> None:
         assert self._redis is not None
@@ -83,12 +86,13 @@ class ResponseIdTap:
     retry elsewhere happens only before them). An answer from outside the pool (a
     provider) has no reservation and is not remembered."""
 
-    __slots__ = ("_holding", "_homes", "_seen")  # one per request
+    __slots__ = ("_holding", "_homes", "_seen", "_write")  # one per request
 
     def __init__(self, homes: ResponseHomes, holding: Holding) -> None:
         self._homes = homes
         self._holding = holding
         self._seen = 0
+        self._write: asyncio.Task[None] | None = None
 
     def feed(self, data: bytes) -> None:
         if self._seen >= SCAN_BYTES:
@@ -99,7 +103,14 @@ class ResponseIdTap:
         if found is not None:
             self._seen = SCAN_BYTES  # one id per answer
             if reservation is not None:
-                self._homes.remember(found.group(1).decode(), reservation.backend)
+                self._write = self._homes.remember(found.group(1).decode(), reservation.backend)
 
     def finish(self, usage: object) -> None:
         return None
+
+    async def shared(self) -> None:
+        """Returns once the id is shared with the other replicas (or sharing has failed):
+        awaited before the client holds the whole answer, so a continuation it sends to
+        another replica finds the id there."""
+        if self._write is not None:
+            await asyncio.shield(self._write)

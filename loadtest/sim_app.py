@@ -255,6 +255,17 @@ def _models_body(config: SimConfig, resolved: ResolvedSim) -> dict[str, Any]:
     return {"object": "list", "data": [model]}
 
 
+class Unsupported:
+    """An API the replica's model does not serve (an ASGI app: Starlette would take a
+    plain function for a request handler)."""
+
+    def __init__(self, api: str) -> None:
+        self._api = api
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await unsupported(send, self._api)
+
+
 def _api_routes(
     config: SimConfig,
     *,
@@ -266,15 +277,9 @@ def _api_routes(
     """The OpenAI routes: an embedding model serves /v1/embeddings and refuses the rest, a
     generating one the reverse, each refusal vLLM's 400."""
 
-    def refuse(api: str) -> ASGIApp:
-        async def app(scope: Scope, receive: Receive, send: Send) -> None:
-            await unsupported(send, api)
-
-        return app
-
     paths = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
     apis = ("Chat Completions API", "Completions API", "Responses API", "Embeddings API")
-    apps: list[ASGIApp] = [refuse(api) for api in apis]
+    apps: list[ASGIApp] = [Unsupported(api) for api in apis]
     if config.embedding_dim is not None:
         apps[3] = EmbeddingsEndpoint(limits=limits, dim=config.embedding_dim, engine=engine)
     else:
