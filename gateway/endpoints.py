@@ -4,14 +4,16 @@ steps that make sense for them, and (responses) continuations sent where they ar
 Both take the same way as a completion (parse, authenticate, throttle, admit by tokens,
 overflow, forward, release, record). What differs:
 
-- the overflow chain keeps `queue`, `provider` and `reject` only: `degrade` would answer
-  with another model (other vectors; another model's stored responses), and the response
-  cache holds chat and completion text. An embedding pool's config may not name them
-  (`serve --check` refuses it); a chat pool's chain skips them for responses;
+- an embedding's overflow chain keeps `queue`, `provider` and `reject`: `degrade` would
+  answer with another model's vectors and the response cache holds chat and completion
+  text, so an embedding pool's config may not name them (`serve --check` refuses it);
+- a response's chain keeps `queue` and `reject`: `degrade` would answer with another model
+  that holds none of this one's stored responses, the cache holds chat and completion
+  text, and a chat pool's provider may not serve the Responses API at all (its 404 would
+  count against the provider's breaker, and so against the pool's chat spills);
 - a Responses request with `previous_response_id` goes only to the backend that answered
-  that response (gateway/response_homes.py), waits for room there through `queue`, and is
-  never spilled to a provider (which does not hold it); an id no backend of the pool holds
-  any more gets vLLM's 404.
+  that response (gateway/response_homes.py) and waits for room there through `queue`; an
+  id no backend of the pool holds any more gets vLLM's 404.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from gateway.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.request import Endpoint, InferenceRequest
 from gateway.response_homes import ResponseHomes, ResponseIdTap
 
-# the overflow steps that can serve an embedding or a response
-PASSING_POLICIES = frozenset({"queue", "provider", "reject"})
-# and a continuation, which only its own backend can serve
-PINNED_POLICIES = frozenset({"queue", "reject"})
+# the overflow steps that can serve an embedding, and a response
+EMBEDDING_POLICIES = frozenset({"queue", "provider", "reject"})
+RESPONSE_POLICIES = frozenset({"queue", "reject"})
+# the longest response id the gateway remembers (gateway/response_homes.py)
+MAX_RESPONSE_ID = 205
 
 
 class ResponseNotFound(InvalidRequest):
@@ -47,7 +50,7 @@ class EmbeddingsEndpoint(CompletionsEndpoint):
     """POST /v1/embeddings, for pools of `kind: embedding`."""
 
     def __init__(self, deps: PipelineDeps) -> None:
-        super().__init__(Endpoint.EMBEDDINGS, _only(deps, PASSING_POLICIES))
+        super().__init__(Endpoint.EMBEDDINGS, _only(deps, EMBEDDING_POLICIES))
 
 
 class PinnedExchange(Exchange):
@@ -74,31 +77,36 @@ class ResponsesEndpoint(CompletionsEndpoint):
     """POST /v1/responses, for chat pools; remembers which backend answered each response."""
 
     def __init__(self, deps: PipelineDeps, *, homes: ResponseHomes) -> None:
-        super().__init__(Endpoint.RESPONSES, _only(deps, PASSING_POLICIES))
-        self._continuations = CompletionsEndpoint(Endpoint.RESPONSES, _only(deps, PINNED_POLICIES))
+        super().__init__(Endpoint.RESPONSES, _only(deps, RESPONSE_POLICIES))
         self._homes = homes
 
     async def _dispatch(self, request: InferenceRequest, exchange: Exchange) -> Served:
-        tap = ResponseIdTap(self._homes, exchange.holding)
         previous = request.body.get("previous_response_id")
-        if not isinstance(previous, str):
-            served = await super()._dispatch(
-                request, PinnedExchange(exchange, tap=tap, others=frozenset())
-            )
-            await tap.shared()
-            return served
-        home = await self._homes.backend_of(previous)
-        names = frozenset(b.name for b in self._d.router.pools[request.pool].backends)
-        if home is None or home not in names or not self._up(home):
-            # never relayed here, relayed from another pool, or its backend is down (its
-            # responses, kept in its memory, are likely gone with it): what vLLM answers
-            raise ResponseNotFound(
-                f"Response with id '{previous}' not found.", param="previous_response_id"
-            )
-        pinned = PinnedExchange(exchange, tap=tap, others=names - {home})
-        served = await self._continuations._dispatch(request, pinned)
+        others = frozenset[str]()
+        if isinstance(previous, str):
+            others = await self._elsewhere(request.pool, previous)
+        tap = ResponseIdTap(self._homes, exchange.holding)
+        served = await super()._dispatch(request, PinnedExchange(exchange, tap=tap, others=others))
         await tap.shared()
         return served
+
+    async def _elsewhere(self, pool: str, previous: str) -> frozenset[str]:
+        """The backends of `pool` a continuation of `previous` must avoid: all but the one
+        that answered it. An id none of them holds is vLLM's 404: never relayed here,
+        relayed from another pool, or its backend is down (its responses, kept in its
+        memory, are likely gone with it)."""
+        home = None
+        if len(previous) <= MAX_RESPONSE_ID:
+            home = await self._homes.backend_of(previous)
+        names = frozenset(b.name for b in self._d.router.pools[pool].backends)
+        if home is None or home not in names or not self._up(home):
+            shown = (
+                previous if len(previous) <= MAX_RESPONSE_ID else previous[:MAX_RESPONSE_ID] + "…"
+            )
+            raise ResponseNotFound(
+                f"Response with id '{shown}' not found.", param="previous_response_id"
+            )
+        return names - {home}
 
     def _up(self, backend: str) -> bool:
         return self._d.router.backend(backend).healthy(self._d.clock.monotonic())

@@ -338,19 +338,20 @@ def parse_embeddings(
     )
 
 
-def _text_chars(value: Any, param: str) -> int:
-    """The characters of a Responses API `input` item's text, wherever it holds some."""
-    if isinstance(value, str):
-        return len(value)
-    if not isinstance(value, dict):
+def _item_chars(item: Any, param: str) -> int:
+    """The characters of one Responses API input item: a message's content (a string, or
+    parts with text), or the text fields of another kind of item (a tool call's output)."""
+    if not isinstance(item, dict):
         raise InvalidRequest("Each input item must be an object.", param=param)
     total = 16  # the role and the chat template's markers around each message
     for key in ("content", "text", "output", "arguments"):
-        part = value.get(key)
-        if isinstance(part, str):
-            total += len(part)
-        elif isinstance(part, list):
-            total += sum(_text_chars(p, f"{param}.{key}") - 16 for p in part)
+        value = item.get(key)
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, list):
+            for part in value:
+                text = part.get("text") if isinstance(part, dict) else part
+                total += len(text) if isinstance(text, str) else 0
     return total
 
 
@@ -371,7 +372,7 @@ def parse_responses(
     if isinstance(value, str):
         chars = len(value)
     elif isinstance(value, list) and value:
-        chars = sum(_text_chars(item, f"input[{i}]") for i, item in enumerate(value))
+        chars = sum(_item_chars(item, f"input[{i}]") for i, item in enumerate(value))
     else:
         raise InvalidRequest(
             "'input' must be a string or a non-empty array of items.", param="input"

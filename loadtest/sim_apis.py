@@ -96,10 +96,11 @@ def unit_vector(seed: bytes, dim: int) -> list[float]:
 class EmbeddingsEndpoint:
     """POST /v1/embeddings on an embedding replica."""
 
-    def __init__(self, *, limits: Limits, dim: int, engine: Engine) -> None:
+    def __init__(self, *, limits: Limits, dim: int, engine: Engine, no_delay: bool) -> None:
         self._limits = limits
         self._dim = dim
         self._engine = engine
+        self._no_delay = no_delay
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -111,7 +112,29 @@ class EmbeddingsEndpoint:
         except SimRequestError as exc:
             await _error(send, exc)
             return
+        if not await self._run(answer["usage"]["prompt_tokens"]):
+            await _error(send, SimRequestError("request aborted", status=503))
+            return
         await send_json(send, 200, orjson.dumps(answer))
+
+    async def _run(self, tokens: int) -> bool:
+        """The inputs' prefill on the engine (their KV blocks held meanwhile, one pooling
+        step for the vectors); False if it was aborted."""
+        if self._no_delay:
+            stats = self._engine.scheduler.stats
+            stats.prompt_tokens += tokens
+            stats.finished += 1
+            return True
+        seq = LiveSequence(prompt_tokens=tokens, max_tokens=1, streaming=False)
+        self._engine.submit(seq)
+        try:
+            while not seq.done:
+                await seq.progress.wait()
+                seq.progress.clear()
+        finally:
+            if not seq.done:
+                self._engine.abort(seq)
+        return seq.state is not SeqState.ABORTED
 
     def _inputs(self, body: dict[str, Any]) -> list[str | list[int]]:
         value = body.get("input")
@@ -159,9 +182,6 @@ class EmbeddingsEndpoint:
             if encoding == "base64":
                 embedding = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
             data.append({"index": index, "object": "embedding", "embedding": embedding})
-        stats = self._engine.scheduler.stats
-        stats.prompt_tokens += tokens
-        stats.finished += 1
         return {
             "id": "embd-" + os.urandom(8).hex(),
             "object": "list",

@@ -281,7 +281,9 @@ def _api_routes(
     apis = ("Chat Completions API", "Completions API", "Responses API", "Embeddings API")
     apps: list[ASGIApp] = [Unsupported(api) for api in apis]
     if config.embedding_dim is not None:
-        apps[3] = EmbeddingsEndpoint(limits=limits, dim=config.embedding_dim, engine=engine)
+        apps[3] = EmbeddingsEndpoint(
+            limits=limits, dim=config.embedding_dim, engine=engine, no_delay=config.no_delay
+        )
     else:
         apps[:3] = [
             endpoint(Kind.CHAT),

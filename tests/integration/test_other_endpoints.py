@@ -5,16 +5,18 @@ Each test ends with no tokens reserved anywhere."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
 from loadtest.fleet import Fleet, run_fleet
 from loadtest.sim_config import SimConfig
-from tests.integration.overflow_support import sample
+from tests.integration.overflow_support import sample, wait_for
 
 CHAT, EMBED = "chat", "embed"
 DIM = 8
@@ -222,3 +224,33 @@ def test_an_unknown_previous_response_is_a_404(fleet: Fleet) -> None:
     body: Any = caught.value.body
     assert body["message"] == "Response with id 'resp_unknown' not found."
     assert body["param"] == "previous_response_id"
+
+
+@pytest.fixture
+def slow_embeddings() -> Iterator[Fleet]:
+    """One slow embedding backend with room for one 200-token input at a time."""
+    sims = {EMBED: [SimConfig(model="served-embed", kv_tokens=256, embedding_dim=DIM, speed=0.02)]}
+    options = {"kind": "embedding", "overflow": ["queue", "reject"], "queue": {"max_wait_s": 10}}
+    with run_fleet(pools=sims, pool_options={EMBED: options}) as f:
+        yield f
+
+
+def test_embeddings_hold_their_tokens_and_queue_for_room(slow_embeddings: Fleet) -> None:
+    fleet = slow_embeddings
+    body = {"model": EMBED, "input": "x" * 796}  # 200 tokens: 208 in blocks of 16
+
+    def held() -> int:
+        backends = fleet.status()["pools"][0]["backends"]
+        return int(backends[0]["tokens_in_flight"])
+
+    async def scenario() -> tuple[list[str], int]:
+        headers = {"authorization": f"Bearer {fleet.keys['acme']}"}
+        async with httpx.AsyncClient(base_url=fleet.url, headers=headers, timeout=30) as client:
+            first = asyncio.create_task(client.post("/v1/embeddings", json=body))
+            await wait_for(lambda: held() == 208)
+            second = asyncio.create_task(client.post("/v1/embeddings", json=body))
+            replies = [await first, await second]
+        assert [r.status_code for r in replies] == [200, 200]
+        return [r.headers["x-spillgate-outcome"] for r in replies], held()
+
+    assert asyncio.run(scenario()) == (["local", "queued"], 0)
