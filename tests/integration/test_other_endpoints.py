@@ -59,6 +59,10 @@ def _requests(fleet: Fleet, pool: str, outcome: str) -> float:
     return sample(fleet, "spillgate_requests_total", **labels) or 0.0
 
 
+def test_the_models_list_names_the_embedding_pool(fleet: Fleet) -> None:
+    assert [m.id for m in _client(fleet).models.list()] == [CHAT, EMBED]
+
+
 def test_one_embedding_with_usage_accounted(fleet: Fleet) -> None:
     before = _tokens(fleet, "embed-0", "prompt"), _requests(fleet, EMBED, "local")
     raw = _client(fleet).embeddings.with_raw_response.create(model=EMBED, input="hello world")
