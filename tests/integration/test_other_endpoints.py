@@ -15,6 +15,8 @@ import openai
 import pytest
 
 from loadtest.fleet import Fleet, run_fleet
+from loadtest.harness import ServerThread
+from loadtest.sim_app import create_sim_app
 from loadtest.sim_config import SimConfig
 from tests.integration.overflow_support import sample, wait_for
 
@@ -258,3 +260,38 @@ def test_embeddings_hold_their_tokens_and_queue_for_room(slow_embeddings: Fleet)
         return [r.headers["x-spillgate-outcome"] for r in replies], held()
 
     assert asyncio.run(scenario()) == (["local", "queued"], 0)
+
+
+def test_embeddings_spill_to_the_pools_provider_when_full() -> None:
+    hosted_sim = SimConfig(model="hosted-embed", kv_tokens=8192, embedding_dim=DIM)
+    with ServerThread(create_sim_app(hosted_sim)) as hosted:
+        slow = SimConfig(model="served-embed", kv_tokens=256, embedding_dim=DIM, speed=0.02)
+        options = {"kind": "embedding", "overflow": ["provider", "reject"], "provider": "hosted"}
+        provider = {
+            "name": "hosted",
+            "base_url": f"{hosted.url}/v1",
+            "models": {EMBED: "hosted-embed"},
+        }
+        with run_fleet(
+            pools={EMBED: [slow]}, pool_options={EMBED: options}, extra={"providers": [provider]}
+        ) as fleet:
+            body = {"model": EMBED, "input": "x" * 796}
+
+            async def scenario() -> list[tuple[str, str, int]]:
+                headers = {"authorization": f"Bearer {fleet.keys['acme']}"}
+                async with httpx.AsyncClient(
+                    base_url=fleet.url, headers=headers, timeout=30
+                ) as client:
+                    first = asyncio.create_task(client.post("/v1/embeddings", json=body))
+                    await wait_for(
+                        lambda: fleet.status()["pools"][0]["backends"][0]["tokens_in_flight"] > 0
+                    )
+                    second = await client.post("/v1/embeddings", json=body)
+                    replies = [await first, second]
+                return [
+                    (r.headers["x-spillgate-outcome"], r.json()["model"], len(r.json()["data"]))
+                    for r in replies
+                ]
+
+            assert asyncio.run(scenario()) == [("local", EMBED, 1), ("provider", EMBED, 1)]
+            assert _tokens(fleet, "hosted", "prompt") == 200
