@@ -13,7 +13,8 @@ overflow, forward, release, record). What differs:
   count against the provider's breaker, and so against the pool's chat spills);
 - a Responses request with `previous_response_id` goes only to the backend that answered
   that response (gateway/response_homes.py) and waits for room there through `queue`; an
-  id no backend of the pool holds any more gets vLLM's 404.
+  id no backend of the pool answered gets vLLM's 404, one whose backend is out of rotation
+  a 503 (`backend_unavailable`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Awaitable, Collection
 
-from gateway.errors import InvalidRequest
+from gateway.errors import BackendUnavailable, InvalidRequest
 from gateway.exchange import Exchange, Served
 from gateway.ledger import Reservation
 from gateway.pipeline import CompletionsEndpoint, PipelineDeps
@@ -92,21 +93,23 @@ class ResponsesEndpoint(CompletionsEndpoint):
 
     async def _elsewhere(self, pool: str, previous: str) -> frozenset[str]:
         """The backends of `pool` a continuation of `previous` must avoid: all but the one
-        that answered it. An id none of them holds is vLLM's 404: never relayed here,
-        relayed from another pool, or its backend is down (its responses, kept in its
-        memory, are likely gone with it)."""
+        that answered it. An id none of them answered (never relayed here, relayed from
+        another pool) is vLLM's 404; one whose backend is out of rotation, a 503."""
         home = None
         if len(previous) <= MAX_RESPONSE_ID:
             home = await self._homes.backend_of(previous)
         names = frozenset(b.name for b in self._d.router.pools[pool].backends)
-        if home is None or home not in names or not self._up(home):
-            shown = (
-                previous if len(previous) <= MAX_RESPONSE_ID else previous[:MAX_RESPONSE_ID] + "…"
-            )
+        if home is None or home not in names:
+            shown = previous if len(previous) <= MAX_RESPONSE_ID else previous[:MAX_RESPONSE_ID]
             raise ResponseNotFound(
                 f"Response with id '{shown}' not found.", param="previous_response_id"
             )
+        backend = self._d.router.backend(home)
+        if not backend.healthy(self._d.clock.monotonic()):
+            # out of rotation for now; once back, it answers for itself (a 404 if it
+            # restarted and lost its responses)
+            raise BackendUnavailable(
+                f"The backend that holds response '{previous}' ({backend.name}) is "
+                f"unavailable: {backend.down_reason}."
+            )
         return names - {home}
-
-    def _up(self, backend: str) -> bool:
-        return self._d.router.backend(backend).healthy(self._d.clock.monotonic())

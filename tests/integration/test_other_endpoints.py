@@ -295,3 +295,29 @@ def test_embeddings_spill_to_the_pools_provider_when_full() -> None:
 
             assert asyncio.run(scenario()) == [("local", EMBED, 1), ("provider", EMBED, 1)]
             assert _tokens(fleet, "hosted", "prompt") == 200
+
+
+def test_a_continuation_whose_backend_is_down_is_a_503_not_a_retry_elsewhere() -> None:
+    chat = [SimConfig(model="served-chat", kv_tokens=8192, speed=20.0) for _ in range(2)]
+    with run_fleet(pools={CHAT: chat}, pool_options={CHAT: {"capacity_refresh_s": 0.2}}) as fleet:
+        client = _client(fleet)
+        first = client.responses.create(model=CHAT, input="Hi", max_output_tokens=2)
+        fleet.backends[CHAT][0].stop()  # both idle: the first went to chat-0
+
+        def down() -> bool:
+            return not fleet.status()["pools"][0]["backends"][0]["healthy"]
+
+        asyncio.run(wait_for(down, within_s=10))
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.responses.create(
+                model=CHAT, input="More", max_output_tokens=2, previous_response_id=first.id
+            )
+        assert caught.value.status_code == 503
+        body: Any = caught.value.body
+        assert body["code"] == "backend_unavailable"
+        assert body["message"].startswith(
+            f"The backend that holds response '{first.id}' (chat-0) is unavailable: "
+        )
+        assert caught.value.response.headers["x-spillgate-outcome"] == "rejected"
+        fresh = client.responses.create(model=CHAT, input="Hi", max_output_tokens=2)
+        assert fresh.status == "completed"  # chat-1 serves the rest
