@@ -42,6 +42,7 @@ from gateway.request import (
     PRIORITY_HEADER,
     Endpoint,
     InferenceRequest,
+    check_pool_kind,
     decode_body,
     effective_priority,
     parse_request,
@@ -338,6 +339,7 @@ class CompletionsEndpoint:
         pool = self._d.router.pools.get(model)
         if pool is None or not tenant.may_use(model):
             raise ModelNotFound(f"The model {model!r} does not exist.", param="model")
+        check_pool_kind(pool.settings.kind, self._endpoint, model)
         return pool
 
     def _throttle(
