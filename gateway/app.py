@@ -26,6 +26,7 @@ from gateway.backends import FleetWatcher, Pool, build_pools
 from gateway.clock import Clock, SystemClock
 from gateway.config import Settings
 from gateway.dashboard import Dashboard, OutcomeHistory
+from gateway.endpoints import EmbeddingsEndpoint, ResponsesEndpoint
 from gateway.errors import InvalidRequest, SpillgateError, error_response
 from gateway.forward import Forwarder
 from gateway.guard import head_bytes, head_too_large
@@ -38,6 +39,7 @@ from gateway.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.providers import build_gates
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
 from gateway.request import Endpoint
+from gateway.response_homes import ResponseHomes
 from gateway.router import Router
 from gateway.tracing import build_tracing
 from gateway.upstream import UpstreamPool
@@ -249,7 +251,11 @@ def create_app(
                 await asyncio.to_thread(tracing.shutdown)
             metrics.close()
 
-    completions = {e: CompletionsEndpoint(e, deps) for e in Endpoint}
+    completions: dict[Endpoint, ASGIApp] = {
+        e: CompletionsEndpoint(e, deps) for e in (Endpoint.CHAT, Endpoint.COMPLETIONS)
+    }
+    completions[Endpoint.EMBEDDINGS] = EmbeddingsEndpoint(deps)
+    completions[Endpoint.RESPONSES] = ResponsesEndpoint(deps, homes=ResponseHomes(redis=redis))
     routes = [
         *(Route(e, endpoint, methods=["POST"]) for e, endpoint in completions.items()),
         *admin.routes(),

@@ -37,6 +37,8 @@ Priority = Literal["critical", "standard", "sheddable"]
 PRIORITIES: tuple[Priority, ...] = ("critical", "standard", "sheddable")
 # the overflow policies policies/registry.py builds, by the names a pool's chain uses
 PolicyName = Literal["queue", "degrade", "provider", "cache", "reject"]
+# what a pool's backends serve: generation (chat, completions, responses) or embeddings
+PoolKind = Literal["chat", "embedding"]
 
 
 class _Model(BaseModel):
@@ -99,6 +101,7 @@ class ReservationSettings(_Model):
 
 class PoolSettings(_Model):
     name: str = Field(min_length=1)
+    kind: PoolKind = "chat"
     backends: list[BackendSettings] = Field(min_length=1)
     target_fill: float = Field(0.9, gt=0, le=1)
     default_max_tokens: int = Field(256, gt=0)  # reserved when a request names no max_tokens

@@ -25,7 +25,7 @@ from gateway.relay import (
     relay_stream,
     send_json_body,
 )
-from gateway.request import InferenceRequest
+from gateway.request import Endpoint, InferenceRequest
 from gateway.upstream import UpstreamPool
 
 
@@ -78,12 +78,18 @@ UPSTREAM_CHOOSING_FIELDS = frozenset(
 UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
 
 
+# where a stream tells its usage only when asked to (the Responses API's always ends with it)
+USAGE_OPTION_ENDPOINTS = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
+# a provider's readable success holds one of these: choices, embeddings, a response's output
+ANSWER_KEYS = frozenset({"choices", "data", "output"})
+
+
 def upstream_body(request: InferenceRequest, model: str) -> bytes:
     body = dict(request.body)
     if not UPSTREAM_CHOOSING_FIELDS.isdisjoint(body):
         body = {k: v for k, v in body.items() if k not in UPSTREAM_CHOOSING_FIELDS}
     body["model"] = model
-    if request.stream:
+    if request.stream and request.endpoint in USAGE_OPTION_ENDPOINTS:
         options = body.get("stream_options") or {}
         body["stream_options"] = {**options, "include_usage": True}
     return orjson.dumps(body)
@@ -334,7 +340,7 @@ def _check_external_body(status: int, body: bytes) -> None:
         answer = orjson.loads(body)
     except orjson.JSONDecodeError:
         answer = None
-    if not isinstance(answer, dict) or "error" in answer or "choices" not in answer:
+    if not isinstance(answer, dict) or "error" in answer or ANSWER_KEYS.isdisjoint(answer):
         raise UpstreamUnavailable("bad body", status=status, detail=body)
 
 

@@ -42,6 +42,7 @@ from gateway.request import (
     PRIORITY_HEADER,
     Endpoint,
     InferenceRequest,
+    check_pool_kind,
     decode_body,
     effective_priority,
     names_max_tokens,
@@ -341,8 +342,8 @@ class CompletionsEndpoint:
         the same expected output all the same, since the backends' reported KV use
         (gateway/backend_load.py) covers an answer longer than that within a scrape.
         """
-        if pool.settings.reservation.mode == "max_tokens":
-            return request  # the whole of max_tokens (or the pool's default), as reserved
+        if pool.settings.reservation.mode == "max_tokens" or not request.max_output_tokens:
+            return request  # the whole of max_tokens (or the pool's default); embeddings: 0
         if names_max_tokens(request.body):
             cap = request.max_output_tokens
         else:
@@ -359,6 +360,7 @@ class CompletionsEndpoint:
         pool = self._d.router.pools.get(model)
         if pool is None or not tenant.may_use(model):
             raise ModelNotFound(f"The model {model!r} does not exist.", param="model")
+        check_pool_kind(pool.settings.kind, self._endpoint, model)
         return pool
 
     def _throttle(

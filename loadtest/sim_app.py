@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -18,8 +18,9 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from loadtest.sim_apis import EmbeddingsEndpoint, ResponsesEndpoint, unsupported
 from loadtest.sim_asgi import (
     ClientGone,
     read_body,
@@ -296,6 +297,44 @@ def _models_body(config: SimConfig, resolved: ResolvedSim) -> dict[str, Any]:
     return {"object": "list", "data": [model]}
 
 
+class Unsupported:
+    """An API the replica's model does not serve (an ASGI app: Starlette would take a
+    plain function for a request handler)."""
+
+    def __init__(self, api: str) -> None:
+        self._api = api
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await unsupported(send, self._api)
+
+
+def _api_routes(
+    config: SimConfig,
+    *,
+    limits: Limits,
+    engine: Engine,
+    filler: FillerText,
+    endpoint: Callable[[Kind], CompletionsEndpoint],
+) -> list[Route]:
+    """The OpenAI routes: an embedding model serves /v1/embeddings and refuses the rest, a
+    generating one the reverse, each refusal vLLM's 400."""
+
+    paths = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
+    apis = ("Chat Completions API", "Completions API", "Responses API", "Embeddings API")
+    apps: list[ASGIApp] = [Unsupported(api) for api in apis]
+    if config.embedding_dim is not None:
+        apps[3] = EmbeddingsEndpoint(
+            limits=limits, dim=config.embedding_dim, engine=engine, no_delay=config.no_delay
+        )
+    else:
+        apps[:3] = [
+            endpoint(Kind.CHAT),
+            endpoint(Kind.COMPLETION),
+            ResponsesEndpoint(limits=limits, engine=engine, filler=filler),
+        ]
+    return [Route(path, app, methods=["POST"]) for path, app in zip(paths, apps, strict=True)]
+
+
 def create_sim_app(config: SimConfig) -> Starlette:
     """One simulated vLLM replica; its engine loop runs for the app's lifespan."""
     resolved = resolve(config)
@@ -368,8 +407,7 @@ def create_sim_app(config: SimConfig) -> Starlette:
                 await task
 
     routes = [
-        Route("/v1/chat/completions", endpoint(Kind.CHAT), methods=["POST"]),
-        Route("/v1/completions", endpoint(Kind.COMPLETION), methods=["POST"]),
+        *_api_routes(config, limits=limits, engine=engine, filler=filler, endpoint=endpoint),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
