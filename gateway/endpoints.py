@@ -62,9 +62,17 @@ class PinnedExchange(Exchange):
 
     def __init__(self, exchange: Exchange, *, tap: ResponseIdTap, others: frozenset[str]) -> None:
         super().__init__(
-            exchange.send, exchange.base_headers, exchange.router, exchange.forwarder,
-            exchange.metrics, exchange.clock, exchange.holding, tap,
-        )  # fmt: skip
+            send=exchange.send,
+            headers=exchange.base_headers,
+            router=exchange.router,
+            forwarder=exchange.forwarder,
+            metrics=exchange.metrics,
+            clock=exchange.clock,
+            holding=exchange.holding,
+            tap=tap,
+        )
+        # the forwarder is the exchange's own, already traced when the request is
+        self.trace = exchange.trace
         self.timings = exchange.timings
         self.others = others
 

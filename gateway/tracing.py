@@ -51,7 +51,12 @@ DEFAULT_OTLP_ENDPOINT = "http://localhost:4318"  # the OTLP/HTTP default, as the
 PROPAGATOR = TraceContextTextMapPropagator()
 TRACE_HEADERS = (b"traceparent", b"tracestate")
 # the GenAI operation each endpoint performs, by its path
-OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+OPERATIONS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "text_completion",
+    "/v1/embeddings": "embeddings",
+    "/v1/responses": "chat",
+}
 PROVIDER_NAME = "openai"  # the API flavour spoken on both sides (the conventions' discriminator)
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([^"\\]{1,64})"')
 

@@ -107,6 +107,9 @@ def traced_fleet(*, enabled: bool) -> Iterator[Traced]:
             name: Recorder(create_sim_app(SimConfig(model=f"{name}-served", kv_tokens=4096)))
             for name in ("chat", "stream", "flaky", "queued")
         }
+        recorders["embed"] = Recorder(
+            create_sim_app(SimConfig(model="embed-served", kv_tokens=4096, embedding_dim=8))
+        )
         recorders["failing"] = Recorder(failing)
         recorders["hosted"] = Recorder(create_provider_app(ProviderConfig(api_key=PROVIDER_KEY)))
         servers = {name: ServerThread(app).start() for name, app in recorders.items()}
@@ -119,6 +122,11 @@ def traced_fleet(*, enabled: bool) -> Iterator[Traced]:
             "pools": [
                 {"name": "chat", "backends": [_backend(url["chat"], "chat-served")]},
                 {"name": "stream", "backends": [_backend(url["stream"], "stream-served")]},
+                {
+                    "name": "embed",
+                    "kind": "embedding",
+                    "backends": [_backend(url["embed"], "embed-served")],
+                },
                 {
                     "name": "flaky",
                     "backends": [
@@ -470,3 +478,20 @@ def test_a_request_the_queue_serves_is_a_spill_span_with_its_wait(traced: Traced
     # the wait the client is told in server-timing, to its 0.1 ms
     assert f"{wait_s * 1000:.1f}" == f"{_server_timing(raw.http_response, 'queue'):.1f}"
     assert wait_s > 0
+
+
+@pytest.mark.parametrize("api", ["responses", "embeddings"])
+def test_responses_and_embeddings_are_traced_as_their_operations(traced: Traced, api: str) -> None:
+    with traced.client() as client:
+        if api == "responses":
+            client.responses.create(model="chat", input="Hi", max_output_tokens=4)
+            pool, operation = "chat", "chat"
+        else:
+            client.embeddings.create(model="embed", input="Hi")
+            pool, operation = "embed", "embeddings"
+    server = one(traced.spans(SpanKind.SERVER))
+    attempt = one(traced.spans(SpanKind.CLIENT))
+    assert server.attributes is not None and server.attributes["spillgate.pool"] == pool
+    assert server.attributes["gen_ai.operation.name"] == operation
+    assert attempt.parent is not None and attempt.parent.span_id == server.context.span_id
+    assert traced.recorders[pool].posts[-1]["traceparent"] == traceparent(attempt)
