@@ -252,13 +252,7 @@ def parse_request(
     )
     max_output = _max_tokens(body, default_max_tokens)
     prompt_tokens = max(1, int(chars / chars_per_token) + 1)
-    if prompt_tokens + max_output > max_model_len:
-        raise InvalidRequest(
-            f"This model's maximum context length is {max_model_len} tokens; the request asks "
-            f"for about {prompt_tokens} prompt tokens and {max_output} output tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
+    _check_context(prompt_tokens, max_output, max_model_len=max_model_len, param="max_tokens")
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -404,13 +398,9 @@ def parse_responses(
         )
     max_output = _max_output_tokens(body, default_max_tokens)
     prompt_tokens = max(1, int(chars / chars_per_token) + 1)
-    if prompt_tokens + max_output > max_model_len:
-        raise InvalidRequest(
-            f"This model's maximum context length is {max_model_len} tokens; the request asks "
-            f"for about {prompt_tokens} prompt tokens and {max_output} output tokens.",
-            param="max_output_tokens",
-            code="context_length_exceeded",
-        )
+    _check_context(
+        prompt_tokens, max_output, max_model_len=max_model_len, param="max_output_tokens"
+    )
     stream = _flag(body, "stream")
     # a continued conversation's prompt holds earlier turns the gateway cannot see: its
     # characters would mislead the pool's estimator (prompt_chars 0 teaches it nothing)
@@ -450,3 +440,13 @@ class PromptEstimator:
         seen = prompt_chars / prompt_tokens
         estimate = self.chars_per_token + self._weight * (seen - self.chars_per_token)
         self.chars_per_token = 1.0 if estimate < 1.0 else 16.0 if estimate > 16.0 else estimate
+
+
+def _check_context(prompt_tokens: int, max_output: int, *, max_model_len: int, param: str) -> None:
+    if prompt_tokens + max_output > max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens; the request asks "
+            f"for about {prompt_tokens} prompt tokens and {max_output} output tokens.",
+            param=param,
+            code="context_length_exceeded",
+        )
