@@ -35,6 +35,7 @@ from gateway.openapi import openapi_route
 from gateway.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.providers import build_gates
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
+from gateway.redis_batch import RedisBatcher
 from gateway.request import Endpoint
 from gateway.router import Router
 from gateway.upstream import UpstreamPool
@@ -48,30 +49,37 @@ REDIS_POOL_SIZE = 64  # connections per process
 def redis_client(settings: Settings, url: str) -> aioredis.Redis:
     """One client per process, shared by the limiter, the ledger and the cache.
 
-    The pool blocks when every connection is busy: a burst larger than the pool waits its
-    turn within each call's time budget. redis-py's default pool instead fails the call at
-    once, which would push the limiter into its failure mode exactly when a spike arrives.
+    Script calls reach it through one RedisBatcher (gateway/redis_batch.py), which never
+    cancels a call in flight, so each call is bounded by the socket timeout: the ceiling of
+    the callers' time budgets. The pool blocks when every connection is busy rather than
+    failing the call at once, which would push the limiter into its failure mode exactly
+    when a spike arrives.
 
     A call that finds its connection closed (after a Redis restart or failover every idle
     pooled connection is) is sent once more on a new connection, rather than failing once
-    per pooled connection. Timeouts are not retried: each call keeps its time budget.
+    per pooled connection. The limiter's scripts are safe to send twice: a decision nobody
+    received is refunded (gateway/ratelimit/redis_limiter.py).
     """
-    timeout = settings.redis.timeout_ms / 1000
+    ceiling = _timeout_max_s(settings)
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
         max_connections=REDIS_POOL_SIZE,
-        timeout=timeout,
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
+        timeout=ceiling,
+        socket_timeout=ceiling,
+        socket_connect_timeout=ceiling,
         health_check_interval=30,
         retry_on_error=[redis.exceptions.ConnectionError],
     )
     return aioredis.Redis.from_pool(pool)
 
 
+def _timeout_max_s(settings: Settings) -> float:
+    return max(settings.redis.timeout_ms, settings.redis.timeout_max_ms) / 1000
+
+
 def _limiter(
     settings: Settings,
-    redis: aioredis.Redis | None,
+    redis: RedisBatcher | None,
     metrics: GatewayMetrics,
     clock: Clock,
     *,
@@ -94,6 +102,8 @@ def _limiter(
         failure_mode="local" if for_providers else rl.failure_mode,
         replicas=rl.replicas * workers,
         timeout_s=settings.redis.timeout_ms / 1000,
+        timeout_max_s=_timeout_max_s(settings),
+        latency=redis.latency,
         failure_threshold=rl.failure_threshold,
         cooldown_s=rl.cooldown_s,
         clock=clock,
@@ -104,7 +114,7 @@ def _limiter(
 
 def _shared_ledger(
     settings: Settings,
-    redis: aioredis.Redis,
+    redis: RedisBatcher,
     pools: dict[str, Pool],
     metrics: GatewayMetrics,
     clock: Clock,
@@ -119,6 +129,7 @@ def _shared_ledger(
         lease_ttl_s=settings.ledger.lease_ttl_s,
         refresh_s=settings.ledger.refresh_s,
         timeout_s=settings.redis.timeout_ms / 1000,
+        timeout_max_s=_timeout_max_s(settings),
         fallback_share=settings.ratelimit.replicas * workers,
         on_store_error=metrics.ledger_store_errors.inc,
         on_mode_change=metrics.set_ledger_mode,
@@ -139,12 +150,13 @@ def create_app(
     metrics = GatewayMetrics(multiprocess_dir=env.get(MULTIPROC_ENV))
     url = redis_url or env.get(settings.redis.url_env)
     redis = redis_client(settings, url) if url else None
-    limiter = _limiter(settings, redis, metrics, clock, workers=workers)
+    batcher = RedisBatcher(redis) if redis is not None else None
+    limiter = _limiter(settings, batcher, metrics, clock, workers=workers)
     pools = build_pools(settings.pools, clock=clock)
     shared = None
     feed = None
-    if redis is not None:
-        shared = _shared_ledger(settings, redis, pools, metrics, clock, workers=workers)
+    if batcher is not None:
+        shared = _shared_ledger(settings, batcher, pools, metrics, clock, workers=workers)
     router = Router(pools, ledger=shared or LocalLedger(), clock=clock)
     if redis is not None and shared is not None:
         feed = ReleaseFeed(
@@ -163,7 +175,7 @@ def create_app(
             environ=env,
             clock=clock,
             metrics=metrics,
-            budget=_limiter(settings, redis, metrics, clock, workers=workers, for_providers=True),
+            budget=_limiter(settings, batcher, metrics, clock, workers=workers, for_providers=True),
         ),
     )
     chains = {name: build_chain(pool.settings, policy_deps) for name, pool in pools.items()}
@@ -223,6 +235,8 @@ def create_app(
             await upstream.aclose()
             await limiter.close()
             await router.ledger.close()
+            if batcher is not None:
+                await batcher.aclose()
             if redis is not None:
                 await redis.aclose()
             metrics.close()

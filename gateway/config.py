@@ -158,7 +158,8 @@ class TenantSettings(_Model):
 
 class RedisSettings(_Model):
     url_env: str = "SPILLGATE_REDIS_URL"
-    timeout_ms: float = Field(50.0, gt=0)
+    timeout_ms: float = Field(50.0, gt=0)  # the least a call's time budget can be
+    timeout_max_ms: float = Field(500.0, gt=0)  # the most: a stalled store costs this
 
 
 class RateLimitSettings(_Model):
