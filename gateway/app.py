@@ -97,13 +97,17 @@ def _limiter(
         return local
     rl = settings.ratelimit
     return ResilientRateLimiter(
-        RedisRateLimiter(redis, key_prefix="spillgate:provider" if for_providers else "spillgate"),
+        RedisRateLimiter(
+            redis,
+            key_prefix="spillgate:provider" if for_providers else "spillgate",
+            timeout_s=settings.redis.timeout_ms / 1000,
+            timeout_max_s=_timeout_max_s(settings),
+        ),
         fallback=local,
         failure_mode="local" if for_providers else rl.failure_mode,
         replicas=rl.replicas * workers,
         timeout_s=settings.redis.timeout_ms / 1000,
         timeout_max_s=_timeout_max_s(settings),
-        latency=redis.latency,
         failure_threshold=rl.failure_threshold,
         cooldown_s=rl.cooldown_s,
         clock=clock,
@@ -136,6 +140,29 @@ def _shared_ledger(
     )
 
 
+def _provider_slots(
+    settings: Settings,
+    redis: RedisBatcher,
+    metrics: GatewayMetrics,
+    clock: Clock,
+    *,
+    workers: int,
+) -> RedisLedger:
+    """Providers' concurrency slots, one cap for the fleet: a lease of one per request."""
+    return RedisLedger(
+        redis,
+        backends=[p.name for p in settings.providers],
+        clock=clock,
+        key_prefix="spillgate:provider",
+        lease_ttl_s=settings.ledger.lease_ttl_s,
+        refresh_s=settings.ledger.refresh_s,
+        timeout_s=settings.redis.timeout_ms / 1000,
+        timeout_max_s=_timeout_max_s(settings),
+        fallback_share=settings.ratelimit.replicas * workers,
+        on_store_error=metrics.ledger_store_errors.inc,
+    )
+
+
 def create_app(
     settings: Settings,
     *,
@@ -162,6 +189,9 @@ def create_app(
         feed = ReleaseFeed(
             redis, ledger=shared, waker=router, timeout_s=settings.redis.timeout_ms / 1000
         )
+    provider_slots = None
+    if batcher is not None and settings.providers:
+        provider_slots = _provider_slots(settings, batcher, metrics, clock, workers=workers)
     upstream = UpstreamPool(max_connections=settings.server.upstream_max_connections)
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))  # capacity discovery and probes
     policy_deps = PolicyDeps(
@@ -176,6 +206,7 @@ def create_app(
             clock=clock,
             metrics=metrics,
             budget=_limiter(settings, batcher, metrics, clock, workers=workers, for_providers=True),
+            slots=provider_slots,
         ),
     )
     chains = {name: build_chain(pool.settings, policy_deps) for name, pool in pools.items()}
@@ -213,6 +244,8 @@ def create_app(
         history.start()
         if shared is not None:
             await shared.start()
+        if provider_slots is not None:
+            await provider_slots.start()
         if feed is not None:
             feed.start()
         gauges = None
@@ -235,6 +268,8 @@ def create_app(
             await upstream.aclose()
             await limiter.close()
             await router.ledger.close()
+            if provider_slots is not None:
+                await provider_slots.close()
             if batcher is not None:
                 await batcher.aclose()
             if redis is not None:

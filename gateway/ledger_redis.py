@@ -175,7 +175,9 @@ class RedisLedger:
         self._in_store.discard(reservation.lease)
         self._unconfirmed[reservation.lease] = (reservation, self._clock.monotonic())
         reply = await self._ask(
-            lambda: self._call("release", reservation.backend, reservation.lease)
+            lambda: self._call(
+                "release", reservation.backend, reservation.lease, budget_s=self.budget_s()
+            )
         )
         if reply is not None:
             self._unconfirmed.pop(reservation.lease, None)
@@ -221,7 +223,10 @@ class RedisLedger:
         }
         held = list(self._held.values())
         calls = self._refresh_calls(held, renew=renew)
-        replies = await self._gather([self._call(op, b, *args) for op, b, args in calls])
+        budget = self.budget_s() * REFRESH_BUDGET
+        replies = await self._gather(
+            [self._call(op, b, *args, budget_s=budget) for op, b, args in calls]
+        )
         if isinstance(replies, BaseException):
             self._failed(replies)
             return False
@@ -282,16 +287,21 @@ class RedisLedger:
         """How long a call may take: from the round trips seen lately, within the bounds."""
         return self._batch.latency.budget_s(floor_s=self._timeout_s, ceiling_s=self._timeout_max_s)
 
-    def _call(self, op: str, backend: str, *args: str | int) -> asyncio.Future[Any]:
+    def _call(
+        self, op: str, backend: str, *args: str | int, budget_s: float | None = None
+    ) -> asyncio.Future[Any]:
         argv = [op, self.channel, self.replica_id, backend, self._ttl_ms, *args]
-        return self._batch.submit(self._script, self.keys(backend), argv)
+        keys = self.keys(backend)
+        ceiling = self._timeout_max_s
+        return self._batch.submit(self._script, keys, argv, budget_s=budget_s, ceiling_s=ceiling)
 
     async def _gather(self, futures: list[asyncio.Future[Any]]) -> list[Any] | BaseException:
-        """Every reply, or why not all came within the refresh's budget. Waiting is never
-        cancelled into the client: a call not yet sent is withdrawn, one sent runs out."""
+        """Every reply, or why not all came within the refresh's budget (each call keeps
+        its own, RedisBatcher). Waiting is never cancelled into the client: a call not
+        yet sent is withdrawn, one sent runs out."""
         if not futures:
             return []
-        _, late = await asyncio.wait(futures, timeout=self.budget_s() * REFRESH_BUDGET)
+        _, late = await asyncio.wait(futures, timeout=self._timeout_max_s * 2)
         for future in late:
             future.cancel()
         if late:
@@ -308,7 +318,9 @@ class RedisLedger:
         backend = lease.backend
         self._in_store.add(lease.lease)  # from here on the call may reach Redis
         reply = await self._ask(
-            lambda: self._call("reserve", backend, lease.lease, lease.tokens, limit)
+            lambda: self._call(
+                "reserve", backend, lease.lease, lease.tokens, limit, budget_s=self.budget_s()
+            )
         )
         if reply is None:
             return None
@@ -322,7 +334,7 @@ class RedisLedger:
         if self._mode == "local":
             return None
         try:
-            with Deadline.after(self.budget_s()):
+            with Deadline.after(self._timeout_max_s):  # the call keeps its own budget
                 return await call()
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed(exc)

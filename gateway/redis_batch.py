@@ -24,12 +24,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
+
+from gateway.deadline import Sweep
 
 log = logging.getLogger("spillgate.redis")
 
@@ -47,14 +51,54 @@ class BatchScript:
         object.__setattr__(self, "sha", hashlib.sha1(self.text.encode()).hexdigest())
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Call:
+    """One queued EVALSHA; with a budget, a Timed the loop's Sweep holds until it is due."""
+
+    batcher: RedisBatcher
     script: BatchScript
     keys: Sequence[str]
     args: Sequence[Arg]
     future: asyncio.Future[Any]
     on_late: Callable[[Any], None] | None
     submitted: float  # event-loop time
+    due: float = math.inf
+    budget_s: float = 0.0
+    until: float = math.inf  # the ceiling: no answer after this is waited for
+    sent: float = math.inf  # when its pipeline went out
+    rechecks: int = 0
+    pass_started: float = 0.0
+    fired_late: bool = False
+
+    def on_due(self, now: float) -> None:
+        """Out of time: fail the call, unless the store is not the one being slow.
+
+        The reply may have arrived while the loop was busy and wait, unread, behind this
+        timer: two loop passes let the pipeline's task read it. When this timer fired late
+        or those passes are slow (the loop has more work than it can do: a burst; or the
+        process got no CPU), the wait is the loop's, not the store's, and the call waits
+        on. A call not sent yet waits behind pipelines that are themselves within their
+        budget; a sent one has its budget from when it went out. Never past `until`.
+        """
+        if self.future.done():
+            return
+        loop = self.future.get_loop()
+        if self.rechecks == 0:
+            self.pass_started = time.perf_counter()
+            self.fired_late = now - self.due > self.budget_s / 4  # the loop was held up
+        if self.rechecks < 2:
+            self.rechecks += 1
+            loop.call_soon(self.on_due, now)
+            return
+        self.rechecks = 0
+        now = loop.time()
+        busy = self.fired_late or time.perf_counter() - self.pass_started > self.budget_s / 8
+        later = now + self.budget_s if busy else self.batcher.waiting_on_store(self, now)
+        if later is not None and now < self.until:
+            self.due = min(later, self.until)
+            Sweep.of(loop).hold(self)
+            return
+        self.future.set_exception(TimeoutError("Redis did not answer within the time budget"))
 
 
 class Latency:
@@ -90,6 +134,7 @@ class RedisBatcher:
         self._pending: list[_Call] = []
         self._scheduled = False
         self._sending: set[asyncio.Task[None]] = set()
+        self._sent_at: dict[asyncio.Task[None], float] = {}
         self._closed = False
         self.latency = Latency(initial_s=0.001)
         self.pipelines = 0  # sent, for tests and benchmarks
@@ -107,32 +152,56 @@ class RedisBatcher:
         args: Sequence[Arg],
         *,
         on_late: Callable[[Any], None] | None = None,
+        budget_s: float | None = None,
+        ceiling_s: float | None = None,
     ) -> asyncio.Future[Any]:
-        """Queue one EVALSHA; its future gets the reply, or the RedisError/OSError raised.
+        """Queue one EVALSHA; its future gets the reply, or the RedisError/OSError raised,
+        or TimeoutError once `budget_s` has passed with the store to blame (on_due), and
+        at the latest after `ceiling_s`.
 
-        Cancelling the future before the call is sent withdraws it; after, the reply goes
-        to `on_late` (and an error nowhere).
+        Cancelling the future (or its timing out) before the call is sent withdraws it;
+        after, the reply goes to `on_late` (and an error nowhere).
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         if self._closed:
             future.set_exception(RedisError("the Redis client is closed"))
             return future
-        self._pending.append(_Call(script, keys, args, future, on_late, loop.time()))
+        call = _Call(self, script, keys, args, future, on_late, loop.time())
+        if budget_s is not None:
+            call.budget_s = budget_s
+            call.due = call.submitted + budget_s
+            call.until = call.submitted + max(budget_s, ceiling_s or budget_s)
+            Sweep.of(loop).hold(call)
+        self._pending.append(call)
         if not self._scheduled:
             self._scheduled = True
             loop.call_soon(self._flush)
         return future
 
+    def waiting_on_store(self, call: _Call, now: float) -> float | None:
+        """When to look again at an unanswered call, or None when the store is to blame."""
+        if call.sent <= now:
+            later = call.sent + call.budget_s
+            return later if later > now else None
+        oldest = min(self._sent_at.values(), default=now)
+        if now - oldest >= call.budget_s:  # the pipelines it waits behind are overdue
+            return None
+        return now + call.budget_s
+
     def _flush(self) -> None:
         self._scheduled = False
         while self._pending and len(self._sending) < self._max_in_flight:
-            batch = [c for c in self._pending[: self._max_batch] if not c.future.cancelled()]
+            batch = [c for c in self._pending[: self._max_batch] if not c.future.done()]
             del self._pending[: self._max_batch]
             if not batch:
                 continue
-            task = asyncio.get_running_loop().create_task(self._send(batch))
+            loop = asyncio.get_running_loop()
+            task = loop.create_task(self._send(batch))
             self._sending.add(task)
+            self._sent_at[task] = now = loop.time()
+            for call in batch:
+                call.sent = now
 
     async def _send(self, batch: list[_Call]) -> None:
         loop = asyncio.get_running_loop()
@@ -140,8 +209,7 @@ class RedisBatcher:
             replies = await self._pipeline(batch)
         except (RedisError, OSError, TimeoutError) as exc:
             for call in batch:
-                if not call.future.done():
-                    call.future.set_exception(exc)
+                _settle(call, exc)
         except asyncio.CancelledError:  # closing: the callers learn the store went away
             for call in batch:
                 if not call.future.done():
@@ -153,7 +221,9 @@ class RedisBatcher:
             for call, reply in zip(batch, replies, strict=True):
                 _settle(call, reply)
         finally:
-            self._sending.discard(asyncio.current_task())
+            task = asyncio.current_task()
+            self._sending.discard(task)
+            self._sent_at.pop(task, None)  # type: ignore[arg-type]
             if self._pending and not self._scheduled and not self._closed:
                 self._scheduled = True
                 loop.call_soon(self._flush)
@@ -190,7 +260,9 @@ class RedisBatcher:
 
 def _settle(call: _Call, reply: Any) -> None:
     future = call.future
-    if future.cancelled():
+    if call.due != math.inf:
+        Sweep.of(future.get_loop()).held.discard(call)
+    if future.done():  # cancelled, or timed out: nobody is waiting for this reply
         if call.on_late is not None and not isinstance(reply, Exception):
             try:
                 call.on_late(reply)

@@ -124,13 +124,12 @@ class CountingResilient(ResilientRateLimiter):
         clock = SystemClock()
         self.store_errors = 0
         super().__init__(
-            RedisRateLimiter(batcher),
+            RedisRateLimiter(batcher, timeout_s=0.05, timeout_max_s=0.5),
             fallback=LocalRateLimiter(clock),
             failure_mode="local",
             replicas=1,
             timeout_s=0.05,
             timeout_max_s=0.5,
-            latency=batcher.latency,
             failure_threshold=5,
             cooldown_s=1.0,
             clock=clock,

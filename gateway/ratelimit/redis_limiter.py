@@ -34,16 +34,26 @@ def bucket_script() -> str:
 
 
 class RedisRateLimiter:
-    """Token buckets in Redis. Raises StoreError when Redis cannot answer.
+    """Token buckets in Redis. Raises StoreError when Redis cannot answer, or (given
+    `timeout_s`) does not within the time budget: the waits seen lately (Latency), at least
+    `timeout_s`, at most `timeout_max_s`, counted from when the call went out; a loop too
+    busy to send or read it does not use it up (RedisBatcher).
 
     The client belongs to whoever created it (it may be shared with other components);
     `close` leaves it open.
     """
 
     def __init__(
-        self, redis: RedisBatcher | aioredis.Redis, *, key_prefix: str = "spillgate"
+        self,
+        redis: RedisBatcher | aioredis.Redis,
+        *,
+        key_prefix: str = "spillgate",
+        timeout_s: float | None = None,
+        timeout_max_s: float | None = None,
     ) -> None:
         self._batch = batcher_of(redis)
+        self._timeout_s = timeout_s
+        self._timeout_max_s = max(timeout_s or 0.0, timeout_max_s or 0.0)
         self._script = BatchScript(bucket_script())
         self._prefix = key_prefix
         self.late_refunds = 0  # admissions made after their caller stopped waiting
@@ -86,12 +96,22 @@ class RedisRateLimiter:
                     refund = self._args("refund", limits, cost)
                     forget(self._batch.submit(self._script, keys, refund))
 
+        budget = None
+        if self._timeout_s is not None:
+            budget = self._batch.latency.budget_s(
+                floor_s=self._timeout_s, ceiling_s=self._timeout_max_s
+            )
         future = self._batch.submit(
-            self._script, keys, self._args(op, limits, cost, *extra), on_late=on_late
+            self._script,
+            keys,
+            self._args(op, limits, cost, *extra),
+            on_late=on_late,
+            budget_s=budget,
+            ceiling_s=self._timeout_max_s,
         )
         try:
             reply: Any = await future
-        except (RedisError, OSError) as exc:
+        except (RedisError, OSError, TimeoutError) as exc:
             raise StoreError(f"rate-limit store failed: {exc}") from exc
         try:
             return _REASONS[int(reply[0])], float(reply[1]), float(reply[2])

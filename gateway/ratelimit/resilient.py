@@ -1,9 +1,10 @@
 """The shared limiter with a time budget, a circuit breaker and a configured failure mode.
 
-Every call to the primary (Redis) store is bounded by a time budget: the round trips seen
-lately (`latency`, the mean plus four spreads) within `timeout_s` and `timeout_max_s`, so
-a loaded process waits what its own round trips take and a dead store never makes a
-request wait longer than the ceiling. A call that fails or runs out of time is answered
+Every call to the primary (Redis) store is bounded by a time budget: `timeout_max_s` when
+given, the ceiling of the budget the primary keeps itself (the waits seen lately, at least
+`timeout_s`: gateway/ratelimit/redis_limiter.py), else `timeout_s`; so a loaded process
+waits what its own round trips take and a dead store never makes a request wait longer
+than the ceiling. A call that fails or runs out of time is answered
 by this process's own buckets at the tenant's limits divided by `replicas`, so the fleet
 as a whole stays near the tenant's limit instead of multiplying it (with `allow`:
 admitted, unlimited).
@@ -41,7 +42,6 @@ from gateway.ratelimit import bucket
 from gateway.ratelimit.base import Decision, StoreError, TenantLimits
 from gateway.ratelimit.local import LocalRateLimiter
 from gateway.ratelimit.redis_limiter import RedisRateLimiter
-from gateway.redis_batch import Latency
 
 FailureMode = Literal["local", "allow", "deny"]
 Mode = Literal["shared", "local", "allow", "deny"]
@@ -73,7 +73,6 @@ class ResilientRateLimiter:
         replicas: int,
         timeout_s: float,
         timeout_max_s: float | None = None,
-        latency: Latency | None = None,
         failure_threshold: int,
         cooldown_s: float,
         clock: Clock,
@@ -90,7 +89,6 @@ class ResilientRateLimiter:
         self._replicas = replicas
         self._timeout_s = timeout_s
         self._timeout_max_s = max(timeout_s, timeout_max_s or timeout_s)
-        self._latency = latency
         self._failure_threshold = failure_threshold
         self._cooldown_s = cooldown_s
         self._clock = clock
@@ -159,12 +157,6 @@ class ResilientRateLimiter:
             return "local"
         return self._failure_mode
 
-    def budget_s(self) -> float:
-        """How long a call to the store may take now."""
-        if self._latency is None:
-            return self._timeout_s
-        return self._latency.budget_s(floor_s=self._timeout_s, ceiling_s=self._timeout_max_s)
-
     async def _acquire_share(self, limits: TenantLimits, tokens: int) -> Decision:
         """Debit this replica's share; a request the whole bucket holds but the share does
         not waits for a full share and leaves the rest as debt, rather than never fitting."""
@@ -216,7 +208,7 @@ class ResilientRateLimiter:
             return _STORE_DOWN
         self._probing = probe
         try:
-            with Deadline.after(self.budget_s()):
+            with Deadline.after(self._timeout_max_s):
                 result = await call()
         except (TimeoutError, StoreError):
             self._failed()
