@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Mapping
 import httpx
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis.asyncio.cluster import RedisCluster
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -46,7 +47,7 @@ from policies.registry import admission_gates, answer_taps, build_chain
 REDIS_POOL_SIZE = 64  # connections per process
 
 
-def redis_client(settings: Settings, url: str) -> aioredis.Redis:
+def redis_client(settings: Settings, url: str) -> aioredis.Redis | RedisCluster:
     """One client per process, shared by the limiter, the ledger and the cache.
 
     Script calls reach it through one RedisBatcher (gateway/redis_batch.py), which never
@@ -61,6 +62,13 @@ def redis_client(settings: Settings, url: str) -> aioredis.Redis:
     received is refunded (gateway/ratelimit/redis_limiter.py).
     """
     ceiling = _timeout_max_s(settings)
+    if settings.redis.cluster:  # one client for the cluster; a connection pool per node
+        return RedisCluster.from_url(
+            url,
+            socket_timeout=ceiling,
+            socket_connect_timeout=ceiling,
+            max_connections=REDIS_POOL_SIZE,
+        )
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
         max_connections=REDIS_POOL_SIZE,

@@ -163,6 +163,7 @@ class RedisSettings(_Model):
     # the ceiling is what a stalled store costs a request before the breaker opens
     timeout_ms: float = Field(250.0, gt=0)
     timeout_max_ms: float = Field(1000.0, gt=0)
+    cluster: bool = False  # the URL names one node of a Redis Cluster
 
 
 class RateLimitSettings(_Model):

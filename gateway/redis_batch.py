@@ -31,7 +31,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError, NoScriptError, RedisError, ResponseError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import (
+    AskError,
+    ConnectionError,
+    MovedError,
+    NoScriptError,
+    RedisError,
+    ResponseError,
+)
 
 from gateway.deadline import Sweep
 
@@ -126,7 +134,11 @@ class RedisBatcher:
     """Coalesces one process's script calls into pipelines; never cancels one in flight."""
 
     def __init__(
-        self, redis: aioredis.Redis, *, max_in_flight: int = 2, max_batch: int = 512
+        self,
+        redis: aioredis.Redis | RedisCluster,
+        *,
+        max_in_flight: int = 2,
+        max_batch: int = 512,
     ) -> None:
         self._redis = redis
         self._max_in_flight = max_in_flight
@@ -207,7 +219,10 @@ class RedisBatcher:
         loop = asyncio.get_running_loop()
         try:
             replies = await self._pipeline(batch)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except Exception as exc:  # every caller learns the batch failed
+            if not isinstance(exc, (RedisError, OSError, TimeoutError)):
+                log.exception("a Redis batch failed unexpectedly")
+                exc = RedisError(f"the batch failed: {exc!r}")
             for call in batch:
                 _settle(call, exc)
         except asyncio.CancelledError:  # closing: the callers learn the store went away
@@ -242,11 +257,8 @@ class RedisBatcher:
         return replies
 
     async def _evalshas(self, batch: list[_Call]) -> list[Any]:
-        if type(self._redis) is not aioredis.Redis:  # a cluster client routes by key
-            pipe = self._redis.pipeline(transaction=False)
-            for call in batch:
-                pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
-            return list(await pipe.execute(raise_on_error=False))
+        if isinstance(self._redis, RedisCluster):
+            return await self._on_cluster(batch, moves=1)
         packed = b"".join(map(_packed, batch))
         try:
             return await self._on_one_connection(packed, len(batch))
@@ -262,23 +274,45 @@ class RedisBatcher:
         """Write the whole batch at once and read its replies, as redis-py's pipeline does
         but without its per-argument encoding, which cost most of a decision's CPU time.
         A connection that failed mid-way is closed before it goes back to the pool."""
+        assert isinstance(self._redis, aioredis.Redis)
         pool = self._redis.connection_pool
         conn = await pool.get_connection()  # type: ignore[no-untyped-call]
         try:
-            await conn.send_packed_command(packed, check_health=False)
-            replies: list[Any] = []
-            async with asyncio.timeout(conn.socket_timeout):  # one for the batch, not each
-                for _ in range(count):
-                    try:
-                        replies.append(await conn.read_response(timeout=math.inf))
-                    except ResponseError as exc:  # one script's error; the rest follow
-                        replies.append(exc)
-            return replies
-        except BaseException:
-            await conn.disconnect()
-            raise
+            return await _exchange(conn, packed, count)
         finally:
             await pool.release(conn)
+
+    async def _on_cluster(self, batch: list[_Call], *, moves: int) -> list[Any]:
+        """Each node's share of the batch on one of its connections, all nodes at once.
+        Every call's keys share one hash tag, so the first key names its node. A call
+        answered MOVED or ASK (a slot changed hands) is sent again once the slot map has
+        been read anew, so a resharding costs a round trip, not a store failure."""
+        cluster = self._redis
+        assert isinstance(cluster, RedisCluster)
+        await cluster.initialize()  # reads the slot map once (a no-op after)
+        nodes: dict[Any, list[int]] = {}
+        for i, call in enumerate(batch):
+            nodes.setdefault(cluster.get_node_from_key(call.keys[0]), []).append(i)
+        replies: list[Any] = [None] * len(batch)
+
+        async def on_node(node: Any, indices: list[int]) -> None:
+            conn = node.acquire_connection()
+            try:
+                packed = b"".join(_packed(batch[i]) for i in indices)
+                got = await _exchange(conn, packed, len(indices))
+            finally:
+                node.release(conn)
+            for i, reply in zip(indices, got, strict=True):
+                replies[i] = reply
+
+        await asyncio.gather(*(on_node(node, indices) for node, indices in nodes.items()))
+        moved = [i for i, r in enumerate(replies) if isinstance(r, (MovedError, AskError))]
+        if moved and moves > 0:
+            await cluster.nodes_manager.initialize()
+            again = await self._on_cluster([batch[i] for i in moved], moves=moves - 1)
+            for i, reply in zip(moved, again, strict=True):
+                replies[i] = reply
+        return replies
 
     async def aclose(self) -> None:
         """Stop sending; pipelines on the wire are let finish (they are bounded)."""
@@ -306,6 +340,25 @@ def _settle(call: _Call, reply: Any) -> None:
         future.set_exception(reply)
     else:
         future.set_result(reply)
+
+
+async def _exchange(conn: Any, packed: bytes, count: int) -> list[Any]:
+    """Send `count` packed commands on `conn` and read their replies, an error reply in
+    its place; a connection that failed mid-way is closed (it reconnects on next use)."""
+    try:
+        await conn.connect()
+        await conn.send_packed_command(packed, check_health=False)
+        replies: list[Any] = []
+        async with asyncio.timeout(conn.socket_timeout):  # one for the batch, not each
+            for _ in range(count):
+                try:
+                    replies.append(await conn.read_response(timeout=math.inf))
+                except ResponseError as exc:  # one script's error; the rest follow
+                    replies.append(exc)
+        return replies
+    except BaseException:
+        await conn.disconnect()
+        raise
 
 
 def _packed(call: _Call) -> bytes:
