@@ -175,7 +175,12 @@ class TenantSettings(_Model):
 
 class RedisSettings(_Model):
     url_env: str = "SPILLGATE_REDIS_URL"
-    timeout_ms: float = Field(50.0, gt=0)
+    # a call's time budget follows the waits seen, within these: the floor covers a busy
+    # two-core machine's scheduling (a burst's first calls have no waits seen to go by),
+    # the ceiling is what a stalled store costs a request before the breaker opens
+    timeout_ms: float = Field(250.0, gt=0)
+    timeout_max_ms: float = Field(1000.0, gt=0)
+    cluster: bool = False  # the URL names one node of a Redis Cluster
 
 
 class RateLimitSettings(_Model):

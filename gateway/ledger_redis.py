@@ -37,6 +37,7 @@ from redis.exceptions import RedisError
 from gateway.clock import Clock
 from gateway.deadline import Deadline
 from gateway.ledger import Reservation
+from gateway.redis_batch import BatchScript, RedisBatcher, batcher_of
 
 log = logging.getLogger("spillgate.ledger")
 
@@ -87,7 +88,7 @@ async def stop_task(task: asyncio.Task[None], *, within_s: float = 2.0) -> None:
 class RedisLedger:
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: RedisBatcher | aioredis.Redis,
         *,
         backends: Iterable[str],
         clock: Clock,
@@ -95,6 +96,7 @@ class RedisLedger:
         lease_ttl_s: float = 10.0,
         refresh_s: float = 0.2,
         timeout_s: float = 0.05,
+        timeout_max_s: float | None = None,
         fallback_share: int = 1,
         replica_id: str | None = None,
         on_store_error: Callable[[], None] = _ignore,
@@ -102,14 +104,15 @@ class RedisLedger:
     ) -> None:
         if lease_ttl_s <= 0 or refresh_s <= 0 or timeout_s <= 0 or fallback_share < 1:
             raise ValueError("lease_ttl_s, refresh_s and timeout_s must be > 0, share >= 1")
-        self._redis = redis
-        self._script = redis.register_script(ledger_script())
+        self._batch = batcher_of(redis)
+        self._script = BatchScript(ledger_script())
         self._clock = clock
         self._prefix = key_prefix
         self._ttl_ms = max(1, round(lease_ttl_s * 1000))
         self._renew_every_s = lease_ttl_s / 3
         self._refresh_s = refresh_s
         self._timeout_s = timeout_s
+        self._timeout_max_s = max(timeout_s, timeout_max_s or timeout_s)
         self._share = fallback_share
         self.replica_id = replica_id or secrets.token_hex(6)
         self.channel = f"{key_prefix}:ledger:released"
@@ -176,7 +179,9 @@ class RedisLedger:
         self._in_store.discard(reservation.lease)
         self._unconfirmed[reservation.lease] = (reservation, self._clock.monotonic())
         reply = await self._ask(
-            lambda: self._call("release", reservation.backend, reservation.lease)
+            lambda: self._call(
+                "release", reservation.backend, reservation.lease, budget_s=self.budget_s()
+            )
         )
         if reply is not None:
             self._unconfirmed.pop(reservation.lease, None)
@@ -237,15 +242,13 @@ class RedisLedger:
         growing, self._growing = self._growing, set()
         renewed = [r for r in self._held.values() if renew or r.backend in growing]
         calls = self._refresh_calls(renewed)
-        pipe = self._redis.pipeline(transaction=False)
-        for op, backend, args in calls:
-            await self._call(op, backend, *args, client=pipe)
-        try:
-            async with asyncio.timeout(self._timeout_s * REFRESH_BUDGET):
-                replies = await pipe.execute()
-        except (RedisError, OSError, TimeoutError) as exc:
+        budget = self.budget_s() * REFRESH_BUDGET
+        replies = await self._gather(
+            [self._call(op, b, *args, budget_s=budget) for op, b, args in calls]
+        )
+        if isinstance(replies, BaseException):
             self._growing |= growing  # still to be carried
-            self._failed(exc)
+            self._failed(replies)
             return False
         for (op, backend, args), reply in zip(calls, replies, strict=True):
             self._refreshed(op, backend, args, reply, now)
@@ -300,9 +303,33 @@ class RedisLedger:
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _call(self, op: str, backend: str, *args: str | int, client: Any = None) -> Awaitable[Any]:
+    def budget_s(self) -> float:
+        """How long a call may take: from the round trips seen lately, within the bounds."""
+        return self._batch.latency.budget_s(floor_s=self._timeout_s, ceiling_s=self._timeout_max_s)
+
+    def _call(
+        self, op: str, backend: str, *args: str | int, budget_s: float | None = None
+    ) -> asyncio.Future[Any]:
         argv = [op, self.channel, self.replica_id, backend, self._ttl_ms, *args]
-        return self._script(keys=self.keys(backend), args=argv, client=client)
+        keys = self.keys(backend)
+        ceiling = self._timeout_max_s
+        return self._batch.submit(self._script, keys, argv, budget_s=budget_s, ceiling_s=ceiling)
+
+    async def _gather(self, futures: list[asyncio.Future[Any]]) -> list[Any] | BaseException:
+        """Every reply, or why not all came within the refresh's budget (each call keeps
+        its own, RedisBatcher). Waiting is never cancelled into the client: a call not
+        yet sent is withdrawn, one sent runs out."""
+        if not futures:
+            return []
+        _, late = await asyncio.wait(futures, timeout=self._timeout_max_s * 2)
+        for future in late:
+            future.cancel()
+        if late:
+            return TimeoutError(f"{len(late)} of {len(futures)} refresh calls unanswered")
+        failures = [e for e in (f.exception() for f in futures) if e is not None]
+        if failures:
+            return failures[0]
+        return [future.result() for future in futures]
 
     async def _reserve_shared(self, lease: Reservation, limit: int) -> bool | None:
         """Whether Redis admitted the lease; None when Redis did not answer or is not asked."""
@@ -311,7 +338,9 @@ class RedisLedger:
         backend = lease.backend
         self._in_store.add(lease.lease)  # from here on the call may reach Redis
         reply = await self._ask(
-            lambda: self._call("reserve", backend, lease.lease, lease.tokens, limit)
+            lambda: self._call(
+                "reserve", backend, lease.lease, lease.tokens, limit, budget_s=self.budget_s()
+            )
         )
         if reply is None:
             return None
@@ -325,7 +354,7 @@ class RedisLedger:
         if self._mode == "local":
             return None
         try:
-            with Deadline.after(self._timeout_s):
+            with Deadline.after(self._timeout_max_s):  # the call keeps its own budget
                 return await call()
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed(exc)

@@ -378,7 +378,7 @@ class CompletionsEndpoint:
         if decision.reason == "store_unavailable":
             error = LimiterUnavailable(
                 "Rate limiting is unavailable and this gateway is configured to refuse meanwhile.",
-                retry_after=1.0,
+                retry_after=decision.retry_after_s,  # the breaker's remaining cooldown
             )
         elif decision.reason == "too_large":
             # no Retry-After: waiting cannot help, and clients (openai's) honour x-should-retry

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from gateway.clock import Clock
 from gateway.config import PoolSettings, Settings
@@ -60,7 +61,7 @@ class PolicyDeps:
     router: Router
     metrics: GatewayMetrics
     clock: Clock
-    redis: aioredis.Redis | None = None  # shared state when configured, else local
+    redis: aioredis.Redis | RedisCluster | None = None  # shared state when configured, else local
     providers: Mapping[str, ProviderGate] = field(default_factory=dict)  # one per provider
 
 
