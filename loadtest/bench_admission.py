@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,55 +84,79 @@ class BenchPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Point:
+class BackendPoint:
     t: float
     running: float
     waiting: float
     kv_usage: float  # vllm:kv_cache_usage_perc
-    kv_used_tokens: float
-    reserved: float | None  # the gateway's tokens in flight on the backend
+    kv_used_tokens: float  # the same, in tokens of the whole cache
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayPoint:
+    t: float
+    reserved: float  # the gateway's tokens in flight on the backend, all pools
 
 
 @dataclass(kw_only=True)
 class Watch:
-    """Reads the backend's /metrics and the gateway's /admin/status together, every 0.25 s."""
+    """Samples the backend's /metrics and the gateway's /admin/status every 0.25 s, each
+    on its own: a slow answer from one never delays the other's samples."""
 
     scraper: Scraper
     backend_url: str
-    points: list[Point] = field(default_factory=list)
+    backend: list[BackendPoint] = field(default_factory=list)
+    gateway: list[GatewayPoint] = field(default_factory=list)
     failures: int = 0
 
-    async def point(self, t: float) -> Point:
-        if self.scraper.gateway_url is None:
-            state, reserved = await self.scraper.backend(self.backend_url), None
-        else:
-            state, status = await asyncio.gather(
-                self.scraper.backend(self.backend_url), self.scraper.status()
-            )
-            reserved = sum(b["tokens_in_flight"] for p in status["pools"] for b in p["backends"])
+    async def read_backend(self, t: float) -> None:
+        state = await self.scraper.backend(self.backend_url)
         usage = state["in_flight"] / state["capacity"] if state["capacity"] else 0.0
-        return Point(
-            t=round(t, 3), running=state["running"], waiting=state["waiting"],
-            kv_usage=usage, kv_used_tokens=state["in_flight"], reserved=reserved,
+        self.backend.append(
+            BackendPoint(
+                t=t, running=state["running"], waiting=state["waiting"], kv_usage=usage,
+                kv_used_tokens=state["in_flight"],
+            )
         )  # fmt: skip
 
-    async def run(self) -> None:
-        t0 = time.perf_counter()
+    async def read_gateway(self, t: float) -> None:
+        status = await self.scraper.status()
+        reserved = sum(b["tokens_in_flight"] for p in status["pools"] for b in p["backends"])
+        self.gateway.append(GatewayPoint(t=t, reserved=reserved))
+
+    async def every(self, read: Callable[[float], Awaitable[None]], t0: float) -> None:
         while True:
             started = time.perf_counter()
             try:
-                self.points.append(await self.point(started - t0))
+                await read(started - t0)
             except (httpx.HTTPError, KeyError, ValueError):
                 self.failures += 1
             await asyncio.sleep(max(0.0, INTERVAL_S - (time.perf_counter() - started)))
+
+    async def run(self) -> None:
+        t0 = time.perf_counter()
+        loops = [self.every(self.read_backend, t0)]
+        if self.scraper.gateway_url is not None:
+            loops.append(self.every(self.read_gateway, t0))
+        await asyncio.gather(*loops)
+
+    def used_per_reserved(self) -> float | None:
+        """KV really used ÷ tokens reserved, summed over the gateway's samples while it held
+        any, each against the backend sample nearest in time."""
+        used = reserved = 0.0
+        for point in self.gateway:
+            if point.reserved > 0 and self.backend:
+                nearest = min(self.backend, key=lambda b: abs(b.t - point.t))
+                used += nearest.kv_used_tokens
+                reserved += point.reserved
+        return used / reserved if reserved else None
 
 
 def summarize(arm: str, results: Sequence[Result], watch: Watch, **extra: Any) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     spilled = [r for r in ok if r.outcome == "provider"]
-    held = [p for p in watch.points if p.reserved]
-    points = watch.points
+    points = watch.backend
     return {
         "arm": arm,
         "requests": len(results),
@@ -143,18 +167,13 @@ def summarize(arm: str, results: Sequence[Result], watch: Watch, **extra: Any) -
         "running_max": max((p.running for p in points), default=None),
         "waiting_max": max((p.waiting for p in points), default=None),
         "kv_peak": max((p.kv_usage for p in points), default=None),
-        "reserved_peak": max((p.reserved or 0.0 for p in points), default=None)
-        if arm != DIRECT
-        else None,
-        "used_per_reserved": sum(p.kv_used_tokens for p in held)
-        / sum(p.reserved or 0.0 for p in held)
-        if held
-        else None,
+        "reserved_peak": max((p.reserved for p in watch.gateway), default=None),
+        "used_per_reserved": watch.used_per_reserved(),
         "ttft_p50_s": statistics.median(ttft) if ttft else None,
         "completion_tokens_mean": statistics.fmean(r.completion_tokens for r in ok) if ok else None,
         "spill_requests": len(spilled),
         "spill_tokens": sum(r.prompt_tokens + r.completion_tokens for r in spilled),
-        "samples": len(points),
+        "samples": len(points) + len(watch.gateway),
         "sample_failures": watch.failures,
         "first_error": next((r.error for r in results if r.error), None),
         **extra,

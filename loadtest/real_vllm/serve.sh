@@ -17,6 +17,12 @@
 #                                    so 16,384 tokens (128 blocks of 128, 127 usable)
 #   MAX_NUM_SEQS=                    --max-num-seqs when set (vLLM's CPU default: 128)
 #   ENFORCE_EAGER=1                  1: no torch.compile (ready in about a minute)
+#   CHUNKED_PREFILL=0                0: every prompt prefilled whole, in steps of up to
+#                                    MAX_NUM_BATCHED_TOKENS=8192 tokens (at least
+#                                    MAX_MODEL_LEN). vLLM 0.32's CPU runner dies
+#                                    ("CPU Generator does not use offset") when it prefills a
+#                                    request that has a `seed` in chunks; the benchmark's
+#                                    seeded answers need whole prefills.
 #   WAIT_TIMEOUT=300                 seconds to wait for /v1/models
 #   VLLM_LOG=/tmp/spillgate-vllm-PORT.log  VLLM_PIDFILE=/tmp/spillgate-vllm-PORT.pid
 # Prefix caching is on; VLLM_SERVER_DEV_MODE=1 exposes POST /reset_prefix_cache, which the
@@ -36,6 +42,8 @@ NAME=${SERVED_MODEL_NAME:-tiny}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}
 KV_CACHE_BYTES=${KV_CACHE_BYTES:-16777216}
 ENFORCE_EAGER=${ENFORCE_EAGER:-1}
+CHUNKED_PREFILL=${CHUNKED_PREFILL:-0}
+MAX_NUM_BATCHED_TOKENS=${MAX_NUM_BATCHED_TOKENS:-8192}
 WAIT_TIMEOUT=${WAIT_TIMEOUT:-300}
 LOG=${VLLM_LOG:-/tmp/spillgate-vllm-$PORT.log}
 PIDFILE=${VLLM_PIDFILE:-/tmp/spillgate-vllm-$PORT.pid}
@@ -130,6 +138,9 @@ args=(-m vllm.entrypoints.openai.api_server
   --max-model-len "$MAX_MODEL_LEN" --kv-cache-memory-bytes "$KV_CACHE_BYTES"
   --enable-prefix-caching)
 [[ $ENFORCE_EAGER == 1 ]] && args+=(--enforce-eager)
+if [[ $CHUNKED_PREFILL == 0 ]]; then
+  args+=(--no-enable-chunked-prefill --max-num-batched-tokens "$MAX_NUM_BATCHED_TOKENS")
+fi
 [[ -n ${MAX_NUM_SEQS:-} ]] && args+=(--max-num-seqs "$MAX_NUM_SEQS")
 args+=("$@")
 
