@@ -22,6 +22,7 @@ import uvicorn
 from gateway.app import create_app
 from gateway.config import hash_key, parse_settings
 from loadtest.harness import free_port, wait_for_port
+from loadtest.sim_lengths import AnswerLengths
 
 LARGE, SMALL, PROVIDER = "llama-3.1-70b", "llama-3.1-8b", "sim-provider"
 PROVIDER_KEY_ENV = "SPILLGATE_DEMO_PROVIDER_KEY"
@@ -39,6 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis", help="Redis URL for shared state (default: in-memory)")
     parser.add_argument("--speed", type=float, default=1.0, help="simulator speed factor")
     parser.add_argument("--provider-tpm", type=int, default=20_000, help="provider's own budget")
+    parser.add_argument(
+        "--answer-lengths",
+        choices=[m.value for m in AnswerLengths],
+        default=AnswerLengths.GEOMETRIC.value,
+        help="where the simulated answers end (see `spillgate sim --help`): a sampled EOS "
+        "(default geometric, mean 256 tokens) capped by max_tokens, or max_tokens: always "
+        "the cap",
+    )
 
 
 def _sim(port: int, *extra: str) -> subprocess.Popen[bytes]:
@@ -48,7 +57,11 @@ def _sim(port: int, *extra: str) -> subprocess.Popen[bytes]:
 
 @contextlib.contextmanager
 def simulated_fleet(
-    *, speed: float, provider_key: str, provider_tpm: int
+    *,
+    speed: float,
+    provider_key: str,
+    provider_tpm: int,
+    answer_lengths: AnswerLengths = AnswerLengths.GEOMETRIC,
 ) -> Iterator[dict[str, Any]]:
     """Start the simulated backends and provider; yield their part of the config."""
     ports = {
@@ -60,7 +73,10 @@ def simulated_fleet(
     big, small = "meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"
 
     def backend(port: int, model: str, kv_tokens: int) -> subprocess.Popen[bytes]:
-        return _sim(port, "--model", model, "--kv-tokens", str(kv_tokens), "--speed", str(speed))
+        return _sim(
+            port, "--model", model, "--kv-tokens", str(kv_tokens), "--speed", str(speed),
+            "--answer-lengths", answer_lengths.value,
+        )  # fmt: skip
 
     procs = [
         backend(ports["large0"], big, LARGE_KV_TOKENS),
@@ -183,7 +199,10 @@ def run(args: argparse.Namespace) -> int:
     admin = args.admin_token or secrets.token_hex(16)
     provider_key = "sk-prov-" + secrets.token_hex(8)
     with simulated_fleet(
-        speed=args.speed, provider_key=provider_key, provider_tpm=args.provider_tpm
+        speed=args.speed,
+        provider_key=provider_key,
+        provider_tpm=args.provider_tpm,
+        answer_lengths=AnswerLengths(args.answer_lengths),
     ) as fleet:
         settings = parse_settings(demo_settings(fleet, api_key=api_key), source="demo")
         env = {**os.environ, PROVIDER_KEY_ENV: provider_key, ADMIN_ENV: admin}

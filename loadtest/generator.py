@@ -2,7 +2,11 @@
 
 Arrivals follow a fixed schedule (constant, Poisson, gamma or spike), so a slow answer
 never slows the load; the report says so if the generator itself fell behind. With
-`--compare-direct` the same schedule is replayed straight at the backends, no gateway.
+`--compare-direct` the same schedule is replayed straight at the backends, no gateway, and
+both runs report what the backends' engines said meanwhile (running, KV use, preemptions).
+By default answers end where the model ends them: each request asks a generous max_tokens
+and sends its own seed, so both runs get the same answers; `--fixed-lengths` sends
+`ignore_eos` so each answer runs to its drawn max_tokens.
 """
 
 from __future__ import annotations
@@ -27,10 +31,20 @@ from loadtest.loadgen_schedule import PROFILES, ArrivalProfile, arrival_times
 from loadtest.loadgen_scrape import Scraper
 from loadtest.loadgen_stats import LagVerdict, Slo, report
 from loadtest.loadgen_text import comparison_text, first_error_line, summary_text
-from loadtest.loadgen_workload import LengthDist, PlannedRequest, TenantKey, Workload, plan_requests
+from loadtest.loadgen_workload import (
+    LengthDist,
+    PlannedRequest,
+    TenantKey,
+    Workload,
+    parse_token_ids,
+    plan_requests,
+)
 
 ADMIN_ENV = "SPILLGATE_ADMIN_TOKEN"
 DRAIN_TIMEOUT_S = 60.0
+# Generous, as real clients are: the answer, not the cap, decides how long it runs
+DEFAULT_MAX_TOKENS = 2048
+FIXED_OUTPUT_TOKENS = "uniform:32:256"
 T = TypeVar("T")
 
 
@@ -56,7 +70,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--seed", type=int, default=0)
     w = p.add_argument_group("requests")
     w.add_argument("--prompt-tokens", default="uniform:64:256", help="e.g. 128, normal:200:50")
-    w.add_argument("--output-tokens", default="uniform:32:256", help="e.g. lognormal:128:0.6")
+    w.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="max_tokens of every request; answers end where the model ends them "
+        "(default %(default)s; each request sends a seed, so runs repeat their answers)",
+    )
+    w.add_argument(
+        "--output-tokens",
+        help=f"draw each request's max_tokens from this instead, e.g. 128, lognormal:128:0.6 "
+        f"(with --fixed-lengths default {FIXED_OUTPUT_TOKENS})",
+    )
+    w.add_argument(
+        "--fixed-lengths",
+        action="store_true",
+        help="every answer runs to its max_tokens (sends ignore_eos): the old fixed-length "
+        "workload",
+    )
+    w.add_argument(
+        "--stop-token-ids",
+        type=parse_token_ids,
+        default=(),
+        metavar="IDS",
+        help="send these stop_token_ids, e.g. 8-23 (a random-weight vLLM then ends answers)",
+    )
     w.add_argument("--stream-fraction", type=float, default=1.0, help="share streamed")
     w.add_argument("--no-stream", dest="stream_fraction", action="store_const", const=0.0)
     w.add_argument(
@@ -99,6 +137,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def output_spec(args: argparse.Namespace) -> str | None:
+    """The distribution max_tokens is drawn from, or None: every request asks --max-tokens."""
+    return args.output_tokens or (FIXED_OUTPUT_TOKENS if args.fixed_lengths else None)
+
+
 def build_plans(args: argparse.Namespace) -> tuple[ArrivalProfile, list[PlannedRequest]]:
     profile = ArrivalProfile(
         kind=args.profile, rate=args.rate, duration_s=args.duration, cv=args.cv,
@@ -106,10 +149,17 @@ def build_plans(args: argparse.Namespace) -> tuple[ArrivalProfile, list[PlannedR
         spike_duration_s=args.spike_duration,
     )  # fmt: skip
     tenants = TenantKey.parse_all(args.key) or [TenantKey(name="t0", key="")]
+    output = output_spec(args)
+    if args.max_tokens < 1:
+        raise ValueError("--max-tokens must be positive")
     workload = Workload(
         model=args.model,
         prompt_tokens=LengthDist.parse(args.prompt_tokens),
-        output_tokens=LengthDist.parse(args.output_tokens),
+        output_tokens=LengthDist.parse(output or FIXED_OUTPUT_TOKENS),  # drawn either way
+        max_tokens=None if output else args.max_tokens,
+        ignore_eos=args.fixed_lengths,
+        stop_token_ids=args.stop_token_ids,
+        seeded=not args.fixed_lengths,
         tenants=tenants,
         stream_fraction=args.stream_fraction,
         repeat_fraction=args.repeat_fraction,
@@ -207,7 +257,9 @@ def config_of(args: argparse.Namespace, profile: ArrivalProfile, n: int) -> dict
         "url": args.url, "model": args.model, "profile": profile.kind, "rate": profile.rate,
         "duration_s": profile.duration_s, "spike_factor": profile.spike_factor if
         profile.kind == "spike" else None, "requests": n, "prompt_tokens": args.prompt_tokens,
-        "output_tokens": args.output_tokens, "stream_fraction": args.stream_fraction,
+        "output_tokens": output_spec(args), "max_tokens": None if output_spec(args) else
+        args.max_tokens, "fixed_lengths": args.fixed_lengths,
+        "stop_token_ids": list(args.stop_token_ids), "stream_fraction": args.stream_fraction,
         "tenants": [t.name for t in TenantKey.parse_all(args.key)], "seed": args.seed,
         "compare_direct": args.compare_direct,
     }  # fmt: skip

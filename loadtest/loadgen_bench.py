@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     sim = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "sim", "--port", str(port), "--model", "sim",
          "--kv-tokens", "4000000", "--max-num-seqs", "100000", "--speed", str(args.sim_speed),
+         "--answer-lengths", "max_tokens",
          *(["--flush-interval", args.flush_interval] if args.flush_interval else []),
          *(["--no-delay"] if args.no_delay else [])],
         stdout=subprocess.DEVNULL,

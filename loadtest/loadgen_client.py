@@ -68,6 +68,12 @@ class RequestShape:
         }
         if plan.repeated:
             body["seed"] = 0
+        elif plan.seed is not None:
+            body["seed"] = plan.seed
+        if plan.ignore_eos:
+            body["ignore_eos"] = True
+        if plan.stop_token_ids:
+            body["stop_token_ids"] = list(plan.stop_token_ids)
         if self.endpoint == "chat":
             body["messages"] = [{"role": "user", "content": plan.text}]
         else:

@@ -13,7 +13,13 @@ from typing import Any
 
 from loadtest.charts import PALETTE, LineChart, Series, render_svg
 from loadtest.loadgen_svg import StackedChart, render_stacked
-from loadtest.loadgen_text import COLUMNS, COMPARED, compared_figures, first_error_line
+from loadtest.loadgen_text import (
+    COLUMNS,
+    COMPARED,
+    compared_figures,
+    engine_figures,
+    first_error_line,
+)
 
 Span = tuple[float, float]
 SHARED_LIMIT_COLOR = "#555555"
@@ -55,12 +61,15 @@ def _card(run: int, key: str, label: str, value: Any, cls: str = "") -> str:
 def _cards(i: int, s: dict[str, Any]) -> str:
     lag, pre = s["lag"], s["preemptions"]["total"]
     local = s["outcomes"].get("local") or s["outcomes"].get("served") or {}
+    running_max, running_p50, kv_peak = engine_figures(s)
     return '<div class="cards">' + "".join([
         _card(i, "requests", "requests", s["requests"]),
         _card(i, "ttft-p99", "TTFT p99 ms (all answered)", s["all"]["ttft_p99_ms"]),
         _card(i, "local-ttft-p99", "TTFT p99 ms (served locally)", local.get("ttft_p99_ms")),
         _card(i, "goodput", "goodput req/s in SLO", s["goodput"]["requests_per_s"]),
         _card(i, "preemptions", "backend preemptions", pre, "bad" if pre else "good"),
+        _card(i, "running-max", "running at once, max (p50 " + running_p50 + ")", running_max),
+        _card(i, "kv-peak", "backend KV use peak %", kv_peak),
         _card(i, "lag-p99", "send lag p99 ms" + ("" if lag["kept_schedule"] else " (BEHIND)"),
               lag["p99_ms"], "" if lag["kept_schedule"] else "bad"),
     ]) + "</div>"  # fmt: skip

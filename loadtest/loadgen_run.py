@@ -25,6 +25,7 @@ from loadtest.loadgen_scrape import Sampler, Scraper
 from loadtest.loadgen_workload import PlannedRequest
 
 SCRAPE_TIMEOUT_S = 2.0
+ENGINE_SAMPLE_MAX_S = 1.0  # backends' engine state is read at least this often
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +53,9 @@ class RunData:
     sample_failures: int = 0
     sampled: str = "none"  # where the samples came from: gateway | backends | none
     preemptions: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    # the backends' own /metrics during the run: {"t", "backends": {url: backend_state}}
+    engine_samples: list[dict[str, Any]] = field(default_factory=list)
+    engine_interval_s: float = 0.0
 
 
 def raise_open_file_limit() -> int:
@@ -123,12 +127,18 @@ async def run_schedule(
             with_queue_depth=target.sample_queue_depth,
         )
         sampler = Sampler(scraper=scraper, interval_s=sample_interval_s)
+        engines = Sampler(
+            scraper=Scraper(client=client, backend_urls=target.backend_urls),
+            interval_s=min(sample_interval_s, ENGINE_SAMPLE_MAX_S),
+        )
         # a full collection over everything built so far stalls the dispatcher for tens of
         # milliseconds mid-run; collect once now and leave those objects out of later passes
         gc.collect()
         gc.freeze()
         t0 = time.perf_counter() + lead_s
         background = [asyncio.create_task(sampler.run(t0))]
+        if target.backend_urls:
+            background.append(asyncio.create_task(engines.run(t0)))
         if progress is not None:
             background.append(asyncio.create_task(progress.run()))
         try:
@@ -143,6 +153,7 @@ async def run_schedule(
             gc.unfreeze()
         after = await _preemptions(client, target.backend_urls)
     data.samples, data.sample_failures = sampler.points, sampler.failures
+    data.engine_samples, data.engine_interval_s = engines.points, engines.interval_s
     if target.admin_token or target.backend_urls:
         data.sampled = "gateway" if target.admin_token else "backends"
     data.preemptions = {

@@ -43,16 +43,24 @@ def metric_sum(samples: Sequence[tuple[str, dict[str, str], float]], name: str) 
 
 
 def backend_state(text: str) -> dict[str, float]:
-    """A vLLM backend's load: KV tokens in use and held, requests running and waiting."""
+    """A vLLM backend's load: KV tokens in use and held, requests running and waiting.
+
+    vLLM's usage counts the blocks sequences may hold, all but the null block, so tokens in
+    use are usage x (blocks - 1) x block size; capacity is all blocks, as vLLM reports it."""
     samples = parse_metrics(text)
     info = [labels for n, labels, _ in samples if n == "vllm:cache_config_info"]
-    capacity = 0.0
+    capacity = usable = 0.0
     if info and info[0].get("num_gpu_blocks", "").isdigit():
-        capacity = float(info[0]["num_gpu_blocks"]) * float(info[0].get("block_size", "16"))
+        blocks, block_size = (
+            float(info[0]["num_gpu_blocks"]),
+            float(info[0].get("block_size", "16")),
+        )
+        capacity, usable = blocks * block_size, max(0.0, blocks - 1) * block_size
     usage = metric_sum(samples, "vllm:kv_cache_usage_perc") or 0.0
     return {
         "capacity": capacity,
-        "in_flight": usage * capacity,
+        "in_flight": usage * usable,
+        "kv_usage": usage,
         "running": metric_sum(samples, "vllm:num_requests_running") or 0.0,
         "waiting": metric_sum(samples, "vllm:num_requests_waiting") or 0.0,
         "preemptions": metric_sum(samples, PREEMPTIONS) or 0.0,

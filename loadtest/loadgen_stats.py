@@ -117,6 +117,7 @@ def summarize(data: RunData, *, slo: Slo, lag: LagVerdict) -> dict[str, Any]:
             1 for r in rs if r.status in (429, 503) and r.retry_after is None
         ),
         "preemptions": _preemption_delta(data),
+        "engine": engine_load(data),
         "peak_fill": peak_fill(data.samples),
     }  # fmt: skip
 
@@ -138,6 +139,40 @@ def _preemption_delta(data: RunData) -> dict[str, Any]:
         per[url] = None if before is None or after is None else after - before
     known = [v for v in per.values() if v is not None]
     return {"per_backend": per, "total": sum(known) if known else None}
+
+
+def engine_load(data: RunData) -> dict[str, Any]:
+    """What the backends' engines reported during the run, from their own /metrics:
+    requests running at once over the whole fleet (max, p50 of the samples in which every
+    backend answered), most waiting, the hottest backend's peak KV use (0..1), and the
+    preemptions across the run."""
+    urls = list(data.preemptions)
+    complete = [p["backends"] for p in data.engine_samples if len(p["backends"]) == len(urls)]
+    running = [sum(b["running"] for b in point.values()) for point in complete]
+    waiting = [sum(b["waiting"] for b in point.values()) for point in complete]
+    per_backend = {}
+    for url in urls:
+        states = [p["backends"][url] for p in data.engine_samples if url in p["backends"]]
+        per_backend[url] = {
+            "running_max": _most([s["running"] for s in states]),
+            "running_p50": percentile([s["running"] for s in states], 50),
+            "kv_usage_peak": _most([s.get("kv_usage", 0.0) for s in states]),
+        }
+    peaks = [b["kv_usage_peak"] for b in per_backend.values() if b["kv_usage_peak"] is not None]
+    return {
+        "samples": len(complete),
+        "interval_s": data.engine_interval_s,
+        "running_max": _most(running),
+        "running_p50": percentile(running, 50),
+        "waiting_max": _most(waiting),
+        "kv_usage_peak": max(peaks) if peaks else None,
+        "preemptions": _preemption_delta(data)["total"],
+        "per_backend": per_backend,
+    }
+
+
+def _most(values: Sequence[float]) -> float | None:
+    return max(values) if values else None
 
 
 def peak_fill(samples: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:

@@ -65,6 +65,7 @@ def summary_text(summary: dict[str, Any]) -> str:
         f"{good['tokens_per_s']:,.1f} tok/s",
         "statuses: " + ", ".join(f"{k}: {v}" for k, v in summary["statuses"].items()),
         f"backend preemptions during the run: {'-' if pre is None else f'{pre:g}'}",
+        engine_line(summary),
         _lag_line(summary["lag"]),
     ]
     if summary["missing_retry_after"]:
@@ -85,7 +86,7 @@ def first_error_line(summary: dict[str, Any]) -> str:
 
 
 COMPARED = ("requests", "answered", "TTFT p50 ms", "TTFT p99 ms", "ITL p99 ms", "in SLO",
-            "preemptions")  # fmt: skip
+            "preemptions", "running max", "running p50", "KV use peak %")  # fmt: skip
 _REFUSED = ("throttled", "rejected", "error")
 
 
@@ -101,7 +102,33 @@ def compared_figures(s: dict[str, Any]) -> list[str]:
         _cell(s["all"]["itl_p99_ms"]),
         _cell(s["goodput"]["requests"]),
         "-" if pre is None else f"{pre:g}",
+        *engine_figures(s),
     ]
+
+
+def engine_figures(s: dict[str, Any]) -> list[str]:
+    """Running at once (max, p50) and the peak KV use, as the backends reported them."""
+    engine = s.get("engine") or {}
+    kv = engine.get("kv_usage_peak")
+    return [
+        _count(engine.get("running_max")),
+        _count(engine.get("running_p50")),
+        "-" if kv is None else f"{kv * 100:.1f}",
+    ]
+
+
+def _count(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def engine_line(s: dict[str, Any]) -> str:
+    running_max, running_p50, kv = engine_figures(s)
+    engine = s.get("engine") or {}
+    return (
+        f"backend engines during the run: running max {running_max}, p50 {running_p50}; "
+        f"waiting max {_count(engine.get('waiting_max'))}; KV use peak {kv} % "
+        f"({engine.get('samples', 0)} samples of vLLM /metrics)"
+    )
 
 
 def comparison_text(gateway: dict[str, Any], direct: dict[str, Any]) -> str:

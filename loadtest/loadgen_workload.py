@@ -82,10 +82,19 @@ class TenantKey:
 
 @dataclass(frozen=True, kw_only=True)
 class Workload:
+    """`max_tokens`, when set, is what every request asks for, and its answer ends where the
+    model ends it (realistic lengths); else each asks a draw of `output_tokens`.
+    `ignore_eos` makes every answer run to its max_tokens (fixed lengths); `seeded` gives
+    request i the seed `seed * 1_000_000 + i`, so two runs get the same answers."""
+
     model: str
     prompt_tokens: LengthDist
     output_tokens: LengthDist
     tenants: Sequence[TenantKey]
+    max_tokens: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    seeded: bool = False
     stream_fraction: float = 1.0
     repeat_fraction: float = 0.0  # share of requests drawn from a few fixed greedy prompts
     repeat_prompts: int = 4
@@ -103,6 +112,9 @@ class PlannedRequest:
     stream: bool
     repeated: bool  # a fixed greedy prompt another request also sends (cacheable)
     text: str
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
 
 def prompt_text(tokens: int, *, salt: str) -> str:
@@ -122,16 +134,30 @@ def prompt_text(tokens: int, *, salt: str) -> str:
 
 def _draw(rng: random.Random, workload: Workload, *, index: int, salt: str) -> PlannedRequest:
     prompt = workload.prompt_tokens.draw(rng)
+    drawn = workload.output_tokens.draw(rng)  # drawn either way: plans keep their prompts
     return PlannedRequest(
         index=index,
         at_s=0.0,
         tenant=workload.tenants[rng.randrange(len(workload.tenants))].name,
         prompt_tokens=prompt,
-        max_tokens=workload.output_tokens.draw(rng),
+        max_tokens=workload.max_tokens or drawn,
         stream=rng.random() < workload.stream_fraction,
         repeated=salt.startswith("repeat"),
         text=prompt_text(prompt, salt=salt),
+        ignore_eos=workload.ignore_eos,
+        stop_token_ids=workload.stop_token_ids,
     )
+
+
+def parse_token_ids(spec: str) -> tuple[int, ...]:
+    """`8-23` or `8,9,12-15`: token ids, in order, without repeats."""
+    ids: list[int] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise ValueError(f"{spec!r}: token ids are N or N-M, comma-separated")
+        ids += range(int(low), int(high if dash else low) + 1)
+    return tuple(dict.fromkeys(ids))
 
 
 def plan_requests(
@@ -153,5 +179,6 @@ def plan_requests(
             plans.append(replace(template, index=index, at_s=at))
         else:
             drawn = _draw(rng, workload, index=index, salt=f"req-{seed}-{index}")
-            plans.append(replace(drawn, at_s=at))
+            answer_seed = seed * 1_000_000 + index if workload.seeded else None
+            plans.append(replace(drawn, at_s=at, seed=answer_seed))
     return plans

@@ -3,7 +3,9 @@
 The replica batches continuously over a KV cache of `--kv-tokens` (or the catalog size of
 `--catalog-model` on `--gpu`), steps as fast as its cost model says divided by `--speed`,
 and exports vLLM's own metrics. Prompt tokens are counted as ceil(chars / 4) per message
-plus 4 per message and 3 per chat prompt; answers are `max_tokens` filler words.
+plus 4 per message and 3 per chat prompt. Answers are filler words that end at a sampled
+EOS (geometric, mean 256 tokens, as real vLLM stopping on 16 of ~4,096 token ids), capped by
+`max_tokens`; `--answer-lengths max_tokens` runs every answer to its cap instead.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import uvicorn
 from loadtest.provider_sim import DEFAULT_API_KEY, ProviderConfig, create_provider_app
 from loadtest.sim_app import create_sim_app
 from loadtest.sim_config import SimConfig, resolve
+from loadtest.sim_lengths import DEFAULT_MEAN_TOKENS, DEFAULT_SIGMA, AnswerLengths
 
 __all__ = [
     "ProviderConfig",
@@ -59,6 +62,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     replica.add_argument("--kv-dtype", default="auto")
     replica.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     replica.add_argument("--vocab-size", type=int, help="refuse prompt token ids from this on")
+    replica.add_argument(
+        "--answer-lengths",
+        choices=[m.value for m in AnswerLengths],
+        default=AnswerLengths.GEOMETRIC.value,
+        help="where answers end: at a sampled EOS, geometric (default) or lognormal, capped "
+        "by max_tokens; or max_tokens: every answer runs to its cap (max_tokens, else "
+        "--default-max-tokens). In every mode ignore_eos drops the sampled EOS and each of k "
+        "stop_token_ids stops a token with probability k / --vocab-size (default 32000); "
+        "stop strings are accepted but not matched",
+    )
+    replica.add_argument(
+        "--answer-mean-tokens",
+        type=float,
+        default=DEFAULT_MEAN_TOKENS,
+        help="mean answer length before the cap (default %(default)s)",
+    )
+    replica.add_argument(
+        "--answer-sigma", type=float, default=DEFAULT_SIGMA, help="lognormal shape"
+    )
+    replica.add_argument(
+        "--seed", type=int, help="seed answer lengths of requests that send no seed"
+    )
     provider = parser.add_argument_group("simulated external provider")
     provider.add_argument("--provider", action="store_true", help="run the provider instead")
     provider.add_argument(
@@ -91,6 +116,10 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         kv_dtype=args.kv_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         vocab_size=args.vocab_size,
+        answer_lengths=AnswerLengths(args.answer_lengths),
+        answer_mean_tokens=args.answer_mean_tokens,
+        answer_sigma=args.answer_sigma,
+        seed=args.seed,
     )
 
 
@@ -132,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
                 "max_model_len": resolved.max_model_len,
                 "speed": replica.speed,
                 "no_delay": replica.no_delay,
+                "answer_lengths": replica.answer_lengths.value,
             }
     except ValueError as exc:
         print(f"spillgate sim: {exc}", file=sys.stderr)

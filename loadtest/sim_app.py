@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -29,6 +30,7 @@ from loadtest.sim_asgi import (
 )
 from loadtest.sim_config import ResolvedSim, SimConfig, resolve
 from loadtest.sim_engine import Engine, LiveSequence
+from loadtest.sim_lengths import DEFAULT_VOCAB_SIZE, AnswerLengths, Finish, LengthSampler
 from loadtest.sim_metrics import SimMetrics
 from loadtest.sim_protocol import (
     Limits,
@@ -44,7 +46,7 @@ from loadtest.sim_wire import (
     Kind,
     StreamFrame,
     error_body,
-    full_response,
+    full_response_of,
     new_id,
 )
 
@@ -71,13 +73,21 @@ class CompletionsEndpoint:
     """POST /v1/chat/completions or /v1/completions."""
 
     def __init__(
-        self, *, kind: Kind, config: SimConfig, limits: Limits, engine: Engine, filler: FillerText
+        self,
+        *,
+        kind: Kind,
+        config: SimConfig,
+        limits: Limits,
+        engine: Engine,
+        filler: FillerText,
+        lengths: LengthSampler,
     ) -> None:
         self._kind = kind
         self._config = config
         self._limits = limits
         self._engine = engine
         self._filler = filler
+        self._lengths = lengths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -94,10 +104,15 @@ class CompletionsEndpoint:
             if refused is not None:
                 await refuse_in_stream(send, refused, stream=req.stream)
                 return
+        seqs = self._sequences(req)
         if self._config.no_delay:
-            await self._answer_now(req, send)
+            await self._answer_now(req, seqs, send)
             return
-        seqs = self._submit(req)
+        try:
+            self._submit(seqs)
+        except ValueError as exc:  # an answer longer than the whole KV cache
+            await send_error(send, SimRequestError(str(exc)))
+            return
         watcher = asyncio.create_task(self._abort_on_disconnect(receive, seqs))
         try:
             if req.stream:
@@ -110,20 +125,36 @@ class CompletionsEndpoint:
                 if not seq.done:
                     self._engine.abort(seq)
 
-    def _submit(self, req: SimRequest) -> list[LiveSequence]:
-        """One sequence per choice, as vLLM runs `n`; they share one progress event, so one
-        reader follows them all."""
-        seqs = [
-            LiveSequence(
-                prompt_tokens=req.prompt_tokens, max_tokens=req.max_tokens, streaming=req.stream
+    def _sequences(self, req: SimRequest) -> list[LiveSequence]:
+        """One sequence per choice, as vLLM runs `n`, each ending at its own sampled EOS;
+        they share one progress event, so one reader follows them all."""
+        seqs = []
+        for index in range(req.n):
+            answer = self._lengths.answer(cap=req.max_tokens, rule=req.stop, index=index)
+            reason = req.finish_reason if answer.finish is Finish.LENGTH else answer.finish
+            seqs.append(
+                LiveSequence(
+                    prompt_tokens=req.prompt_tokens,
+                    max_tokens=req.max_tokens,
+                    answer_tokens=answer.tokens,
+                    finish_reason=reason,
+                    streaming=req.stream,
+                )
             )
-            for _ in range(req.n)
-        ]
         for seq in seqs[1:]:
             seq.progress = seqs[0].progress
-        for seq in seqs:
-            self._engine.submit(seq)
         return seqs
+
+    def _submit(self, seqs: list[LiveSequence]) -> None:
+        submitted: list[LiveSequence] = []
+        try:
+            for seq in seqs:
+                self._engine.submit(seq)
+                submitted.append(seq)
+        except ValueError:
+            for seq in submitted:
+                self._engine.abort(seq)
+            raise
 
     async def _abort_on_disconnect(self, receive: Receive, seqs: list[LiveSequence]) -> None:
         await wait_disconnect(receive)
@@ -169,7 +200,7 @@ class CompletionsEndpoint:
             for i, seq in enumerate(seqs):
                 generated = seq.generated
                 if generated > sent[i]:
-                    reason = req.finish_reason if seq.state is SeqState.FINISHED else None
+                    reason = seq.finish_reason if seq.state is SeqState.FINISHED else None
                     parts.append(frames[i].tokens(sent[i], generated, finish_reason=reason))
                     sent[i] = generated
             finished = all(seq.state is SeqState.FINISHED for seq in seqs)
@@ -188,35 +219,33 @@ class CompletionsEndpoint:
         if any(seq.state is SeqState.ABORTED for seq in seqs):
             await send_error(send, _aborted())
             return
-        await send_json(send, 200, self._full(req))
+        await send_json(send, 200, self._full(req, seqs))
 
-    def _full(self, req: SimRequest) -> bytes:
-        return full_response(
+    def _full(self, req: SimRequest, seqs: list[LiveSequence]) -> bytes:
+        return full_response_of(
             kind=self._kind,
             model=self._config.model,
-            text=self._filler.text(0, req.max_tokens),
-            finish_reason=req.finish_reason,
+            answers=[(self._filler.text(0, seq.answer_tokens), seq.finish_reason) for seq in seqs],
             prompt_tokens=req.prompt_tokens,
-            completion_tokens=req.n * req.max_tokens,
-            choices=req.n,
+            completion_tokens=sum(seq.answer_tokens for seq in seqs),
         )
 
-    async def _answer_now(self, req: SimRequest, send: Send) -> None:
+    async def _answer_now(self, req: SimRequest, seqs: list[LiveSequence], send: Send) -> None:
         stats = self._engine.scheduler.stats
+        completion_tokens = sum(seq.answer_tokens for seq in seqs)
         stats.prompt_tokens += req.prompt_tokens
-        stats.generation_tokens += req.n * req.max_tokens
+        stats.generation_tokens += completion_tokens
         stats.finished += 1
         if not req.stream:
-            await send_json(send, 200, self._full(req))
+            await send_json(send, 200, self._full(req, seqs))
             return
         frames = self._frames(req)
         head = b"".join(f.role_chunk() for f in frames) if self._kind is Kind.CHAT else b""
         tokens = b"".join(
-            f.tokens(0, req.max_tokens, finish_reason=req.finish_reason) for f in frames
+            f.tokens(0, seq.answer_tokens, finish_reason=seq.finish_reason)
+            for f, seq in zip(frames, seqs, strict=True)
         )
-        end = frames[0].end(
-            prompt_tokens=req.prompt_tokens, completion_tokens=req.n * req.max_tokens
-        )
+        end = frames[0].end(prompt_tokens=req.prompt_tokens, completion_tokens=completion_tokens)
         await start_sse(send)
         await send_chunk(send, head + tokens + end, last=True)
 
@@ -273,17 +302,30 @@ def create_sim_app(config: SimConfig) -> Starlette:
         flush_interval_s=config.flush_interval_s,
         on_first_token=metrics.observe_ttft,
     )
+    capped = config.answer_lengths is AnswerLengths.MAX_TOKENS
     limits = Limits(
         model=config.model,
         max_model_len=resolved.max_model_len,
-        default_max_tokens=config.default_max_tokens,
+        default_max_tokens=config.default_max_tokens if capped else None,
+    )
+    lengths = LengthSampler(
+        mode=config.answer_lengths,
+        mean_tokens=config.answer_mean_tokens,
+        sigma=config.answer_sigma,
+        vocab_size=config.vocab_size or DEFAULT_VOCAB_SIZE,
+        rng=random.Random(config.seed),
     )
     filler = FillerText()
     models = orjson.dumps(_models_body(config, resolved))
 
     def endpoint(kind: Kind) -> CompletionsEndpoint:
         return CompletionsEndpoint(
-            kind=kind, config=config, limits=limits, engine=engine, filler=filler
+            kind=kind,
+            config=config,
+            limits=limits,
+            engine=engine,
+            filler=filler,
+            lengths=lengths,
         )
 
     async def list_models(request: Request) -> Response:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.capacity.perf import StepCost
+from loadtest.sim_lengths import DEFAULT_MEAN_TOKENS, DEFAULT_SIGMA, AnswerLengths
 
 GIB = 1024**3
 
@@ -40,6 +41,12 @@ class SimConfig:
     `flush_interval_s` (real seconds) is the most often a stream's new tokens are written;
     the first token and the end go out at once. Tokens arriving faster are written
     together, one SSE event each, which keeps a socket write per token off busy hosts.
+    `answer_lengths`: `max_tokens` (the default here, which tests rely on) runs every
+    answer to its cap, and a request without `max_tokens` to `default_max_tokens`;
+    `geometric` or `lognormal` (mean `answer_mean_tokens`, `answer_sigma`) end answers at a
+    sampled EOS as a real model does, a request without `max_tokens` capped by the room
+    left in `max_model_len` as vLLM caps it (see loadtest/sim_lengths.py). `seed` seeds
+    the lengths of requests that send no seed of their own.
     """
 
     model: str = "sim-model"
@@ -59,6 +66,10 @@ class SimConfig:
     kv_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     vocab_size: int | None = None
+    answer_lengths: AnswerLengths = AnswerLengths.MAX_TOKENS
+    answer_mean_tokens: float = DEFAULT_MEAN_TOKENS
+    answer_sigma: float = DEFAULT_SIGMA
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.speed <= 0:
@@ -73,6 +84,10 @@ class SimConfig:
             raise ValueError("kv_tokens must hold at least one block")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        # a plain string from a caller becomes the enum, or a ValueError
+        object.__setattr__(self, "answer_lengths", AnswerLengths(self.answer_lengths))
+        if self.answer_mean_tokens < 1 or self.answer_sigma <= 0:
+            raise ValueError("answer_mean_tokens must be at least 1 and answer_sigma positive")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,11 +25,29 @@ class LiveSequence(Sequence):
     a streaming reader also the first token and new tokens, at most once per flush interval.
     """
 
-    __slots__ = ("arrived", "first_token_at", "next_flush", "progress", "streaming")
+    __slots__ = (
+        "arrived",
+        "finish_reason",
+        "first_token_at",
+        "next_flush",
+        "progress",
+        "streaming",
+    )
 
-    def __init__(self, *, prompt_tokens: int, max_tokens: int, streaming: bool) -> None:
-        super().__init__(prompt_tokens=prompt_tokens, max_tokens=max_tokens)
+    def __init__(
+        self,
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        streaming: bool,
+        answer_tokens: int | None = None,
+        finish_reason: str = "length",
+    ) -> None:
+        super().__init__(
+            prompt_tokens=prompt_tokens, max_tokens=max_tokens, answer_tokens=answer_tokens
+        )
         self.streaming = streaming
+        self.finish_reason = finish_reason  # what the last event says
         self.progress = asyncio.Event()
         self.arrived = 0.0
         self.next_flush = 0.0

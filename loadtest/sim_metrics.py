@@ -60,7 +60,9 @@ class _EngineCollector(Collector):
             self._gauge(
                 "vllm:kv_cache_usage_perc",
                 "KV-cache usage. 1 means 100 percent usage.",
-                s.used_blocks / limits.num_blocks,
+                # vLLM's block pool leaves its null block out of the count, so a full
+                # cache reads 1.0
+                s.used_blocks / limits.usable_blocks,
             ),
             self._counter(
                 "vllm:num_preemptions",

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 
+from loadtest.sim_lengths import StopRule
 from loadtest.sim_tokens import chat_prompt_tokens, completion_prompt_tokens
 from loadtest.sim_wire import Kind
 
@@ -27,18 +28,19 @@ class SimRequest:
     kind: Kind
     model: str | None
     prompt_tokens: int
-    max_tokens: int
-    finish_reason: str  # "length" when max_tokens capped the answer, "stop" when it ended
+    max_tokens: int  # the cap: the request's, or the default when it sent none
+    finish_reason: str  # an answer that reaches the cap: "length", or "stop" for a default
     stream: bool
     include_usage: bool
     n: int = 1  # choices: one sequence each, as vLLM runs them
+    stop: StopRule = field(default_factory=StopRule)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Limits:
     model: str | None  # the one served name; None accepts any name
     max_model_len: int
-    default_max_tokens: int
+    default_max_tokens: int | None  # None: vLLM's, the room left after the prompt
 
 
 def _prompt_tokens(kind: Kind, body: dict[str, object]) -> int:
@@ -119,11 +121,18 @@ def parse_request(kind: Kind, raw: bytes, limits: Limits) -> SimRequest:
     room = limits.max_model_len - prompt_tokens
     if requested is not None:
         max_tokens, finish_reason = requested, "length"
-    elif limits.default_max_tokens <= room:
+    elif limits.default_max_tokens is not None and limits.default_max_tokens <= room:
         # left uncapped, the model ends its answer by itself
         max_tokens, finish_reason = limits.default_max_tokens, "stop"
     else:
         max_tokens, finish_reason = room, "length"
+    stop = _stop_rule(body)
+    if stop.min_tokens > max_tokens:
+        raise SimRequestError(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+            f"got {stop.min_tokens}.",
+            param="min_tokens",
+        )
     options = body.get("stream_options")
     return SimRequest(
         kind=kind,
@@ -134,6 +143,44 @@ def parse_request(kind: Kind, raw: bytes, limits: Limits) -> SimRequest:
         stream=body.get("stream") is True,
         include_usage=isinstance(options, dict) and options.get("include_usage") is True,
         n=n,
+        stop=stop,
+    )
+
+
+def _int_field(body: dict[str, object], name: str, *, least: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise SimRequestError(f"{name} must be an integer of at least {least}", param=name)
+    return value
+
+
+def _stop_rule(body: dict[str, object]) -> StopRule:
+    """`ignore_eos`, `stop_token_ids`, `min_tokens` and `seed`. `stop` strings are checked
+    for shape only: the filler text is no model's, so matching it would end nothing real."""
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        ids = []
+    if not isinstance(ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+    ):
+        raise SimRequestError(
+            "stop_token_ids must be a list of non-negative integers", param="stop_token_ids"
+        )
+    stop = body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise SimRequestError("stop must be a string or a list of strings", param="stop")
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise SimRequestError("ignore_eos must be a boolean", param="ignore_eos")
+    return StopRule(
+        ignore_eos=ignore_eos is True,
+        stop_token_ids=len(set(ids)),
+        min_tokens=_int_field(body, "min_tokens", least=0) or 0,
+        seed=_int_field(body, "seed", least=-(2**63)),
     )
 
 

@@ -31,13 +31,27 @@ class SeqState(Enum):
 class Sequence:
     """One request inside the engine."""
 
-    __slots__ = ("blocks", "generated", "max_tokens", "preemptions", "prompt_tokens", "state")
+    __slots__ = (
+        "answer_tokens",
+        "blocks",
+        "generated",
+        "max_tokens",
+        "preemptions",
+        "prompt_tokens",
+        "state",
+    )
 
-    def __init__(self, *, prompt_tokens: int, max_tokens: int) -> None:
-        if prompt_tokens < 1 or max_tokens < 1:
-            raise ValueError("a sequence needs at least one prompt token and one output token")
+    def __init__(
+        self, *, prompt_tokens: int, max_tokens: int, answer_tokens: int | None = None
+    ) -> None:
+        """`answer_tokens`: where the answer ends (its sampled EOS), at most `max_tokens`;
+        by default the answer runs to `max_tokens`."""
+        answer = max_tokens if answer_tokens is None else answer_tokens
+        if prompt_tokens < 1 or not 1 <= answer <= max_tokens:
+            raise ValueError("a sequence needs a prompt token and 1..max_tokens output tokens")
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
+        self.answer_tokens = answer
         self.generated = 0
         self.blocks = 0
         self.preemptions = 0
@@ -126,7 +140,8 @@ class Scheduler(Generic[S]):
         return -(-tokens // self.limits.block_size)
 
     def add(self, seq: S) -> None:
-        if self.blocks_for(seq.prompt_tokens + seq.max_tokens - 1) > self.limits.usable_blocks:
+        # the last token's KV is never written: the answer ends when it is sampled
+        if self.blocks_for(seq.prompt_tokens + seq.answer_tokens - 1) > self.limits.usable_blocks:
             raise ValueError("sequence can never fit in the KV cache")
         self.waiting.append(seq)
         self.reserved_tokens += seq.prompt_tokens + seq.max_tokens
@@ -170,7 +185,7 @@ class Scheduler(Generic[S]):
                 if seq.state is running:
                     seq.generated += 1
                     produced += 1
-                    if seq.generated >= seq.max_tokens:
+                    if seq.generated >= seq.answer_tokens:
                         finished.append(seq)
         self.stats.generation_tokens += produced
         if finished:

@@ -204,6 +204,26 @@ def full_response(
 ) -> bytes:
     """A non-streamed response body: `choices` choices of `text` (`completion_tokens`
     counts them all)."""
+    return full_response_of(
+        kind=kind,
+        model=model,
+        answers=[(text, finish_reason)] * choices,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        fingerprint=fingerprint,
+    )
+
+
+def full_response_of(
+    *,
+    kind: Kind,
+    model: str,
+    answers: list[tuple[str, str]],
+    prompt_tokens: int,
+    completion_tokens: int,
+    fingerprint: str = SYSTEM_FINGERPRINT,
+) -> bytes:
+    """A non-streamed response body with one choice per (text, finish_reason) answer."""
     shape = _SHAPES[kind]
     make = _chat_choice if kind is Kind.CHAT else _completion_choice
     body: dict[str, object] = {
@@ -211,7 +231,7 @@ def full_response(
         "object": shape.object_full,
         "created": int(time.time()),
         "model": model,
-        "choices": [make(text, finish_reason, i) for i in range(choices)],
+        "choices": [make(text, reason, i) for i, (text, reason) in enumerate(answers)],
         "service_tier": None,
         "system_fingerprint": fingerprint,
         "usage": {

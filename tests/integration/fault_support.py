@@ -132,7 +132,8 @@ def backend_process(*, model: str, speed: float) -> Iterator[tuple[subprocess.Po
     """A simulated vLLM replica in its own process (`spillgate sim`), to be killed."""
     port = free_port()
     args = [sys.executable, "-m", "gateway.cli", "sim", "--port", str(port), "--model", model,
-            "--kv-tokens", "8192", "--speed", str(speed)]  # fmt: skip
+            "--kv-tokens", "8192", "--speed", str(speed),
+            "--answer-lengths", "max_tokens"]  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         yield proc, f"http://127.0.0.1:{port}"

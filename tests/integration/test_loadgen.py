@@ -193,3 +193,78 @@ def test_refusals_are_not_failures_and_a_few_failures_do_not_fail_the_run(
     summary = json.loads(out.read_text())["runs"][0]["summary"]
     failed = summary["outcomes"]["error"]["count"]
     assert summary["failed"] == failed and 0 < failed < summary["requests"] / 2
+
+
+ENGINE_KEYS = {"samples", "interval_s", "running_max", "running_p50", "waiting_max",
+               "kv_usage_peak", "preemptions", "per_backend"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def realistic() -> Iterator[Fleet]:
+    # answers end at a sampled EOS (geometric, mean 256); 2,048 asked of each
+    sims = [
+        SimConfig(model="m", kv_tokens=16_384, max_model_len=4096, speed=10.0,
+                  answer_lengths="geometric")
+        for _ in range(2)
+    ]  # fmt: skip
+    with run_fleet(
+        pools={"big": sims},
+        pool_options={"big": {"target_fill": 0.9, "overflow": ["queue", "reject"]}},
+        tenants={"acme": {"requests_per_minute": 100_000}},
+    ) as f:
+        yield f
+
+
+def test_compare_direct_shows_running_concurrency_and_kv_use_side_by_side(
+    realistic: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, html = tmp_path / "run.json", tmp_path / "report.html"
+    rc = loadtest([
+        "--url", realistic.url, "--model", "big", "--key", f"acme={realistic.keys['acme']}",
+        "--admin-token", ADMIN_TOKEN, "--compare-direct", "auto", "--profile", "constant",
+        "--rate", "24", "--duration", "1", "--prompt-tokens", "100", "--sample-interval", "0.2",
+        "--json", str(out), "--html", str(html), "--no-progress",
+    ])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["config"]["max_tokens"] == 2048 and data["config"]["fixed_lengths"] is False
+    gateway, direct = data["runs"]
+    urls = [s.url for s in realistic.backends["big"]]
+    for run in (gateway, direct):
+        engine = run["summary"]["engine"]
+        assert engine.keys() == ENGINE_KEYS
+        assert engine["per_backend"].keys() == set(urls)
+        assert all(
+            b.keys() == {"running_max", "running_p50", "kv_usage_peak"}
+            for b in engine["per_backend"].values()
+        )
+        assert engine["samples"] >= 3 and engine["interval_s"] == 0.2
+        assert engine["running_max"] >= 1 and engine["running_p50"] is not None
+        assert 0 < engine["kv_usage_peak"] <= 1
+        assert engine["preemptions"] == 0
+    # seeded requests end at the same token, whichever way they went
+    lengths = [[r["completion_tokens"] for r in run["requests"]] for run in data["runs"]]
+    assert lengths[0] == lengths[1]
+    assert all(0 < n < 2048 for n in lengths[0]) and len(set(lengths[0])) > 5
+    printed = capsys.readouterr().out
+    table = printed[printed.rindex("gateway  ") - 30 :]
+    for row in ("running max", "running p50", "KV use peak %", "preemptions"):
+        assert row in table
+    assert printed.count("backend engines during the run: running max") == 2
+    page = html.read_text()
+    assert 'id="run0-running-max"' in page and 'id="run1-kv-peak"' in page
+    assert ">running max</td>" in page and ">KV use peak %</td>" in page
+
+
+def test_fixed_lengths_run_every_answer_to_its_max_tokens(realistic: Fleet, tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    rc = loadtest([
+        "--url", realistic.url, "--model", "big", "--key", f"acme={realistic.keys['acme']}",
+        "--profile", "constant", "--rate", "20", "--duration", "0.5", "--prompt-tokens", "40",
+        "--fixed-lengths", "--json", str(out), "--no-progress",
+    ])  # fmt: skip
+    assert rc == 0
+    requests = json.loads(out.read_text())["runs"][0]["requests"]
+    assert len(requests) == 10 and {r["status"] for r in requests} == {200}
+    assert all(r["completion_tokens"] == r["max_tokens"] for r in requests)
+    assert len({r["max_tokens"] for r in requests}) > 1

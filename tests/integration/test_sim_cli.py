@@ -28,7 +28,9 @@ def spillgate_sim(*args: str) -> Iterator[tuple[str, dict[str, object]]]:
 
 def test_sim_command_serves_a_replica_sized_from_the_catalog() -> None:
     args = ["--model", "served", "--catalog-model", "llama-3.1-8b", "--gpu", "h100"]
-    sim = spillgate_sim(*args, "--max-model-len", "8192", "--speed", "100")
+    sim = spillgate_sim(
+        *args, "--max-model-len", "8192", "--speed", "100", "--answer-lengths", "max_tokens"
+    )
     with sim as (url, info), httpx.Client(base_url=url, timeout=5, verify=False) as http:
         models = http.get("/v1/models").json()
         reply = http.post(

@@ -92,3 +92,62 @@ def test_report_holds_every_request_and_the_comparison_reads_side_by_side() -> N
              for line in text.splitlines()[2:]}  # fmt: skip
     assert lines["TTFT p99"][-2:] == ["50.0", "2,000.0"]
     assert lines["preemptions"][-2:] == ["-", "5"]
+
+
+def engine_point(t: float, **backends: tuple[float, float, float]) -> dict[str, Any]:
+    return {
+        "t": t,
+        "backends": {
+            f"http://{name}": {"running": r, "waiting": w, "kv_usage": kv, "preemptions": 0.0}
+            for name, (r, w, kv) in backends.items()
+        },
+    }
+
+
+def test_engine_load_sums_running_over_the_fleet_and_keeps_the_hottest_kv_peak() -> None:
+    data = run(
+        [result(0)],
+        preemptions={
+            "http://b0": {"before": 1.0, "after": 3.0},
+            "http://b1": {"before": 0.0, "after": 0.0},
+        },
+        engine_samples=[
+            engine_point(0.0, b0=(0, 0, 0.0), b1=(0, 0, 0.0)),
+            engine_point(0.5, b0=(6, 1, 0.5), b1=(4, 0, 0.25)),
+            engine_point(1.0, b0=(9, 3, 0.75)),  # b1 did not answer: not a fleet point
+            engine_point(1.5, b0=(2, 0, 0.125), b1=(5, 0, 0.5)),
+        ],
+        engine_interval_s=0.5,
+    )
+    engine = summarize(data, slo=Slo(), lag=LagVerdict())["engine"]
+    assert engine == {
+        "samples": 3,
+        "interval_s": 0.5,
+        "running_max": 10,
+        "running_p50": 7,
+        "waiting_max": 1,
+        "kv_usage_peak": 0.75,
+        "preemptions": 2.0,
+        "per_backend": {
+            "http://b0": {"running_max": 9, "running_p50": 2, "kv_usage_peak": 0.75},
+            "http://b1": {"running_max": 5, "running_p50": 4, "kv_usage_peak": 0.5},
+        },
+    }
+
+
+def test_engine_figures_read_side_by_side_and_unknown_is_a_dash() -> None:
+    direct = run(
+        [result(0, "served")],
+        preemptions={"http://b0": {"before": 0.0, "after": 0.0}},
+        engine_samples=[engine_point(0.0, b0=(19, 0, 0.36)), engine_point(0.5, b0=(7, 0, 0.1))],
+    )
+    data = report([run([result(0)]), direct], slo=Slo(), lag=LagVerdict(), config={})
+    gateway_s, direct_s = (r["summary"] for r in data["runs"])
+    rows = comparison_text(gateway_s, direct_s).splitlines()
+    assert rows[-3].split() == ["running", "max", "-", "19"]
+    assert rows[-2].split() == ["running", "p50", "-", "7"]
+    assert rows[-1].split() == ["KV", "use", "peak", "%", "-", "36.0"]
+    assert (
+        "backend engines during the run: running max 19, p50 7; waiting max 0; KV use peak "
+        "36.0 % (2 samples of vLLM /metrics)"
+    ) in summary_text(direct_s)
