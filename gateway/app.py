@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admin import AdminEndpoints
 from gateway.auth import AdminAuth, Authenticator
+from gateway.backend_load import LoadWatcher
 from gateway.backends import FleetWatcher, Pool, build_pools
 from gateway.clock import Clock, SystemClock
 from gateway.config import Settings
@@ -182,6 +183,13 @@ def create_app(
         request_read_timeout_s=settings.server.request_read_timeout_s,
     )
     watcher = FleetWatcher(pools, client=client, clock=clock)
+    loads = LoadWatcher(
+        [b for pool in pools.values() if pool.settings.feedback for b in pool.backends],
+        client=client,
+        clock=clock,
+        reserved=router.ledger.tokens_in_flight,
+        on_backoff=lambda backend, reason: metrics.fill_backoffs.labels(backend, reason).inc(),
+    )
     admin_auth = AdminAuth(env.get(settings.server.admin_token_env), auth)
     admin = AdminEndpoints(
         settings=settings,
@@ -198,6 +206,7 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await watcher.refresh_once()
         watcher.start()
+        loads.start()
         history.start()
         if shared is not None:
             await shared.start()
@@ -218,6 +227,7 @@ def create_app(
             if feed is not None:
                 await feed.stop()
             await history.stop()
+            await loads.stop()
             await watcher.stop()
             await client.aclose()
             await upstream.aclose()

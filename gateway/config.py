@@ -86,6 +86,17 @@ class CacheSettings(_Model):
     store: Literal["deterministic", "all"] = "deterministic"
 
 
+class ReservationSettings(_Model):
+    """How much output a request reserves on admission (CAPACITY.md, admission)."""
+
+    # learned: the expected output, grown while it streams; max_tokens: the whole of
+    # max_tokens, held to the end
+    mode: Literal["learned", "max_tokens"] = "learned"
+    quantile: float = Field(0.9, gt=0, le=1)  # of the completion lengths seen in the pool
+    prior_tokens: int = Field(512, gt=0)  # the expected output until min_samples were seen
+    min_samples: int = Field(50, gt=0)  # per pool; a tenant's own figure once it has this many
+
+
 class PoolSettings(_Model):
     name: str = Field(min_length=1)
     backends: list[BackendSettings] = Field(min_length=1)
@@ -102,6 +113,9 @@ class PoolSettings(_Model):
     sheddable_max_fill: float = Field(1.0, gt=0, le=1)  # sheddable refused above this fill
     capacity_refresh_s: float = Field(5.0, gt=0)
     metrics_stale_s: float = Field(15.0, gt=0)
+    reservation: ReservationSettings = ReservationSettings()
+    # admit against the backends' reported KV use too; back off on preemption or waiting
+    feedback: bool = True
 
 
 class ProviderSettings(_Model):

@@ -20,6 +20,7 @@ from gateway.relay import (
     SSE_HEADERS,
     Relayed,
     ResponseTap,
+    StreamWatch,
     model_swap,
     relay_stream,
     send_json_body,
@@ -139,6 +140,7 @@ class Forwarder:
         headers: Sequence[tuple[bytes, bytes]],
         tap: ResponseTap | None = None,
         deadline: float | None = None,
+        growth: StreamWatch | None = None,
     ) -> Relayed:
         """Relay `request` via `target` to the client; raise UpstreamUnavailable before any byte.
 
@@ -206,6 +208,7 @@ class Forwarder:
                 deadline=deadline,
                 tap=tap,
                 hide_errors=target.external,
+                growth=growth,
             )
             done = relayed.completed
             return relayed

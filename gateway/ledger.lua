@@ -6,13 +6,16 @@
 -- KEYS[3] meta:   HASH total (tokens of the live leases), seq (bumped on every change)
 -- The three keys share the backend's hash tag, so the script also runs on Redis Cluster.
 --
--- ARGV[1] op: "reserve" | "release" | "renew" | "peek"
+-- ARGV[1] op: "reserve" | "release" | "extend" | "renew" | "peek"
 -- ARGV[2] channel releases are published on, ARGV[3] the calling replica,
 -- ARGV[4] the backend's name, ARGV[5] lease TTL in ms
 -- reserve: ARGV[6] lease id, ARGV[7] tokens, ARGV[8] limit
 -- release: ARGV[6] lease id
+-- extend:  ARGV[6] lease id, ARGV[7] tokens added whatever the limit (a running request grew)
 -- renew:   ARGV[6..] lease id, tokens, ...: the leases the replica still holds; any the
---          ledger lost (expired while the replica stalled, or Redis restarted) are restored
+--          ledger lost (expired while the replica stalled, or Redis restarted) are restored,
+--          and a lease holding fewer tokens than the replica says (an extend Redis never
+--          answered) is raised to its figure
 --
 -- Every call first drops expired leases (a crashed replica's). Reserve and release then check
 -- that `total` is in step with the live leases (recounting when it is missing, negative, or
@@ -21,7 +24,7 @@
 -- "<replica> <released> <expired> <total> <sessions> <seq> <backend>": `released` by the
 -- calling replica's release, `expired` from leases whose holder stopped renewing them.
 -- Reply: {status, total, sessions, seq, restored lease ids...}; status 1 when a reserve was
--- admitted or a release freed something.
+-- admitted, a release freed something or an extend found its lease.
 
 local leases, tokens, meta = KEYS[1], KEYS[2], KEYS[3]
 local op, channel, replica, backend = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
@@ -112,11 +115,27 @@ elseif op == 'release' then
     changed = true
     status = 1
   end
+elseif op == 'extend' then
+  local had = tonumber(redis.call('HGET', tokens, ARGV[6]))
+  if had ~= nil then
+    local t = tonumber(ARGV[7])
+    redis.call('HSET', tokens, ARGV[6], had + t)
+    redis.call('ZADD', leases, now + ttl, ARGV[6])
+    total = total + t
+    changed = true
+    status = 1
+  end
 elseif op == 'renew' then
   for i = 6, #ARGV, 2 do
     local id = ARGV[i]
     if redis.call('ZSCORE', leases, id) then
       redis.call('ZADD', leases, now + ttl, id)
+      local had, t = tonumber(redis.call('HGET', tokens, id)) or 0, tonumber(ARGV[i + 1])
+      if t > had then
+        redis.call('HSET', tokens, id, t)
+        total = total + t - had
+        changed = true
+      end
     else
       add(id, tonumber(ARGV[i + 1]))
       restored[#restored + 1] = id

@@ -2,10 +2,11 @@
 
 A reservation is a lease (ledger.lua): per backend a ZSET of lease → expiry and a HASH of
 lease → tokens, the backend's total kept equal to the sum of its live leases inside the
-script, so it can neither drift nor go negative. Reserve-if-it-fits and release are single
-script calls, timed by Redis TIME. The replica holding a lease renews it every third of the
-TTL while the request streams, so a replica killed with kill -9 frees its reservations
-within the TTL. Every `refresh_s` one pipelined call renews what is due, retries releases
+script, so it can neither drift nor go negative. Reserve-if-it-fits, release and extend (a
+running request's lease grows with its answer) are single script calls, timed by Redis
+TIME. The replica holding a lease renews it every third of the TTL while the request
+streams, so a replica killed with kill -9 frees its reservations within the TTL. Every
+`refresh_s` one pipelined call renews what is due, retries releases
 Redis never confirmed and reads every backend's totals: the snapshot routing and metrics
 use, also updated by every reply and (through ReleaseFeed) every published release.
 
@@ -164,8 +165,10 @@ class RedisLedger:
             self._unconfirmed[lease.lease] = (lease, self._clock.monotonic())
 
     async def release(self, reservation: Reservation) -> None:
-        if self._held.pop(reservation.lease, None) is None:
+        held = self._held.pop(reservation.lease, None)
+        if held is None:
             return
+        reservation = held  # what the lease holds now: grown, perhaps
         self._claim(reservation, -1)
         if reservation.lease not in self._in_store:
             return
@@ -177,6 +180,22 @@ class RedisLedger:
         if reply is not None:
             self._unconfirmed.pop(reservation.lease, None)
             self.observe(reservation.backend, parse_reply(reply)[1])
+
+    async def extend(self, reservation: Reservation, tokens: int) -> Reservation:
+        """Grow a held lease. Counted here at once; a call Redis does not answer is made
+        good by the next renewal, which carries every lease's tokens."""
+        held = self._held.get(reservation.lease)
+        if held is None or tokens <= 0:
+            return held or reservation
+        grown = held._replace(tokens=held.tokens + tokens)
+        self._held[held.lease] = grown
+        own, sessions = self._own.get(held.backend, (0, 0))
+        self._own[held.backend] = (own + tokens, sessions)
+        if held.lease in self._in_store:
+            reply = await self._ask(lambda: self._call("extend", held.backend, held.lease, tokens))
+            if reply is not None:
+                self.observe(held.backend, parse_reply(reply)[1])
+        return grown
 
     def tokens_in_flight(self, backend: str) -> int:
         own = self._own.get(backend, (0, 0))[0]

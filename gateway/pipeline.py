@@ -43,6 +43,7 @@ from gateway.request import (
     InferenceRequest,
     decode_body,
     effective_priority,
+    names_max_tokens,
     parse_request,
     requested_model,
 )
@@ -278,6 +279,7 @@ class CompletionsEndpoint:
             max_model_len=pool.max_model_len,
             chars_per_token=pool.estimator.chars_per_token,
         )
+        request = self._expect(request, pool)
         reserved = request.reserved_tokens
         decision = await d.limiter.acquire(tenant.limits, reserved)
         self._throttle(tenant, request, decision, headers)
@@ -311,6 +313,25 @@ class CompletionsEndpoint:
                     reserved, started=began, used=used, refused=outcome is Outcome.REJECTED
                 )
                 self._record(request, served, outcome, t0)
+
+    @staticmethod
+    def _expect(request: InferenceRequest, pool: Pool) -> InferenceRequest:
+        """`request` with the output it reserves: the smaller of its cap (max_tokens, or
+        what the context leaves when it names none) and the pool's expected output.
+
+        A request that is not streamed cannot grow its reservation as it goes; it reserves
+        the same expected output all the same, since the backends' reported KV use
+        (gateway/backend_load.py) covers an answer longer than that within a scrape.
+        """
+        if pool.settings.reservation.mode == "max_tokens":
+            return request  # the whole of max_tokens (or the pool's default), as reserved
+        if names_max_tokens(request.body):
+            cap = request.max_output_tokens
+        else:
+            cap = max(1, pool.max_model_len - request.prompt_tokens)
+        return request._replace(
+            output_reserve=pool.outputs.reserve_output(tenant=request.tenant, cap=cap)
+        )
 
     def _tap(self, request: InferenceRequest) -> ResponseTap | None:
         observe = self._d.taps.get(request.pool)
@@ -387,10 +408,11 @@ class CompletionsEndpoint:
         if any(policy.name in SPILL_POLICIES for policy in chain):
             return
         need = router.pool_kv_tokens(request.pool, request.sequence_tokens, sequences=request.n)
+        output = request.sequence_tokens - request.prompt_tokens
         largest = max(router.capacity(b) for b in router.pools[request.pool].backends)
         raise ContextLengthExceeded(
             f"The request needs about {need} tokens of KV cache ({request.n} x (about "
-            f"{request.prompt_tokens} prompt tokens + {request.max_output_tokens} output "
+            f"{request.prompt_tokens} prompt tokens + {output} output "
             f"tokens), in whole blocks), more than any backend of pool {request.pool!r} can "
             f"hold ({largest} tokens). Lower max_tokens or n, or shorten the prompt.",
             param="max_tokens",
@@ -428,3 +450,9 @@ class CompletionsEndpoint:
                 pool.estimator.observe(
                     prompt_chars=request.prompt_chars, prompt_tokens=usage.prompt_tokens
                 )
+                if relayed.completed:
+                    pool.outputs.observe(
+                        tenant=request.tenant,
+                        completion_tokens=usage.completion_tokens,
+                        choices=request.n,
+                    )

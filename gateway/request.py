@@ -39,10 +39,18 @@ class InferenceRequest(NamedTuple):
     max_output_tokens: int  # what the backend may generate per choice; reserved on admission
     body: dict[str, Any]
     n: int = 1  # choices asked for: vLLM runs one sequence per choice
+    # the output one choice reserves on admission (gateway/output_lengths.py); 0: all of
+    # max_output_tokens
+    output_reserve: int = 0
 
     @property
     def sequence_tokens(self) -> int:
-        """The longest one choice's sequence can grow: prompt + max output."""
+        """What one choice's sequence reserves on admission: prompt + expected output."""
+        return self.prompt_tokens + (self.output_reserve or self.max_output_tokens)
+
+    @property
+    def context_tokens(self) -> int:
+        """The longest one choice's sequence may grow: prompt + max output."""
         return self.prompt_tokens + self.max_output_tokens
 
     @property
@@ -146,6 +154,12 @@ def _max_tokens(body: dict[str, Any], default: int) -> int:
             f"'{key}' must be between 1 and {MAX_TOKENS_CEILING}; got {value}.", param=key
         )
     return value
+
+
+def names_max_tokens(body: dict[str, Any]) -> bool:
+    """Whether the request bounds its output itself (else the backend may generate up to
+    its context length)."""
+    return body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None
 
 
 def _choices(body: dict[str, Any]) -> int:
