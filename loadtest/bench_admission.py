@@ -13,8 +13,11 @@ early (the simulator's realistic lengths; on a real vLLM sixteen stop token ids 
 per prompt, so every arm gets the same answers). Bursts of 24 and 48 (3 runs each, the
 table shows medians), then a 5x spike into a pool whose overflow chain ends at a simulated
 provider. The learned arm is warmed first with a seeded warm-up, so its quantile starts
-from samples. Every 0.25 s the backend's /metrics and the gateway's /admin/status are read
-together. Figures go in BENCHMARKS.md ("Admission by what the backends hold").
+from samples. Each run starts from an idle engine (on a real vLLM, an empty prefix cache)
+and, through a gateway, once that gateway aims at its target fill again: the other arms'
+traffic bypasses it, and requests waiting inside vLLM make it back off. Every 0.25 s the
+backend's /metrics and the gateway's /admin/status are read. Figures go in BENCHMARKS.md
+("Admission by what the backends hold").
 """
 
 from __future__ import annotations
@@ -46,8 +49,11 @@ from loadtest.real_vllm import RealVllm, install, reset_prefix_cache
 
 INTERVAL_S = 0.25
 IDLE_TIMEOUT_S = 180.0
+SETTLE_TIMEOUT_S = 180.0
 DIRECT = "direct"
-ARMS = (DIRECT, *fleet.ARMS)
+# Direct runs last in each round: the bursts it lets into the engine (requests waiting inside
+# vLLM, preemptions) lower the learned gateway's effective fill, which is then let recover.
+ARMS = (*fleet.ARMS, DIRECT)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,10 +223,31 @@ class Bench:
         if self.backend.kind == "real-vllm":
             await asyncio.to_thread(reset_prefix_cache, self.backend.url)
 
+    async def settle(self, arm: str) -> dict[str, float | None]:
+        """Until the arm's gateway aims at its target fill again: another arm's traffic (it
+        bypasses this gateway) may have made it back off. Returns the wait and the fill."""
+        waited = time.monotonic()
+        fill: float | None = None
+        if arm in self.gateways:
+            scraper = self.scraper(arm)
+            while time.monotonic() - waited < SETTLE_TIMEOUT_S:
+                status = await scraper.status()
+                fills = [
+                    b.get("effective_fill", p["target_fill"]) / p["target_fill"]
+                    for p in status["pools"]
+                    for b in p["backends"]
+                ]
+                fill = min(fills)
+                if fill >= 1.0:
+                    break
+                await asyncio.sleep(0.5)
+        return {"settle_s": time.monotonic() - waited, "fill_share_at_start": fill}
+
     async def measure(
         self, arm: str, plans: Sequence[PlannedRequest], *, spike: bool = False
     ) -> dict[str, Any]:
         await self.idle()
+        settled = await self.settle(arm)
         scraper = self.scraper(arm)
         watch = Watch(scraper=scraper, backend_url=self.backend.url)
         before = await scraper.backend(self.backend.url)
@@ -237,7 +264,9 @@ class Bench:
             await asyncio.gather(sampling, return_exceptions=True)
         after = await scraper.backend(self.backend.url)
         preempted = after["preemptions"] - before["preemptions"]
-        return summarize(arm, data.results, watch, preemptions=preempted, elapsed_s=data.elapsed_s)
+        return summarize(
+            arm, data.results, watch, preemptions=preempted, elapsed_s=data.elapsed_s, **settled
+        )
 
     async def warm(self, plan: BenchPlan) -> dict[str, Any]:
         """The learned arm sees `plan.warmup` seeded answers per pool before it is measured."""

@@ -113,6 +113,16 @@ def report(figures: dict[str, Any]) -> str:
             f"the learned arm was warmed first: {figures['plan']['warmup']} seeded requests "
             f"through each of its pools ({figures['warmup']})"
         )
+    settled = [
+        r["settle_s"]
+        for section in (*figures["bursts"].values(), figures["spike"])
+        for runs in section["runs"].values()
+        for r in runs
+    ]
+    lines.append(
+        "each run starts from an idle backend and, through a gateway, once its effective fill "
+        f"is back at target (waited up to {max(settled):.1f} s: other arms' traffic bypasses it)"
+    )
     for size, section in figures["bursts"].items():
         lines += ["", section_table(f"burst of {size}, overflow [queue, reject]", section)]
     title = f"spike of {figures['spike']['requests']}, overflow [queue, provider, reject]"

@@ -10,17 +10,22 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 
-from gateway.app import create_app
 from gateway.config import parse_settings
+from loadtest.bench import serve_command
+from loadtest.bench_admission_fleet import process, wait_ready
 from loadtest.fleet import ADMIN_TOKEN, admin_status, tenant
-from loadtest.harness import ServerThread
+from loadtest.harness import free_port
 from loadtest.loadgen_scrape import backend_state, metric_sum, parse_metrics
 from loadtest.real_vllm import MODEL, RealVllm
 
@@ -60,7 +65,9 @@ class Gateway:
 
 @contextlib.contextmanager
 def gateway(vllm_url: str, **pool_options: Any) -> Iterator[Gateway]:
-    """A gateway in this process, one pool named as vLLM serves the model, capacity "auto"."""
+    """`spillgate serve` in its own process (as deployed; an in-process gateway shares the
+    GIL with the test's client and answers /admin/status late): one pool named as vLLM
+    serves the model, capacity "auto"."""
     key = "sk-" + secrets.token_hex(8)
     config = {
         "tenants": [tenant("acme", key, requests_per_minute=100_000)],
@@ -73,9 +80,16 @@ def gateway(vllm_url: str, **pool_options: Any) -> Iterator[Gateway]:
             }
         ],
     }
-    app = create_app(parse_settings(config), environ={"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN})
-    with ServerThread(app) as server:
-        yield Gateway(url=server.url, key=key)
+    parse_settings(config)  # a bad config fails here, with its problems, not as a dead process
+    with tempfile.TemporaryDirectory(prefix="spillgate-vllm-test-") as tmp:
+        path = Path(tmp, "gateway.yaml")
+        path.write_text(yaml.safe_dump(config))
+        port = free_port()
+        cmd = [*serve_command(sys.executable, path), "--port", str(port)]
+        env = {"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN}
+        with process(cmd, port, log=Path(tmp, "gateway.log"), env=env) as url:
+            wait_ready(url)
+            yield Gateway(url=url, key=key)
 
 
 def vllm_metrics(vllm_url: str) -> dict[str, float]:

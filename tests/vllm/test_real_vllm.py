@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import httpx
 import orjson
@@ -12,6 +13,7 @@ from loadtest.loadgen_client import Result
 from loadtest.loadgen_run import Target, run_schedule
 from loadtest.loadgen_workload import LengthDist, TenantKey, Workload, plan_requests
 from loadtest.real_vllm import MODEL, STOP_TOKEN_IDS
+from tests.integration.overflow_support import eventually
 from tests.vllm.conftest import SERVER, gateway, vllm_metrics
 
 BLOCK_SIZE = 128  # vLLM's CPU backend allocates KV in blocks of 128 tokens
@@ -35,13 +37,15 @@ def test_discovery_reads_the_block_size(vllm_url: str) -> None:
         "model": MODEL,
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 1000,
+        "ignore_eos": True,  # random weights emit EOS now and then
         "stream": True,
     }
     with gateway(vllm_url, reservation={"mode": "max_tokens"}, feedback=False) as gw:
         with gw.client() as client, client.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
-            next(r.iter_bytes())
-            assert gw.backend()["tokens_in_flight"] == 8 * BLOCK_SIZE
+            chunks = r.iter_bytes()  # kept: a dropped iterator closes the stream
+            next(chunks)
+            assert gw.backend()["tokens_in_flight"] == 8 * BLOCK_SIZE  # "hi" and 1,000
         assert gw.backend()["tokens_in_flight"] == 0
 
 
@@ -125,21 +129,30 @@ def test_usage_the_gateway_counts_matches_vllms_counters(vllm_url: str) -> None:
     )
 
 
-def test_the_gateway_sees_use_that_bypasses_it(vllm_url: str) -> None:
-    """A stream sent straight to vLLM shows in vLLM's KV use, which the gateway scrapes."""
+def test_use_that_bypasses_the_gateway_lowers_its_limit(vllm_url: str) -> None:
+    """A stream sent straight to vLLM shows in the KV use vLLM reports; the gateway reads it
+    and leaves that much less room for its own admissions, and gets the room back after."""
     body = {
         "model": MODEL,
-        "messages": [{"role": "user", "content": "bypass " * 400}],
-        "max_tokens": 1500,
+        "messages": [{"role": "user", "content": "bypass " * 600}],
+        "max_tokens": 2400,
+        "ignore_eos": True,
         "stream": True,
     }
-    with (
-        gateway(vllm_url) as gw,
-        httpx.Client(timeout=120.0) as direct,
-        direct.stream("POST", f"{vllm_url}/v1/chat/completions", json=body) as r,
-    ):
-        assert r.status_code == 200
-        next(r.iter_bytes())
-        state = vllm_metrics(vllm_url)
-        assert state["in_flight"] > 0
-        assert gw.backend()["tokens_in_flight"] == 0
+    target = math.floor(16_256 * 0.9)
+    with gateway(vllm_url) as gw:
+        assert gw.backend()["limit_tokens"] == target
+        with (
+            httpx.Client(timeout=120.0) as direct,
+            direct.stream("POST", f"{vllm_url}/v1/chat/completions", json=body) as r,
+        ):
+            assert r.status_code == 200
+            chunks = r.iter_bytes()  # kept: a dropped iterator closes the stream
+            next(chunks)
+            enough = 5 * BLOCK_SIZE  # the prompt alone holds more
+            eventually(lambda: (gw.backend()["reported_kv_tokens"] or 0) >= enough, within_s=10)
+            backend = gw.backend()
+            assert backend["tokens_in_flight"] == 0
+            assert backend["limit_tokens"] <= target - enough
+        eventually(lambda: gw.backend()["limit_tokens"] == target, within_s=10)
+        assert gw.backend()["reported_kv_tokens"] == 0
