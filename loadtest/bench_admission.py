@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -270,7 +271,7 @@ class Bench:
 
     async def warm(self, plan: BenchPlan) -> dict[str, Any]:
         """The learned arm sees `plan.warmup` seeded answers per pool before it is measured."""
-        out = {}
+        out: dict[str, Any] = {}
         for spike in (False, True):
             target = self.target("learned", spike=spike)
             plans = plan.warmup_requests(target.shape.model)
@@ -278,6 +279,9 @@ class Bench:
                 plans, target=target, duration_s=plans[-1].at_s, sample_interval_s=1.0
             )
             out[target.shape.model] = dict(Counter(r.outcome for r in data.results))
+            errors = [r.error for r in data.results if r.error]
+            if errors:
+                out[target.shape.model]["first_error"] = errors[0]
         return out
 
 
@@ -390,6 +394,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, BenchPla
     p.add_argument("--prompt-tokens", default="uniform:32:256")
     p.add_argument("--seed", type=int, default=20)
     p.add_argument("--json", type=Path)
+    p.add_argument("--logs", type=Path, help="keep the gateways' and simulators' output here")
     args = p.parse_args(argv)
     plan = BenchPlan(
         bursts=tuple(int(b) for b in args.bursts.split(",")),
@@ -407,8 +412,15 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, BenchPla
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, plan = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="bench-admission-") as tmp:
-        figures = asyncio.run(_main(args, plan, Path(tmp)))
+    load_before = os.getloadavg()[0]
+    with contextlib.ExitStack() as stack:
+        if args.logs is None:
+            logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-admission-")))
+        else:
+            logs = args.logs
+            logs.mkdir(parents=True, exist_ok=True)
+        figures = asyncio.run(_main(args, plan, logs))
+    figures["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
     figures["targets"] = targets(figures)
     print(report(figures))
     if args.json:

@@ -103,10 +103,12 @@ def targets(figures: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def report(figures: dict[str, Any]) -> str:
+    load = figures.get("load_average", {})
     lines = [
         f"backend: {figures['backend']} ({figures['model']}), KV capacity for admission "
         f"{figures['capacity_tokens']:,} tokens; max_tokens {figures['plan']['max_tokens']}, "
-        f"target_fill 0.9",
+        f"target_fill 0.9; load average {load.get('before', 0):.1f} before, "
+        f"{load.get('after', 0):.1f} after (other work on the machine)",
     ]
     if figures.get("warmup"):
         lines.append(
