@@ -185,6 +185,11 @@ class AdminEndpoints:
                     "state": "down" if down else "up",
                     "max_model_len": pool.max_model_len,
                     "overflow": pool.settings.overflow,
+                    "reservation": {
+                        "mode": pool.settings.reservation.mode,
+                        "expected_output_tokens": pool.outputs.expected(),
+                        "samples": pool.outputs.samples(),
+                    },
                     "backends": backends,
                 }
             )

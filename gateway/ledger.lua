@@ -6,16 +6,15 @@
 -- KEYS[3] meta:   HASH total (tokens of the live leases), seq (bumped on every change)
 -- The three keys share the backend's hash tag, so the script also runs on Redis Cluster.
 --
--- ARGV[1] op: "reserve" | "release" | "extend" | "renew" | "peek"
+-- ARGV[1] op: "reserve" | "release" | "renew" | "peek"
 -- ARGV[2] channel releases are published on, ARGV[3] the calling replica,
 -- ARGV[4] the backend's name, ARGV[5] lease TTL in ms
 -- reserve: ARGV[6] lease id, ARGV[7] tokens, ARGV[8] limit
 -- release: ARGV[6] lease id
--- extend:  ARGV[6] lease id, ARGV[7] tokens added whatever the limit (a running request grew)
 -- renew:   ARGV[6..] lease id, tokens, ...: the leases the replica still holds; any the
 --          ledger lost (expired while the replica stalled, or Redis restarted) are restored,
---          and a lease holding fewer tokens than the replica says (an extend Redis never
---          answered) is raised to its figure
+--          and a lease holding fewer tokens than the replica says (its answer outgrew the
+--          reservation: the replica extended it) is raised to its figure, past any limit
 --
 -- Every call first drops expired leases (a crashed replica's). Reserve and release then check
 -- that `total` is in step with the live leases (recounting when it is missing, negative, or
@@ -24,7 +23,7 @@
 -- "<replica> <released> <expired> <total> <sessions> <seq> <backend>": `released` by the
 -- calling replica's release, `expired` from leases whose holder stopped renewing them.
 -- Reply: {status, total, sessions, seq, restored lease ids...}; status 1 when a reserve was
--- admitted, a release freed something or an extend found its lease.
+-- admitted or a release freed something.
 
 local leases, tokens, meta = KEYS[1], KEYS[2], KEYS[3]
 local op, channel, replica, backend = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
@@ -112,16 +111,6 @@ elseif op == 'release' then
     redis.call('ZREM', leases, ARGV[6])
     total = total - t
     released = t
-    changed = true
-    status = 1
-  end
-elseif op == 'extend' then
-  local had = tonumber(redis.call('HGET', tokens, ARGV[6]))
-  if had ~= nil then
-    local t = tonumber(ARGV[7])
-    redis.call('HSET', tokens, ARGV[6], had + t)
-    redis.call('ZADD', leases, now + ttl, ARGV[6])
-    total = total + t
     changed = true
     status = 1
   end

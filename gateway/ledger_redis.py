@@ -2,11 +2,11 @@
 
 A reservation is a lease (ledger.lua): per backend a ZSET of lease → expiry and a HASH of
 lease → tokens, the backend's total kept equal to the sum of its live leases inside the
-script, so it can neither drift nor go negative. Reserve-if-it-fits, release and extend (a
-running request's lease grows with its answer) are single script calls, timed by Redis
-TIME. The replica holding a lease renews it every third of the TTL while the request
-streams, so a replica killed with kill -9 frees its reservations within the TTL. Every
-`refresh_s` one pipelined call renews what is due, retries releases
+script, so it can neither drift nor go negative. Reserve-if-it-fits and release are single
+script calls, timed by Redis TIME. The replica holding a lease renews it every third of the
+TTL while the request streams, so a replica killed with kill -9 frees its reservations
+within the TTL. Every `refresh_s` one pipelined call renews what is due and the leases of
+backends where a stream's lease grew (extend: each lease carries its tokens), retries releases
 Redis never confirmed and reads every backend's totals: the snapshot routing and metrics
 use, also updated by every reply and (through ReleaseFeed) every published release.
 
@@ -120,6 +120,7 @@ class RedisLedger:
         self._own: dict[str, tuple[int, int]] = {}  # held and being reserved, per backend
         self._in_store: set[str] = set()  # held leases Redis has (or may have) seen
         self._unconfirmed: dict[str, tuple[Reservation, float]] = {}  # released here only
+        self._growing: set[str] = set()  # backends with leases grown since the last refresh
         self._ids = itertools.count()
         self._mode: LedgerMode = "shared"
         self._capped_until = -math.inf
@@ -182,8 +183,9 @@ class RedisLedger:
             self.observe(reservation.backend, parse_reply(reply)[1])
 
     async def extend(self, reservation: Reservation, tokens: int) -> Reservation:
-        """Grow a held lease. Counted here at once; a call Redis does not answer is made
-        good by the next renewal, which carries every lease's tokens."""
+        """Grow a held lease: counted here at once, and in Redis by the next refresh, which
+        renews the backend's leases with their tokens (a stream grows every block: one
+        pipelined call per refresh carries them all, not a round trip per block)."""
         held = self._held.get(reservation.lease)
         if held is None or tokens <= 0:
             return held or reservation
@@ -191,10 +193,7 @@ class RedisLedger:
         self._held[held.lease] = grown
         own, sessions = self._own.get(held.backend, (0, 0))
         self._own[held.backend] = (own + tokens, sessions)
-        if held.lease in self._in_store:
-            reply = await self._ask(lambda: self._call("extend", held.backend, held.lease, tokens))
-            if reply is not None:
-                self.observe(held.backend, parse_reply(reply)[1])
+        self._growing.add(held.backend)
         return grown
 
     def tokens_in_flight(self, backend: str) -> int:
@@ -235,8 +234,9 @@ class RedisLedger:
         self._unconfirmed = {
             k: v for k, v in self._unconfirmed.items() if now - v[1] < self._ttl_ms / 1000
         }
-        held = list(self._held.values())
-        calls = self._refresh_calls(held, renew=renew)
+        growing, self._growing = self._growing, set()
+        renewed = [r for r in self._held.values() if renew or r.backend in growing]
+        calls = self._refresh_calls(renewed)
         pipe = self._redis.pipeline(transaction=False)
         for op, backend, args in calls:
             await self._call(op, backend, *args, client=pipe)
@@ -244,13 +244,14 @@ class RedisLedger:
             async with asyncio.timeout(self._timeout_s * REFRESH_BUDGET):
                 replies = await pipe.execute()
         except (RedisError, OSError, TimeoutError) as exc:
+            self._growing |= growing  # still to be carried
             self._failed(exc)
             return False
         for (op, backend, args), reply in zip(calls, replies, strict=True):
             self._refreshed(op, backend, args, reply, now)
+        self._in_store.update(r.lease for r in renewed if r.lease in self._held)
         if renew:
             self._renew_due = now + self._renew_every_s
-            self._in_store.update(r.lease for r in held if r.lease in self._held)
         if self._mode == "local":
             log.info("ledger store answers again: shared admission resumes")
             self._capped_until = now + RECOVERY_REFRESHES * self._refresh_s
@@ -263,17 +264,17 @@ class RedisLedger:
         if seen.seq >= self._seen.get(backend, Seen()).seq:
             self._seen[backend] = seen
 
-    def _refresh_calls(
-        self, held: list[Reservation], *, renew: bool
-    ) -> list[tuple[str, str, list[str | int]]]:
+    def _refresh_calls(self, renewed: list[Reservation]) -> list[tuple[str, str, list[str | int]]]:
+        """Retry the unconfirmed releases, renew `renewed` with their tokens (restoring or
+        raising what Redis lacks), and peek at every other backend."""
         calls: list[tuple[str, str, list[str | int]]] = [
             ("release", r.backend, [r.lease]) for r, _ in self._unconfirmed.values()
         ]
         leases: dict[str, list[str | int]] = {b: [] for b in self._seen}
-        for r in held:
+        for r in renewed:
             leases.setdefault(r.backend, []).extend((r.lease, r.tokens))
         for backend, pairs in leases.items():
-            calls.append(("renew", backend, pairs) if renew and pairs else ("peek", backend, []))
+            calls.append(("renew", backend, pairs) if pairs else ("peek", backend, []))
         return calls
 
     def _refreshed(

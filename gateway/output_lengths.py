@@ -66,10 +66,11 @@ class OutputLengths:
             own = self._tenants[tenant] = LengthQuantile(self.settings.quantile)
         own.observe(per_choice)
 
-    def expected(self, tenant: str) -> int:
-        """The output tokens one choice of `tenant`'s next request will likely need."""
+    def expected(self, tenant: str | None = None) -> int:
+        """The output tokens one choice of `tenant`'s next request (None: any tenant's) will
+        likely need."""
         need = self.settings.min_samples
-        own = self._tenants.get(tenant)
+        own = None if tenant is None else self._tenants.get(tenant)
         if own is not None and len(own) >= need:
             return max(1, own.value())
         if len(self._pool) >= need:

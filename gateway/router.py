@@ -30,7 +30,6 @@ class Router:
         self.pools = pools
         self.ledger = ledger
         self.clock = clock
-        self._clock = clock
         self._backends = {b.name: b for p in pools.values() for b in p.backends}
         self._listeners: list[ReleaseListener] = []
         self._holds = {name: HoldTimes() for name in pools}
@@ -61,32 +60,32 @@ class Router:
 
     def capacity(self, backend: Backend) -> int:
         stale = self.pools[backend.pool].settings.metrics_stale_s
-        return backend.capacity(now=self._clock.monotonic(), stale_after=stale)
+        return backend.capacity(now=self.clock.monotonic(), stale_after=stale)
 
     def limit(self, backend: Backend) -> int:
         """Tokens the ledger may hold on this backend: capacity × its effective fill, less
         what the backend reports holding beyond the ledger's view (see `_view`)."""
         capacity = self.capacity(backend)
-        return self._view(backend, capacity, self._clock.monotonic())[1]
+        return self._view(backend, capacity, self.clock.monotonic())[1]
 
     def fill(self, backend: Backend) -> float:
         capacity = self.capacity(backend)
         if capacity <= 0:
             return math.inf
-        return self._view(backend, capacity, self._clock.monotonic())[0] / capacity
+        return self._view(backend, capacity, self.clock.monotonic())[0] / capacity
 
     def effective_fill(self, backend: Backend) -> float:
         """The fill admission aims at on `backend`: the target, or less after a back-off
         (gateway/fill.py) while the backend's load is fresh."""
         settings = self.pools[backend.pool].settings
-        fresh = settings.feedback and backend.reported_load(self._clock.monotonic()) is not None
+        fresh = settings.feedback and backend.reported_load(self.clock.monotonic()) is not None
         return backend.fill.fill if fresh else settings.target_fill
 
     def reported_tokens(self, backend: Backend) -> int | None:
         """The KV tokens the backend reports in use (fresh scrapes only), else None."""
         if not self.pools[backend.pool].settings.feedback:
             return None
-        load = backend.reported_load(self._clock.monotonic())
+        load = backend.reported_load(self.clock.monotonic())
         return None if load is None else math.ceil(load.kv_usage * self.capacity(backend))
 
     def unreserved_tokens(self, backend: Backend) -> int:
@@ -113,7 +112,7 @@ class Router:
             return held, _limit(capacity, settings.target_fill)
         reported = math.ceil(load.kv_usage * capacity)
         beyond = max(0, reported - backend.reserved_at_load)
-        return held + beyond, _limit(capacity, backend.fill.fill) - beyond
+        return held + beyond, max(0, _limit(capacity, backend.fill.fill) - beyond)
 
     def pool_fill(self, pool: str) -> float:
         backends = self.pools[pool].backends
@@ -131,7 +130,7 @@ class Router:
         """(fill, index, backend, limit, capacity) of each usable backend, least filled
         first; each capacity worked out once."""
         p = self.pools[pool]
-        now = self._clock.monotonic()
+        now = self.clock.monotonic()
         stale = p.settings.metrics_stale_s
         ranked: list[tuple[float, int, Backend, int, int]] = []
         for i, b in enumerate(p.backends):
@@ -173,7 +172,7 @@ class Router:
 
     def _hold(self, reservation: Reservation) -> Reservation:
         pool = self._backends[reservation.backend].pool
-        self._held[pool][reservation.lease] = (self._clock.monotonic(), reservation)
+        self._held[pool][reservation.lease] = (self.clock.monotonic(), reservation)
         return reservation
 
     def has_room(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
@@ -211,7 +210,7 @@ class Router:
     def retry_after(self, pool: str, tokens: int, *, sequences: int = 1) -> float:
         """Seconds until a request of `sequences` × `tokens` likely fits in the pool, behind
         the requests already queued there (gateway/forecast.py)."""
-        now = self._clock.monotonic()
+        now = self.clock.monotonic()
         need = self.pool_kv_tokens(pool, tokens, sequences=sequences)
         recent = self._forecasts.get((pool, need))
         if recent is not None and now - recent[0] < FORECAST_REUSE_S:
@@ -257,7 +256,7 @@ class Router:
         entry = self._held[pool].pop(reservation.lease, None)  # gone even if the release fails
         await self.ledger.release(reservation)
         if entry is not None:
-            self._holds[pool].observe(self._clock.monotonic() - entry[0])
+            self._holds[pool].observe(self.clock.monotonic() - entry[0])
         self._freed(reservation.backend)
 
     def released_elsewhere(self, backend: str, tokens: int) -> None:
