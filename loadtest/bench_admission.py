@@ -52,6 +52,7 @@ INTERVAL_S = 0.25
 IDLE_TIMEOUT_S = 180.0
 SETTLE_TIMEOUT_S = 180.0
 DIRECT = "direct"
+ON_BACKEND = ("served", "local", "queued")  # outcomes the backend answered, not the provider
 # Direct runs last in each round: the bursts it lets into the engine (requests waiting inside
 # vLLM, preemptions) lower the learned gateway's effective fill, which is then let recover.
 ARMS = (*fleet.ARMS, DIRECT)
@@ -159,6 +160,22 @@ class Watch:
         return used / reserved if reserved else None
 
 
+def streaming_at_once(results: Sequence[Result]) -> int:
+    """The most answers the backend streamed at once, as the client saw them (first token to
+    end): a cross-check of the scraped figure that a starved sampler cannot miss."""
+    edges = sorted(
+        edge
+        for r in results
+        if r.ok and r.ttft_s is not None and r.e2e_s is not None and r.outcome in ON_BACKEND
+        for edge in ((r.sent_s + r.ttft_s, 1), (r.sent_s + r.e2e_s, -1))
+    )  # at equal times an end (-1) sorts before a start
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
 def summarize(arm: str, results: Sequence[Result], watch: Watch, **extra: Any) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -172,6 +189,7 @@ def summarize(arm: str, results: Sequence[Result], watch: Watch, **extra: Any) -
         "errors": sum(not r.ok and r.status != 503 for r in results),
         "outcomes": dict(Counter(r.outcome for r in results)),
         "running_max": max((p.running for p in points), default=None),
+        "streaming_max": streaming_at_once(results),
         "waiting_max": max((p.waiting for p in points), default=None),
         "kv_peak": max((p.kv_usage for p in points), default=None),
         "reserved_peak": max((p.reserved for p in watch.gateway), default=None),

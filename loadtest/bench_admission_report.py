@@ -16,6 +16,7 @@ from loadtest.loadgen_text import table
 
 ROWS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("running_max", "running at once (max)", lambda v: f"{v:.0f}"),
+    ("streaming_max", "streaming at once (client)", lambda v: f"{v:.0f}"),
     ("kv_peak", "peak KV used", lambda v: f"{v:.0%}"),
     ("used_per_reserved", "KV used ÷ reserved", lambda v: f"{v:.2f}"),
     ("ttft_p50_s", "TTFT p50 (s)", lambda v: f"{v:.2f}"),

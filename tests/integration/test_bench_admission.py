@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench_admission import main
+from loadtest.bench_admission import main, streaming_at_once
+from loadtest.loadgen_client import Result
 
 ARMS = ["static", "learned", "direct"]
 
@@ -56,3 +57,22 @@ def test_the_bench_runs_every_arm_on_the_same_requests(
     assert "the learned arm was warmed first: 5 seeded requests" in printed.out
     assert "spike of 6, overflow [queue, provider, reject]" in printed.out
     assert f"wrote {out.resolve()}" in printed.err
+
+
+def _result(sent_s: float, ttft_s: float, e2e_s: float, outcome: str = "local") -> Result:
+    return Result(
+        index=0, tenant="t", at_s=0.0, sent_s=sent_s, stream=True, repeated=False,
+        prompt_tokens=1, max_tokens=1, status=200, outcome=outcome, ttft_s=ttft_s, e2e_s=e2e_s,
+    )  # fmt: skip
+
+
+def test_streaming_at_once_counts_overlapping_answers_the_backend_gave() -> None:
+    results = [
+        _result(0.0, 1.0, 3.0),  # streams 1..3
+        _result(0.0, 2.0, 4.0),  # 2..4
+        _result(3.0, 0.5, 5.0),  # 3.5..8: after the first ended
+        _result(0.0, 3.0, 4.0),  # 3..4: starts as the first ends
+        _result(0.0, 1.0, 9.0, outcome="provider"),  # not on the backend
+    ]
+    assert streaming_at_once(results) == 3
+    assert streaming_at_once([]) == 0
