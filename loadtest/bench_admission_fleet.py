@@ -34,6 +34,7 @@ TENANT, KEY = "bench", "sk-bench-admission"
 PROVIDER_KEY_ENV, PROVIDER_KEY = "BENCH_PROVIDER_KEY", "sk-bench-provider"
 SPIKE_SUFFIX = "-spike"
 START_TIMEOUT_S = 60.0
+TIMEOUTS = {"connect": 10.0, "first_token": 60.0, "idle": 60.0, "total": 600.0}
 # The arms through the gateway: pool options that pick the admission (issue 20's keys).
 ARMS: dict[str, dict[str, Any]] = {
     "static": {"reservation": {"mode": "max_tokens"}, "feedback": False},
@@ -137,8 +138,10 @@ def provider(*, workdir: Path) -> Iterator[str]:
 
 
 def gateway_config(*, backend: Backend, provider_url: str, arm: str) -> dict[str, Any]:
-    """One gateway: tenant limits out of the way, the arm's admission on both pools."""
-    options = {"target_fill": 0.9, **ARMS[arm]}
+    """One gateway: tenant limits out of the way, the arm's admission on both pools, and
+    connect timeouts long enough for a starved two-core machine (the default 2 s there
+    turned overload into refusals that had nothing to do with admission)."""
+    options = {"target_fill": 0.9, "timeouts": TIMEOUTS, **ARMS[arm]}
     entry = {"url": backend.url, "served_model": backend.model, "capacity": "auto"}
     return {
         "tenants": [
@@ -172,6 +175,7 @@ def gateway_config(*, backend: Backend, provider_url: str, arm: str) -> dict[str
                 "models": {backend.model + SPIKE_SUFFIX: backend.model},
                 "tokens_per_minute": 1_000_000_000,
                 "max_concurrency": 1024,
+                "timeouts": TIMEOUTS,
             }
         ],
     }
