@@ -65,7 +65,7 @@ class BenchPlan:
     spike_factor: int = 5  # the spike is this many times the smallest burst
     spike_window_s: float = 1.0  # over which the spike's requests arrive, evenly
     warmup: int = 64  # requests through each pool of the learned arm before measuring
-    warmup_rate: float = 8.0  # of the warm-up, per second
+    warmup_rate: float = 4.0  # per second: slow enough that the warm-up neither queues nor spills
     max_tokens: int = 2048
     prompt_tokens: str = "uniform:32:256"
     seed: int = 20
@@ -407,7 +407,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, BenchPla
     p.add_argument("--spike-factor", type=int, default=5)
     p.add_argument("--spike-window", type=float, default=1.0)
     p.add_argument("--warmup", type=int, default=64)
-    p.add_argument("--warmup-rate", type=float, default=8.0)
+    p.add_argument("--warmup-rate", type=float, default=4.0)
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--prompt-tokens", default="uniform:32:256")
     p.add_argument("--seed", type=int, default=20)

@@ -32,11 +32,12 @@ def test_discovery_reads_capacity_in_blocks_less_the_one_vllm_keeps(vllm_url: st
 
 def test_discovery_reads_the_block_size(vllm_url: str) -> None:
     """A request held under static reservation holds prompt + max_tokens in whole blocks
-    of vLLM's size (128 here), not of the configured default (16)."""
+    of vLLM's size (128 here), not of the configured default (16). The answer is long
+    (over ten seconds) so that it still runs when a busy machine gets to look."""
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 1000,
+        "max_tokens": 3900,
         "ignore_eos": True,  # random weights emit EOS now and then
         "stream": True,
     }
@@ -45,7 +46,7 @@ def test_discovery_reads_the_block_size(vllm_url: str) -> None:
             assert r.status_code == 200
             chunks = r.iter_bytes()  # kept: a dropped iterator closes the stream
             next(chunks)
-            assert gw.backend()["tokens_in_flight"] == 8 * BLOCK_SIZE  # "hi" and 1,000
+            assert gw.backend()["tokens_in_flight"] == 31 * BLOCK_SIZE  # "hi" and 3,900
         assert gw.backend()["tokens_in_flight"] == 0
 
 
