@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Mapping
 import httpx
 import redis.asyncio as aioredis
 import redis.exceptions
+from opentelemetry.sdk.trace.export import SpanExporter
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -25,6 +26,7 @@ from gateway.backends import FleetWatcher, Pool, build_pools
 from gateway.clock import Clock, SystemClock
 from gateway.config import Settings
 from gateway.dashboard import Dashboard, OutcomeHistory
+from gateway.endpoints import EmbeddingsEndpoint, ResponsesEndpoint
 from gateway.errors import InvalidRequest, SpillgateError, error_response
 from gateway.forward import Forwarder
 from gateway.guard import head_bytes, head_too_large
@@ -37,7 +39,9 @@ from gateway.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.providers import build_gates
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
 from gateway.request import Endpoint
+from gateway.response_homes import ResponseHomes
 from gateway.router import Router
+from gateway.tracing import build_tracing
 from gateway.upstream import UpstreamPool
 from gateway.workers import MULTIPROC_ENV, publish_metrics
 from policies.base import PolicyDeps
@@ -133,8 +137,12 @@ def create_app(
     clock: Clock | None = None,
     redis_url: str | None = None,
     workers: int = 1,
+    span_exporter: SpanExporter | None = None,
 ) -> FrontDoor:
-    """The gateway; `workers` is how many processes of this replica share its Redis."""
+    """The gateway; `workers` is how many processes of this replica share its Redis.
+
+    `span_exporter` takes the place of the OTLP exporter when tracing is on (tests use an
+    in-memory one)."""
     env = dict(os.environ if environ is None else environ)
     clock = clock or SystemClock()
     metrics = GatewayMetrics(multiprocess_dir=env.get(MULTIPROC_ENV))
@@ -169,6 +177,7 @@ def create_app(
     )
     chains = {name: build_chain(pool.settings, policy_deps) for name, pool in pools.items()}
     auth = Authenticator(settings, env)
+    tracing = build_tracing(settings.tracing, environ=env, exporter=span_exporter)
     deps = PipelineDeps(
         auth=auth,
         limiter=limiter,
@@ -181,6 +190,7 @@ def create_app(
         clock=clock,
         max_body_bytes=settings.server.max_body_bytes,
         request_read_timeout_s=settings.server.request_read_timeout_s,
+        tracing=tracing,
     )
     watcher = FleetWatcher(pools, client=client, clock=clock)
     loads = LoadWatcher(
@@ -235,9 +245,17 @@ def create_app(
             await router.ledger.close()
             if redis is not None:
                 await redis.aclose()
+            if tracing is not None:
+                # the spans still batched go out now, off the loop (an export may wait on
+                # the collector for its timeout)
+                await asyncio.to_thread(tracing.shutdown)
             metrics.close()
 
-    completions = {e: CompletionsEndpoint(e, deps) for e in Endpoint}
+    completions: dict[Endpoint, ASGIApp] = {
+        e: CompletionsEndpoint(e, deps) for e in (Endpoint.CHAT, Endpoint.COMPLETIONS)
+    }
+    completions[Endpoint.EMBEDDINGS] = EmbeddingsEndpoint(deps)
+    completions[Endpoint.RESPONSES] = ResponsesEndpoint(deps, homes=ResponseHomes(redis=redis))
     routes = [
         *(Route(e, endpoint, methods=["POST"]) for e, endpoint in completions.items()),
         *admin.routes(),

@@ -37,6 +37,8 @@ Priority = Literal["critical", "standard", "sheddable"]
 PRIORITIES: tuple[Priority, ...] = ("critical", "standard", "sheddable")
 # the overflow policies policies/registry.py builds, by the names a pool's chain uses
 PolicyName = Literal["queue", "degrade", "provider", "cache", "reject"]
+# what a pool's backends serve: generation (chat, completions, responses) or embeddings
+PoolKind = Literal["chat", "embedding"]
 
 
 class _Model(BaseModel):
@@ -99,6 +101,7 @@ class ReservationSettings(_Model):
 
 class PoolSettings(_Model):
     name: str = Field(min_length=1)
+    kind: PoolKind = "chat"
     backends: list[BackendSettings] = Field(min_length=1)
     target_fill: float = Field(0.9, gt=0, le=1)
     default_max_tokens: int = Field(256, gt=0)  # reserved when a request names no max_tokens
@@ -205,6 +208,21 @@ class ServerSettings(_Model):
     upstream_max_connections: int = Field(1024, gt=0)
 
 
+class TracingSettings(_Model):
+    """OpenTelemetry spans, exported over OTLP/HTTP (gateway/tracing.py); off by default."""
+
+    enabled: bool = False
+    # the collector's OTLP/HTTP base URL (/v1/traces is added); None: $OTEL_EXPORTER_OTLP_*
+    otlp_endpoint: str | None = None
+    service_name: str = Field("spillgate", min_length=1)
+    sample_ratio: float = Field(1.0, ge=0, le=1)  # of traces the gateway starts itself
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint(cls, url: str | None) -> str | None:
+        return None if url is None else _http_url(url)
+
+
 class Settings(_Model):
     server: ServerSettings = ServerSettings()
     redis: RedisSettings = RedisSettings()
@@ -213,6 +231,7 @@ class Settings(_Model):
     tenants: list[TenantSettings] = Field(min_length=1)
     pools: list[PoolSettings] = Field(min_length=1)
     providers: list[ProviderSettings] = Field(default_factory=list)
+    tracing: TracingSettings = TracingSettings()
 
     @model_validator(mode="after")
     def _references(self) -> Settings:

@@ -26,8 +26,10 @@ def reference_problems(data: Any) -> list[Problem]:
         *_repeated_backend_names(pools),
         *_repeated_tenant_keys(tenants),
     ]
+    kinds = {pool.get("name"): pool.get("kind", "chat") for _, pool in pools}
     for i, pool in pools:
         problems += _pool_references(i, pool, pools=pool_names, providers=provider_names)
+        problems += _kind_problems(i, pool, kinds)
     for i, tenant in tenants:
         for j, name in _strings(tenant.get("pools")):
             if name not in pool_names:
@@ -76,6 +78,35 @@ def _pool_references(
     if rejects and rejects[0] != chain[-1][0]:
         message = "'reject' refuses every request: the policies after it would never run"
         problems.append(Problem(loc=("pools", i, "overflow", rejects[0]), message=message))
+    return problems
+
+
+# policies that cannot serve an embedding: no smaller model answers with the same vectors,
+# and the cache keeps generated text
+NOT_FOR_EMBEDDINGS = {
+    "degrade": "another model's vectors do not match this model's",
+    "cache": "the response cache keeps generated text, not vectors",
+}
+
+
+def _kind_problems(i: int, pool: dict[str, Any], kinds: dict[Any, Any]) -> list[Problem]:
+    """An embedding pool's chain holds only what can serve an embedding; a pool degrades
+    only to a pool of its own kind."""
+    kind = pool.get("kind", "chat")
+    problems: list[Problem] = []
+    degrade_to = pool.get("degrade_to")
+    if isinstance(degrade_to, str) and degrade_to in kinds and kinds[degrade_to] != kind:
+        message = (
+            f"{degrade_to!r} is a pool of kind {kinds[degrade_to]!r}, this one of kind "
+            f"{kind!r}: a pool degrades only to a pool of its kind"
+        )
+        problems.append(Problem(loc=("pools", i, "degrade_to"), message=message))
+    if kind != "embedding":
+        return problems
+    for j, policy in _strings(pool.get("overflow")):
+        if policy in NOT_FOR_EMBEDDINGS:
+            message = f"{policy!r} cannot serve an embedding pool: {NOT_FOR_EMBEDDINGS[policy]}"
+            problems.append(Problem(loc=("pools", i, "overflow", j), message=message))
     return problems
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from starlette.types import Send
 from tenacity import (
@@ -16,7 +17,7 @@ from tenacity import (
 
 from gateway.clock import Clock
 from gateway.errors import UpstreamError, UpstreamTimeout
-from gateway.forward import Forwarder, Target, UpstreamUnavailable
+from gateway.forward import Forwards, Target, UpstreamUnavailable
 from gateway.growth import Growth
 from gateway.ledger import Reservation
 from gateway.metrics import GatewayMetrics
@@ -24,6 +25,9 @@ from gateway.outcome import OUTCOME_HEADERS, Outcome
 from gateway.relay import Relayed, ResponseTap
 from gateway.request import InferenceRequest
 from gateway.router import Router
+
+if TYPE_CHECKING:
+    from gateway.tracing import RequestTrace
 
 ATTEMPTS = 3
 
@@ -69,6 +73,7 @@ class Exchange:
         "send",
         "tap",
         "timings",
+        "trace",
     )  # fmt: skip
 
     def __init__(  # positional or keyword: the pipeline builds one per request positionally
@@ -76,16 +81,19 @@ class Exchange:
         send: Send,
         headers: Sequence[tuple[bytes, bytes]],
         router: Router,
-        forwarder: Forwarder,
+        forwarder: Forwards,
         metrics: GatewayMetrics,
         clock: Clock,
         holding: Holding,
         tap: ResponseTap | None = None,
+        trace: RequestTrace | None = None,
     ) -> None:
         self.send = send
         self.base_headers = headers
         self.router = router
-        self.forwarder = forwarder
+        # traced, each upstream attempt is a span, its context sent on (gateway/tracing.py)
+        self.forwarder = forwarder if trace is None else trace.forwarder(forwarder)
+        self.trace = trace
         self.metrics = metrics
         self.clock = clock
         self.holding = holding
@@ -148,6 +156,11 @@ class Exchange:
                 with attempt:
                     return await self._attempt(request, outcome, tried, deadline=deadline)
         except UpstreamUnavailable as exc:
+            # the attempts found every backend of the pool unreachable: that is an outage,
+            # told as later requests are told it, not a failed answer
+            outage = self.router.pools[request.pool].outage()
+            if outage is not None:
+                raise outage from None
             error = UpstreamTimeout if exc.timed_out else UpstreamError
             reason = exc.reason if exc is first else f"{first.reason}; then {exc.reason}"
             raise error(

@@ -6,7 +6,7 @@ import asyncio
 import re
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import aiohttp
 import orjson
@@ -25,7 +25,7 @@ from gateway.relay import (
     relay_stream,
     send_json_body,
 )
-from gateway.request import InferenceRequest
+from gateway.request import Endpoint, InferenceRequest
 from gateway.upstream import UpstreamPool
 
 
@@ -78,12 +78,18 @@ UPSTREAM_CHOOSING_FIELDS = frozenset(
 UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
 
 
+# where a stream tells its usage only when asked to (the Responses API's always ends with it)
+USAGE_OPTION_ENDPOINTS = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
+# a provider's readable success holds one of these: choices, embeddings, a response's output
+ANSWER_KEYS = frozenset({"choices", "data", "output"})
+
+
 def upstream_body(request: InferenceRequest, model: str) -> bytes:
     body = dict(request.body)
     if not UPSTREAM_CHOOSING_FIELDS.isdisjoint(body):
         body = {k: v for k, v in body.items() if k not in UPSTREAM_CHOOSING_FIELDS}
     body["model"] = model
-    if request.stream:
+    if request.stream and request.endpoint in USAGE_OPTION_ENDPOINTS:
         options = body.get("stream_options") or {}
         body["stream_options"] = {**options, "include_usage": True}
     return orjson.dumps(body)
@@ -105,6 +111,24 @@ class _Route(NamedTuple):
     timeout: aiohttp.ClientTimeout  # the connect budget only: the caller's deadline bounds the rest
 
 
+class Forwards(Protocol):
+    """What an exchange forwards with: the Forwarder, or a traced one around it."""
+
+    async def forward(
+        self,
+        target: Target,
+        request: InferenceRequest,
+        *,
+        public_model: str,
+        send: Send,
+        headers: Sequence[tuple[bytes, bytes]],
+        tap: ResponseTap | None = None,
+        deadline: float | None = None,
+        trace_headers: Mapping[str, str] | None = None,
+        growth: StreamWatch | None = None,
+    ) -> Relayed: ...
+
+
 class Forwarder:
     def __init__(self, pool: UpstreamPool) -> None:
         self._pool = pool
@@ -119,14 +143,20 @@ class Forwarder:
         )
         return route
 
-    def _post(self, target: Target, request: InferenceRequest) -> Awaitable[aiohttp.ClientResponse]:
+    def _post(
+        self,
+        target: Target,
+        request: InferenceRequest,
+        trace_headers: Mapping[str, str] | None,
+    ) -> Awaitable[aiohttp.ClientResponse]:
         route = self._routes.get((target.name, target.api_base, request.endpoint))
         if route is None:
             route = self._route(target, request.endpoint)
         return self._pool.session.post(
             route.url,
             data=upstream_body(request, target.model),
-            headers=route.headers,
+            # `traceparent` (gateway/tracing.py) only when tracing is on
+            headers=route.headers if trace_headers is None else {**route.headers, **trace_headers},
             timeout=route.timeout,
         )
 
@@ -140,12 +170,13 @@ class Forwarder:
         headers: Sequence[tuple[bytes, bytes]],
         tap: ResponseTap | None = None,
         deadline: float | None = None,
+        trace_headers: Mapping[str, str] | None = None,
         growth: StreamWatch | None = None,
     ) -> Relayed:
         """Relay `request` via `target` to the client; raise UpstreamUnavailable before any byte.
 
         `deadline` (event-loop time) ends the whole exchange, earlier attempts included;
-        by default it is `timeouts.total` from now.
+        by default it is `timeouts.total` from now. `trace_headers` go to the upstream too.
         """
         loop = asyncio.get_running_loop()
         t = target.timeouts
@@ -154,7 +185,9 @@ class Forwarder:
             deadline = end
         swap = model_swap(target.model, public_model)
         if not request.stream:
-            status, body = await self._whole(target, request, deadline=deadline)
+            status, body = await self._whole(
+                target, request, deadline=deadline, trace_headers=trace_headers
+            )
             if target.external:
                 _check_external_body(status, body)
             return await send_json_body(
@@ -167,7 +200,7 @@ class Forwarder:
             )
         try:
             with Deadline(min(loop.time() + t.first_token, deadline)):
-                response = await self._post(target, request)
+                response = await self._post(target, request, trace_headers)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _unavailable(exc, answered=False, target=target) from None
         done = False
@@ -221,7 +254,12 @@ class Forwarder:
                 response.close()
 
     async def _whole(
-        self, target: Target, request: InferenceRequest, *, deadline: float
+        self,
+        target: Target,
+        request: InferenceRequest,
+        *,
+        deadline: float,
+        trace_headers: Mapping[str, str] | None,
     ) -> tuple[int, bytes]:
         """A non-streaming answer, status and body. Its head is its first byte, which vLLM
         sends once the whole answer is generated: the head must come within `first_token`,
@@ -233,7 +271,7 @@ class Forwarder:
         read = False
         try:
             with Deadline(min(loop.time() + t.first_token, deadline)) as budget:
-                response = await self._post(target, request)
+                response = await self._post(target, request, trace_headers)
                 _check_status(response)
                 chunks: list[bytes] = []
                 budget.extend(min(loop.time() + t.idle, deadline))
@@ -302,7 +340,7 @@ def _check_external_body(status: int, body: bytes) -> None:
         answer = orjson.loads(body)
     except orjson.JSONDecodeError:
         answer = None
-    if not isinstance(answer, dict) or "error" in answer or "choices" not in answer:
+    if not isinstance(answer, dict) or "error" in answer or ANSWER_KEYS.isdisjoint(answer):
         raise UpstreamUnavailable("bad body", status=status, detail=body)
 
 

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from starlette.types import Message, Receive, Scope, Send
 
@@ -41,6 +42,7 @@ from gateway.request import (
     PRIORITY_HEADER,
     Endpoint,
     InferenceRequest,
+    check_pool_kind,
     decode_body,
     effective_priority,
     names_max_tokens,
@@ -49,6 +51,9 @@ from gateway.request import (
 )
 from gateway.router import Router
 from policies.base import Gate, OverflowPolicy, TapFactory
+
+if TYPE_CHECKING:
+    from gateway.tracing import RequestTrace, Tracing
 
 log = logging.getLogger("spillgate.pipeline")
 PRIORITY_HEADER_BYTES = PRIORITY_HEADER.encode()
@@ -68,6 +73,7 @@ class PipelineDeps:
     request_read_timeout_s: float = 30.0
     taps: Mapping[str, TapFactory] = field(default_factory=dict)  # pool → answer watcher
     gates: Mapping[str, Gate] = field(default_factory=dict)  # pool → may arrivals go first
+    tracing: Tracing | None = None  # None: tracing is off, and costs one check per request
 
 
 def request_headers(scope: Scope) -> dict[bytes, bytes]:
@@ -220,20 +226,26 @@ class CompletionsEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = RequestWatch(receive, send, read_s=self._d.request_read_timeout_s)
         headers: list[tuple[bytes, bytes]] = []  # the rate-limit headers, once decided
+        tracing = self._d.tracing
+        trace = None if tracing is None else tracing.begin(scope)
         try:
             fields = request_headers(scope)
             raw = await read_body(fields, receive, self._d.max_body_bytes)
             watch.body_read()
-            await self._handle(fields, raw, headers, watch)
+            await self._handle(fields, raw, headers, watch, trace)
         except ClientGone:
             return
         except SpillgateError as exc:
             watch.close()  # the answer is decided: a disconnect now cancels nothing
+            if trace is not None:
+                trace.failed(exc, status=exc.status, started=watch.started)
             if not watch.started:
                 await error_response(exc, headers)(scope, receive, send)
-        except Exception:
+        except Exception as exc:
             log.exception("request failed")
             watch.close()
+            if trace is not None:
+                trace.failed(exc, status=500, started=watch.started)
             if not watch.started:
                 error = SpillgateError("The gateway failed to handle this request.")
                 await error_response(error, headers)(scope, receive, send)
@@ -252,6 +264,8 @@ class CompletionsEndpoint:
                 await error_response(error)(scope, receive, send)
         finally:
             watch.close()
+            if trace is not None:
+                trace.end()
             if watch.last is not None:
                 # only now does the client hold the whole response: its next request sees
                 # this one's refund in x-ratelimit-remaining-tokens
@@ -263,6 +277,7 @@ class CompletionsEndpoint:
         raw: bytes,
         headers: list[tuple[bytes, bytes]],
         watch: RequestWatch,
+        trace: RequestTrace | None = None,
     ) -> None:
         d = self._d
         t0 = time.perf_counter()
@@ -280,6 +295,8 @@ class CompletionsEndpoint:
             chars_per_token=pool.estimator.chars_per_token,
         )
         request = self._expect(request, pool)
+        if trace is not None:
+            trace.parsed(request)
         reserved = request.reserved_tokens
         decision = await d.limiter.acquire(tenant.limits, reserved)
         self._throttle(tenant, request, decision, headers)
@@ -290,7 +307,7 @@ class CompletionsEndpoint:
         try:
             exchange = Exchange(  # positional: a class called with keywords costs more
                 watch.send, headers, d.router, d.forwarder, d.metrics, d.clock, holding,
-                self._tap(request),
+                self._tap(request), trace,
             )  # fmt: skip
             served = await self._dispatch(request, exchange)
             outcome = served.outcome
@@ -313,6 +330,8 @@ class CompletionsEndpoint:
                     reserved, started=began, used=used, refused=outcome is Outcome.REJECTED
                 )
                 self._record(request, served, outcome, t0)
+                if trace is not None:
+                    trace.settled(served, outcome)
 
     @staticmethod
     def _expect(request: InferenceRequest, pool: Pool) -> InferenceRequest:
@@ -323,8 +342,8 @@ class CompletionsEndpoint:
         the same expected output all the same, since the backends' reported KV use
         (gateway/backend_load.py) covers an answer longer than that within a scrape.
         """
-        if pool.settings.reservation.mode == "max_tokens":
-            return request  # the whole of max_tokens (or the pool's default), as reserved
+        if pool.settings.reservation.mode == "max_tokens" or not request.max_output_tokens:
+            return request  # the whole of max_tokens (or the pool's default); embeddings: 0
         if names_max_tokens(request.body):
             cap = request.max_output_tokens
         else:
@@ -341,6 +360,7 @@ class CompletionsEndpoint:
         pool = self._d.router.pools.get(model)
         if pool is None or not tenant.may_use(model):
             raise ModelNotFound(f"The model {model!r} does not exist.", param="model")
+        check_pool_kind(pool.settings.kind, self._endpoint, model)
         return pool
 
     def _throttle(
@@ -385,9 +405,13 @@ class CompletionsEndpoint:
         chain = self._d.chains[request.pool]
         self._check_fits(request, chain)
         outage = self._d.router.pools[request.pool].outage
+        trace = exchange.trace
         try:
             for policy in chain:
-                served = await policy.serve(request, exchange)
+                if trace is None:
+                    served = await policy.serve(request, exchange)
+                else:  # each policy tried is a span
+                    served = await trace.spill(policy, request, exchange)
                 if served is not None:
                     return served
         except Rejected as refused:

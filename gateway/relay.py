@@ -46,6 +46,8 @@ class Usage:
     def from_json(cls, usage: Any) -> Usage:
         if not isinstance(usage, dict):
             return cls()
+        if "input_tokens" in usage:  # the Responses API's names
+            return cls(int(usage["input_tokens"] or 0), int(usage.get("output_tokens") or 0), True)
         # positional (prompt, completion, known): built once per answer
         return cls(
             int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), True
@@ -124,6 +126,10 @@ _NOTABLE = {
     for parts in [((_USAGE, True), (_FINISH, not keep), (_ERROR, hide))]
 }
 _USAGE_EVENT, _FINISH_EVENT, _ERROR_EVENT = map(re.compile, (_USAGE, _FINISH, _ERROR))
+# the Responses API's last event, whichever way the response ended: each carries its usage
+FINAL_RESPONSE_EVENTS = frozenset(
+    b"event: response." + end for end in (b"completed", b"incomplete", b"failed")
+)
 HIDDEN_ERROR = (
     b'data: {"error":{"message":"The provider failed mid-stream; the response is incomplete.",'
     b'"type":"server_error","param":null,"code":"upstream_error"}}'
@@ -202,6 +208,8 @@ class StreamRelay:
             if self._hide_errors and _ERROR_EVENT.match(event):
                 event = self._hidden(event)
             payload = self._usage_payload(event)
+            if payload is None and event.startswith(b"event: "):
+                self._typed_event(event)
             if payload is not None:
                 self.usage = Usage.from_json(payload["usage"])
                 if not self._keep_usage and not payload.get("choices"):
@@ -219,6 +227,21 @@ class StreamRelay:
                 continue
             kept.append(event)
         return b"\n\n".join(kept)
+
+    def _typed_event(self, event: bytes) -> None:
+        """A typed event (the Responses API's `event: response.*`): the final one
+        (`response.completed`, or `.incomplete`, `.failed`) carries the usage inside its
+        response object."""
+        head, _, data = event.partition(b"\ndata: ")
+        if head not in FINAL_RESPONSE_EVENTS:
+            return
+        try:
+            payload = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        response = payload.get("response") if isinstance(payload, dict) else None
+        if isinstance(response, dict):
+            self.usage = Usage.from_json(response.get("usage"))
 
     def _hidden(self, event: bytes) -> bytes:
         self.upstream_error = event

@@ -7,13 +7,15 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from gateway.config import PRIORITIES, Priority
+from gateway.config import PRIORITIES, PoolKind, Priority
 from gateway.errors import InvalidRequest
 
 MAX_TOKENS_CEILING = 1_000_000
 MAX_CHOICES = 128  # `n`: each choice is a sequence of its own on the backend
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings request, as OpenAI allows
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other; orjson writes at most 254
 PRIORITY_HEADER = "x-spillgate-priority"
+OUTPUT_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 NUMBER = (int, float)  # built once: `int | float` in isinstance makes a new union per call
 NUMBER_FIELD_ORDER = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
 NUMBER_FIELDS = frozenset(NUMBER_FIELD_ORDER)
@@ -22,6 +24,17 @@ NUMBER_FIELDS = frozenset(NUMBER_FIELD_ORDER)
 class Endpoint(StrEnum):
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"
+    EMBEDDINGS = "/v1/embeddings"
+    RESPONSES = "/v1/responses"
+
+
+# the API each endpoint is, as vLLM names it when a model does not serve it
+API_NAMES = {
+    Endpoint.CHAT: "Chat Completions API",
+    Endpoint.COMPLETIONS: "Completions API",
+    Endpoint.EMBEDDINGS: "Embeddings API",
+    Endpoint.RESPONSES: "Responses API",
+}
 
 
 class InferenceRequest(NamedTuple):
@@ -158,8 +171,9 @@ def _max_tokens(body: dict[str, Any], default: int) -> int:
 
 def names_max_tokens(body: dict[str, Any]) -> bool:
     """Whether the request bounds its output itself (else the backend may generate up to
-    its context length)."""
-    return body.get("max_completion_tokens") is not None or body.get("max_tokens") is not None
+    its context length): `max_completion_tokens` or `max_tokens`, or the Responses API's
+    `max_output_tokens`."""
+    return any(body.get(key) is not None for key in OUTPUT_LIMITS)
 
 
 def _choices(body: dict[str, Any]) -> int:
@@ -198,6 +212,19 @@ def effective_priority(tenant_priority: Priority, header: str | None) -> Priorit
     return max(tenant_priority, requested, key=PRIORITIES.index)
 
 
+def check_pool_kind(kind: PoolKind, endpoint: Endpoint, model: str) -> None:
+    """Embedding pools serve /v1/embeddings only; every other pool serves all but it. The
+    400 says what vLLM says when a model does not serve an API."""
+    if (kind == "embedding") == (endpoint is Endpoint.EMBEDDINGS):
+        return
+    raise InvalidRequest(
+        f"The model {model!r} does not support {API_NAMES[endpoint]}: it is "
+        + ("an embedding model." if kind == "embedding" else "not an embedding model."),
+        param="model",
+        code="unsupported_endpoint",
+    )
+
+
 def parse_request(
     body: dict[str, Any],
     *,
@@ -209,6 +236,17 @@ def parse_request(
     max_model_len: int,
     chars_per_token: float,
 ) -> InferenceRequest:
+    if endpoint is Endpoint.EMBEDDINGS or endpoint is Endpoint.RESPONSES:
+        parse = parse_embeddings if endpoint is Endpoint.EMBEDDINGS else parse_responses
+        return parse(
+            body,
+            tenant=tenant,
+            pool=pool,
+            priority=priority,
+            default_max_tokens=default_max_tokens,
+            max_model_len=max_model_len,
+            chars_per_token=chars_per_token,
+        )
     chars = (
         _chat_prompt_chars(body) if endpoint is Endpoint.CHAT else _completion_prompt_chars(body)
     )
@@ -246,6 +284,157 @@ def parse_request(
         body,
         n,
     )
+
+
+def _embedding_input_tokens(
+    body: dict[str, Any], *, chars_per_token: float
+) -> tuple[int, list[int]]:
+    """The characters of an embeddings request's text inputs, and each input's tokens
+    (counted for token ids, estimated for text)."""
+    value = body.get("input")
+    if value is None:
+        raise InvalidRequest("Missing required parameter: 'input'.", param="input")
+    inputs = value if isinstance(value, list) and value and not _is_token(value[0]) else [value]
+    if not 1 <= len(inputs) <= MAX_EMBEDDING_INPUTS:
+        raise InvalidRequest(
+            f"'input' must hold between 1 and {MAX_EMBEDDING_INPUTS} inputs.", param="input"
+        )
+    chars = 0
+    tokens: list[int] = []
+    for item in inputs:
+        if isinstance(item, str):
+            chars += len(item)
+            tokens.append(max(1, int(len(item) / chars_per_token) + 1))
+        elif isinstance(item, list) and item and all(_is_token(t) for t in item):
+            tokens.append(len(item))
+        else:
+            raise InvalidRequest(
+                "'input' must be a string, an array of strings, an array of token ids, or an "
+                "array of token-id arrays; none of them empty.",
+                param="input",
+            )
+    return chars, tokens
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def parse_embeddings(
+    body: dict[str, Any],
+    *,
+    tenant: str,
+    pool: str,
+    priority: Priority,
+    default_max_tokens: int,
+    max_model_len: int,
+    chars_per_token: float,
+) -> InferenceRequest:
+    """/v1/embeddings: the inputs' tokens are the whole reservation (nothing is generated)."""
+    chars, tokens = _embedding_input_tokens(body, chars_per_token=chars_per_token)
+    longest = max(tokens)
+    if longest > max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens; an input has "
+            f"about {longest} tokens. Please reduce the length of the input.",
+            param="input",
+            code="context_length_exceeded",
+        )
+    encoding = body.get("encoding_format")
+    if encoding is not None and encoding not in ("float", "base64"):
+        raise InvalidRequest(
+            "'encoding_format' must be 'float' or 'base64'.", param="encoding_format"
+        )
+    dimensions = body.get("dimensions")
+    if dimensions is not None and (not _is_token(dimensions) or dimensions < 1):
+        raise InvalidRequest("'dimensions' must be a positive integer.", param="dimensions")
+    # token-id inputs have no characters: they teach the estimator nothing (prompt_chars 0)
+    return InferenceRequest(
+        Endpoint.EMBEDDINGS, tenant, pool, priority, False, True, chars, sum(tokens), 0, body
+    )
+
+
+def _item_chars(item: Any, param: str) -> int:
+    """The characters of one Responses API input item: a message's content (a string, or
+    parts with text), or the text fields of another kind of item (a tool call's output)."""
+    if not isinstance(item, dict):
+        raise InvalidRequest("Each input item must be an object.", param=param)
+    total = 16  # the role and the chat template's markers around each message
+    for key in ("content", "text", "output", "arguments"):
+        value = item.get(key)
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, list):
+            for part in value:
+                text = part.get("text") if isinstance(part, dict) else part
+                total += len(text) if isinstance(text, str) else 0
+    return total
+
+
+def parse_responses(
+    body: dict[str, Any],
+    *,
+    tenant: str,
+    pool: str,
+    priority: Priority,
+    default_max_tokens: int,
+    max_model_len: int,
+    chars_per_token: float,
+) -> InferenceRequest:
+    """/v1/responses: the prompt is `instructions` and `input`; the output `max_output_tokens`."""
+    value = body.get("input")
+    if value is None:
+        raise InvalidRequest("Missing required parameter: 'input'.", param="input")
+    if isinstance(value, str):
+        chars = len(value)
+    elif isinstance(value, list) and value:
+        chars = sum(_item_chars(item, f"input[{i}]") for i, item in enumerate(value))
+    else:
+        raise InvalidRequest(
+            "'input' must be a string or a non-empty array of items.", param="input"
+        )
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise InvalidRequest("'instructions' must be a string.", param="instructions")
+    chars += len(instructions or "")
+    previous = body.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
+        raise InvalidRequest(
+            "'previous_response_id' must be a non-empty string.", param="previous_response_id"
+        )
+    max_output = _max_output_tokens(body, default_max_tokens)
+    prompt_tokens = max(1, int(chars / chars_per_token) + 1)
+    if prompt_tokens + max_output > max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens; the request asks "
+            f"for about {prompt_tokens} prompt tokens and {max_output} output tokens.",
+            param="max_output_tokens",
+            code="context_length_exceeded",
+        )
+    stream = _flag(body, "stream")
+    # a continued conversation's prompt holds earlier turns the gateway cannot see: its
+    # characters would mislead the pool's estimator (prompt_chars 0 teaches it nothing)
+    prompt_chars = 0 if previous is not None else chars
+    return InferenceRequest(
+        Endpoint.RESPONSES, tenant, pool, priority, stream, True, prompt_chars, prompt_tokens,
+        max_output, body,
+    )  # fmt: skip
+
+
+def _max_output_tokens(body: dict[str, Any], default: int) -> int:
+    value = body.get("max_output_tokens")
+    if value is None:
+        return default
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not 1 <= value <= MAX_TOKENS_CEILING
+    ):
+        raise InvalidRequest(
+            f"'max_output_tokens' must be an integer between 1 and {MAX_TOKENS_CEILING}.",
+            param="max_output_tokens",
+        )
+    return value
 
 
 class PromptEstimator:

@@ -18,18 +18,23 @@ import functools
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import orjson
 import uvloop
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from starlette.types import ASGIApp, Message
 
 from loadtest.bench import BODY, KEY, _spillgate_config, _uvicorn
 from loadtest.harness import free_port, serving_process
 
 ARMS = ("raw relay", "spillgate")
+TRACED = "spillgate, traced"  # tracing on, every span sampled and handed to an exporter
+ALL_ARMS = (*ARMS, TRACED)
 DRIVER = "driver"  # this script's own ASGI calls: counted apart, left out of the total
 # installed packages first: a virtualenv's site-packages may sit under the stdlib's prefix
 LIBRARIES = [Path(p) for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"])]
@@ -135,17 +140,29 @@ async def _lifespan(app: ASGIApp, started: asyncio.Future[None], stop: asyncio.E
     await app({"type": "lifespan", "asgi": {"version": "3.0"}}, receive, send)
 
 
+class _Dropped(SpanExporter):
+    """A span exporter that drops what it is given: the arm counts the spans' making and
+    hand-off in the request's thread, not an export (OTLP's runs on a thread of its own)."""
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return SpanExportResult.SUCCESS
+
+
 def _app(arm: str, backend: str, tmp: Path) -> ASGIApp:
     if arm == "raw relay":
         from loadtest.bench_apps import RawRelay
 
         return RawRelay(backend)
     from gateway.app import create_app
-    from gateway.config import load_settings
+    from gateway.config import TracingSettings, load_settings
 
     config = tmp / "spillgate.yaml"
     _spillgate_config(backend, config)
-    return create_app(load_settings(config), environ={})
+    settings = load_settings(config)
+    if arm != TRACED:
+        return create_app(settings, environ={})
+    traced = settings.model_copy(update={"tracing": TracingSettings(enabled=True)})
+    return create_app(traced, environ={}, span_exporter=_Dropped())
 
 
 async def drive(
@@ -222,8 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.bench_ops", description=__doc__)
     parser.add_argument("--requests", type=int, default=200, help="requests counted per arm")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--arm",
+        action="append",
+        choices=ALL_ARMS,
+        help=f"an arm to count (repeatable; default: {', '.join(ARMS)})",
+    )
     args = parser.parse_args(argv)
-    result = count(requests=args.requests)
+    result = count(tuple(args.arm or ARMS), requests=args.requests)
     print(_report(result))
     if args.json:
         args.json.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))

@@ -1,8 +1,9 @@
 """`spillgate demo`: a whole local fleet in one process tree, no external service needed.
 
-Two simulated backends serve the large-model pool, one the small-model pool, and a
-simulated external provider takes the spill. The large pool is sized so that about 20
-concurrent streaming requests fill it: its overflow chain is reachable from one laptop.
+Two simulated backends serve the large-model pool, one the small-model pool, one the
+embedding-model pool, and a simulated external provider takes the spill. The large pool
+is sized so that about 20 concurrent streaming requests fill it: its overflow chain is
+reachable from one laptop.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from loadtest.harness import free_port, wait_for_port
 from loadtest.sim_lengths import AnswerLengths
 
 LARGE, SMALL, PROVIDER = "llama-3.1-70b", "llama-3.1-8b", "sim-provider"
+EMBED, EMBED_SERVED, EMBED_DIM = "bge-small-en", "BAAI/bge-small-en-v1.5", 384
 PROVIDER_KEY_ENV = "SPILLGATE_DEMO_PROVIDER_KEY"
 ADMIN_ENV = "SPILLGATE_ADMIN_TOKEN"
 # ~20 streams of ~100 prompt + 256 output tokens fill 2 × 4096 tokens at 90 % target fill
@@ -68,6 +70,7 @@ def simulated_fleet(
         "large0": free_port(),
         "large1": free_port(),
         "small": free_port(),
+        "embed": free_port(),
         "prov": free_port(),
     }
     big, small = "meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"
@@ -82,6 +85,10 @@ def simulated_fleet(
         backend(ports["large0"], big, LARGE_KV_TOKENS),
         backend(ports["large1"], big, LARGE_KV_TOKENS),
         backend(ports["small"], small, SMALL_KV_TOKENS),
+        _sim(
+            ports["embed"], "--model", EMBED_SERVED, "--kv-tokens", str(SMALL_KV_TOKENS),
+            "--embedding-dim", str(EMBED_DIM), "--speed", str(speed),
+        ),
         _sim(
             ports["prov"], "--provider", "--api-key", provider_key,
             "--tpm", str(provider_tpm), "--rpm", "600",
@@ -116,6 +123,14 @@ def simulated_fleet(
                             "served_model": "meta-llama/Llama-3.1-8B-Instruct",
                         }
                     ],
+                },
+                {
+                    "name": EMBED,
+                    "kind": "embedding",
+                    "target_fill": 0.9,
+                    "overflow": ["queue", "reject"],
+                    "queue": {"max_depth": 8, "max_wait_s": 0.5},
+                    "backends": [{"url": url(ports["embed"]), "served_model": EMBED_SERVED}],
                 },
             ],
             "providers": [
@@ -171,6 +186,15 @@ def _banner(host: str, port: int, *, api_key: str, admin: str, fleet: dict[str, 
         f"-H 'Content-Type: application/json' "
         f'-d \'{{"model": "{LARGE}", "messages": [{{"role": "user", "content": "Hello!"}}]}}\''
     )
+    auth = f"-H 'Authorization: Bearer {api_key}' -H 'Content-Type: application/json'"
+    embed = (
+        f"curl -sS {url}/v1/embeddings {auth} "
+        f'-d \'{{"model": "{EMBED}", "input": ["Hello!", "Bonjour!"]}}\''
+    )
+    respond = (
+        f"curl -sS {url}/v1/responses {auth} "
+        f'-d \'{{"model": "{LARGE}", "input": "Hello!", "max_output_tokens": 32}}\''
+    )
     first = fleet["pools"][0]["backends"][0]
     measure = f"spillgate measure --url {first['url']} --model {first['served_model']}"
     backends = _backend_lines(fleet)
@@ -181,9 +205,12 @@ def _banner(host: str, port: int, *, api_key: str, admin: str, fleet: dict[str, 
             f"  admin token:  {admin}   (GET {url}/admin/status)",
             f"  dashboard:    {url}/dashboard?token={admin}",
             f"  pools:        {LARGE} (2 backends), {SMALL} (1 backend); spill to {PROVIDER}",
+            f"                {EMBED} (1 backend, embeddings: POST /v1/embeddings)",
             f"  backends:     {backends[0]}",
             *(f"                {line}" for line in backends[1:]),
             f"  try:          {curl}",
+            f"  embeddings:   {embed}",
+            f"  responses:    {respond}",
             f"  measure one:  {measure}",
             "Press Ctrl-C to stop.",
         ]

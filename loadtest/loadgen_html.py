@@ -61,7 +61,7 @@ def _card(run: int, key: str, label: str, value: Any, cls: str = "") -> str:
 def _cards(i: int, s: dict[str, Any]) -> str:
     lag, pre = s["lag"], s["preemptions"]["total"]
     local = s["outcomes"].get("local") or s["outcomes"].get("served") or {}
-    running_max, running_p50, kv_peak = engine_figures(s)
+    running_max, running_p50, kv_peak, _ = engine_figures(s)
     return '<div class="cards">' + "".join([
         _card(i, "requests", "requests", s["requests"]),
         _card(i, "ttft-p99", "TTFT p99 ms (all answered)", s["all"]["ttft_p99_ms"]),

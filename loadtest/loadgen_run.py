@@ -127,17 +127,19 @@ async def run_schedule(
             with_queue_depth=target.sample_queue_depth,
         )
         sampler = Sampler(scraper=scraper, interval_s=sample_interval_s)
-        engines = Sampler(
-            scraper=Scraper(client=client, backend_urls=target.backend_urls),
-            interval_s=min(sample_interval_s, ENGINE_SAMPLE_MAX_S),
-        )
+        engines = sampler  # when it reads the backends often enough, one sampler does both
+        if target.admin_token or sample_interval_s > ENGINE_SAMPLE_MAX_S:
+            engines = Sampler(
+                scraper=Scraper(client=client, backend_urls=target.backend_urls),
+                interval_s=min(sample_interval_s, ENGINE_SAMPLE_MAX_S),
+            )
         # a full collection over everything built so far stalls the dispatcher for tens of
         # milliseconds mid-run; collect once now and leave those objects out of later passes
         gc.collect()
         gc.freeze()
         t0 = time.perf_counter() + lead_s
         background = [asyncio.create_task(sampler.run(t0))]
-        if target.backend_urls:
+        if target.backend_urls and engines is not sampler:
             background.append(asyncio.create_task(engines.run(t0)))
         if progress is not None:
             background.append(asyncio.create_task(progress.run()))

@@ -144,10 +144,14 @@ def _preemption_delta(data: RunData) -> dict[str, Any]:
 def engine_load(data: RunData) -> dict[str, Any]:
     """What the backends' engines reported during the run, from their own /metrics:
     requests running at once over the whole fleet (max, p50 of the samples in which every
-    backend answered), most waiting, the hottest backend's peak KV use (0..1), and the
-    preemptions across the run."""
+    backend answered), most waiting, the hottest backend's peak KV use (0..1), the most KV
+    tokens in use over the fleet, and the preemptions across the run. Through a gateway
+    sampled by its /admin/status, also the most tokens it reserved at once, and the ratio of
+    the two peaks: how much of what it held back the engines really used."""
     urls = list(data.preemptions)
-    complete = [p["backends"] for p in data.engine_samples if len(p["backends"]) == len(urls)]
+    complete = [
+        p["backends"] for p in data.engine_samples if urls and len(p["backends"]) == len(urls)
+    ]
     running = [sum(b["running"] for b in point.values()) for point in complete]
     waiting = [sum(b["waiting"] for b in point.values()) for point in complete]
     per_backend = {}
@@ -159,6 +163,12 @@ def engine_load(data: RunData) -> dict[str, Any]:
             "kv_usage_peak": _most([s.get("kv_usage", 0.0) for s in states]),
         }
     peaks = [b["kv_usage_peak"] for b in per_backend.values() if b["kv_usage_peak"] is not None]
+    kv_tokens = _most([sum(b.get("in_flight", 0.0) for b in point.values()) for point in complete])
+    reserved = _most(
+        [sum(float(b["in_flight"]) for b in p["backends"].values()) for p in data.samples]
+        if data.sampled == "gateway"
+        else []
+    )
     return {
         "samples": len(complete),
         "interval_s": data.engine_interval_s,
@@ -166,8 +176,23 @@ def engine_load(data: RunData) -> dict[str, Any]:
         "running_p50": percentile(running, 50),
         "waiting_max": _most(waiting),
         "kv_usage_peak": max(peaks) if peaks else None,
+        "kv_tokens_peak": kv_tokens,
+        "reserved_tokens_peak": reserved,
+        "kv_used_per_reserved": round(kv_tokens / reserved, 3) if kv_tokens and reserved else None,
         "preemptions": _preemption_delta(data)["total"],
         "per_backend": per_backend,
+    }
+
+
+def engine_series(data: RunData) -> dict[str, list[float]]:
+    """Over time, from the backends' own /metrics: requests running over the fleet and the
+    hottest backend's KV use (0..1), at each sample in which every backend answered."""
+    n = len(data.preemptions)
+    points = [p for p in data.engine_samples if n and len(p["backends"]) == n]
+    return {
+        "t": [p["t"] for p in points],
+        "running": [sum(b["running"] for b in p["backends"].values()) for p in points],
+        "kv_usage": [max(b.get("kv_usage", 0.0) for b in p["backends"].values()) for p in points],
     }
 
 
@@ -232,6 +257,7 @@ def report(
                 "samples": d.samples,
                 "sampled": d.sampled,
                 "sample_failures": d.sample_failures,
+                "engine_series": engine_series(d),
                 "requests": [r.as_dict() for r in d.results],
             }
             for d in runs

@@ -86,7 +86,8 @@ def first_error_line(summary: dict[str, Any]) -> str:
 
 
 COMPARED = ("requests", "answered", "TTFT p50 ms", "TTFT p99 ms", "ITL p99 ms", "in SLO",
-            "preemptions", "running max", "running p50", "KV use peak %")  # fmt: skip
+            "preemptions", "running max", "running p50", "KV use peak %",
+            "KV used / reserved")  # fmt: skip
 _REFUSED = ("throttled", "rejected", "error")
 
 
@@ -109,11 +110,12 @@ def compared_figures(s: dict[str, Any]) -> list[str]:
 def engine_figures(s: dict[str, Any]) -> list[str]:
     """Running at once (max, p50) and the peak KV use, as the backends reported them."""
     engine = s.get("engine") or {}
-    kv = engine.get("kv_usage_peak")
+    kv, ratio = engine.get("kv_usage_peak"), engine.get("kv_used_per_reserved")
     return [
         _count(engine.get("running_max")),
         _count(engine.get("running_p50")),
         "-" if kv is None else f"{kv * 100:.1f}",
+        "-" if ratio is None else f"{ratio:.2f}",
     ]
 
 
@@ -122,11 +124,12 @@ def _count(value: float | None) -> str:
 
 
 def engine_line(s: dict[str, Any]) -> str:
-    running_max, running_p50, kv = engine_figures(s)
+    running_max, running_p50, kv, ratio = engine_figures(s)
     engine = s.get("engine") or {}
+    used = "" if ratio == "-" else f"; KV used / reserved by the gateway (peaks) {ratio}"
     return (
         f"backend engines during the run: running max {running_max}, p50 {running_p50}; "
-        f"waiting max {_count(engine.get('waiting_max'))}; KV use peak {kv} % "
+        f"waiting max {_count(engine.get('waiting_max'))}; KV use peak {kv} %{used} "
         f"({engine.get('samples', 0)} samples of vLLM /metrics)"
     )
 

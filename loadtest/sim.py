@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     replica.add_argument(
         "--seed", type=int, help="seed answer lengths of requests that send no seed"
     )
+    replica.add_argument(
+        "--embedding-dim", type=int, help="serve an embedding model with vectors of this size"
+    )
     provider = parser.add_argument_group("simulated external provider")
     provider.add_argument("--provider", action="store_true", help="run the provider instead")
     provider.add_argument(
@@ -120,6 +123,7 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         answer_mean_tokens=args.answer_mean_tokens,
         answer_sigma=args.answer_sigma,
         seed=args.seed,
+        embedding_dim=args.embedding_dim,
     )
 
 

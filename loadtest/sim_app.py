@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -18,8 +18,9 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from loadtest.sim_apis import EmbeddingsEndpoint, ResponsesEndpoint, unsupported
 from loadtest.sim_asgi import (
     ClientGone,
     read_body,
@@ -138,6 +139,7 @@ class CompletionsEndpoint:
                     max_tokens=req.max_tokens,
                     answer_tokens=answer.tokens,
                     finish_reason=reason,
+                    stop_reason=answer.stop_reason,
                     streaming=req.stream,
                 )
             )
@@ -200,8 +202,15 @@ class CompletionsEndpoint:
             for i, seq in enumerate(seqs):
                 generated = seq.generated
                 if generated > sent[i]:
-                    reason = seq.finish_reason if seq.state is SeqState.FINISHED else None
-                    parts.append(frames[i].tokens(sent[i], generated, finish_reason=reason))
+                    last = seq.state is SeqState.FINISHED
+                    parts.append(
+                        frames[i].tokens(
+                            sent[i],
+                            generated,
+                            finish_reason=seq.finish_reason if last else None,
+                            stop_reason=seq.stop_reason,
+                        )
+                    )
                     sent[i] = generated
             finished = all(seq.state is SeqState.FINISHED for seq in seqs)
             if finished:
@@ -225,7 +234,10 @@ class CompletionsEndpoint:
         return full_response_of(
             kind=self._kind,
             model=self._config.model,
-            answers=[(self._filler.text(0, seq.answer_tokens), seq.finish_reason) for seq in seqs],
+            answers=[
+                (self._filler.text(0, seq.answer_tokens), seq.finish_reason, seq.stop_reason)
+                for seq in seqs
+            ],
             prompt_tokens=req.prompt_tokens,
             completion_tokens=sum(seq.answer_tokens for seq in seqs),
         )
@@ -242,7 +254,9 @@ class CompletionsEndpoint:
         frames = self._frames(req)
         head = b"".join(f.role_chunk() for f in frames) if self._kind is Kind.CHAT else b""
         tokens = b"".join(
-            f.tokens(0, seq.answer_tokens, finish_reason=seq.finish_reason)
+            f.tokens(
+                0, seq.answer_tokens, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason
+            )
             for f, seq in zip(frames, seqs, strict=True)
         )
         end = frames[0].end(prompt_tokens=req.prompt_tokens, completion_tokens=completion_tokens)
@@ -281,6 +295,44 @@ def _models_body(config: SimConfig, resolved: ResolvedSim) -> dict[str, Any]:
         "permission": [permission],
     }
     return {"object": "list", "data": [model]}
+
+
+class Unsupported:
+    """An API the replica's model does not serve (an ASGI app: Starlette would take a
+    plain function for a request handler)."""
+
+    def __init__(self, api: str) -> None:
+        self._api = api
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await unsupported(send, self._api)
+
+
+def _api_routes(
+    config: SimConfig,
+    *,
+    limits: Limits,
+    engine: Engine,
+    filler: FillerText,
+    endpoint: Callable[[Kind], CompletionsEndpoint],
+) -> list[Route]:
+    """The OpenAI routes: an embedding model serves /v1/embeddings and refuses the rest, a
+    generating one the reverse, each refusal vLLM's 400."""
+
+    paths = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
+    apis = ("Chat Completions API", "Completions API", "Responses API", "Embeddings API")
+    apps: list[ASGIApp] = [Unsupported(api) for api in apis]
+    if config.embedding_dim is not None:
+        apps[3] = EmbeddingsEndpoint(
+            limits=limits, dim=config.embedding_dim, engine=engine, no_delay=config.no_delay
+        )
+    else:
+        apps[:3] = [
+            endpoint(Kind.CHAT),
+            endpoint(Kind.COMPLETION),
+            ResponsesEndpoint(limits=limits, engine=engine, filler=filler),
+        ]
+    return [Route(path, app, methods=["POST"]) for path, app in zip(paths, apps, strict=True)]
 
 
 def create_sim_app(config: SimConfig) -> Starlette:
@@ -355,8 +407,7 @@ def create_sim_app(config: SimConfig) -> Starlette:
                 await task
 
     routes = [
-        Route("/v1/chat/completions", endpoint(Kind.CHAT), methods=["POST"]),
-        Route("/v1/completions", endpoint(Kind.COMPLETION), methods=["POST"]),
+        *_api_routes(config, limits=limits, engine=engine, filler=filler, endpoint=endpoint),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),

@@ -38,6 +38,8 @@ class SimConfig:
     `no_delay` answers at once without the engine, for overhead benchmarks.
     `vocab_size`, when given, refuses prompt token ids at or above it as vLLM does: in a
     200 stream, as an error event (a 400 when not streamed).
+    `embedding_dim`, when given, makes the replica an embedding model: it serves
+    /v1/embeddings (vectors of that size) and refuses the generating APIs, as vLLM does.
     `flush_interval_s` (real seconds) is the most often a stream's new tokens are written;
     the first token and the end go out at once. Tokens arriving faster are written
     together, one SSE event each, which keeps a socket write per token off busy hosts.
@@ -70,6 +72,8 @@ class SimConfig:
     answer_mean_tokens: float = DEFAULT_MEAN_TOKENS
     answer_sigma: float = DEFAULT_SIGMA
     seed: int | None = None
+    # an embedding model's vector size: it then serves /v1/embeddings only
+    embedding_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.speed <= 0:

@@ -31,6 +31,7 @@ class LiveSequence(Sequence):
         "first_token_at",
         "next_flush",
         "progress",
+        "stop_reason",
         "streaming",
     )
 
@@ -42,12 +43,14 @@ class LiveSequence(Sequence):
         streaming: bool,
         answer_tokens: int | None = None,
         finish_reason: str = "length",
+        stop_reason: int | None = None,
     ) -> None:
         super().__init__(
             prompt_tokens=prompt_tokens, max_tokens=max_tokens, answer_tokens=answer_tokens
         )
         self.streaming = streaming
         self.finish_reason = finish_reason  # what the last event says
+        self.stop_reason = stop_reason
         self.progress = asyncio.Event()
         self.arrived = 0.0
         self.next_flush = 0.0

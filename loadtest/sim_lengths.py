@@ -11,7 +11,8 @@ the request arrives:
   `k / V`, in every mode, as with real random-weight vLLM (16 ids of ~4,096: mean ~256);
 - `min_tokens` tokens come before either can end the answer.
 
-An answer that reaches its cap first ends with `length`, else with `stop`. A request's
+An answer that reaches its cap first ends with `length`, else with `stop` (its stop reason,
+as vLLM reports it, is the stop id drawn, or none for EOS). A request's
 `seed` makes its lengths reproducible (choice `i` of `n` draws from `seed:i`); without one
 they come from the replica's own generator (seeded by its config, when given).
 """
@@ -44,7 +45,7 @@ class StopRule:
     """What a request says about ending its answer."""
 
     ignore_eos: bool = False
-    stop_token_ids: int = 0  # how many distinct ids
+    stop_token_ids: tuple[int, ...] = ()  # distinct ids
     min_tokens: int = 0
     seed: int | None = None
 
@@ -53,6 +54,7 @@ class StopRule:
 class Answer:
     tokens: int
     finish: Finish
+    stop_reason: int | None = None  # the stop token id that ended it; None: EOS or length
 
 
 def geometric(rng: random.Random, p: float) -> int:
@@ -84,13 +86,18 @@ class LengthSampler:
     def answer(self, *, cap: int, rule: StopRule, index: int = 0) -> Answer:
         """The answer of choice `index`, at most `cap` tokens."""
         rng = self._rng if rule.seed is None else random.Random(f"{rule.seed}:{index}")
-        drawn = [self._eos(rng)] if not rule.ignore_eos else []
-        if rule.stop_token_ids > 0:
-            drawn.append(geometric(rng, min(1.0, rule.stop_token_ids / self._vocab)))
-        ends = [rule.min_tokens + n for n in drawn if n is not None]
-        if not ends or min(ends) >= cap:
+        eos = None if rule.ignore_eos else self._eos(rng)
+        by_id, stop_id = None, None
+        if rule.stop_token_ids:
+            k = len(rule.stop_token_ids)
+            by_id = geometric(rng, min(1.0, k / self._vocab))
+            stop_id = rule.stop_token_ids[rng.randrange(k)]
+        ends = [n for n in (eos, by_id) if n is not None]
+        if not ends or rule.min_tokens + min(ends) >= cap:
             return Answer(tokens=cap, finish=Finish.LENGTH)
-        return Answer(tokens=min(ends), finish=Finish.STOP)
+        if by_id is not None and (eos is None or by_id < eos):
+            return Answer(tokens=rule.min_tokens + by_id, finish=Finish.STOP, stop_reason=stop_id)
+        return Answer(tokens=rule.min_tokens + min(ends), finish=Finish.STOP)
 
     def _eos(self, rng: random.Random) -> int | None:
         if self.mode is AnswerLengths.GEOMETRIC:

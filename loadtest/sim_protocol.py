@@ -178,7 +178,7 @@ def _stop_rule(body: dict[str, object]) -> StopRule:
         raise SimRequestError("ignore_eos must be a boolean", param="ignore_eos")
     return StopRule(
         ignore_eos=ignore_eos is True,
-        stop_token_ids=len(set(ids)),
+        stop_token_ids=tuple(dict.fromkeys(ids)),
         min_tokens=_int_field(body, "min_tokens", least=0) or 0,
         seed=_int_field(body, "seed", least=-(2**63)),
     )

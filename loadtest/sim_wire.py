@@ -128,8 +128,11 @@ class StreamFrame:
             + b'"prompt_token_ids":null,"prompt_text":null}\n\n'
         )
 
-    def tokens(self, start: int, stop: int, *, finish_reason: str | None) -> bytes:
-        """Events for tokens [start, stop); the last one carries `finish_reason` if given."""
+    def tokens(
+        self, start: int, stop: int, *, finish_reason: str | None, stop_reason: int | None = None
+    ) -> bytes:
+        """Events for tokens [start, stop); the last one carries `finish_reason` if given,
+        and `stop_reason`: the stop token id that ended the answer, as vLLM reports it."""
         words = self._filler.word_bytes(start, stop)
         if finish_reason is None:
             return self._open + self._join.join(words) + self._tail
@@ -139,7 +142,9 @@ class StreamFrame:
             body
             + self._final
             + finish_reason.encode()
-            + b'","stop_reason":null,"token_ids":null}]'
+            + b'","stop_reason":'
+            + (b"null" if stop_reason is None else str(stop_reason).encode())
+            + b',"token_ids":null}]'
             + fingerprint
             + b"}\n\n"
         )
@@ -157,7 +162,10 @@ class StreamFrame:
         )
 
 
-def _chat_choice(text: str, finish_reason: str, index: int) -> dict[str, object]:
+Choice = tuple[str, str, int | None]  # text, finish_reason, stop_reason
+
+
+def _chat_choice(text: str, finish_reason: str, index: int, stop: int | None) -> dict[str, object]:
     message = {
         "role": "assistant",
         "content": text,
@@ -172,19 +180,21 @@ def _chat_choice(text: str, finish_reason: str, index: int) -> dict[str, object]
         "message": message,
         "logprobs": None,
         "finish_reason": finish_reason,
-        "stop_reason": None,
+        "stop_reason": stop,
         "token_ids": None,
         "routed_experts": None,
     }
 
 
-def _completion_choice(text: str, finish_reason: str, index: int) -> dict[str, object]:
+def _completion_choice(
+    text: str, finish_reason: str, index: int, stop: int | None
+) -> dict[str, object]:
     return {
         "index": index,
         "text": text,
         "logprobs": None,
         "finish_reason": finish_reason,
-        "stop_reason": None,
+        "stop_reason": stop,
         "token_ids": None,
         "prompt_logprobs": None,
         "prompt_token_ids": None,
@@ -207,7 +217,7 @@ def full_response(
     return full_response_of(
         kind=kind,
         model=model,
-        answers=[(text, finish_reason)] * choices,
+        answers=[(text, finish_reason, None)] * choices,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         fingerprint=fingerprint,
@@ -218,12 +228,12 @@ def full_response_of(
     *,
     kind: Kind,
     model: str,
-    answers: list[tuple[str, str]],
+    answers: list[Choice],
     prompt_tokens: int,
     completion_tokens: int,
     fingerprint: str = SYSTEM_FINGERPRINT,
 ) -> bytes:
-    """A non-streamed response body with one choice per (text, finish_reason) answer."""
+    """A non-streamed response body with one choice per answer."""
     shape = _SHAPES[kind]
     make = _chat_choice if kind is Kind.CHAT else _completion_choice
     body: dict[str, object] = {
@@ -231,7 +241,7 @@ def full_response_of(
         "object": shape.object_full,
         "created": int(time.time()),
         "model": model,
-        "choices": [make(text, reason, i) for i, (text, reason) in enumerate(answers)],
+        "choices": [make(text, reason, i, stop) for i, (text, reason, stop) in enumerate(answers)],
         "service_tier": None,
         "system_fingerprint": fingerprint,
         "usage": {

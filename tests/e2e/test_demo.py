@@ -68,12 +68,31 @@ def test_demo_serves_overflows_and_stops_cleanly() -> None:
     try:
         _wait_ready(url, proc, timeout=60)
         children = psutil.Process(proc.pid).children(recursive=True)
-        assert len(children) == 4  # three simulated backends and the provider
+        assert len(children) == 5  # four simulated backends and the provider
         headers = {"authorization": f"Bearer {KEY}"}
         models = httpx.get(f"{url}/v1/models", headers=headers).json()
-        assert [m["id"] for m in models["data"]] == ["llama-3.1-70b", "llama-3.1-8b"]
+        assert [m["id"] for m in models["data"]] == [
+            "llama-3.1-70b",
+            "llama-3.1-8b",
+            "bge-small-en",
+        ]
+        embedded = httpx.post(
+            f"{url}/v1/embeddings",
+            headers=headers,
+            json={"model": "bge-small-en", "input": ["Hello!", "Bonjour!"]},
+        ).json()
+        assert [len(d["embedding"]) for d in embedded["data"]] == [384, 384]
+        responded = httpx.post(
+            f"{url}/v1/responses",
+            headers=headers,
+            json={"model": "llama-3.1-70b", "input": "Hello!", "max_output_tokens": 8},
+            timeout=30,
+        ).json()
+        assert responded["status"] == "completed" and responded["usage"]["output_tokens"] == 8
         banner = _banner(proc)
         assert KEY in banner and "curl" in banner
+        assert "bge-small-en (1 backend, embeddings: POST /v1/embeddings)" in banner
+        assert f"curl -sS {url}/v1/embeddings" in banner and f"{url}/v1/responses" in banner
         dashboard = re.search(r"dashboard: +(\S+)", banner)
         assert dashboard and dashboard[1] == f"{url}/dashboard?token={ADMIN}"
         assert httpx.get(dashboard[1]).status_code == 200

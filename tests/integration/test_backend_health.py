@@ -120,7 +120,10 @@ def test_a_backend_that_dies_leaves_readiness_at_once_and_returns_logged_once(
     finally:
         backend.stop()
     reason = f"connection refused at {url}"
-    assert failed.status_code == 502
+    # the request that found it dead is told what the next ones are told
+    assert failed.status_code == 503
+    assert failed.json()["error"]["code"] == "backend_unavailable"
+    assert "retry-after" not in failed.headers
     assert reason in failed.json()["error"]["message"]
     assert ready.status_code == 503 and ready.json()["backends_down"] == {"p-0": reason}
     assert refused.status_code == 503

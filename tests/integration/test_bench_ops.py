@@ -3,7 +3,7 @@ zero-delay backend."""
 
 from __future__ import annotations
 
-from loadtest.bench_ops import count
+from loadtest.bench_ops import TRACED, count
 
 
 def test_counts_each_arms_own_bytecode_and_the_gateway_runs_more_than_the_raw_relay() -> None:
@@ -22,3 +22,10 @@ def test_counts_are_stable_from_run_to_run() -> None:
     first = count(("spillgate",), requests=20, warmup=5)["spillgate"]["opcodes_per_request"]
     second = count(("spillgate",), requests=20, warmup=5)["spillgate"]["opcodes_per_request"]
     assert abs(first - second) / first < 0.05
+
+
+def test_with_tracing_off_no_tracing_code_runs_and_on_it_does() -> None:
+    result = count(("spillgate", TRACED), requests=20, warmup=5)
+    assert result["spillgate"]["by_package"].get("opentelemetry", 0) == 0
+    assert not any("Trace" in name for name in result["spillgate"]["top_functions"])
+    assert result[TRACED]["by_package"]["opentelemetry"] > 1000

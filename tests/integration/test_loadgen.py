@@ -196,7 +196,8 @@ def test_refusals_are_not_failures_and_a_few_failures_do_not_fail_the_run(
 
 
 ENGINE_KEYS = {"samples", "interval_s", "running_max", "running_p50", "waiting_max",
-               "kv_usage_peak", "preemptions", "per_backend"}  # fmt: skip
+               "kv_usage_peak", "kv_tokens_peak", "reserved_tokens_peak",
+               "kv_used_per_reserved", "preemptions", "per_backend"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -242,13 +243,21 @@ def test_compare_direct_shows_running_concurrency_and_kv_use_side_by_side(
         assert engine["running_max"] >= 1 and engine["running_p50"] is not None
         assert 0 < engine["kv_usage_peak"] <= 1
         assert engine["preemptions"] == 0
+        over_time = run["engine_series"]
+        assert over_time.keys() == {"t", "running", "kv_usage"}
+        assert max(over_time["running"]) == engine["running_max"]
+        assert len(over_time["t"]) == len(over_time["kv_usage"]) == engine["samples"]
+    # what the gateway reserved is known of the run through it only
+    ratio = gateway["summary"]["engine"]["kv_used_per_reserved"]
+    assert ratio is not None and ratio > 0
+    assert direct["summary"]["engine"]["kv_used_per_reserved"] is None
     # seeded requests end at the same token, whichever way they went
     lengths = [[r["completion_tokens"] for r in run["requests"]] for run in data["runs"]]
     assert lengths[0] == lengths[1]
     assert all(0 < n < 2048 for n in lengths[0]) and len(set(lengths[0])) > 5
     printed = capsys.readouterr().out
     table = printed[printed.rindex("gateway  ") - 30 :]
-    for row in ("running max", "running p50", "KV use peak %", "preemptions"):
+    for row in ("running max", "running p50", "KV use peak %", "KV used / reserved"):
         assert row in table
     assert printed.count("backend engines during the run: running max") == 2
     page = html.read_text()

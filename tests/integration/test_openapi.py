@@ -87,6 +87,8 @@ def test_the_description_covers_every_gateway_endpoint(fleet: Fleet) -> None:
     contract = {
         ("/v1/chat/completions", "POST"),
         ("/v1/completions", "POST"),
+        ("/v1/embeddings", "POST"),
+        ("/v1/responses", "POST"),
         ("/v1/models", "GET"),
         ("/healthz", "GET"),
         ("/readyz", "GET"),

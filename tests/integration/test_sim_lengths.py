@@ -129,10 +129,13 @@ def test_stop_token_ids_stop_k_in_v_tokens_even_with_fixed_lengths() -> None:
         stopped = asyncio.run(post_all(sim.url, bodies))
         [plain] = asyncio.run(post_all(sim.url, [chat(max_tokens=2048, seed=1)]))
     want = [
-        expected(cap=2048, seed=s, mode=AnswerLengths.MAX_TOKENS, stop_token_ids=16)
+        expected(cap=2048, seed=s, mode=AnswerLengths.MAX_TOKENS, stop_token_ids=tuple(ids))
         for s in range(40)
     ]
     assert [r["usage"]["completion_tokens"] for r in stopped] == [a.tokens for a in want]
+    # vLLM names the stop id that ended an answer; an answer that ran to its cap has none
+    assert [r["choices"][0]["stop_reason"] for r in stopped] == [a.stop_reason for a in want]
+    assert {a.finish for a in want} == {Finish.STOP} and set(ids) >= {a.stop_reason for a in want}
     assert statistics.fmean(a.tokens for a in want) < 600
     assert plain["usage"]["completion_tokens"] == 2048
     assert plain["choices"][0]["finish_reason"] == "length"
@@ -175,3 +178,16 @@ def test_engine_metrics_have_the_names_and_types_of_vllm_0_32() -> None:
     assert "vllm:num_preemptions_total{" in text and "vllm:num_preemptions_total{" in (
         FIXTURE.read_text()
     )
+
+
+def test_an_answer_the_whole_cache_cannot_hold_is_refused_not_a_server_error() -> None:
+    # 16 blocks of 16, one kept back: 240 tokens; prompt + 246 - 1 needs 16 blocks
+    config = SimConfig(model=MODEL, kv_tokens=256, max_model_len=256, speed=1000.0)
+    prompt = chat_prompt_tokens(chat()["messages"])
+    with ServerThread(create_sim_app(config)) as sim, httpx.Client(base_url=sim.url) as http:
+        refused = http.post("/v1/chat/completions", json=chat(max_tokens=256 - prompt))
+        fits = http.post("/v1/chat/completions", json=chat(max_tokens=241 - prompt))
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == "sequence can never fit in the KV cache"
+    assert fits.status_code == 200
+    assert fits.json()["usage"]["completion_tokens"] == 241 - prompt

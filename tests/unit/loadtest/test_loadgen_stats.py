@@ -95,13 +95,20 @@ def test_report_holds_every_request_and_the_comparison_reads_side_by_side() -> N
 
 
 def engine_point(t: float, **backends: tuple[float, float, float]) -> dict[str, Any]:
+    """Backends of 1,000 usable KV tokens each: (running, waiting, KV usage)."""
     return {
         "t": t,
         "backends": {
-            f"http://{name}": {"running": r, "waiting": w, "kv_usage": kv, "preemptions": 0.0}
+            f"http://{name}": {"running": r, "waiting": w, "kv_usage": kv,
+                               "in_flight": kv * 1000, "preemptions": 0.0}
             for name, (r, w, kv) in backends.items()
         },
-    }
+    }  # fmt: skip
+
+
+def reserved_point(t: float, **reserved: float) -> dict[str, Any]:
+    """A gateway's /admin/status sample: tokens it reserved per backend."""
+    return {"t": t, "backends": {name: {"in_flight": n} for name, n in reserved.items()}}
 
 
 def test_engine_load_sums_running_over_the_fleet_and_keeps_the_hottest_kv_peak() -> None:
@@ -118,6 +125,8 @@ def test_engine_load_sums_running_over_the_fleet_and_keeps_the_hottest_kv_peak()
             engine_point(1.5, b0=(2, 0, 0.125), b1=(5, 0, 0.5)),
         ],
         engine_interval_s=0.5,
+        samples=[reserved_point(0.2, g0=3000, g1=2000), reserved_point(0.7, g0=4000, g1=6000)],
+        sampled="gateway",
     )
     engine = summarize(data, slo=Slo(), lag=LagVerdict())["engine"]
     assert engine == {
@@ -127,6 +136,9 @@ def test_engine_load_sums_running_over_the_fleet_and_keeps_the_hottest_kv_peak()
         "running_p50": 7,
         "waiting_max": 1,
         "kv_usage_peak": 0.75,
+        "kv_tokens_peak": 750,  # 500 + 250 at 0.5 s; 1.0 s lacks b1
+        "reserved_tokens_peak": 10_000,
+        "kv_used_per_reserved": 0.075,
         "preemptions": 2.0,
         "per_backend": {
             "http://b0": {"running_max": 9, "running_p50": 2, "kv_usage_peak": 0.75},
@@ -141,12 +153,16 @@ def test_engine_figures_read_side_by_side_and_unknown_is_a_dash() -> None:
         preemptions={"http://b0": {"before": 0.0, "after": 0.0}},
         engine_samples=[engine_point(0.0, b0=(19, 0, 0.36)), engine_point(0.5, b0=(7, 0, 0.1))],
     )
-    data = report([run([result(0)]), direct], slo=Slo(), lag=LagVerdict(), config={})
+    # a run that knew no backends sampled nothing of theirs
+    unknown = run([result(0)], samples=[{"t": 0.0, "backends": {}, "queue_depth": {}}])
+    unknown.engine_samples = unknown.samples
+    data = report([unknown, direct], slo=Slo(), lag=LagVerdict(), config={})
     gateway_s, direct_s = (r["summary"] for r in data["runs"])
     rows = comparison_text(gateway_s, direct_s).splitlines()
-    assert rows[-3].split() == ["running", "max", "-", "19"]
-    assert rows[-2].split() == ["running", "p50", "-", "7"]
-    assert rows[-1].split() == ["KV", "use", "peak", "%", "-", "36.0"]
+    assert rows[-4].split() == ["running", "max", "-", "19"]
+    assert rows[-3].split() == ["running", "p50", "-", "7"]
+    assert rows[-2].split() == ["KV", "use", "peak", "%", "-", "36.0"]
+    assert rows[-1].split() == ["KV", "used", "/", "reserved", "-", "-"]
     assert (
         "backend engines during the run: running max 19, p50 7; waiting max 0; KV use peak "
         "36.0 % (2 samples of vLLM /metrics)"

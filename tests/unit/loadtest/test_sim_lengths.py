@@ -14,6 +14,7 @@ from loadtest.sim_lengths import (
 )
 
 SAMPLE = 20_000
+IDS = tuple(range(8, 24))  # the 16 stop ids real random-weight vLLM was run with
 
 
 def lengths(sampler: LengthSampler, *, cap: int = 2048, rule: StopRule | None = None) -> list[int]:
@@ -65,17 +66,26 @@ def test_max_tokens_mode_has_no_eos_but_stop_token_ids_still_stop_k_in_v() -> No
     assert {a.tokens for a in (sampler.answer(cap=2048, rule=StopRule()) for _ in range(50))} == {
         2048
     }
-    values = lengths(sampler, rule=StopRule(stop_token_ids=16))
+    values = lengths(sampler, rule=StopRule(stop_token_ids=IDS))
     assert statistics.fmean(values) == pytest.approx(256, rel=0.03)  # 16 / 4096 = 1 / 256
     # ignore_eos drops the model's EOS, not the request's own stop ids (as vLLM does)
-    ignoring = lengths(sampler, rule=StopRule(stop_token_ids=16, ignore_eos=True))
+    ignoring = lengths(sampler, rule=StopRule(stop_token_ids=IDS, ignore_eos=True))
     assert statistics.fmean(ignoring) == pytest.approx(256, rel=0.03)
+
+
+def test_an_answer_a_stop_id_ended_names_that_id_as_its_stop_reason() -> None:
+    sampler = LengthSampler(mode=AnswerLengths.MAX_TOKENS, vocab_size=64, rng=random.Random(9))
+    answers = [sampler.answer(cap=2048, rule=StopRule(stop_token_ids=(3, 7))) for _ in range(200)]
+    assert {a.finish for a in answers} == {Finish.STOP}
+    assert {a.stop_reason for a in answers} == {3, 7}
+    eos = LengthSampler(mode=AnswerLengths.GEOMETRIC, mean_tokens=2, rng=random.Random(9))
+    assert {eos.answer(cap=2048, rule=StopRule()).stop_reason for _ in range(50)} == {None}
 
 
 def test_stop_token_ids_shorten_sampled_answers() -> None:
     sampler = LengthSampler(mode=AnswerLengths.GEOMETRIC, vocab_size=256, rng=random.Random(2))
     # each token stops with 1/256 (EOS) or 1/256 (one stop id of 256): mean ~128
-    values = lengths(sampler, rule=StopRule(stop_token_ids=1))
+    values = lengths(sampler, rule=StopRule(stop_token_ids=(5,)))
     assert statistics.fmean(values) == pytest.approx(128, rel=0.04)
 
 
