@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint typecheck unit clean
+.PHONY: demo test lint typecheck unit clean test-vllm
 
 $(BIN)/spillgate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,17 @@ unit: $(VENV)/.dev
 
 test: lint typecheck
 	$(BIN)/pytest -q
+
+# Opt-in, not part of `test`: a real vLLM (CPU build, a tiny random Llama; the first run
+# installs it into $(VLLM_VENV), minutes) started by loadtest/real_vllm/serve.sh on
+# $(VLLM_PORT), then tests/vllm/ against it; the server is stopped after.
+VLLM_PORT ?= 8101
+VLLM_VENV ?= /tmp/vllmenv
+test-vllm: $(VENV)/.dev
+	VLLM_VENV=$(VLLM_VENV) loadtest/real_vllm/setup.sh
+	VLLM_VENV=$(VLLM_VENV) loadtest/real_vllm/serve.sh $(VLLM_PORT) >/dev/null
+	SPILLGATE_VLLM_URL=http://127.0.0.1:$(VLLM_PORT) $(BIN)/pytest -q tests/vllm; \
+	  status=$$?; loadtest/real_vllm/serve.sh stop $(VLLM_PORT); exit $$status
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,91 @@
+"""A real vLLM (the CPU build, a tiny random Llama) started by this folder's scripts.
+
+`setup.sh` builds its virtualenv (minutes, once); `serve.sh` starts the server and prints
+its PID once `/v1/models` answers. Used by `make test-vllm` and
+`python -m loadtest.bench_admission --real-vllm`; never by `make test`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+SCRIPTS = Path(__file__).resolve().parent
+MODEL = "tiny"
+BYTES_PER_TOKEN = 1024  # the tiny Llama's KV in bf16: 2 layers x 2 heads x 64 dims x K,V x 2 B
+# Random weights almost never emit EOS. Sixteen ids of the ~4,096-token vocabulary stop each
+# token with a chance of about 1/256: answers of geometric length (mean ~260, p50 ~170,
+# p90 ~530 tokens under max_tokens 2048), the same ones again for the same `seed`.
+STOP_TOKEN_IDS = tuple(range(8, 24))
+SETUP_TIMEOUT_S = 3600.0
+START_TIMEOUT_S = 420.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RealVllm:
+    port: int = 8101
+    kv_tokens: int = 16_384
+    max_model_len: int = 4096
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "KV_CACHE_BYTES": str(self.kv_tokens * BYTES_PER_TOKEN),
+            "MAX_MODEL_LEN": str(self.max_model_len),
+            "SERVED_MODEL_NAME": MODEL,
+        }
+
+
+def install() -> None:
+    """Build the vLLM virtualenv unless it is there already (minutes the first time)."""
+    subprocess.run(["bash", str(SCRIPTS / "setup.sh")], check=True, timeout=SETUP_TIMEOUT_S)
+
+
+def is_up(server: RealVllm) -> bool:
+    status = subprocess.run(
+        ["bash", str(SCRIPTS / "serve.sh"), "status", str(server.port)],
+        capture_output=True,
+        timeout=30,
+        env=server.env(),
+    )
+    return status.returncode == 0
+
+
+@contextlib.contextmanager
+def running(server: RealVllm) -> Iterator[str]:
+    """The server's URL, started by serve.sh unless it runs already; stopped after only
+    when this call started it."""
+    started = not is_up(server)
+    serve = ["bash", str(SCRIPTS / "serve.sh")]
+    if started:
+        subprocess.run(
+            [*serve, str(server.port)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            timeout=START_TIMEOUT_S,
+            env=server.env(),
+        )
+    try:
+        yield server.url
+    finally:
+        if started:
+            subprocess.run([*serve, "stop", str(server.port)], timeout=60, env=server.env())
+
+
+def reset_prefix_cache(url: str) -> bool:
+    """Empty the server's prefix cache (serve.sh runs it in dev mode); False when refused."""
+    try:
+        response = httpx.post(f"{url}/reset_prefix_cache", timeout=10)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200
