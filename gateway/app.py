@@ -22,6 +22,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.admin import AdminEndpoints
 from gateway.auth import AdminAuth, Authenticator
 from gateway.backends import FleetWatcher, Pool, build_pools
+from gateway.batch.api import BatchEndpoints
+from gateway.batch.runner import BatchRunner
+from gateway.batch.service import Batches
+from gateway.batch.store import BatchStore, DirStore, RedisStore
 from gateway.clock import Clock, SystemClock
 from gateway.config import Settings
 from gateway.dashboard import Dashboard, OutcomeHistory
@@ -191,6 +195,10 @@ def create_app(
         request_read_timeout_s=settings.server.request_read_timeout_s,
         tracing=tracing,
     )
+    store: BatchStore = DirStore(settings.batch.dir) if redis is None else RedisStore(redis)
+    batches = Batches(store, settings=settings.batch, pools=pools, clock=clock)
+    runner = BatchRunner(batches, deps=deps, tenants=auth.by_name)
+    batch_api = BatchEndpoints(batches, auth=auth, max_upload_bytes=settings.batch.max_file_bytes)
     watcher = FleetWatcher(pools, client=client, clock=clock)
     admin_auth = AdminAuth(env.get(settings.server.admin_token_env), auth)
     admin = AdminEndpoints(
@@ -213,6 +221,7 @@ def create_app(
             await shared.start()
         if feed is not None:
             feed.start()
+        runner.start()
         gauges = None
         if metrics.multiprocess_dir is not None:
             gauges = asyncio.create_task(publish_metrics(admin.publish))
@@ -225,6 +234,7 @@ def create_app(
         finally:
             if gauges is not None:
                 gauges.cancel()
+            await runner.stop()
             if feed is not None:
                 await feed.stop()
             await history.stop()
@@ -249,6 +259,7 @@ def create_app(
     routes = [
         *(Route(e, endpoint, methods=["POST"]) for e, endpoint in completions.items()),
         *admin.routes(),
+        *batch_api.routes(),
         *dashboard.routes(),
         openapi_route(),
     ]

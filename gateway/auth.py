@@ -56,6 +56,7 @@ class Authenticator:
     def __init__(self, settings: Settings, environ: Mapping[str, str]) -> None:
         tenants = [_tenant(t, environ) for t in settings.tenants]
         self._by_hash = {t.key_hash: t for t in tenants}
+        self.by_name = {t.name: t for t in tenants}
 
     def tenant(self, authorization: str | None) -> Tenant:
         token = bearer_token(authorization)
