@@ -164,12 +164,15 @@ def create_app(
         )
     upstream = UpstreamPool(max_connections=settings.server.upstream_max_connections)
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))  # capacity discovery and probes
+    store: BatchStore = DirStore(settings.batch.dir) if redis is None else RedisStore(redis)
+    batches = Batches(store, settings=settings.batch, pools=pools, clock=clock)
     policy_deps = PolicyDeps(
         settings=settings,
         router=router,
         metrics=metrics,
         clock=clock,
         redis=redis,
+        batches=batches,
         providers=build_gates(
             settings.providers,
             environ=env,
@@ -195,8 +198,6 @@ def create_app(
         request_read_timeout_s=settings.server.request_read_timeout_s,
         tracing=tracing,
     )
-    store: BatchStore = DirStore(settings.batch.dir) if redis is None else RedisStore(redis)
-    batches = Batches(store, settings=settings.batch, pools=pools, clock=clock)
     runner = BatchRunner(batches, deps=deps, tenants=auth.by_name)
     batch_api = BatchEndpoints(batches, auth=auth, max_upload_bytes=settings.batch.max_file_bytes)
     watcher = FleetWatcher(pools, client=client, clock=clock)

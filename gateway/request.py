@@ -14,6 +14,7 @@ MAX_TOKENS_CEILING = 1_000_000
 MAX_CHOICES = 128  # `n`: each choice is a sequence of its own on the backend
 MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings request, as OpenAI allows
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other; orjson writes at most 254
+BATCHABLE_HEADER = "x-spillgate-batchable"  # "true": the request may wait, as a batch
 PRIORITY_HEADER = "x-spillgate-priority"
 NUMBER = (int, float)  # built once: `int | float` in isinstance makes a new union per call
 NUMBER_FIELD_ORDER = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
@@ -51,6 +52,7 @@ class InferenceRequest(NamedTuple):
     max_output_tokens: int  # what the backend may generate per choice; reserved on admission
     body: dict[str, Any]
     n: int = 1  # choices asked for: vLLM runs one sequence per choice
+    batchable: bool = False  # may wait: overflow may accept it into a batch (policies/batch.py)
 
     @property
     def sequence_tokens(self) -> int:

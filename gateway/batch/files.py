@@ -26,15 +26,10 @@ def parse_upload(content_type: str, body: bytes) -> Upload:
     parser: the form is small and arrives whole, within the body limit)."""
     if not content_type.lower().startswith("multipart/form-data"):
         raise InvalidRequest("Upload the file as multipart/form-data.", param="file")
-    head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode("latin-1")
-    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + body)
-    fields: dict[str, tuple[str | None, bytes]] = {}
-    if message.is_multipart():
-        for part in message.iter_parts():
-            name = part.get_param("name", header="content-disposition")
-            payload = part.get_payload(decode=True)
-            if isinstance(name, str) and isinstance(payload, bytes):
-                fields.setdefault(name, (part.get_filename(), payload))
+    try:
+        fields = _form_fields(content_type, body)
+    except Exception:  # whatever a malformed form makes the MIME parser raise is a 400
+        raise InvalidRequest("The multipart form could not be read.", param="file") from None
     if "file" not in fields:
         raise InvalidRequest("Missing required parameter: 'file'.", param="file")
     if "purpose" not in fields:
@@ -47,6 +42,19 @@ def parse_upload(content_type: str, body: bytes) -> Upload:
         )
     filename, content = fields["file"]
     return Upload(filename=filename or "upload.jsonl", purpose=purpose, content=content)
+
+
+def _form_fields(content_type: str, body: bytes) -> dict[str, tuple[str | None, bytes]]:
+    head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode("latin-1")
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + body)
+    fields: dict[str, tuple[str | None, bytes]] = {}
+    if message.is_multipart():
+        for part in message.iter_parts():
+            name = part.get_param("name", header="content-disposition")
+            payload = part.get_payload(decode=True)
+            if isinstance(name, str) and isinstance(payload, bytes):
+                fields.setdefault(name, (part.get_filename(), payload))
+    return fields
 
 
 def batch_lines(content: bytes, *, max_items: int) -> list[dict[str, Any]]:

@@ -158,7 +158,7 @@ class Batches:
                 param="endpoint",
             )
         window = body.get("completion_window")
-        if window not in WINDOWS:
+        if not isinstance(window, str) or window not in WINDOWS:
             raise InvalidRequest("'completion_window' should be '24h'.", param="completion_window")
         metadata = body.get("metadata")
         if metadata is not None and not _metadata_ok(metadata):
@@ -170,7 +170,7 @@ class Batches:
         content = await self.content(tenant, file_id)
         items = batch_lines(content, max_items=self.settings.max_items)
         tokens = sum(self._estimate(tenant, endpoint, item, i) for i, item in enumerate(items, 1))
-        await self._check_queued(tenant, tokens)
+        await self._check_queued(tenant.name, tokens)
         return await self._save_batch(
             tenant.name,
             input_file_id=file_id,
@@ -180,16 +180,15 @@ class Batches:
             tokens=tokens,
         )
 
-    async def create_one(self, request: InferenceRequest, *, tenant: Tenant) -> Record:
+    async def create_one(self, request: InferenceRequest) -> Record:
         """A one-item batch holding an interactive request the pool had no room for."""
+        tenant = request.tenant
         await self._check_queued(tenant, request.reserved_tokens)
         line = {"custom_id": "request-1", "method": "POST", "url": str(request.endpoint)}
         content = orjson.dumps({**line, "body": request.body}) + b"\n"
-        upload = await self._save_file(
-            tenant.name, content, filename="request.jsonl", purpose="batch"
-        )
+        upload = await self._save_file(tenant, content, filename="request.jsonl", purpose="batch")
         return await self._save_batch(
-            tenant.name,
+            tenant,
             input_file_id=upload["id"],
             endpoint=str(request.endpoint),
             metadata=None,
@@ -223,12 +222,12 @@ class Batches:
             raise bad(exc.message) from None
         return request.reserved_tokens
 
-    async def _check_queued(self, tenant: Tenant, tokens: int) -> None:
-        queued = sum(int(b["_tokens"]) for b in await self.active(tenant=tenant.name))
+    async def _check_queued(self, tenant: str, tokens: int) -> None:
+        queued = sum(int(b["_tokens"]) for b in await self.active(tenant=tenant))
         limit = self.settings.max_queued_tokens
         if queued + tokens > limit:
             raise Throttled(
-                f"Enqueued token limit reached for tenant {tenant.name!r}: {queued} tokens "
+                f"Enqueued token limit reached for tenant {tenant!r}: {queued} tokens "
                 f"queued, this batch would add {tokens}, the limit is {limit}.",
                 code="token_limit_exceeded",
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,7 +13,9 @@ from typing import Any
 import openai
 import orjson
 
-from loadtest.fleet import Fleet, run_fleet
+from gateway.app import create_app
+from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
+from loadtest.harness import ServerThread
 from loadtest.sim_config import SimConfig
 
 POOL = "chat"
@@ -26,11 +29,12 @@ def batch_fleet(
     redis_url: str | None = None,
     tenants: dict[str, dict[str, Any]] | None = None,
     pool_options: dict[str, Any] | None = None,
+    speed: float = 20.0,
     **batch: Any,
 ) -> Iterator[Fleet]:
     """One simulated backend (capacity 1000 tokens, set by hand) behind a gateway whose
     batch store is `store` (or Redis); `batch` sets keys of the config's `batch:`."""
-    sims = [SimConfig(model="served-chat", kv_tokens=8192, speed=20.0)]
+    sims = [SimConfig(model="served-chat", kv_tokens=8192, speed=speed)]
     with run_fleet(
         pools={POOL: sims},
         pool_options={POOL: pool_options or {}},
@@ -97,3 +101,44 @@ def tokens_held(fleet: Fleet) -> dict[str, int]:
     return {
         b["name"]: b["tokens_in_flight"] for p in fleet.status()["pools"] for b in p["backends"]
     }
+
+
+@contextmanager
+def second_gateway(fleet: Fleet, *, redis_url: str | None = None, **batch: Any) -> Iterator[str]:
+    """Another gateway on the fleet's backends and batch store, `batch` keys changed; its URL."""
+    settings = fleet.settings.model_copy(
+        update={"batch": fleet.settings.batch.model_copy(update=batch)}
+    )
+    app = create_app(settings, environ={"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN}, redis_url=redis_url)
+    with ServerThread(app) as server:
+        yield server.url
+
+
+@contextmanager
+def spike(fleet: Fleet, *, max_tokens: int) -> Iterator[None]:
+    """An interactive stream holding `max_tokens` (plus its prompt) of the pool until the
+    block ends, when the client hangs up."""
+    started, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        body = {
+            "model": POOL,
+            "messages": [{"role": "user", "content": "spike"}],
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+        with fleet.client() as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # held: a dropped iterator closes the response
+            next(lines)
+            started.set()
+            done.wait(30)
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    assert started.wait(10)
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(10)
