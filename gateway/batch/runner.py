@@ -64,6 +64,8 @@ class BatchRunner:
         self._running: dict[str, asyncio.Task[None]] = {}  # item key → its task
         self._task: asyncio.Task[None] | None = None
         self._endpoints: dict[tuple[str, str], CompletionsEndpoint] = {}
+        self._items: dict[str, list[dict[str, Any]]] = {}  # batch id → its parsed lines
+        self._metrics = deps.metrics
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -86,15 +88,36 @@ class BatchRunner:
 
     async def tick(self) -> None:
         """One pass over the active batches, oldest first."""
-        for record in await self._batches.active():
+        active = await self._batches.active()
+        queued = dict.fromkeys(self._deps.router.pools, 0.0)
+        for record in active:
             await self._advance(record)
+            await self._count_queued(record, queued)
+        for pool, tokens in queued.items():
+            self._metrics.batch_queued_tokens.labels(pool).set(tokens)
+        ids = {r["id"] for r in active}
+        self._items = {k: v for k, v in self._items.items() if k in ids}
+
+    async def _count_queued(self, record: Record, queued: dict[str, float]) -> None:
+        """Add the batch's items not yet run to `queued`, each at the batch's average."""
+        items = self._items.get(record["id"], [])
+        if not items or record["status"] not in ("validating", "in_progress"):
+            return
+        done = await self._batches.results(record["id"])
+        each = int(record["_tokens"]) / len(items)
+        for index, item in enumerate(items):
+            pool = item["body"].get("model")
+            if index not in done and pool in queued:
+                queued[pool] += each
 
     async def _advance(self, record: Record) -> None:
         batches, store = self._batches, self._batches.store
         if record["status"] == "validating":
             record = {**record, "status": "in_progress", "in_progress_at": batches.now()}
             await store.save(BATCH, record["id"], record)
-        items = await batches.items(record)
+        items = self._items.get(record["id"])
+        if items is None:
+            items = self._items[record["id"]] = await batches.items(record)
         mine = [k for k in self._running if k.startswith(record["id"] + ".")]
         if record["status"] == "cancelling":
             if not mine:
@@ -151,7 +174,10 @@ class BatchRunner:
             if fresh is not None and fresh["status"] in ACTIVE:
                 if fresh["status"] == "cancelling":
                     status = "cancelled"
-                await self._batches.finish(fresh, status=status, items=items)
+                done = await self._batches.finish(fresh, status=status, items=items)
+                if status == "completed":
+                    elapsed = done["completed_at"] - done["created_at"]
+                    self._metrics.batch_completion.observe(max(0, elapsed))
         finally:
             await store.unclaim(key)
 
@@ -172,6 +198,7 @@ class BatchRunner:
                 "error": None,
             }
             result = {"ok": 200 <= answer.status < 300, "line": line}
+            self._count_tokens(line["response"]["body"])
             await store.save(results_kind(record["id"]), str(index), result)
         except Exception:
             log.exception("batch item %s failed", key)
@@ -228,6 +255,15 @@ class BatchRunner:
         finally:
             never.cancel()
         return answer
+
+    def _count_tokens(self, body: Any) -> None:
+        usage = body.get("usage") if isinstance(body, dict) else None
+        if not isinstance(usage, dict):
+            return
+        for kind in ("prompt", "completion"):
+            value = usage.get(f"{kind}_tokens")
+            if isinstance(value, int) and value > 0:
+                self._metrics.batch_tokens.labels(kind).inc(value)
 
     def _endpoint(self, tenant_name: str, url: str) -> CompletionsEndpoint:
         found = self._endpoints.get((tenant_name, url))

@@ -26,6 +26,7 @@ from gateway.request import Endpoint, InferenceRequest, check_pool_kind, parse_r
 WINDOWS = {"24h"}
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FILE, BATCH = "file", "batch"
+ACTIVE_INDEX = "active"  # the ids of the batches not yet ended: what the runner reads
 
 
 class NotFound(InvalidRequest):
@@ -268,6 +269,7 @@ class Batches:
             "_tokens": tokens,
         }
         await self.store.save(BATCH, record["id"], record)
+        await self.store.save(ACTIVE_INDEX, record["id"], {})
         return record
 
     async def batch(self, tenant: Tenant, batch_id: str) -> Record:
@@ -320,9 +322,10 @@ class Batches:
 
     async def active(self, *, tenant: str | None = None) -> list[Record]:
         found = []
-        for key in await self.store.keys(BATCH):
+        for key in await self.store.keys(ACTIVE_INDEX):
             record = await self.store.load(BATCH, key)
             if record is None or record["status"] not in ACTIVE:
+                await self.store.delete(ACTIVE_INDEX, key)
                 continue
             if tenant is None or record["_tenant"] == tenant:
                 found.append(record)
@@ -381,6 +384,7 @@ class Batches:
             "request_counts": counts,
         }
         await self.store.save(BATCH, record["id"], record)
+        await self.store.delete(ACTIVE_INDEX, record["id"])
         kind = results_kind(record["id"])
         for key in await self.store.keys(kind):
             await self.store.delete(kind, key)

@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+from loadtest.fleet import ADMIN_TOKEN
 from loadtest.harness import RedisProcess
 from tests.integration.batch_support import (
     POOL,
@@ -23,6 +24,7 @@ from tests.integration.batch_support import (
     tokens_held,
     wait_status,
 )
+from tests.integration.overflow_support import sample
 
 
 def test_batch_yields_to_a_spike_and_runs_once_it_passes(tmp_path: Path) -> None:
@@ -38,6 +40,8 @@ def test_batch_yields_to_a_spike_and_runs_once_it_passes(tmp_path: Path) -> None
             assert batch.status == "in_progress"
             assert (batch.request_counts.completed, batch.request_counts.failed) == (0, 0)
             assert tokens_held(fleet)["chat-0"] == held  # no item took room
+            waiting = sample(fleet, "spillgate_batch_queued_tokens", pool=POOL)
+            assert waiting is not None and waiting > 0
         batch = wait_status(api, batch_id, within_s=30)
         assert batch.status == "completed"
         assert batch.request_counts.completed == 2
@@ -46,6 +50,19 @@ def test_batch_yields_to_a_spike_and_runs_once_it_passes(tmp_path: Path) -> None
             "b",
         ]
         assert tokens_held(fleet) == {"chat-0": 0}
+        prompts = sum(
+            line["response"]["body"]["usage"]["prompt_tokens"]
+            for line in lines_of(api, batch.output_file_id)
+        )
+        assert sample(fleet, "spillgate_batch_tokens_total", kind="completion") == 10.0
+        assert sample(fleet, "spillgate_batch_tokens_total", kind="prompt") == float(prompts)
+        assert sample(fleet, "spillgate_batch_completion_seconds_count") == 1.0
+        time.sleep(0.2)  # a pass of the runner after the batch ended
+        assert sample(fleet, "spillgate_batch_queued_tokens", pool=POOL) == 0.0
+        history = httpx.get(
+            f"{fleet.url}/admin/history", headers={"authorization": f"Bearer {ADMIN_TOKEN}"}
+        ).json()
+        assert history["points"][-1]["batch_queued_tokens"] == {POOL: 0.0}
 
 
 def _restart_finishes(tmp_path: Path, redis_url: str | None) -> None:

@@ -3,6 +3,7 @@ spare room with exact results, cancelled, expired, and seen only by their own te
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import openai
@@ -131,3 +132,35 @@ def test_a_batch_not_run_within_its_window_expires(tmp_path: Path) -> None:
         assert batch.output_file_id is None
         errors = lines_of(api, batch.error_file_id)
         assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("a", "batch_expired")]
+
+
+def test_results_expire_after_their_ttl(tmp_path: Path) -> None:
+    with batch_fleet(tmp_path, results_ttl_s=1) as fleet:
+        api = client(fleet)
+        batch = wait_status(api, submit(api, [chat_line("a")]))
+        assert [line["custom_id"] for line in lines_of(api, batch.output_file_id)] == ["a"]
+        output = api.files.retrieve(batch.output_file_id)
+        assert output.expires_at == output.created_at + 1
+        assert output.purpose == "batch_output"
+        time.sleep(2.1)
+        with pytest.raises(openai.NotFoundError):
+            api.files.content(batch.output_file_id)
+        assert not (tmp_path / "blobs" / batch.output_file_id).exists()
+
+
+def test_per_tenant_limits_on_files_and_queued_tokens(tmp_path: Path) -> None:
+    with batch_fleet(tmp_path, max_fill=0.001, max_files=2, max_queued_tokens=100) as fleet:
+        api = client(fleet)
+        big = [chat_line(f"r{i}", max_tokens=40) for i in range(3)]  # over 100 tokens
+        upload = api.files.create(file=("in.jsonl", jsonl(big)), purpose="batch")
+        with pytest.raises(openai.RateLimitError) as caught:
+            api.batches.create(
+                input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+        assert caught.value.body["code"] == "token_limit_exceeded"  # type: ignore[index]
+        submit(api, [chat_line("small")])  # the second file
+        with pytest.raises(openai.RateLimitError) as caught:
+            api.files.create(file=("in.jsonl", jsonl([chat_line("x")])), purpose="batch")
+        assert caught.value.body["code"] == "file_limit_exceeded"  # type: ignore[index]
+        other = client(fleet, "other")  # another tenant's limits are its own
+        assert other.files.create(file=("in.jsonl", jsonl([chat_line("x")])), purpose="batch").id
