@@ -29,8 +29,11 @@ from starlette.types import Message, Scope
 from gateway.auth import Authenticator, Tenant
 from gateway.batch.service import ACTIVE, BATCH, Batches, results_kind
 from gateway.batch.store import Record
+from gateway.exchange import Served
+from gateway.outcome import Outcome
 from gateway.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.request import Endpoint, InferenceRequest
+from policies.base import Gate
 
 log = logging.getLogger("spillgate.batch")
 RETRY_LATER = (429, 503)  # no room, or the tenant's budget is spent for now: run it later
@@ -53,6 +56,17 @@ class Answer:
     body: bytearray = dataclasses.field(default_factory=bytearray)
 
 
+class ItemEndpoint(CompletionsEndpoint):
+    """The pipeline for a batch item. An item with no room is not a refusal anyone sees (it
+    runs on a later pass), so it is not counted as a `rejected` request."""
+
+    def _record(
+        self, request: InferenceRequest, served: Served | None, outcome: Outcome, t0: float
+    ) -> None:
+        if outcome is not Outcome.REJECTED:
+            super()._record(request, served, outcome, t0)
+
+
 class BatchRunner:
     def __init__(
         self, batches: Batches, *, deps: PipelineDeps, tenants: Mapping[str, Tenant]
@@ -63,7 +77,7 @@ class BatchRunner:
         self._settings = batches.settings
         self._running: dict[str, asyncio.Task[None]] = {}  # item key → its task
         self._task: asyncio.Task[None] | None = None
-        self._endpoints: dict[tuple[str, str], CompletionsEndpoint] = {}
+        self._endpoints: dict[tuple[str, str], ItemEndpoint] = {}
         self._items: dict[str, list[dict[str, Any]]] = {}  # batch id → its parsed lines
         self._metrics = deps.metrics
 
@@ -139,14 +153,16 @@ class BatchRunner:
     async def _take(
         self, record: Record, items: list[dict[str, Any]], results: Mapping[int, Record]
     ) -> None:
+        each = -(-int(record["_tokens"]) // max(1, len(items)))  # the batch's average item
         for index, item in enumerate(items):
             if len(self._running) >= self._settings.concurrency:
                 return
             key = f"{record['id']}.{index}"
             if index in results or key in self._running:
                 continue
-            if self._fill(item["body"].get("model")) >= self._settings.max_fill:
-                continue  # no spare room in this item's pool now
+            model = item["body"].get("model")
+            if model in self._deps.router.pools and not self._has_room(model, each):
+                continue  # no spare room in this item's pool now (another model: a 404)
             if not await self._batches.store.claim(key, ttl_s=self._settings.claim_ttl_s):
                 continue
             task = asyncio.create_task(self._run(record, index, item, key))
@@ -158,11 +174,13 @@ class BatchRunner:
             if running is task:
                 del self._running[key]
 
-    def _fill(self, model: object) -> float:
+    def _has_room(self, pool: str, tokens: int) -> bool:
+        """Whether `pool`, holding `tokens` more, stays within `batch.max_fill`."""
         router = self._deps.router
-        if not isinstance(model, str) or model not in router.pools:
-            return 0.0  # the pipeline answers it (404)
-        return router.pool_fill(model)
+        backends = router.pools[pool].backends
+        capacity = sum(router.capacity(b) for b in backends)
+        held = sum(router.ledger.tokens_in_flight(b.name) for b in backends)
+        return capacity > 0 and held + tokens <= capacity * self._settings.max_fill
 
     async def _finish(self, record: Record, *, status: str, items: list[dict[str, Any]]) -> None:
         store = self._batches.store
@@ -265,11 +283,11 @@ class BatchRunner:
             if isinstance(value, int) and value > 0:
                 self._metrics.batch_tokens.labels(kind).inc(value)
 
-    def _endpoint(self, tenant_name: str, url: str) -> CompletionsEndpoint:
+    def _endpoint(self, tenant_name: str, url: str) -> ItemEndpoint:
         found = self._endpoints.get((tenant_name, url))
         if found is None:
             tenant = self._tenants[tenant_name]
-            found = CompletionsEndpoint(Endpoint(url), self._item_deps(tenant))
+            found = ItemEndpoint(Endpoint(url), self._item_deps(tenant))
             self._endpoints[(tenant_name, url)] = found
         return found
 
@@ -282,18 +300,13 @@ class BatchRunner:
         chains: dict[str, list[Any]] = {pool: [] for pool in d.chains}
         return dataclasses.replace(d, auth=_OneTenant(tenant), chains=chains, taps={}, gates=gates)
 
-    def _gate(self, pool: str) -> Any:
-        router = self._deps.router
+    def _gate(self, pool: str) -> Gate:
         outer = self._deps.gates.get(pool)
-        max_fill = self._settings.max_fill
-        backends = router.pools[pool].backends
 
         def lets_in(request: InferenceRequest) -> bool:
             if outer is not None and not outer(request):
                 return False  # interactive requests wait in the pool's queue: they go first
-            capacity = sum(router.capacity(b) for b in backends)
-            held = sum(router.ledger.tokens_in_flight(b.name) for b in backends)
-            return capacity > 0 and held + request.reserved_tokens <= capacity * max_fill
+            return self._has_room(pool, request.reserved_tokens)
 
         return lets_in
 

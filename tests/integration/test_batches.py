@@ -164,3 +164,21 @@ def test_per_tenant_limits_on_files_and_queued_tokens(tmp_path: Path) -> None:
         assert caught.value.body["code"] == "file_limit_exceeded"  # type: ignore[index]
         other = client(fleet, "other")  # another tenant's limits are its own
         assert other.files.create(file=("in.jsonl", jsonl([chat_line("x")])), purpose="batch").id
+
+
+def test_items_are_charged_to_their_tenant_at_settlement(tmp_path: Path) -> None:
+    # a bucket that refills a token a minute: what it lacks is what was charged
+    metered = {"tokens_per_minute": 1, "token_burst": 5000}
+    with batch_fleet(tmp_path, tenants={"acme": metered, "other": metered}) as fleet:
+        api = client(fleet)
+        batch = wait_status(api, submit(api, [chat_line("a"), chat_line("b", max_tokens=9)]))
+        used = sum(
+            line["response"]["body"]["usage"]["total_tokens"]
+            for line in lines_of(api, batch.output_file_id)
+        )
+        ask = {"model": "chat", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+        left = {}
+        for tenant in ("other", "acme"):
+            raw = client(fleet, tenant).chat.completions.with_raw_response.create(**ask)
+            left[tenant] = int(raw.headers["x-ratelimit-remaining-tokens"])
+        assert left["other"] - left["acme"] == used
