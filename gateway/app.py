@@ -164,7 +164,9 @@ def create_app(
         )
     upstream = UpstreamPool(max_connections=settings.server.upstream_max_connections)
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))  # capacity discovery and probes
-    store: BatchStore = DirStore(settings.batch.dir) if redis is None else RedisStore(redis)
+    store: BatchStore = DirStore(settings.batch.dir)
+    if url:
+        store = RedisStore.connect(url, timeout_s=settings.batch.redis_timeout_s)
     batches = Batches(store, settings=settings.batch, pools=pools, clock=clock)
     policy_deps = PolicyDeps(
         settings=settings,
@@ -236,6 +238,7 @@ def create_app(
             if gauges is not None:
                 gauges.cancel()
             await runner.stop()
+            await store.close()
             if feed is not None:
                 await feed.stop()
             await history.stop()

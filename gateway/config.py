@@ -228,6 +228,7 @@ class BatchSettings(_Model):
     concurrency: int = Field(8, gt=0)  # items one process runs at once
     poll_s: float = Field(0.2, gt=0)  # how often the runner looks for work
     claim_ttl_s: float = Field(600.0, gt=0)  # an item a dead process claimed runs again after
+    redis_timeout_s: float = Field(5.0, gt=0)  # each batch-store call, a whole file's included
 
 
 class Settings(_Model):

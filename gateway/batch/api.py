@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 
 import orjson
+import redis.exceptions
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
@@ -15,7 +17,17 @@ from gateway.batch.service import Batches, public
 from gateway.errors import InvalidRequest, SpillgateError, error_response
 from gateway.guard import body_too_large
 
+log = logging.getLogger("spillgate.batch")
 MAX_LIST = 100
+
+
+class StoreUnavailable(SpillgateError):
+    """The batch store (Redis, or the directory) failed: not the client's doing."""
+
+    status = 503
+    code = "batch_store_unavailable"
+
+
 Handler = Callable[[Request, Tenant], Awaitable[Response]]
 
 
@@ -33,6 +45,7 @@ class BatchEndpoints:
         return [
             Route("/v1/files", self._guarded(self.upload), methods=["POST"]),
             Route("/v1/files/{file_id}", self._guarded(self.file), methods=["GET"]),
+            Route("/v1/files/{file_id}", self._guarded(self.delete), methods=["DELETE"]),
             Route("/v1/files/{file_id}/content", self._guarded(self.content), methods=["GET"]),
             Route("/v1/batches", self._guarded(self.create), methods=["POST"]),
             Route("/v1/batches", self._guarded(self.listed), methods=["GET"]),
@@ -48,6 +61,9 @@ class BatchEndpoints:
                 return result
             except SpillgateError as exc:
                 return error_response(exc)
+            except (redis.exceptions.RedisError, OSError):
+                log.exception("batch store failed")
+                return error_response(StoreUnavailable("The batch store is unavailable."))
 
         return endpoint
 
@@ -73,6 +89,9 @@ class BatchEndpoints:
         record = await self._batches.file(tenant, request.path_params["file_id"])
         assert record is not None
         return _json(public(record))
+
+    async def delete(self, request: Request, tenant: Tenant) -> Response:
+        return _json(await self._batches.delete_file(tenant, request.path_params["file_id"]))
 
     async def content(self, request: Request, tenant: Tenant) -> Response:
         data = await self._batches.content(tenant, request.path_params["file_id"])

@@ -217,7 +217,10 @@ class BatchRunner:
             }
             result = {"ok": 200 <= answer.status < 300, "line": line}
             self._count_tokens(line["response"]["body"])
-            await store.save(results_kind(record["id"]), str(index), result)
+            now = await store.load(BATCH, record["id"])
+            if now is not None and now["status"] in ("in_progress", "cancelling"):
+                # a batch that ended meanwhile (cancelled, expired) keeps no late results
+                await store.save(results_kind(record["id"]), str(index), result)
         except Exception:
             log.exception("batch item %s failed", key)
         finally:

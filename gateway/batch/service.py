@@ -136,6 +136,12 @@ class Batches:
             return None
         raise NotFound(f"No such File object: {file_id}", param="id")
 
+    async def delete_file(self, tenant: Tenant, file_id: str) -> Record:
+        await self.file(tenant, file_id)
+        await self.store.delete_blob(file_id)
+        await self.store.delete(FILE, file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
     async def content(self, tenant: Tenant, file_id: str) -> bytes:
         await self.file(tenant, file_id)
         data = await self.store.load_blob(file_id)

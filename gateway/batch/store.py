@@ -34,6 +34,7 @@ class BatchStore(Protocol):
         ...
 
     async def unclaim(self, key: str) -> None: ...
+    async def close(self) -> None: ...
 
 
 def _safe(name: str) -> str:
@@ -88,6 +89,9 @@ class DirStore:
     async def unclaim(self, key: str) -> None:
         await asyncio.to_thread(self._unlink, self._path("claims", key))
 
+    async def close(self) -> None:
+        pass
+
     @staticmethod
     def _write(path: Path, data: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -133,6 +137,18 @@ class RedisStore:
     def __init__(self, redis: aioredis.Redis, *, prefix: str = "spillgate:batch") -> None:
         self._redis = redis
         self._prefix = "{" + prefix + "}"
+
+    @classmethod
+    def connect(cls, url: str, *, timeout_s: float) -> RedisStore:
+        """A store on its own connections: a file's content takes longer to move than the
+        request path's Redis calls, whose time budget is milliseconds."""
+        redis = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, max_connections=16
+        )
+        return cls(redis)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
 
     def _key(self, *parts: str) -> str:
         return ":".join((self._prefix, *parts))

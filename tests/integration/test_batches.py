@@ -162,6 +162,11 @@ def test_per_tenant_limits_on_files_and_queued_tokens(tmp_path: Path) -> None:
         with pytest.raises(openai.RateLimitError) as caught:
             api.files.create(file=("in.jsonl", jsonl([chat_line("x")])), purpose="batch")
         assert caught.value.body["code"] == "file_limit_exceeded"  # type: ignore[index]
+        deleted = api.files.delete(upload.id)
+        assert (deleted.id, deleted.deleted) == (upload.id, True)
+        with pytest.raises(openai.NotFoundError):
+            api.files.retrieve(upload.id)
+        assert api.files.create(file=("in.jsonl", jsonl([chat_line("x")])), purpose="batch").id
         other = client(fleet, "other")  # another tenant's limits are its own
         assert other.files.create(file=("in.jsonl", jsonl([chat_line("x")])), purpose="batch").id
 
