@@ -163,11 +163,26 @@ class BatchRunner:
             model = item["body"].get("model")
             if model in self._deps.router.pools and not self._has_room(model, each):
                 continue  # no spare room in this item's pool now (another model: a 404)
-            if not await self._batches.store.claim(key, ttl_s=self._settings.claim_ttl_s):
+            if not await self._claim(record["id"], index, key):
                 continue
             task = asyncio.create_task(self._run(record, index, item, key))
             self._running[key] = task
             task.add_done_callback(self._done)
+
+    async def _claim(self, batch_id: str, index: int, key: str) -> bool:
+        """Claim the item, if it is still to run. What this pass read may be stale: the
+        process that ran the item saves its result before it lets the claim go, and a batch
+        is marked finalizing before its results are cleared, so once the claim is held
+        both checks see the truth."""
+        store = self._batches.store
+        if not await store.claim(key, ttl_s=self._settings.claim_ttl_s):
+            return False
+        batch = await store.load(BATCH, batch_id)
+        done = await store.load(results_kind(batch_id), str(index))
+        if batch is None or batch["status"] != "in_progress" or done is not None:
+            await store.unclaim(key)
+            return False
+        return True
 
     def _done(self, task: asyncio.Task[None]) -> None:
         for key, running in list(self._running.items()):

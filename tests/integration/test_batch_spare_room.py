@@ -24,7 +24,7 @@ from tests.integration.batch_support import (
     tokens_held,
     wait_status,
 )
-from tests.integration.overflow_support import sample
+from tests.integration.overflow_support import backend_requests, sample
 
 
 def test_batch_yields_to_a_spike_and_runs_once_it_passes(tmp_path: Path) -> None:
@@ -91,6 +91,26 @@ def test_a_new_gateway_on_the_same_redis_finishes_the_batch(
     tmp_path: Path, redis_proc: RedisProcess
 ) -> None:
     _restart_finishes(tmp_path, redis_proc.url)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["directory", "redis"])
+def test_two_gateways_on_one_store_run_each_item_once(
+    tmp_path: Path, shared: bool, redis_proc: RedisProcess
+) -> None:
+    url = redis_proc.url if shared else None
+    with (
+        batch_fleet(tmp_path, redis_url=url, concurrency=2) as fleet,
+        second_gateway(fleet, redis_url=url) as other,
+    ):
+        api = client(fleet)
+        before = backend_requests(fleet.backends[POOL][0])
+        batch = wait_status(api, submit(api, [chat_line(f"r{i}") for i in range(8)]))
+        assert batch.request_counts.completed == 8
+        out = lines_of(api, batch.output_file_id)
+        assert sorted(line["custom_id"] for line in out) == [f"r{i}" for i in range(8)]
+        assert backend_requests(fleet.backends[POOL][0]) - before == 8
+        seen = openai.OpenAI(base_url=f"{other}/v1", api_key=fleet.keys["acme"])
+        assert seen.batches.retrieve(batch.id).status == "completed"
 
 
 def test_an_overflowing_request_that_may_wait_is_accepted_as_a_batch(tmp_path: Path) -> None:

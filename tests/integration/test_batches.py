@@ -135,14 +135,14 @@ def test_a_batch_not_run_within_its_window_expires(tmp_path: Path) -> None:
 
 
 def test_results_expire_after_their_ttl(tmp_path: Path) -> None:
-    with batch_fleet(tmp_path, results_ttl_s=1) as fleet:
+    with batch_fleet(tmp_path, results_ttl_s=2) as fleet:
         api = client(fleet)
         batch = wait_status(api, submit(api, [chat_line("a")]))
         assert [line["custom_id"] for line in lines_of(api, batch.output_file_id)] == ["a"]
         output = api.files.retrieve(batch.output_file_id)
-        assert output.expires_at == output.created_at + 1
+        assert output.expires_at == output.created_at + 2
         assert output.purpose == "batch_output"
-        time.sleep(2.1)
+        time.sleep(3.1)
         with pytest.raises(openai.NotFoundError):
             api.files.content(batch.output_file_id)
         assert not (tmp_path / "blobs" / batch.output_file_id).exists()
