@@ -58,13 +58,19 @@ class Answer:
 
 class ItemEndpoint(CompletionsEndpoint):
     """The pipeline for a batch item. An item with no room is not a refusal anyone sees (it
-    runs on a later pass), so it is not counted as a `rejected` request."""
+    runs on a later pass), so it is not counted as a `rejected` request; and nobody waits
+    for an item's first token, so it stays out of the TTFT that interactive latency and the
+    autoscalers read."""
 
     def _record(
         self, request: InferenceRequest, served: Served | None, outcome: Outcome, t0: float
     ) -> None:
-        if outcome is not Outcome.REJECTED:
-            super()._record(request, served, outcome, t0)
+        if outcome is Outcome.REJECTED:
+            return
+        if served is not None:
+            relayed = dataclasses.replace(served.relayed, first_byte_at=None)
+            served = dataclasses.replace(served, relayed=relayed)
+        super()._record(request, served, outcome, t0)
 
 
 class BatchRunner:

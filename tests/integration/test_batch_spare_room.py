@@ -58,6 +58,8 @@ def test_batch_yields_to_a_spike_and_runs_once_it_passes(tmp_path: Path) -> None
         assert sample(fleet, "spillgate_batch_tokens_total", kind="prompt") == float(prompts)
         assert sample(fleet, "spillgate_batch_completion_seconds_count") == 1.0
         assert sample(fleet, "spillgate_requests_total", outcome="rejected") is None
+        assert sample(fleet, "spillgate_requests_total", tenant="acme", outcome="local") == 2.0
+        assert sample(fleet, "spillgate_ttft_seconds_count", pool=POOL, outcome="local") is None
         time.sleep(0.2)  # a pass of the runner after the batch ended
         assert sample(fleet, "spillgate_batch_queued_tokens", pool=POOL) == 0.0
         history = httpx.get(
