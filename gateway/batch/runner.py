@@ -133,7 +133,10 @@ class BatchRunner:
     async def _advance(self, record: Record) -> None:
         batches, store = self._batches, self._batches.store
         if record["status"] == "validating":
-            record = {**record, "status": "in_progress", "in_progress_at": batches.now()}
+            fresh = await store.load(BATCH, record["id"])
+            if fresh is None or fresh["status"] != "validating":
+                return  # cancelled meanwhile: the next pass sees it as it is
+            record = {**fresh, "status": "in_progress", "in_progress_at": batches.now()}
             await store.save(BATCH, record["id"], record)
         items = self._items.get(record["id"])
         if items is None:
