@@ -13,7 +13,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.auth import AdminAuth, Authenticator
-from gateway.backends import FleetWatcher, Pool
+from gateway.backends import Backend, FleetWatcher, Pool
 from gateway.config import Settings
 from gateway.errors import SpillgateError, error_response
 from gateway.metrics import GatewayMetrics
@@ -115,6 +115,12 @@ class AdminEndpoints:
                     self._router.ledger.sessions(backend.name)
                 )
                 m.backend_healthy.labels(backend.name).set(1.0 if backend in in_rotation else 0.0)
+                load = backend.reported_load(self._router.clock.monotonic())
+                m.backend_kv_usage.labels(backend.name).set(
+                    math.nan if load is None else load.kv_usage
+                )
+                m.backend_waiting.labels(backend.name).set(0 if load is None else load.waiting)
+                m.effective_fill.labels(backend.name).set(self._router.effective_fill(backend))
             fill = self._router.pool_fill(name)
             m.pool_fill.labels(name).set(fill if math.isfinite(fill) else 1.0)
             m.pool_demand.labels(name).set(pool.demand.tokens_per_s())
@@ -128,6 +134,20 @@ class AdminEndpoints:
     async def prometheus(self, request: Request) -> Response:
         self.refresh_gauges()
         return Response(self._metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def _load(self, backend: Backend) -> dict[str, Any]:
+        """What the backend reports holding, and the fill admission aims at there."""
+        load = backend.reported_load(self._router.clock.monotonic())
+        return {
+            "reserved_tokens": self._router.ledger.tokens_in_flight(backend.name),
+            "reported_kv_usage": None if load is None else load.kv_usage,
+            "reported_kv_tokens": self._router.reported_tokens(backend),
+            "requests_waiting": None if load is None else load.waiting,
+            "preemptions": None if load is None else load.preemptions,
+            "effective_fill": self._router.effective_fill(backend),
+            "fill_reason": backend.fill.reason.value,
+            "fill_backoffs": {r.value: n for r, n in backend.fill.backoffs.items()},
+        }
 
     async def status(self, request: Request) -> Response:
         try:
@@ -146,6 +166,7 @@ class AdminEndpoints:
                     "capacity_source": "config" if b.configured_capacity else "metrics",
                     "limit_tokens": self._router.limit(b),
                     "tokens_in_flight": self._router.ledger.tokens_in_flight(b.name),
+                    **self._load(b),
                     "active_sessions": self._router.ledger.sessions(b.name),
                     "healthy": b in in_rotation,
                     "state": "down" if b.down_reason is not None else "up",
@@ -164,6 +185,11 @@ class AdminEndpoints:
                     "state": "down" if down else "up",
                     "max_model_len": pool.max_model_len,
                     "overflow": pool.settings.overflow,
+                    "reservation": {
+                        "mode": pool.settings.reservation.mode,
+                        "expected_output_tokens": pool.outputs.expected(),
+                        "samples": pool.outputs.samples(),
+                    },
                     "backends": backends,
                 }
             )

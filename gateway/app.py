@@ -12,6 +12,7 @@ import httpx
 import redis.asyncio as aioredis
 import redis.exceptions
 from opentelemetry.sdk.trace.export import SpanExporter
+from redis.asyncio.cluster import RedisCluster
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -21,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admin import AdminEndpoints
 from gateway.auth import AdminAuth, Authenticator
+from gateway.backend_load import LoadWatcher
 from gateway.backends import FleetWatcher, Pool, build_pools
 from gateway.batch.api import BatchEndpoints
 from gateway.batch.runner import BatchRunner
@@ -41,6 +43,7 @@ from gateway.openapi import openapi_route
 from gateway.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.providers import build_gates
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
+from gateway.redis_batch import RedisBatcher
 from gateway.request import Endpoint
 from gateway.response_homes import ResponseHomes
 from gateway.router import Router
@@ -53,33 +56,47 @@ from policies.registry import admission_gates, answer_taps, build_chain
 REDIS_POOL_SIZE = 64  # connections per process
 
 
-def redis_client(settings: Settings, url: str) -> aioredis.Redis:
+def redis_client(settings: Settings, url: str) -> aioredis.Redis | RedisCluster:
     """One client per process, shared by the limiter, the ledger and the cache.
 
-    The pool blocks when every connection is busy: a burst larger than the pool waits its
-    turn within each call's time budget. redis-py's default pool instead fails the call at
-    once, which would push the limiter into its failure mode exactly when a spike arrives.
+    Script calls reach it through one RedisBatcher (gateway/redis_batch.py), which never
+    cancels a call in flight, so each call is bounded by the socket timeout: the ceiling of
+    the callers' time budgets. The pool blocks when every connection is busy rather than
+    failing the call at once, which would push the limiter into its failure mode exactly
+    when a spike arrives.
 
     A call that finds its connection closed (after a Redis restart or failover every idle
     pooled connection is) is sent once more on a new connection, rather than failing once
-    per pooled connection. Timeouts are not retried: each call keeps its time budget.
+    per pooled connection. The limiter's scripts are safe to send twice: a decision nobody
+    received is refunded (gateway/ratelimit/redis_limiter.py).
     """
-    timeout = settings.redis.timeout_ms / 1000
+    ceiling = _timeout_max_s(settings)
+    if settings.redis.cluster:  # one client for the cluster; a connection pool per node
+        return RedisCluster.from_url(
+            url,
+            socket_timeout=ceiling,
+            socket_connect_timeout=ceiling,
+            max_connections=REDIS_POOL_SIZE,
+        )
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
         max_connections=REDIS_POOL_SIZE,
-        timeout=timeout,
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
+        timeout=ceiling,
+        socket_timeout=ceiling,
+        socket_connect_timeout=ceiling,
         health_check_interval=30,
         retry_on_error=[redis.exceptions.ConnectionError],
     )
     return aioredis.Redis.from_pool(pool)
 
 
+def _timeout_max_s(settings: Settings) -> float:
+    return max(settings.redis.timeout_ms, settings.redis.timeout_max_ms) / 1000
+
+
 def _limiter(
     settings: Settings,
-    redis: aioredis.Redis | None,
+    redis: RedisBatcher | None,
     metrics: GatewayMetrics,
     clock: Clock,
     *,
@@ -97,11 +114,17 @@ def _limiter(
         return local
     rl = settings.ratelimit
     return ResilientRateLimiter(
-        RedisRateLimiter(redis, key_prefix="spillgate:provider" if for_providers else "spillgate"),
+        RedisRateLimiter(
+            redis,
+            key_prefix="spillgate:provider" if for_providers else "spillgate",
+            timeout_s=settings.redis.timeout_ms / 1000,
+            timeout_max_s=_timeout_max_s(settings),
+        ),
         fallback=local,
         failure_mode="local" if for_providers else rl.failure_mode,
         replicas=rl.replicas * workers,
         timeout_s=settings.redis.timeout_ms / 1000,
+        timeout_max_s=_timeout_max_s(settings),
         failure_threshold=rl.failure_threshold,
         cooldown_s=rl.cooldown_s,
         clock=clock,
@@ -112,7 +135,7 @@ def _limiter(
 
 def _shared_ledger(
     settings: Settings,
-    redis: aioredis.Redis,
+    redis: RedisBatcher,
     pools: dict[str, Pool],
     metrics: GatewayMetrics,
     clock: Clock,
@@ -127,9 +150,33 @@ def _shared_ledger(
         lease_ttl_s=settings.ledger.lease_ttl_s,
         refresh_s=settings.ledger.refresh_s,
         timeout_s=settings.redis.timeout_ms / 1000,
+        timeout_max_s=_timeout_max_s(settings),
         fallback_share=settings.ratelimit.replicas * workers,
         on_store_error=metrics.ledger_store_errors.inc,
         on_mode_change=metrics.set_ledger_mode,
+    )
+
+
+def _provider_slots(
+    settings: Settings,
+    redis: RedisBatcher,
+    metrics: GatewayMetrics,
+    clock: Clock,
+    *,
+    workers: int,
+) -> RedisLedger:
+    """Providers' concurrency slots, one cap for the fleet: a lease of one per request."""
+    return RedisLedger(
+        redis,
+        backends=[p.name for p in settings.providers],
+        clock=clock,
+        key_prefix="spillgate:provider",
+        lease_ttl_s=settings.ledger.lease_ttl_s,
+        refresh_s=settings.ledger.refresh_s,
+        timeout_s=settings.redis.timeout_ms / 1000,
+        timeout_max_s=_timeout_max_s(settings),
+        fallback_share=settings.ratelimit.replicas * workers,
+        on_store_error=metrics.ledger_store_errors.inc,
     )
 
 
@@ -151,17 +198,21 @@ def create_app(
     metrics = GatewayMetrics(multiprocess_dir=env.get(MULTIPROC_ENV))
     url = redis_url or env.get(settings.redis.url_env)
     redis = redis_client(settings, url) if url else None
-    limiter = _limiter(settings, redis, metrics, clock, workers=workers)
+    batcher = RedisBatcher(redis) if redis is not None else None
+    limiter = _limiter(settings, batcher, metrics, clock, workers=workers)
     pools = build_pools(settings.pools, clock=clock)
     shared = None
     feed = None
-    if redis is not None:
-        shared = _shared_ledger(settings, redis, pools, metrics, clock, workers=workers)
+    if batcher is not None:
+        shared = _shared_ledger(settings, batcher, pools, metrics, clock, workers=workers)
     router = Router(pools, ledger=shared or LocalLedger(), clock=clock)
     if redis is not None and shared is not None:
         feed = ReleaseFeed(
             redis, ledger=shared, waker=router, timeout_s=settings.redis.timeout_ms / 1000
         )
+    provider_slots = None
+    if batcher is not None and settings.providers:
+        provider_slots = _provider_slots(settings, batcher, metrics, clock, workers=workers)
     upstream = UpstreamPool(max_connections=settings.server.upstream_max_connections)
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))  # capacity discovery and probes
     store: BatchStore = DirStore(settings.batch.dir)
@@ -180,7 +231,8 @@ def create_app(
             environ=env,
             clock=clock,
             metrics=metrics,
-            budget=_limiter(settings, redis, metrics, clock, workers=workers, for_providers=True),
+            budget=_limiter(settings, batcher, metrics, clock, workers=workers, for_providers=True),
+            slots=provider_slots,
         ),
     )
     chains = {name: build_chain(pool.settings, policy_deps) for name, pool in pools.items()}
@@ -203,6 +255,13 @@ def create_app(
     runner = BatchRunner(batches, deps=deps, tenants=auth.by_name)
     batch_api = BatchEndpoints(batches, auth=auth, max_upload_bytes=settings.batch.max_file_bytes)
     watcher = FleetWatcher(pools, client=client, clock=clock)
+    loads = LoadWatcher(
+        [b for pool in pools.values() if pool.settings.feedback for b in pool.backends],
+        client=client,
+        clock=clock,
+        reserved=router.ledger.tokens_in_flight,
+        on_backoff=lambda backend, reason: metrics.fill_backoffs.labels(backend, reason).inc(),
+    )
     admin_auth = AdminAuth(env.get(settings.server.admin_token_env), auth)
     admin = AdminEndpoints(
         settings=settings,
@@ -219,9 +278,12 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await watcher.refresh_once()
         watcher.start()
+        loads.start()
         history.start()
         if shared is not None:
             await shared.start()
+        if provider_slots is not None:
+            await provider_slots.start()
         if feed is not None:
             feed.start()
         runner.start()
@@ -242,11 +304,16 @@ def create_app(
             if feed is not None:
                 await feed.stop()
             await history.stop()
+            await loads.stop()
             await watcher.stop()
             await client.aclose()
             await upstream.aclose()
             await limiter.close()
             await router.ledger.close()
+            if provider_slots is not None:
+                await provider_slots.close()
+            if batcher is not None:
+                await batcher.aclose()
             if redis is not None:
                 await redis.aclose()
             if tracing is not None:

@@ -16,13 +16,16 @@ from dataclasses import dataclass, field
 import httpx
 import orjson
 
+from gateway.backend_load import STALE_S, ReportedLoad
 from gateway.clock import Clock
-from gateway.config import BackendSettings, PoolSettings
+from gateway.config import BackendSettings, PoolSettings, ReservationSettings
 from gateway.config_references import backend_name
 from gateway.demand import PoolDemand
 from gateway.discovery import ServedModel, capacity_from_metrics, models_from_listing
 from gateway.errors import BackendUnavailable
+from gateway.fill import FillController, FillReason
 from gateway.forward import unreachable_reason
+from gateway.output_lengths import OutputLengths
 from gateway.request import PromptEstimator
 
 log = logging.getLogger("spillgate.backends")
@@ -49,6 +52,26 @@ class Backend:
     consecutive_failures: int = 0
     ejected_until: float = float("-inf")  # an ejected backend is probed back no sooner
     down_reason: str | None = None  # why it is out of rotation; None while in rotation
+    fill: FillController = field(default_factory=lambda: FillController(1.0))
+    load: ReportedLoad | None = None  # what it last reported holding (backend_load.py)
+    load_at: float = float("-inf")
+    reserved_at_load: int = 0  # what the ledger held on it while that scrape was taken
+
+    def report(self, load: ReportedLoad, *, now: float, reserved: int = 0) -> FillReason | None:
+        """Take a scrape of the backend's own load, and what the ledger held on it as the
+        scrape was taken; the reason its fill backed off, if it did."""
+        previous, self.load, self.load_at = self.load, load, now
+        self.reserved_at_load = reserved
+        counter = load.preemptions
+        before = None if previous is None else previous.preemptions
+        preempted = load.retracted > 0 or (
+            counter is not None and before is not None and counter > before
+        )
+        return self.fill.observe(now=now, preempted=preempted, waiting=load.waiting > 0)
+
+    def reported_load(self, now: float) -> ReportedLoad | None:
+        """The backend's last scrape of its load, None when it is stale (or never came)."""
+        return self.load if now - self.load_at <= STALE_S else None
 
     def capacity(self, *, now: float, stale_after: float) -> int:
         """Tokens the backend can hold; 0 (full) when unknown or its metrics went stale."""
@@ -108,6 +131,7 @@ class Pool:
     backends: list[Backend]
     demand: PoolDemand
     estimator: PromptEstimator = field(default_factory=PromptEstimator)
+    outputs: OutputLengths = field(default_factory=lambda: OutputLengths(ReservationSettings()))
 
     @property
     def name(self) -> str:
@@ -140,7 +164,12 @@ def build_pools(pools: list[PoolSettings], *, clock: Clock) -> dict[str, Pool]:
     built: dict[str, Pool] = {}
     for pool in pools:
         backends = [_backend(pool, i, b) for i, b in enumerate(pool.backends)]
-        built[pool.name] = Pool(settings=pool, backends=backends, demand=PoolDemand(clock))
+        built[pool.name] = Pool(
+            settings=pool,
+            backends=backends,
+            demand=PoolDemand(clock),
+            outputs=OutputLengths(pool.reservation),
+        )
     return built
 
 
@@ -152,6 +181,7 @@ def _backend(pool: PoolSettings, index: int, b: BackendSettings) -> Backend:
         served_model=b.served_model or pool.name,
         configured_capacity=None if b.capacity == "auto" else b.capacity,
         block_size=b.block_size,
+        fill=FillController(pool.target_fill),
     )
 
 

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from typing import Protocol
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from gateway.clock import Clock
@@ -82,7 +83,12 @@ class RedisResponseCache:
     one cluster slot, so the eviction script may touch every key it names."""
 
     def __init__(
-        self, redis: aioredis.Redis, *, namespace: str, max_entries: int, ttl_s: float
+        self,
+        redis: aioredis.Redis | RedisCluster,
+        *,
+        namespace: str,
+        max_entries: int,
+        ttl_s: float,
     ) -> None:
         self._redis = redis
         self._prefix = f"spillgate:cache:{{{namespace}}}:"

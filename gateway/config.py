@@ -88,6 +88,17 @@ class CacheSettings(_Model):
     store: Literal["deterministic", "all"] = "deterministic"
 
 
+class ReservationSettings(_Model):
+    """How much output a request reserves on admission (CAPACITY.md, admission)."""
+
+    # learned: the expected output, grown while it streams; max_tokens: the whole of
+    # max_tokens, held to the end
+    mode: Literal["learned", "max_tokens"] = "learned"
+    quantile: float = Field(0.9, gt=0, le=1)  # of the completion lengths seen in the pool
+    prior_tokens: int = Field(512, gt=0)  # the expected output until min_samples were seen
+    min_samples: int = Field(50, gt=0)  # per pool; a tenant's own figure once it has this many
+
+
 class PoolSettings(_Model):
     name: str = Field(min_length=1)
     kind: PoolKind = "chat"
@@ -105,6 +116,9 @@ class PoolSettings(_Model):
     sheddable_max_fill: float = Field(1.0, gt=0, le=1)  # sheddable refused above this fill
     capacity_refresh_s: float = Field(5.0, gt=0)
     metrics_stale_s: float = Field(15.0, gt=0)
+    reservation: ReservationSettings = ReservationSettings()
+    # admit against the backends' reported KV use too; back off on preemption or waiting
+    feedback: bool = True
 
 
 class ProviderSettings(_Model):
@@ -162,7 +176,12 @@ class TenantSettings(_Model):
 
 class RedisSettings(_Model):
     url_env: str = "SPILLGATE_REDIS_URL"
-    timeout_ms: float = Field(50.0, gt=0)
+    # a call's time budget follows the waits seen, within these: the floor covers a busy
+    # two-core machine's scheduling (a burst's first calls have no waits seen to go by),
+    # the ceiling is what a stalled store costs a request before the breaker opens
+    timeout_ms: float = Field(250.0, gt=0)
+    timeout_max_ms: float = Field(1000.0, gt=0)
+    cluster: bool = False  # the URL names one node of a Redis Cluster
 
 
 class RateLimitSettings(_Model):

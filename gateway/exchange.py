@@ -18,6 +18,7 @@ from tenacity import (
 from gateway.clock import Clock
 from gateway.errors import UpstreamError, UpstreamTimeout
 from gateway.forward import Forwards, Target, UpstreamUnavailable
+from gateway.growth import Growth
 from gateway.ledger import Reservation
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
@@ -187,6 +188,7 @@ class Exchange:
                 headers=self.headers(outcome),
                 tap=self.tap,
                 deadline=deadline,
+                growth=self._growth(request, backend.block_size),
             )
         except UpstreamUnavailable as exc:
             backend.record_failure(
@@ -198,6 +200,20 @@ class Exchange:
             raise
         backend.record_success()
         return Served(outcome, backend.name, request.pool, relayed)  # target, then pool
+
+    def _growth(self, request: InferenceRequest, block_size: int) -> Growth | None:
+        """What grows a streaming request's reservation with its answer (in `learned`
+        mode; `max_tokens` mode reserves the whole answer up front)."""
+        settings = self.router.pools[request.pool].settings.reservation
+        if not request.stream or settings.mode != "learned":
+            return None
+        return Growth(
+            router=self.router,
+            holding=self.holding,
+            prompt_tokens=request.prompt_tokens,
+            sequences=request.n,
+            block_size=block_size,
+        )
 
     async def serve_target(
         self, target: Target, request: InferenceRequest, *, outcome: Outcome, public_model: str

@@ -20,6 +20,7 @@ from gateway.relay import (
     SSE_HEADERS,
     Relayed,
     ResponseTap,
+    StreamWatch,
     model_swap,
     relay_stream,
     send_json_body,
@@ -124,6 +125,7 @@ class Forwards(Protocol):
         tap: ResponseTap | None = None,
         deadline: float | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        growth: StreamWatch | None = None,
     ) -> Relayed: ...
 
 
@@ -169,6 +171,7 @@ class Forwarder:
         tap: ResponseTap | None = None,
         deadline: float | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        growth: StreamWatch | None = None,
     ) -> Relayed:
         """Relay `request` via `target` to the client; raise UpstreamUnavailable before any byte.
 
@@ -238,6 +241,7 @@ class Forwarder:
                 deadline=deadline,
                 tap=tap,
                 hide_errors=target.external,
+                growth=growth,
             )
             done = relayed.completed
             return relayed

@@ -12,7 +12,9 @@
 -- reserve: ARGV[6] lease id, ARGV[7] tokens, ARGV[8] limit
 -- release: ARGV[6] lease id
 -- renew:   ARGV[6..] lease id, tokens, ...: the leases the replica still holds; any the
---          ledger lost (expired while the replica stalled, or Redis restarted) are restored
+--          ledger lost (expired while the replica stalled, or Redis restarted) are restored,
+--          and a lease holding fewer tokens than the replica says (its answer outgrew the
+--          reservation: the replica extended it) is raised to its figure, past any limit
 --
 -- Every call first drops expired leases (a crashed replica's). Reserve and release then check
 -- that `total` is in step with the live leases (recounting when it is missing, negative, or
@@ -117,6 +119,12 @@ elseif op == 'renew' then
     local id = ARGV[i]
     if redis.call('ZSCORE', leases, id) then
       redis.call('ZADD', leases, now + ttl, id)
+      local had, t = tonumber(redis.call('HGET', tokens, id)) or 0, tonumber(ARGV[i + 1])
+      if t > had then
+        redis.call('HSET', tokens, id, t)
+        total = total + t - had
+        changed = true
+      end
     else
       add(id, tonumber(ARGV[i + 1]))
       restored[#restored + 1] = id

@@ -27,7 +27,12 @@ class Ledger(Protocol):
         ...
 
     async def release(self, reservation: Reservation) -> None:
-        """Give back exactly what `reservation` holds; releasing twice is a no-op."""
+        """Give back exactly what the lease holds, grown or not; releasing twice is a no-op."""
+        ...
+
+    async def extend(self, reservation: Reservation, tokens: int) -> Reservation:
+        """Add `tokens` to a held lease whatever the limit (its request is running already);
+        returns the lease as it now stands (unchanged once released)."""
         ...
 
     def tokens_in_flight(self, backend: str) -> int:
@@ -61,10 +66,20 @@ class LocalLedger:
         return reservation
 
     async def release(self, reservation: Reservation) -> None:
-        if self._open.pop(reservation.lease, None) is None:
+        held = self._open.pop(reservation.lease, None)
+        if held is None:
             return
-        self._tokens[reservation.backend] -= reservation.tokens
-        self._sessions[reservation.backend] -= 1
+        self._tokens[held.backend] -= held.tokens
+        self._sessions[held.backend] -= 1
+
+    async def extend(self, reservation: Reservation, tokens: int) -> Reservation:
+        held = self._open.get(reservation.lease)
+        if held is None or tokens <= 0:
+            return held or reservation
+        grown = held._replace(tokens=held.tokens + tokens)
+        self._open[held.lease] = grown
+        self._tokens[held.backend] += tokens
+        return grown
 
     def tokens_in_flight(self, backend: str) -> int:
         return self._tokens.get(backend, 0)

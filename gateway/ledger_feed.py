@@ -16,6 +16,7 @@ import logging
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from gateway.ledger_redis import RedisLedger, Seen, stop_task
@@ -50,7 +51,7 @@ def parse_message(data: Any) -> tuple[str, int, int, str, Seen] | None:
 class ReleaseFeed:
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: aioredis.Redis | RedisCluster,
         *,
         ledger: RedisLedger,
         waker: ReleaseWaker,

@@ -5,7 +5,8 @@ lease → tokens, the backend's total kept equal to the sum of its live leases i
 script, so it can neither drift nor go negative. Reserve-if-it-fits and release are single
 script calls, timed by Redis TIME. The replica holding a lease renews it every third of the
 TTL while the request streams, so a replica killed with kill -9 frees its reservations
-within the TTL. Every `refresh_s` one pipelined call renews what is due, retries releases
+within the TTL. Every `refresh_s` one pipelined call renews what is due and the leases of
+backends where a stream's lease grew (extend: each lease carries its tokens), retries releases
 Redis never confirmed and reads every backend's totals: the snapshot routing and metrics
 use, also updated by every reply and (through ReleaseFeed) every published release.
 
@@ -36,6 +37,7 @@ from redis.exceptions import RedisError
 from gateway.clock import Clock
 from gateway.deadline import Deadline
 from gateway.ledger import Reservation
+from gateway.redis_batch import BatchScript, RedisBatcher, batcher_of
 
 log = logging.getLogger("spillgate.ledger")
 
@@ -86,7 +88,7 @@ async def stop_task(task: asyncio.Task[None], *, within_s: float = 2.0) -> None:
 class RedisLedger:
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: RedisBatcher | aioredis.Redis,
         *,
         backends: Iterable[str],
         clock: Clock,
@@ -94,6 +96,7 @@ class RedisLedger:
         lease_ttl_s: float = 10.0,
         refresh_s: float = 0.2,
         timeout_s: float = 0.05,
+        timeout_max_s: float | None = None,
         fallback_share: int = 1,
         replica_id: str | None = None,
         on_store_error: Callable[[], None] = _ignore,
@@ -101,14 +104,15 @@ class RedisLedger:
     ) -> None:
         if lease_ttl_s <= 0 or refresh_s <= 0 or timeout_s <= 0 or fallback_share < 1:
             raise ValueError("lease_ttl_s, refresh_s and timeout_s must be > 0, share >= 1")
-        self._redis = redis
-        self._script = redis.register_script(ledger_script())
+        self._batch = batcher_of(redis)
+        self._script = BatchScript(ledger_script())
         self._clock = clock
         self._prefix = key_prefix
         self._ttl_ms = max(1, round(lease_ttl_s * 1000))
         self._renew_every_s = lease_ttl_s / 3
         self._refresh_s = refresh_s
         self._timeout_s = timeout_s
+        self._timeout_max_s = max(timeout_s, timeout_max_s or timeout_s)
         self._share = fallback_share
         self.replica_id = replica_id or secrets.token_hex(6)
         self.channel = f"{key_prefix}:ledger:released"
@@ -119,6 +123,7 @@ class RedisLedger:
         self._own: dict[str, tuple[int, int]] = {}  # held and being reserved, per backend
         self._in_store: set[str] = set()  # held leases Redis has (or may have) seen
         self._unconfirmed: dict[str, tuple[Reservation, float]] = {}  # released here only
+        self._growing: set[str] = set()  # backends with leases grown since the last refresh
         self._ids = itertools.count()
         self._mode: LedgerMode = "shared"
         self._capped_until = -math.inf
@@ -164,19 +169,37 @@ class RedisLedger:
             self._unconfirmed[lease.lease] = (lease, self._clock.monotonic())
 
     async def release(self, reservation: Reservation) -> None:
-        if self._held.pop(reservation.lease, None) is None:
+        held = self._held.pop(reservation.lease, None)
+        if held is None:
             return
+        reservation = held  # what the lease holds now: grown, perhaps
         self._claim(reservation, -1)
         if reservation.lease not in self._in_store:
             return
         self._in_store.discard(reservation.lease)
         self._unconfirmed[reservation.lease] = (reservation, self._clock.monotonic())
         reply = await self._ask(
-            lambda: self._call("release", reservation.backend, reservation.lease)
+            lambda: self._call(
+                "release", reservation.backend, reservation.lease, budget_s=self.budget_s()
+            )
         )
         if reply is not None:
             self._unconfirmed.pop(reservation.lease, None)
             self.observe(reservation.backend, parse_reply(reply)[1])
+
+    async def extend(self, reservation: Reservation, tokens: int) -> Reservation:
+        """Grow a held lease: counted here at once, and in Redis by the next refresh, which
+        renews the backend's leases with their tokens (a stream grows every block: one
+        pipelined call per refresh carries them all, not a round trip per block)."""
+        held = self._held.get(reservation.lease)
+        if held is None or tokens <= 0:
+            return held or reservation
+        grown = held._replace(tokens=held.tokens + tokens)
+        self._held[held.lease] = grown
+        own, sessions = self._own.get(held.backend, (0, 0))
+        self._own[held.backend] = (own + tokens, sessions)
+        self._growing.add(held.backend)
+        return grown
 
     def tokens_in_flight(self, backend: str) -> int:
         own = self._own.get(backend, (0, 0))[0]
@@ -216,22 +239,22 @@ class RedisLedger:
         self._unconfirmed = {
             k: v for k, v in self._unconfirmed.items() if now - v[1] < self._ttl_ms / 1000
         }
-        held = list(self._held.values())
-        calls = self._refresh_calls(held, renew=renew)
-        pipe = self._redis.pipeline(transaction=False)
-        for op, backend, args in calls:
-            await self._call(op, backend, *args, client=pipe)
-        try:
-            async with asyncio.timeout(self._timeout_s * REFRESH_BUDGET):
-                replies = await pipe.execute()
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._failed(exc)
+        growing, self._growing = self._growing, set()
+        renewed = [r for r in self._held.values() if renew or r.backend in growing]
+        calls = self._refresh_calls(renewed)
+        budget = self.budget_s() * REFRESH_BUDGET
+        replies = await self._gather(
+            [self._call(op, b, *args, budget_s=budget) for op, b, args in calls]
+        )
+        if isinstance(replies, BaseException):
+            self._growing |= growing  # still to be carried
+            self._failed(replies)
             return False
         for (op, backend, args), reply in zip(calls, replies, strict=True):
             self._refreshed(op, backend, args, reply, now)
+        self._in_store.update(r.lease for r in renewed if r.lease in self._held)
         if renew:
             self._renew_due = now + self._renew_every_s
-            self._in_store.update(r.lease for r in held if r.lease in self._held)
         if self._mode == "local":
             log.info("ledger store answers again: shared admission resumes")
             self._capped_until = now + RECOVERY_REFRESHES * self._refresh_s
@@ -244,17 +267,17 @@ class RedisLedger:
         if seen.seq >= self._seen.get(backend, Seen()).seq:
             self._seen[backend] = seen
 
-    def _refresh_calls(
-        self, held: list[Reservation], *, renew: bool
-    ) -> list[tuple[str, str, list[str | int]]]:
+    def _refresh_calls(self, renewed: list[Reservation]) -> list[tuple[str, str, list[str | int]]]:
+        """Retry the unconfirmed releases, renew `renewed` with their tokens (restoring or
+        raising what Redis lacks), and peek at every other backend."""
         calls: list[tuple[str, str, list[str | int]]] = [
             ("release", r.backend, [r.lease]) for r, _ in self._unconfirmed.values()
         ]
         leases: dict[str, list[str | int]] = {b: [] for b in self._seen}
-        for r in held:
+        for r in renewed:
             leases.setdefault(r.backend, []).extend((r.lease, r.tokens))
         for backend, pairs in leases.items():
-            calls.append(("renew", backend, pairs) if renew and pairs else ("peek", backend, []))
+            calls.append(("renew", backend, pairs) if pairs else ("peek", backend, []))
         return calls
 
     def _refreshed(
@@ -280,9 +303,33 @@ class RedisLedger:
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _call(self, op: str, backend: str, *args: str | int, client: Any = None) -> Awaitable[Any]:
+    def budget_s(self) -> float:
+        """How long a call may take: from the round trips seen lately, within the bounds."""
+        return self._batch.latency.budget_s(floor_s=self._timeout_s, ceiling_s=self._timeout_max_s)
+
+    def _call(
+        self, op: str, backend: str, *args: str | int, budget_s: float | None = None
+    ) -> asyncio.Future[Any]:
         argv = [op, self.channel, self.replica_id, backend, self._ttl_ms, *args]
-        return self._script(keys=self.keys(backend), args=argv, client=client)
+        keys = self.keys(backend)
+        ceiling = self._timeout_max_s
+        return self._batch.submit(self._script, keys, argv, budget_s=budget_s, ceiling_s=ceiling)
+
+    async def _gather(self, futures: list[asyncio.Future[Any]]) -> list[Any] | BaseException:
+        """Every reply, or why not all came within the refresh's budget (each call keeps
+        its own, RedisBatcher). Waiting is never cancelled into the client: a call not
+        yet sent is withdrawn, one sent runs out."""
+        if not futures:
+            return []
+        _, late = await asyncio.wait(futures, timeout=self._timeout_max_s * 2)
+        for future in late:
+            future.cancel()
+        if late:
+            return TimeoutError(f"{len(late)} of {len(futures)} refresh calls unanswered")
+        failures = [e for e in (f.exception() for f in futures) if e is not None]
+        if failures:
+            return failures[0]
+        return [future.result() for future in futures]
 
     async def _reserve_shared(self, lease: Reservation, limit: int) -> bool | None:
         """Whether Redis admitted the lease; None when Redis did not answer or is not asked."""
@@ -291,7 +338,9 @@ class RedisLedger:
         backend = lease.backend
         self._in_store.add(lease.lease)  # from here on the call may reach Redis
         reply = await self._ask(
-            lambda: self._call("reserve", backend, lease.lease, lease.tokens, limit)
+            lambda: self._call(
+                "reserve", backend, lease.lease, lease.tokens, limit, budget_s=self.budget_s()
+            )
         )
         if reply is None:
             return None
@@ -305,7 +354,7 @@ class RedisLedger:
         if self._mode == "local":
             return None
         try:
-            with Deadline.after(self._timeout_s):
+            with Deadline.after(self._timeout_max_s):  # the call keeps its own budget
                 return await call()
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed(exc)

@@ -121,6 +121,24 @@ class GatewayMetrics:
             "spillgate_backend_healthy", "1 while the backend is in rotation", ["backend"],
             registry=r, multiprocess_mode=FLEET,
         )  # fmt: skip
+        self.backend_kv_usage = Gauge(
+            "spillgate_backend_kv_usage_ratio",
+            "KV-cache use the backend itself reports, 0..1 (NaN while its scrape is stale)",
+            ["backend"], registry=r, multiprocess_mode=FLEET,
+        )  # fmt: skip
+        self.backend_waiting = Gauge(
+            "spillgate_backend_requests_waiting", "Requests the backend reports waiting inside it",
+            ["backend"], registry=r, multiprocess_mode=FLEET,
+        )  # fmt: skip
+        self.effective_fill = Gauge(
+            "spillgate_effective_fill_ratio",
+            "The fill admission aims at on the backend: target_fill, lowered after a back-off",
+            ["backend"], registry=r, multiprocess_mode=FLEET,
+        )  # fmt: skip
+        self.fill_backoffs = Counter(
+            "spillgate_fill_backoffs", "Times a backend's effective fill backed off, by reason",
+            ["backend", "reason"], registry=r,
+        )  # fmt: skip
         self.queue_depth = Gauge(
             "spillgate_queue_depth", "Requests waiting for capacity", ["pool"], registry=r,
             multiprocess_mode=OWN,

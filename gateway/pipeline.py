@@ -46,6 +46,7 @@ from gateway.request import (
     check_pool_kind,
     decode_body,
     effective_priority,
+    names_max_tokens,
     parse_request,
     requested_model,
 )
@@ -295,6 +296,7 @@ class CompletionsEndpoint:
             max_model_len=pool.max_model_len,
             chars_per_token=pool.estimator.chars_per_token,
         )
+        request = self._expect(request, pool)
         if tenant.batchable or fields.get(BATCHABLE_HEADER_BYTES) == b"true":
             request = request._replace(batchable=True)
         if trace is not None:
@@ -335,6 +337,25 @@ class CompletionsEndpoint:
                 if trace is not None:
                     trace.settled(served, outcome)
 
+    @staticmethod
+    def _expect(request: InferenceRequest, pool: Pool) -> InferenceRequest:
+        """`request` with the output it reserves: the smaller of its cap (max_tokens, or
+        what the context leaves when it names none) and the pool's expected output.
+
+        A request that is not streamed cannot grow its reservation as it goes; it reserves
+        the same expected output all the same, since the backends' reported KV use
+        (gateway/backend_load.py) covers an answer longer than that within a scrape.
+        """
+        if pool.settings.reservation.mode == "max_tokens" or not request.max_output_tokens:
+            return request  # the whole of max_tokens (or the pool's default); embeddings: 0
+        if names_max_tokens(request.body):
+            cap = request.max_output_tokens
+        else:
+            cap = max(1, pool.max_model_len - request.prompt_tokens)
+        return request._replace(
+            output_reserve=pool.outputs.reserve_output(tenant=request.tenant, cap=cap)
+        )
+
     def _tap(self, request: InferenceRequest) -> ResponseTap | None:
         observe = self._d.taps.get(request.pool)
         return None if observe is None else observe(request)
@@ -361,7 +382,7 @@ class CompletionsEndpoint:
         if decision.reason == "store_unavailable":
             error = LimiterUnavailable(
                 "Rate limiting is unavailable and this gateway is configured to refuse meanwhile.",
-                retry_after=1.0,
+                retry_after=decision.retry_after_s,  # the breaker's remaining cooldown
             )
         elif decision.reason == "too_large":
             # no Retry-After: waiting cannot help, and clients (openai's) honour x-should-retry
@@ -415,10 +436,11 @@ class CompletionsEndpoint:
         if any(policy.name in SPILL_POLICIES for policy in chain):
             return
         need = router.pool_kv_tokens(request.pool, request.sequence_tokens, sequences=request.n)
+        output = request.sequence_tokens - request.prompt_tokens
         largest = max(router.capacity(b) for b in router.pools[request.pool].backends)
         raise ContextLengthExceeded(
             f"The request needs about {need} tokens of KV cache ({request.n} x (about "
-            f"{request.prompt_tokens} prompt tokens + {request.max_output_tokens} output "
+            f"{request.prompt_tokens} prompt tokens + {output} output "
             f"tokens), in whole blocks), more than any backend of pool {request.pool!r} can "
             f"hold ({largest} tokens). Lower max_tokens or n, or shorten the prompt.",
             param="max_tokens",
@@ -456,3 +478,9 @@ class CompletionsEndpoint:
                 pool.estimator.observe(
                     prompt_chars=request.prompt_chars, prompt_tokens=usage.prompt_tokens
                 )
+                if relayed.completed:
+                    pool.outputs.observe(
+                        tenant=request.tenant,
+                        completion_tokens=usage.completion_tokens,
+                        choices=request.n,
+                    )

@@ -2,10 +2,11 @@
 
 One `ProviderGate` per configured provider, shared by every pool that spills to it, built
 once in `create_app`. A gate lets a request through only while the provider's breaker is
-closed (or half-open for one trial), a concurrency slot of this process is free and the
+closed (or half-open for one trial), one of its `max_concurrency` slots is free and the
 provider's tokens-per-minute budget holds the request's reservation. The budget is a
-token bucket of the same limiter the tenants' buckets use, so with Redis every replica
-spends from one budget.
+token bucket of the same limiter the tenants' buckets use, and the slots are leases of a
+ledger like the backends' in-flight tokens (one token a request), so with Redis every
+replica spends from one budget and one cap.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from gateway.clock import Clock
 from gateway.config import ProviderSettings
 from gateway.errors import SpillgateError
 from gateway.forward import Target
+from gateway.ledger import Ledger, LocalLedger, Reservation
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import RateLimiter, TenantLimits
 
@@ -108,6 +110,7 @@ class Ticket:
     """A request's claim on a provider: a concurrency slot and `tokens` of budget."""
 
     tokens: int
+    slot: Reservation
 
 
 class ProviderGate:
@@ -118,12 +121,14 @@ class ProviderGate:
         api_key: str | None,
         clock: Clock,
         budget: RateLimiter,
+        slots: Ledger | None = None,
         on_breaker: Callable[[str, BreakerState], None] | None = None,
     ) -> None:
         self.settings = settings
         self.name = settings.name
         self._api_key = api_key
         self.budget = budget
+        self.slots = slots or LocalLedger()
         self.limits = TenantLimits(
             tenant=settings.name,
             requests_per_minute=UNLIMITED_REQUESTS,
@@ -135,7 +140,11 @@ class ProviderGate:
             clock=clock,
             on_change=None if on_breaker is None else lambda s: on_breaker(self.name, s),
         )
-        self.in_flight = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Requests at this provider, over the whole fleet when the slots are shared."""
+        return self.slots.sessions(self.name)
 
     def target(self, pool: str) -> Target:
         headers = {} if self._api_key is None else {"authorization": f"Bearer {self._api_key}"}
@@ -153,29 +162,40 @@ class ProviderGate:
         return text.replace(self._api_key, "***") if self._api_key else text
 
     async def acquire(self, tokens: int) -> Ticket | Refusal:
-        """Claim a slot and budget for one request, or say why not (claiming nothing)."""
+        """Claim a slot and budget for one request, or say why not (claiming nothing).
+
+        The slot is a lease of one in the slots ledger, capped at `max_concurrency`: with
+        Redis, one cap for every process of the fleet (a dead one's slots expire with
+        its leases), as the budget is one budget."""
         if self.in_flight >= self.settings.max_concurrency:
             return Refusal.CONCURRENCY
         if not self.breaker.allow():
             return Refusal.BREAKER_OPEN
-        self.in_flight += 1  # claimed before the budget call, so no race past the cap
+        try:
+            slot = await self.slots.reserve(self.name, 1, limit=self.settings.max_concurrency)
+        except BaseException:
+            self.breaker.release_trial()
+            raise
+        if slot is None:
+            self.breaker.release_trial()
+            return Refusal.CONCURRENCY
         try:
             decision = await self.budget.acquire(self.limits, tokens)
         except BaseException:
-            self._unclaim()
+            await self._unclaim(slot)
             raise
         if not decision.allowed:
-            self._unclaim()
+            await self._unclaim(slot)
             return Refusal.BUDGET
-        return Ticket(tokens)
+        return Ticket(tokens, slot)
 
-    def _unclaim(self) -> None:
-        self.in_flight -= 1
+    async def _unclaim(self, slot: Reservation) -> None:
         self.breaker.release_trial()
+        await self.slots.release(slot)
 
     async def release(self, ticket: Ticket, *, used: int | None) -> None:
         """Give the slot back, and the budget the answer did not use (none if unknown)."""
-        self.in_flight -= 1
+        await self.slots.release(ticket.slot)
         spent = ticket.tokens if used is None else used
         if spent != ticket.tokens:
             await self.budget.reconcile(self.limits, reserved=ticket.tokens, used=spent)
@@ -194,8 +214,10 @@ def build_gates(
     clock: Clock,
     metrics: GatewayMetrics,
     budget: RateLimiter,
+    slots: Ledger | None = None,
 ) -> dict[str, ProviderGate]:
-    """One gate per provider; a key named but missing from the environment is an error."""
+    """One gate per provider; a key named but missing from the environment is an error.
+    The gates share `budget` and `slots` (each provider has its own keys in them)."""
 
     def on_breaker(name: str, state: BreakerState) -> None:
         metrics.provider_breaker_open.labels(name).set(1.0 if state is BreakerState.OPEN else 0.0)
@@ -208,6 +230,6 @@ def build_gates(
                 raise SpillgateError(f"provider {p.name!r}: ${p.api_key_env} is not set")
             key = environ[p.api_key_env]
         gates[p.name] = ProviderGate(
-            p, api_key=key, clock=clock, budget=budget, on_breaker=on_breaker
+            p, api_key=key, clock=clock, budget=budget, slots=slots, on_breaker=on_breaker
         )
     return gates

@@ -58,6 +58,14 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
+class StreamWatch(Protocol):
+    """Counts what a stream relays (gateway/growth.py); `grow` when `seen` says so."""
+
+    def seen(self, out: bytes) -> bool: ...
+
+    async def grow(self) -> None: ...
+
+
 class ResponseTap(Protocol):
     """Sees the bytes of one successful response (e.g. to fill the response cache)."""
 
@@ -139,10 +147,13 @@ class StreamRelay:
         keep_usage: bool,
         tap: ResponseTap | None,
         hide_errors: bool = False,
+        growth: StreamWatch | None = None,
     ) -> None:
         """`hide_errors`: the upstream's error events (an external provider's, which name
-        its model and account) are replaced by the gateway's own; the caller logs them."""
+        its model and account) are replaced by the gateway's own; the caller logs them.
+        `growth` sees every batch of events before it goes out."""
         self._send = send
+        self._growth = growth
         self._swap = swap
         self._keep_usage = keep_usage
         self._tap = tap
@@ -176,6 +187,8 @@ class StreamRelay:
         if self._held is not None or self._notable.search(out):
             out = self._rewrite(out)
         out = self._outgoing(out)
+        if self._growth is not None and self._growth.seen(out):
+            await self._growth.grow()
         if out:
             await self._send({"type": "http.response.body", "body": out, "more_body": True})
 
@@ -270,10 +283,12 @@ async def relay_stream(
     deadline: float,
     tap: ResponseTap | None,
     hide_errors: bool = False,
+    growth: StreamWatch | None = None,
 ) -> Relayed:
     relay = StreamRelay(
-        send=send, swap=swap, keep_usage=keep_usage, tap=tap, hide_errors=hide_errors
-    )
+        send=send, swap=swap, keep_usage=keep_usage, tap=tap, hide_errors=hide_errors,
+        growth=growth,
+    )  # fmt: skip
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await relay.feed(first_chunk)
     first_byte_at = time.perf_counter()

@@ -16,6 +16,7 @@ MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings request, as OpenAI allow
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other; orjson writes at most 254
 BATCHABLE_HEADER = "x-spillgate-batchable"  # "true": the request may wait, as a batch
 PRIORITY_HEADER = "x-spillgate-priority"
+OUTPUT_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 NUMBER = (int, float)  # built once: `int | float` in isinstance makes a new union per call
 NUMBER_FIELD_ORDER = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
 NUMBER_FIELDS = frozenset(NUMBER_FIELD_ORDER)
@@ -52,11 +53,19 @@ class InferenceRequest(NamedTuple):
     max_output_tokens: int  # what the backend may generate per choice; reserved on admission
     body: dict[str, Any]
     n: int = 1  # choices asked for: vLLM runs one sequence per choice
+    # the output one choice reserves on admission (gateway/output_lengths.py); 0: all of
+    # max_output_tokens
+    output_reserve: int = 0
     batchable: bool = False  # may wait: overflow may accept it into a batch (policies/batch.py)
 
     @property
     def sequence_tokens(self) -> int:
-        """The longest one choice's sequence can grow: prompt + max output."""
+        """What one choice's sequence reserves on admission: prompt + expected output."""
+        return self.prompt_tokens + (self.output_reserve or self.max_output_tokens)
+
+    @property
+    def context_tokens(self) -> int:
+        """The longest one choice's sequence may grow: prompt + max output."""
         return self.prompt_tokens + self.max_output_tokens
 
     @property
@@ -162,6 +171,13 @@ def _max_tokens(body: dict[str, Any], default: int) -> int:
     return value
 
 
+def names_max_tokens(body: dict[str, Any]) -> bool:
+    """Whether the request bounds its output itself (else the backend may generate up to
+    its context length): `max_completion_tokens` or `max_tokens`, or the Responses API's
+    `max_output_tokens`."""
+    return any(body.get(key) is not None for key in OUTPUT_LIMITS)
+
+
 def _choices(body: dict[str, Any]) -> int:
     """`n`, the number of choices; 1 when absent."""
     value = body.get("n")
@@ -238,13 +254,7 @@ def parse_request(
     )
     max_output = _max_tokens(body, default_max_tokens)
     prompt_tokens = max(1, int(chars / chars_per_token) + 1)
-    if prompt_tokens + max_output > max_model_len:
-        raise InvalidRequest(
-            f"This model's maximum context length is {max_model_len} tokens; the request asks "
-            f"for about {prompt_tokens} prompt tokens and {max_output} output tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
+    _check_context(prompt_tokens, max_output, max_model_len=max_model_len, param="max_tokens")
     stream = _flag(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -390,13 +400,9 @@ def parse_responses(
         )
     max_output = _max_output_tokens(body, default_max_tokens)
     prompt_tokens = max(1, int(chars / chars_per_token) + 1)
-    if prompt_tokens + max_output > max_model_len:
-        raise InvalidRequest(
-            f"This model's maximum context length is {max_model_len} tokens; the request asks "
-            f"for about {prompt_tokens} prompt tokens and {max_output} output tokens.",
-            param="max_output_tokens",
-            code="context_length_exceeded",
-        )
+    _check_context(
+        prompt_tokens, max_output, max_model_len=max_model_len, param="max_output_tokens"
+    )
     stream = _flag(body, "stream")
     # a continued conversation's prompt holds earlier turns the gateway cannot see: its
     # characters would mislead the pool's estimator (prompt_chars 0 teaches it nothing)
@@ -436,3 +442,13 @@ class PromptEstimator:
         seen = prompt_chars / prompt_tokens
         estimate = self.chars_per_token + self._weight * (seen - self.chars_per_token)
         self.chars_per_token = 1.0 if estimate < 1.0 else 16.0 if estimate > 16.0 else estimate
+
+
+def _check_context(prompt_tokens: int, max_output: int, *, max_model_len: int, param: str) -> None:
+    if prompt_tokens + max_output > max_model_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens; the request asks "
+            f"for about {prompt_tokens} prompt tokens and {max_output} output tokens.",
+            param=param,
+            code="context_length_exceeded",
+        )

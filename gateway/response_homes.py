@@ -15,6 +15,7 @@ from collections import OrderedDict
 
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis.asyncio.cluster import RedisCluster
 
 from gateway.exchange import Holding
 
@@ -30,7 +31,7 @@ class ResponseHomes:
     def __init__(
         self,
         *,
-        redis: aioredis.Redis | None = None,
+        redis: aioredis.Redis | RedisCluster | None = None,
         max_entries: int = 100_000,
         ttl_s: int = 24 * 3600,
         timeout_s: float = 0.25,

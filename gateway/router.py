@@ -29,7 +29,7 @@ class Router:
     def __init__(self, pools: dict[str, Pool], *, ledger: Ledger, clock: Clock) -> None:
         self.pools = pools
         self.ledger = ledger
-        self._clock = clock
+        self.clock = clock
         self._backends = {b.name: b for p in pools.values() for b in p.backends}
         self._listeners: list[ReleaseListener] = []
         self._holds = {name: HoldTimes() for name in pools}
@@ -60,17 +60,59 @@ class Router:
 
     def capacity(self, backend: Backend) -> int:
         stale = self.pools[backend.pool].settings.metrics_stale_s
-        return backend.capacity(now=self._clock.monotonic(), stale_after=stale)
+        return backend.capacity(now=self.clock.monotonic(), stale_after=stale)
 
     def limit(self, backend: Backend) -> int:
-        """Tokens this backend may hold: capacity × the pool's target fill."""
-        return _limit(self.capacity(backend), self.pools[backend.pool].settings.target_fill)
+        """Tokens the ledger may hold on this backend: capacity × its effective fill, less
+        what the backend reports holding beyond the ledger's view (see `_view`)."""
+        capacity = self.capacity(backend)
+        return self._view(backend, capacity, self.clock.monotonic())[1]
 
     def fill(self, backend: Backend) -> float:
         capacity = self.capacity(backend)
         if capacity <= 0:
             return math.inf
-        return self.ledger.tokens_in_flight(backend.name) / capacity
+        return self._view(backend, capacity, self.clock.monotonic())[0] / capacity
+
+    def effective_fill(self, backend: Backend) -> float:
+        """The fill admission aims at on `backend`: the target, or less after a back-off
+        (gateway/fill.py) while the backend's load is fresh."""
+        settings = self.pools[backend.pool].settings
+        fresh = settings.feedback and backend.reported_load(self.clock.monotonic()) is not None
+        return backend.fill.fill if fresh else settings.target_fill
+
+    def reported_tokens(self, backend: Backend) -> int | None:
+        """The KV tokens the backend reports in use (fresh scrapes only), else None."""
+        if not self.pools[backend.pool].settings.feedback:
+            return None
+        load = backend.reported_load(self.clock.monotonic())
+        return None if load is None else math.ceil(load.kv_usage * self.capacity(backend))
+
+    def unreserved_tokens(self, backend: Backend) -> int:
+        """What the backend held beyond the ledger's reservations when last scraped: traffic
+        that bypasses this gateway, answers longer than reserved. 0 without a fresh scrape."""
+        reported = self.reported_tokens(backend)
+        if reported is None or reported <= backend.reserved_at_load:
+            return 0
+        return reported - backend.reserved_at_load
+
+    def _view(self, backend: Backend, capacity: int, now: float) -> tuple[int, int]:
+        """(tokens held, ledger limit) on `backend`.
+
+        Held is the ledger's view plus what the backend held beyond it at the last scrape:
+        the larger of the two views, with the ledger's changes since the scrape (releases,
+        admissions) taken at once rather than a scrape later. The limit is capacity ×
+        effective fill less that excess, so that the ledger's own check admits against
+        the larger view.
+        """
+        held = self.ledger.tokens_in_flight(backend.name)
+        settings = self.pools[backend.pool].settings
+        load = backend.reported_load(now) if settings.feedback else None
+        if load is None:  # no fresh report: the ledger alone
+            return held, _limit(capacity, settings.target_fill)
+        reported = math.ceil(load.kv_usage * capacity)
+        beyond = max(0, reported - backend.reserved_at_load)
+        return held + beyond, max(0, _limit(capacity, backend.fill.fill) - beyond)
 
     def pool_fill(self, pool: str) -> float:
         backends = self.pools[pool].backends
@@ -88,16 +130,16 @@ class Router:
         """(fill, index, backend, limit, capacity) of each usable backend, least filled
         first; each capacity worked out once."""
         p = self.pools[pool]
-        now = self._clock.monotonic()
-        stale, target = p.settings.metrics_stale_s, p.settings.target_fill
-        tokens = self.ledger.tokens_in_flight
+        now = self.clock.monotonic()
+        stale = p.settings.metrics_stale_s
         ranked: list[tuple[float, int, Backend, int, int]] = []
         for i, b in enumerate(p.backends):
             if b.name in exclude or not b.healthy(now):
                 continue
             capacity = b.capacity(now=now, stale_after=stale)
             if capacity > 0:
-                ranked.append((tokens(b.name) / capacity, i, b, _limit(capacity, target), capacity))
+                held, limit = self._view(b, capacity, now)
+                ranked.append((held / capacity, i, b, limit, capacity))
         if len(ranked) > 1:
             ranked.sort()
         return ranked
@@ -122,14 +164,15 @@ class Router:
             if reservation is not None:
                 return self._hold(reservation)
         for backend, need in alone:  # in-flight + need ≤ need: only when idle
-            reservation = await self.ledger.reserve(backend.name, need, limit=need)
+            beyond = self.unreserved_tokens(backend)  # idle means the backend too
+            reservation = await self.ledger.reserve(backend.name, need, limit=need - beyond)
             if reservation is not None:
                 return self._hold(reservation)
         return None
 
     def _hold(self, reservation: Reservation) -> Reservation:
         pool = self._backends[reservation.backend].pool
-        self._held[pool][reservation.lease] = (self._clock.monotonic(), reservation)
+        self._held[pool][reservation.lease] = (self.clock.monotonic(), reservation)
         return reservation
 
     def has_room(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
@@ -167,7 +210,7 @@ class Router:
     def retry_after(self, pool: str, tokens: int, *, sequences: int = 1) -> float:
         """Seconds until a request of `sequences` × `tokens` likely fits in the pool, behind
         the requests already queued there (gateway/forecast.py)."""
-        now = self._clock.monotonic()
+        now = self.clock.monotonic()
         need = self.pool_kv_tokens(pool, tokens, sequences=sequences)
         recent = self._forecasts.get((pool, need))
         if recent is not None and now - recent[0] < FORECAST_REUSE_S:
@@ -198,12 +241,22 @@ class Router:
             hold_s=expected_hold_s(self._holds[pool], (age for age, _ in held)),
         )
 
+    async def extend(self, reservation: Reservation, tokens: int) -> Reservation:
+        """Grow a running request's reservation by `tokens`, over the limit if need be: it is
+        generating already. Returns what it now holds."""
+        grown = await self.ledger.extend(reservation, tokens)
+        pool = self._backends[reservation.backend].pool
+        entry = self._held[pool].get(reservation.lease)
+        if entry is not None:
+            self._held[pool][reservation.lease] = (entry[0], grown)
+        return grown
+
     async def release(self, reservation: Reservation) -> None:
         pool = self._backends[reservation.backend].pool
         entry = self._held[pool].pop(reservation.lease, None)  # gone even if the release fails
         await self.ledger.release(reservation)
         if entry is not None:
-            self._holds[pool].observe(self._clock.monotonic() - entry[0])
+            self._holds[pool].observe(self.clock.monotonic() - entry[0])
         self._freed(reservation.backend)
 
     def released_elsewhere(self, backend: str, tokens: int) -> None:

@@ -38,7 +38,7 @@ from gateway.config import TracingSettings
 from gateway.errors import SpillgateError
 from gateway.forward import Forwards, UpstreamUnavailable
 from gateway.outcome import Outcome
-from gateway.relay import Relayed, ResponseTap, Usage
+from gateway.relay import Relayed, ResponseTap, StreamWatch, Usage
 
 if TYPE_CHECKING:
     from gateway.exchange import Exchange, Served
@@ -347,6 +347,7 @@ class _TracedForwarder:
         tap: ResponseTap | None = None,
         deadline: float | None = None,
         trace_headers: Mapping[str, str] | None = None,
+        growth: StreamWatch | None = None,
     ) -> Relayed:
         trace = self._trace
         if not trace.recording:
@@ -359,6 +360,7 @@ class _TracedForwarder:
                 tap=tap,
                 deadline=deadline,
                 trace_headers=trace.unsampled_headers(),
+                growth=growth,
             )
         span, carrier = trace.attempt(target)
         status: list[int] = []
@@ -379,6 +381,7 @@ class _TracedForwarder:
                 tap=reasons,
                 deadline=deadline,
                 trace_headers=carrier,
+                growth=growth,
             )
         except UpstreamUnavailable as exc:
             if exc.status is not None:

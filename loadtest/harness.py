@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -131,6 +132,15 @@ class RedisProcess:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+    def pause(self) -> None:
+        """SIGSTOP: the server holds its connections and answers nothing (a stall)."""
+        assert self._proc is not None
+        self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self._proc is not None
+        self._proc.send_signal(signal.SIGCONT)
 
     def close(self) -> None:
         self.stop()

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from gateway.batch.service import Batches
 from gateway.clock import Clock
@@ -61,7 +62,7 @@ class PolicyDeps:
     router: Router
     metrics: GatewayMetrics
     clock: Clock
-    redis: aioredis.Redis | None = None  # shared state when configured, else local
+    redis: aioredis.Redis | RedisCluster | None = None  # shared state when configured, else local
     providers: Mapping[str, ProviderGate] = field(default_factory=dict)  # one per provider
     batches: Batches | None = None  # the batch tier, which the `batch` step hands work to
 

@@ -28,7 +28,7 @@ class DegradePolicy:
 
     async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
         smaller = exchange.degraded(request, self._to)
-        if smaller.sequence_tokens > self._router.pools[self._to].max_model_len:
+        if smaller.context_tokens > self._router.pools[self._to].max_model_len:
             return None
         if not await exchange.admit(smaller):
             return None

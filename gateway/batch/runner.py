@@ -333,7 +333,8 @@ class BatchRunner:
         def lets_in(request: InferenceRequest) -> bool:
             if outer is not None and not outer(request):
                 return False  # interactive requests wait in the pool's queue: they go first
-            return self._has_room(pool, request.reserved_tokens)
+            # what admission reserves: each choice's sequence, with its expected output
+            return self._has_room(pool, request.n * request.sequence_tokens)
 
         return lets_in
 

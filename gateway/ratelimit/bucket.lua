@@ -2,9 +2,14 @@
 -- The same arithmetic as gateway/ratelimit/bucket.py; keep the two in step.
 --
 -- KEYS[1] the request bucket, KEYS[2] the token bucket: hashes {level, at}, same hash tag.
--- ARGV: op ("acquire" | "adjust" | "peek"), requests_per_minute, request_capacity,
---       tokens_per_minute, token_capacity, tokens (the cost; for "adjust" the tokens to
---       charge, negative to refund).
+-- KEYS[3], for "acquire" and "refund": the decision's id key (same hash tag), which makes
+-- both idempotent: an acquire sent twice (a retry after a lost connection) debits once,
+-- and a refund gives back only an admission, once.
+-- ARGV: op ("acquire" | "adjust" | "refund" | "peek"), requests_per_minute,
+--       request_capacity, tokens_per_minute, token_capacity, tokens (the cost; for
+--       "adjust" the tokens to charge, negative to refund; "refund" gives back one request
+--       and `tokens`: an admission its caller never used), and for "adjust" ARGV[7]
+--       requests to charge (what a replica admitted on its own while Redis was away).
 -- Returns {code, request_level, token_level}: code 0 allowed, 1 requests, 2 tokens,
 -- 3 too_large; levels as "%.17g" strings, after the debit when allowed.
 
@@ -43,11 +48,33 @@ if op == 'peek' then
 end
 
 if op == 'adjust' then
+  local charged = tonumber(ARGV[7] or '0')
+  if charged ~= 0 then
+    r = math.min(rcap, r - charged)
+    store(KEYS[1], r, rpm, rcap)
+  end
   t = math.min(tcap, t - cost)
   store(KEYS[2], t, tpm, tcap)
   return reply(0, r, t)
 end
 
+local DECIDED_MS = 120000  -- longer than any retry or late answer takes
+
+if op == 'refund' then
+  if redis.call('GET', KEYS[3]) ~= 'admitted' then
+    return reply(0, r, t)
+  end
+  redis.call('SET', KEYS[3], 'refunded', 'PX', DECIDED_MS)
+  r = math.min(rcap, r + 1)
+  t = math.min(tcap, t + cost)
+  store(KEYS[1], r, rpm, rcap)
+  store(KEYS[2], t, tpm, tcap)
+  return reply(0, r, t)
+end
+
+if KEYS[3] and redis.call('EXISTS', KEYS[3]) == 1 then  -- decided (and debited) already
+  return reply(0, r, t)
+end
 if cost > tcap then
   return reply(3, r, t)
 end
@@ -61,4 +88,7 @@ r = r - 1
 t = t - cost
 store(KEYS[1], r, rpm, rcap)
 store(KEYS[2], t, tpm, tcap)
+if KEYS[3] then
+  redis.call('SET', KEYS[3], 'admitted', 'PX', DECIDED_MS)
+end
 return reply(0, r, t)

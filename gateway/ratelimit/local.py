@@ -63,6 +63,13 @@ class LocalRateLimiter:
         levels = self._levels(limits)
         levels.tokens = min(float(limits.token_capacity), levels.tokens + reserved - used)
 
+    def cap(self, limits: TenantLimits, *, requests: float, tokens: float) -> None:
+        """Hold a tenant's buckets at no more than these levels (what the shared store last
+        said was left of this replica's share), from where they refill as usual."""
+        levels = self._levels(limits)
+        levels.requests = min(levels.requests, requests)
+        levels.tokens = min(levels.tokens, tokens)
+
     async def peek(self, limits: TenantLimits) -> Decision:
         levels = self._levels(limits)
         return bucket.judged(limits, requests=levels.requests, tokens=levels.tokens, cost=0)

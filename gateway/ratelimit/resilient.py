@@ -1,29 +1,47 @@
 """The shared limiter with a time budget, a circuit breaker and a configured failure mode.
 
-Every call to the primary (Redis) store is bounded by `timeout_s`, so a slow or dead store
-never makes a request wait longer than that. A call that fails or runs out of time is
-answered by the failure mode instead:
-
-- `local`: this process's own buckets at the tenant's limits divided by `replicas`, so
-  the fleet as a whole stays near the tenant's limit instead of multiplying it;
-- `allow`: admitted, unlimited, for deployments that prefer serving to throttling;
-- `deny`: refused with reason "store_unavailable" (a 503, not a 429).
+Every call to the primary (Redis) store is bounded by a time budget: `timeout_max_s` when
+given, the ceiling of the budget the primary keeps itself (the waits seen lately, at least
+`timeout_s`: gateway/ratelimit/redis_limiter.py), else `timeout_s`; so a loaded process
+waits what its own round trips take and a dead store never makes a request wait longer
+than the ceiling. A call that fails or runs out of time is answered
+by this process's own buckets at the tenant's limits divided by `replicas`, so the fleet
+as a whole stays near the tenant's limit instead of multiplying it (with `allow`:
+admitted, unlimited).
 
 After `failure_threshold` consecutive failures the circuit opens: the store is left alone
-for `cooldown_s`, then one call probes it. When the store answers again, shared limiting
-resumes by itself. Every failed call is reported to `on_store_error`; every change of
+for `cooldown_s`, then one call probes it. Only while the circuit is open does the failure
+mode decide: `local` as above, `allow`, or `deny`: refused with reason "store_unavailable"
+(a 503, not a 429) and the circuit's remaining cooldown as its Retry-After. So `deny`
+never refuses because one call was slow. When the store answers again, shared limiting
+resumes by itself.
+
+Never admitting twice. A decision whose outcome is unknown (cut by its budget, or its
+connection lost) is undone in Redis if it turns out to have admitted (the Redis limiter
+refunds it, once, by its id), and the local share that answers instead starts from what
+this replica last heard from the store: a tenant whose shared bucket was empty gets
+nothing more from the share than its refill. What the share admits is owed, and charged
+to the shared buckets once the store answers again. So, per tenant, during an outage the
+fleet admits at most what the shared buckets held when each replica last heard from them
+(each replica 1/`replicas` of what it heard; together at most one bucket) plus their
+refill over the outage; afterwards the shared buckets carry it as debt.
+
+Every failed call is reported to `on_store_error`; every change of
 mode ("shared", "local", "allow", "deny") to `on_mode_change`, starting with "shared".
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Literal, TypeVar
 
 from gateway.clock import Clock
 from gateway.deadline import Deadline
 from gateway.ratelimit import bucket
-from gateway.ratelimit.base import Decision, RateLimiter, StoreError, TenantLimits
+from gateway.ratelimit.base import Decision, StoreError, TenantLimits
+from gateway.ratelimit.local import LocalRateLimiter
+from gateway.ratelimit.redis_limiter import RedisRateLimiter
 
 FailureMode = Literal["local", "allow", "deny"]
 Mode = Literal["shared", "local", "allow", "deny"]
@@ -48,12 +66,13 @@ class ResilientRateLimiter:
 
     def __init__(
         self,
-        primary: RateLimiter,
+        primary: RedisRateLimiter,
         *,
-        fallback: RateLimiter,
+        fallback: LocalRateLimiter,
         failure_mode: FailureMode,
         replicas: int,
         timeout_s: float,
+        timeout_max_s: float | None = None,
         failure_threshold: int,
         cooldown_s: float,
         clock: Clock,
@@ -69,6 +88,7 @@ class ResilientRateLimiter:
         self._failure_mode: FailureMode = failure_mode
         self._replicas = replicas
         self._timeout_s = timeout_s
+        self._timeout_max_s = max(timeout_s, timeout_max_s or timeout_s)
         self._failure_threshold = failure_threshold
         self._cooldown_s = cooldown_s
         self._clock = clock
@@ -78,6 +98,9 @@ class ResilientRateLimiter:
         self._open_until: float | None = None
         self._probing = False
         self._mode: Mode = "shared"
+        self._known: dict[str, tuple[int, int]] = {}  # tenant: levels the store last reported
+        self._owed: dict[str, tuple[TenantLimits, int, int]] = {}  # admitted by the share
+        self._settling: set[asyncio.Task[None]] = set()
         on_mode_change(self._mode)
 
     @property
@@ -92,23 +115,60 @@ class ResilientRateLimiter:
         bucket.check_tokens(tokens=tokens)
         shared = await self._ask_primary(lambda: self._primary.acquire(limits, tokens))
         if not isinstance(shared, _StoreDown):
+            self._known[limits.tenant] = (shared.remaining_requests, shared.remaining_tokens)
             return shared
         if tokens > limits.token_capacity:
             return bucket.judged(limits, requests=0, tokens=0, cost=tokens)
-        if self._failure_mode == "local":
-            return await self._acquire_share(limits.divided(self._replicas), tokens)
-        if self._failure_mode == "allow":
+        mode = self._degraded_mode()
+        if mode == "local":
+            return await self._acquire_share(limits, tokens)
+        if mode == "allow":
             return bucket.full(limits)
         return self._unavailable(limits)
 
-    async def _acquire_share(self, share: TenantLimits, tokens: int) -> Decision:
+    def _share(self, limits: TenantLimits) -> TenantLimits:
+        """This replica's share, held at its part of what the store last reported."""
+        share = limits.divided(self._replicas)
+        known = self._known.pop(limits.tenant, None)
+        if known is not None:
+            requests, tokens = known
+            self._fallback.cap(
+                share, requests=requests / self._replicas, tokens=tokens / self._replicas
+            )
+        return share
+
+    def _owe(self, limits: TenantLimits, *, requests: int, tokens: int) -> None:
+        _, owed_requests, owed_tokens = self._owed.get(limits.tenant, (limits, 0, 0))
+        self._owed[limits.tenant] = (limits, owed_requests + requests, owed_tokens + tokens)
+
+    async def _settle_owed(self) -> None:
+        """Charge the shared buckets with what the shares admitted while Redis was away."""
+        owed, self._owed = self._owed, {}
+        for limits, requests, tokens in owed.values():
+            try:
+                await self._primary.charge(limits, requests=requests, tokens=tokens)
+            except StoreError:
+                self._owe(limits, requests=requests, tokens=tokens)
+                return
+
+    def _degraded_mode(self) -> FailureMode:
+        """How to answer without the store: `deny` only while the circuit is open."""
+        if self._failure_mode == "deny" and self._open_until is None:
+            return "local"
+        return self._failure_mode
+
+    async def _acquire_share(self, limits: TenantLimits, tokens: int) -> Decision:
         """Debit this replica's share; a request the whole bucket holds but the share does
         not waits for a full share and leaves the rest as debt, rather than never fitting."""
+        share = self._share(limits)
         if tokens <= share.token_capacity:
-            return await self._fallback.acquire(share, tokens)
-        decision = await self._fallback.acquire(share, share.token_capacity)
+            decision = await self._fallback.acquire(share, tokens)
+        else:
+            decision = await self._fallback.acquire(share, share.token_capacity)
+            if decision.allowed:
+                await self._fallback.reconcile(share, reserved=share.token_capacity, used=tokens)
         if decision.allowed:
-            await self._fallback.reconcile(share, reserved=share.token_capacity, used=tokens)
+            self._owe(limits, requests=1, tokens=tokens)
         return decision
 
     async def reconcile(self, limits: TenantLimits, *, reserved: int, used: int) -> None:
@@ -117,18 +177,21 @@ class ResilientRateLimiter:
         shared = await self._ask_primary(
             lambda: self._primary.reconcile(limits, reserved=reserved, used=used)
         )
-        if isinstance(shared, _StoreDown) and self._failure_mode == "local":
+        if isinstance(shared, _StoreDown) and self._degraded_mode() == "local":
             await self._fallback.reconcile(
                 limits.divided(self._replicas), reserved=reserved, used=used
             )
+            self._owe(limits, requests=0, tokens=used - reserved)
 
     async def peek(self, limits: TenantLimits) -> Decision:
         shared = await self._ask_primary(lambda: self._primary.peek(limits))
         if not isinstance(shared, _StoreDown):
+            self._known[limits.tenant] = (shared.remaining_requests, shared.remaining_tokens)
             return shared
-        if self._failure_mode == "local":
-            return await self._fallback.peek(limits.divided(self._replicas))
-        if self._failure_mode == "allow":
+        mode = self._degraded_mode()
+        if mode == "local":
+            return await self._fallback.peek(self._share(limits))
+        if mode == "allow":
             return bucket.full(limits)
         return self._unavailable(limits)
 
@@ -145,7 +208,7 @@ class ResilientRateLimiter:
             return _STORE_DOWN
         self._probing = probe
         try:
-            with Deadline.after(self._timeout_s):
+            with Deadline.after(self._timeout_max_s):
                 result = await call()
         except (TimeoutError, StoreError):
             self._failed()
@@ -161,12 +224,16 @@ class ResilientRateLimiter:
         self._failures += 1
         if self._failures >= self._failure_threshold:
             self._open_until = self._clock.monotonic() + self._cooldown_s
-        self._set_mode(self._failure_mode)
+        self._set_mode(self._degraded_mode())
 
     def _answered(self) -> None:
         self._failures = 0
         self._open_until = None
         self._set_mode("shared")
+        if self._owed and not self._settling:
+            task = asyncio.get_running_loop().create_task(self._settle_owed())
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
 
     def _set_mode(self, mode: Mode) -> None:
         if mode != self._mode:

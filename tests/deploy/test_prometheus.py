@@ -127,3 +127,17 @@ def test_prometheus_chart_values_load_the_rules_configmap() -> None:
     readme = (ROOT / "deploy" / "README.md").read_text()
     command = f"create configmap {mount['configMap']} --from-file=deploy/prometheus/rules/"
     assert command in readme
+
+
+def test_the_fleets_desired_backends_is_the_sum_of_its_replicas() -> None:
+    """Each gateway process publishes the backends its own traffic needs; the autoscaler
+    and the dashboard add them up over the fleet's replicas (a max or an average would
+    scale a pool for one replica's share of the demand)."""
+    (rule,) = [r for r in adapter_rules() if r["name"]["as"] == "spillgate_pool_desired_backends"]
+    assert adapter_query(rule) == (
+        'sum by (namespace, pool) (spillgate_pool_desired_backends{namespace="spillgate"})'
+    )
+    panels = [q for q in dashboard_queries() if "spillgate_pool_desired_backends" in q]
+    assert panels and all(
+        q.startswith("sum by (pool) (spillgate_pool_desired_backends") for q in panels
+    )

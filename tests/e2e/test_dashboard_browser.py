@@ -68,6 +68,8 @@ def test_dashboard_shows_capacity_in_flight_and_outcomes(fleet: Fleet, tmp_path:
         row = re.search(rf'data-backend="{b["name"]}".*?</tr>', dom, re.S)
         assert row and f'class="capacity">{CAPACITY:,}<' in row.group(0)
         assert f'class="limit-tokens">{CAPACITY // 2:,}<' in row.group(0)
+        assert re.search(r'class="effective-fill"[^>]*>50 %<', row.group(0))
+        assert re.search(r'class="kv-used"[^>]*>[\d.]+ %<', row.group(0))
     assert '<form id="login" hidden=""' in dom
     width, height, variety = png_facts(tmp_path / "dashboard.png")
     assert (width, height) == (1280, 720)
@@ -83,7 +85,8 @@ async def _hold_and_look(fleet: Fleet, tmp_path: Path) -> tuple[str, dict[str, o
         long = [asyncio.create_task(client.post("/v1/chat/completions", json=body))
                 for _ in range(2)]  # fmt: skip
         deadline = time.monotonic() + 5
-        while sum(b["tokens_in_flight"] for b in fleet.status()["pools"][0]["backends"]) < 1200:
+        # each reserves its prompt and the expected output (the 512-token prior), one a backend
+        while sum(b["tokens_in_flight"] for b in fleet.status()["pools"][0]["backends"]) < 1024:
             assert time.monotonic() < deadline, "the long requests never got admitted"
             await asyncio.sleep(0.02)
         refused = [await client.post("/v1/chat/completions", json=body) for _ in range(3)]

@@ -37,7 +37,8 @@ def batch_fleet(
     sims = [SimConfig(model="served-chat", kv_tokens=8192, speed=speed)]
     with run_fleet(
         pools={POOL: sims},
-        pool_options={POOL: pool_options or {}},
+        # each request reserves its whole max_tokens: the room a spike takes is exact
+        pool_options={POOL: {"reservation": {"mode": "max_tokens"}, **(pool_options or {})}},
         tenants=tenants or {"acme": {}, "other": {}},
         capacity={POOL: 1000},
         extra={"batch": {"dir": str(store), "poll_s": 0.05, **batch}},

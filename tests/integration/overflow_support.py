@@ -28,6 +28,9 @@ from loadtest.sim_config import SimConfig
 PROVIDER_KEY_ENV = "HOSTED_API_KEY"
 # with a short prompt, fills a backend of 1000 tokens: 992 in blocks of 16, room for no other
 HOLD_TOKENS = 980
+# a holder holds all of its max_tokens from admission: the overflow tests' pools reserve the
+# whole answer, as they did before reservations were learned (gateway/output_lengths.py)
+STATIC_RESERVATION = {"mode": "max_tokens"}
 T = TypeVar("T")
 
 
@@ -106,7 +109,13 @@ async def wait_for(check: Callable[[], bool], *, within_s: float = 5.0) -> None:
 
 def pool(name: str, server: ServerThread, model: str, **options: Any) -> dict[str, Any]:
     backend = {"url": server.url, "served_model": model, "capacity": 1000}
-    return {"name": name, "target_fill": 1.0, "backends": [backend], **options}
+    return {
+        "name": name,
+        "target_fill": 1.0,
+        "backends": [backend],
+        "reservation": STATIC_RESERVATION,
+        **options,
+    }
 
 
 @contextlib.contextmanager

@@ -102,6 +102,9 @@ def write_config(path: Path, backends: list[str], *, redis: bool) -> Path:
                 "target_fill": TARGET_FILL,
                 "overflow": ["queue", "reject"],
                 "queue": {"max_depth": 128, "max_wait_s": 15.0},
+                # each request holds its whole max_tokens from admission on, so that what
+                # the replicas hold is known exactly: these tests are about sharing it
+                "reservation": {"mode": "max_tokens"},
             }
         ],
     }

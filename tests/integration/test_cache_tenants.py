@@ -14,7 +14,12 @@ import redis
 from loadtest.fleet import Fleet, run_fleet
 from loadtest.harness import RedisProcess
 from loadtest.sim_config import SimConfig
-from tests.integration.overflow_support import async_client, chat, holding
+from tests.integration.overflow_support import (
+    STATIC_RESERVATION,
+    async_client,
+    chat,
+    holding,
+)
 
 QUESTION = chat("What is the capital of France?", temperature=0)
 
@@ -24,7 +29,14 @@ def cache_fleet(*, scope: str | None = None, redis_url: str | None = None) -> It
     cache = {"ttl_s": 60} if scope is None else {"ttl_s": 60, "scope": scope}
     with run_fleet(
         pools={"big": [SimConfig(model="m", kv_tokens=4096, speed=2.0)]},
-        pool_options={"big": {"target_fill": 1.0, "overflow": ["cache", "reject"], "cache": cache}},
+        pool_options={
+            "big": {
+                "target_fill": 1.0,
+                "overflow": ["cache", "reject"],
+                "cache": cache,
+                "reservation": STATIC_RESERVATION,
+            }
+        },
         capacity={"big": 1000},
         tenants={"acme": {}, "beta": {}},
         redis_url=redis_url,

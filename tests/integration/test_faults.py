@@ -88,7 +88,7 @@ def pools(faults_url: str, steady: str, crash_url: str) -> list[dict[str, Any]]:
 
     return [
         {"name": "steady", "target_fill": 1.0, "overflow": ["queue", "reject"],
-         "queue": {"max_wait_s": 10},
+         "queue": {"max_wait_s": 10}, "reservation": {"mode": "max_tokens"},
          "backends": [{"url": steady, "served_model": "m", "capacity": 1000}]},
         {"name": "silent", "timeouts": SILENT,
          "backends": [at("s0", "silent"), at("s1", "silent"), at("s2", "silent")]},

@@ -215,3 +215,64 @@ def test_a_stalled_redis_costs_at_most_the_time_budget(redis_proc: RedisProcess)
             await admin.aclose()
 
     asyncio.run(scenario())
+
+
+def test_an_extension_is_shared_passes_the_limit_and_is_released_whole(
+    redis_proc: RedisProcess,
+) -> None:
+    async def scenario() -> None:
+        async with replicas(redis_proc, 2, timeout_s=2.0) as (holder, other):
+            held = await holder.reserve("b0", 600, limit=1000)
+            assert held is not None
+            grown = await holder.extend(held, 300)
+            assert grown == Reservation("b0", 900, held.lease)
+            grown = await holder.extend(held, 200)  # running already: past the limit
+            assert grown.tokens == 1100
+            assert holder.snapshot()["b0"] == (1100, 1)  # counted here at once
+            await holder.refresh()  # in Redis with the next refresh
+            await other.refresh()
+            assert other.snapshot()["b0"] == (1100, 1)
+            assert await other.reserve("b0", 16, limit=1000) is None  # new ones see it
+            _, tokens, _ = holder.keys("b0")
+            admin = client(redis_proc)
+            assert int(await admin.hget(tokens, held.lease)) == 1100
+            await holder.release(held)  # as admitted: the lease gives back all it grew to
+            await other.refresh()
+            assert other.snapshot()["b0"] == (0, 0)
+            assert holder.snapshot()["b0"] == (0, 0)
+            assert await holder.extend(held, 100) == held  # released: nothing to grow
+            await other.refresh()
+            assert other.snapshot()["b0"] == (0, 0)
+            await admin.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_grown_lease_the_store_lost_is_restored_grown(redis_proc: RedisProcess) -> None:
+    """A renewal carries every lease's tokens: a restarted Redis, or one that missed a
+    growth, gets the grown figure back."""
+
+    async def scenario() -> None:
+        options = {"timeout_s": 2.0, "lease_ttl_s": 0.3, "refresh_s": 0.1}
+        async with replicas(redis_proc, 1, **options) as (ledger,):
+            held = await ledger.reserve("b1", 100, limit=1000)
+            assert held is not None
+            await ledger.extend(held, 50)
+            admin = client(redis_proc)
+            _, tokens, _ = ledger.keys("b1")
+            await ledger.refresh()
+            assert int(await admin.hget(tokens, held.lease)) == 150
+            await admin.hset(tokens, held.lease, 100)  # as if that refresh never arrived
+            await asyncio.sleep(0.11)  # a third of the TTL: the leases are due again
+            await ledger.refresh()
+            assert ledger.snapshot()["b1"] == (150, 1)
+            for key in ledger.keys("b1"):
+                await admin.delete(key)  # as if Redis restarted empty
+            await asyncio.sleep(0.11)  # a third of the TTL: the leases are due again
+            await ledger.refresh()
+            assert int(await admin.hget(tokens, held.lease)) == 150
+            await ledger.release(held)
+            assert ledger.snapshot()["b1"] == (0, 0)
+            await admin.aclose()
+
+    asyncio.run(scenario())

@@ -176,6 +176,8 @@ def test_a_waiter_on_one_gateway_is_admitted_when_another_gateway_releases(
                         "backends": [{"url": sim.url, "served_model": "m", "capacity": 1000}],
                         "overflow": ["queue", "reject"],
                         "queue": {"max_wait_s": 8.0},
+                        # the holder holds all of its max_tokens: nothing else fits beside it
+                        "reservation": {"mode": "max_tokens"},
                     }
                 ],
             }

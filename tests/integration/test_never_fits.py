@@ -10,6 +10,7 @@ from loadtest.fleet import Fleet, run_fleet
 from loadtest.sim_config import SimConfig
 
 MSG = [{"role": "user", "content": "Hi"}]  # the gateway estimates 5 prompt tokens
+STATIC = {"mode": "max_tokens"}
 
 
 @pytest.fixture(scope="module")
@@ -20,9 +21,16 @@ def fleet() -> Iterator[Fleet]:
     large = SimConfig(model="large", kv_tokens=8192, speed=50.0)
     with run_fleet(
         pools={"m": [small], "d": [spill], "big": [large]},
+        # reserving all of max_tokens: a request's whole answer must fit (learned
+        # reservations admit what its expected answer needs, and grow as it streams)
         pool_options={
-            "m": {"target_fill": 0.5, "overflow": ["queue", "reject"]},
-            "d": {"target_fill": 0.5, "overflow": ["degrade", "reject"], "degrade_to": "big"},
+            "m": {"target_fill": 0.5, "overflow": ["queue", "reject"], "reservation": STATIC},
+            "d": {
+                "target_fill": 0.5,
+                "overflow": ["degrade", "reject"],
+                "degrade_to": "big",
+                "reservation": STATIC,
+            },
         },
     ) as f:
         yield f

@@ -12,6 +12,7 @@ import pytest
 from loadtest.fleet import Fleet, run_fleet
 from loadtest.sim_config import SimConfig
 from tests.integration.overflow_support import (
+    STATIC_RESERVATION,
     async_client,
     backend_requests,
     chat,
@@ -31,6 +32,7 @@ def fleet() -> Iterator[Fleet]:
                 "target_fill": 1.0,
                 "overflow": ["queue", "reject"],
                 "queue": {"max_wait_s": 10},
+                "reservation": STATIC_RESERVATION,
             }
         },
         capacity={"big": 1000},

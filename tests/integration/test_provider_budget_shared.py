@@ -23,11 +23,14 @@ MAX_TOKENS = 90  # with the prompt, about a tenth of the budget per request
 
 
 @contextlib.contextmanager
-def two_gateways(redis_url: str | None) -> Iterator[tuple[list[str], ServerThread]]:
+def two_gateways(
+    redis_url: str | None, *, first_token_latency_s: float = 0.005, max_concurrency: int = 64
+) -> Iterator[tuple[list[str], ServerThread]]:
     started: list[ServerThread] = []
     try:
         backend = ServerThread(create_sim_app(SimConfig(model="m", kv_tokens=4096))).start()
-        provider = ServerThread(create_provider_app(ProviderConfig(api_key=PROVIDER_KEY)))
+        answers = ProviderConfig(api_key=PROVIDER_KEY, first_token_latency_s=first_token_latency_s)
+        provider = ServerThread(create_provider_app(answers))
         started += [backend, provider.start()]
         settings = parse_settings(
             {
@@ -48,6 +51,7 @@ def two_gateways(redis_url: str | None) -> Iterator[tuple[list[str], ServerThrea
                         "base_url": provider.url + "/v1",
                         "api_key_env": "HOSTED_KEY",
                         "tokens_per_minute": BUDGET,
+                        "max_concurrency": max_concurrency,
                     }
                 ],
             }
@@ -94,3 +98,27 @@ def test_without_redis_each_replica_spends_its_own_budget() -> None:
     with two_gateways(None) as (urls, _):
         outcomes = spill(urls)
     assert outcomes.count("provider") >= 16  # twice the budget: what sharing prevents
+
+
+def concurrent_spills(urls: list[str], count: int) -> list[str]:
+    async def go() -> list[str]:
+        headers = {"authorization": f"Bearer {KEY}"}
+        body = {"model": "big", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+        async with httpx.AsyncClient(headers=headers, timeout=20) as client:
+            posts = (
+                client.post(f"{urls[i % 2]}/v1/chat/completions", json=body) for i in range(count)
+            )
+            replies = await asyncio.gather(*posts)
+            return [r.headers["x-spillgate-outcome"] for r in replies]
+
+    return asyncio.run(go())
+
+
+def test_replicas_on_one_redis_share_one_provider_concurrency_cap(
+    redis_proc: RedisProcess,
+) -> None:
+    """A cap of 2 at once, for the fleet: 6 requests at once over two replicas (each
+    answer takes a second), 2 go to the provider; per process it would be 4."""
+    with two_gateways(redis_proc.url, first_token_latency_s=1.0, max_concurrency=2) as (urls, _):
+        outcomes = concurrent_spills(urls, 6)
+    assert sorted(outcomes) == ["provider"] * 2 + ["rejected"] * 4

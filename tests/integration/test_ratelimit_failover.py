@@ -100,7 +100,8 @@ def test_local_mode_limits_at_the_replica_share_while_redis_is_down(
         assert (await gw.acquire()).allowed
         redis_proc.stop()
         decisions = [await gw.acquire() for _ in range(10)]
-        assert [d.allowed for d in decisions] == [True] * 4 + [False] * 6
+        # the share is 4 requests, held at a third of the 11 Redis last said were left
+        assert [d.allowed for d in decisions] == [True] * 3 + [False] * 7
         assert decisions[-1].reason == "requests"
         assert decisions[0].limit_requests == 4
         assert gw.modes == ["shared", "local"]
@@ -142,15 +143,23 @@ def test_shared_limiting_resumes_after_redis_restarts(redis_proc: RedisProcess) 
 
 
 def test_deny_mode_refuses_as_store_unavailable(redis_proc: RedisProcess) -> None:
+    """Refused only once the circuit is open (three failures in a row); before that each
+    failed call is answered from the replica's share, as one slow call may be. The
+    refusal's Retry-After is what is left of the cooldown."""
+
     async def scenario() -> None:
         gw = await gateway(redis_proc, "deny")
         redis_proc.stop()
         decisions = [await gw.acquire() for _ in range(5)]
-        assert all(not d.allowed and d.reason == "store_unavailable" for d in decisions)
+        assert [d.allowed for d in decisions] == [True, True, False, False, False]
+        assert all(d.reason == "store_unavailable" for d in decisions[2:])
         assert decisions[-1].retry_after_s == pytest.approx(COOLDOWN_S)
+        gw.clock.advance(COOLDOWN_S / 4)
+        later = await gw.acquire()
+        assert later.retry_after_s == pytest.approx(COOLDOWN_S * 3 / 4)
         peeked = await gw.timed(lambda: gw.limiter.peek(LIMITS))
         assert peeked.reason == "store_unavailable"
-        assert gw.modes == ["shared", "deny"]
+        assert gw.modes == ["shared", "local", "deny"]
         await gw.client.aclose()
 
     asyncio.run(scenario())
@@ -184,11 +193,42 @@ def test_stalled_redis_costs_at_most_the_time_budget(redis_proc: RedisProcess) -
         decisions = await gw.timed(
             lambda: asyncio.gather(*(gw.limiter.acquire(LIMITS, 100) for _ in range(8)))
         )
-        assert sum(d.allowed for d in decisions) == 4
+        assert sum(d.allowed for d in decisions) == 3  # a third of the 11 left, at most 4
         assert gw.store_errors == 8
         assert gw.limiter.mode == "local"
         await gw.client.aclose()
         await admin.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_the_local_share_starts_from_what_redis_last_said(redis_proc: RedisProcess) -> None:
+    """A tenant that spent its whole shared bucket gets nothing more from a replica's share
+    when Redis goes away: no second admission on top of the shared ones; and what the share
+    admits later is charged to the shared bucket once Redis answers again."""
+
+    async def scenario() -> None:
+        gw = await gateway(redis_proc, "local")
+        spent = [await gw.acquire() for _ in range(12)]
+        assert all(d.allowed for d in spent) and spent[-1].remaining_requests == 0
+        admin = aioredis.Redis.from_url(redis_proc.url, socket_timeout=5)
+        await admin.execute_command("CLIENT", "PAUSE", 400)
+        during = [await gw.acquire() for _ in range(3)]
+        assert [d.allowed for d in during] == [False] * 3
+        assert gw.limiter.mode == "local"
+        gw.clock.advance(60.0)  # a minute's refill: 12 requests, a share of 4 of them
+        later = [await gw.acquire() for _ in range(5)]
+        assert [d.allowed for d in later] == [True] * 4 + [False]
+        await asyncio.sleep(0.5)  # Redis answers again
+        gw.clock.advance(COOLDOWN_S)
+        resumed, _ = await until_shared(gw)
+        await asyncio.sleep(0.1)  # the owed charge goes out after the first answer
+        assert resumed.allowed is False  # Redis's own clock refilled under one request
+        requests_key = RedisRateLimiter(gw.client).keys("acme")[0]
+        level = float(await admin.hget(requests_key, "level"))
+        assert -4 < level < -3  # the 4 the share admitted, less Redis's refill (0.2 a second)
+        await admin.aclose()
+        await gw.client.aclose()
 
     asyncio.run(scenario())
 

@@ -21,6 +21,7 @@ from gateway.ratelimit import (
     ResilientRateLimiter,
     TenantLimits,
 )
+from gateway.ratelimit.redis_limiter import bucket_script
 from loadtest.harness import RedisProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -281,3 +282,61 @@ def test_a_restarted_redis_fails_no_call_on_a_stale_pooled_connection() -> None:
 
     with RedisProcess() as server:
         asyncio.run(scenario(server))
+
+
+def test_a_decision_sent_twice_debits_once(redis_proc: RedisProcess) -> None:
+    """A retry after a lost connection sends the same decision again: its id makes the
+    second one a no-op, and a refund gives back that one admission, once."""
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(redis_proc.url, socket_timeout=5)
+        limiter = RedisRateLimiter(client, key_prefix="twice")
+        limits = TenantLimits(tenant="t", requests_per_minute=1, tokens_per_minute=1_000)
+        script = client.register_script(bucket_script())
+        requests, tokens = limiter.keys("t")
+        keys = [requests, tokens, "twice:ratelimit:{t}:decided:x:1"]
+        args = ["acquire", 1, 1, 1, 1_000, 300]
+        first, second = [await script(keys=keys, args=args) for _ in range(2)]
+        assert (first[0], second[0]) == (0, 0)
+        assert [float(await client.hget(k, "level")) for k in (requests, tokens)] == [0, 700]
+        refund = ["refund", *args[1:]]
+        await script(keys=keys, args=refund)
+        await script(keys=keys, args=refund)
+        assert (await limiter.peek(limits)).remaining_tokens == 1_000
+        assert (await limiter.peek(limits)).remaining_requests == 1
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_decision_made_after_its_caller_gave_up_is_refunded(redis_proc: RedisProcess) -> None:
+    """Cut by its time budget while Redis was paused, the decision still ran in Redis once
+    the pause ended: nobody used that admission, so it is given back."""
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(redis_proc.url, socket_timeout=5)
+        admin = aioredis.Redis.from_url(redis_proc.url, socket_timeout=5)
+        limiter = RedisRateLimiter(client, key_prefix="late")
+        limits = TenantLimits(
+            tenant="t",
+            requests_per_minute=1,
+            request_burst=2,
+            tokens_per_minute=1,
+            token_burst=1_000,
+        )
+        assert (await limiter.acquire(limits, 100)).remaining_tokens == 900
+        await admin.execute_command("CLIENT", "PAUSE", 300)
+        try:
+            async with asyncio.timeout(0.05):
+                await limiter.acquire(limits, 200)
+            raise AssertionError("the paused Redis answered")
+        except TimeoutError:
+            pass
+        await asyncio.sleep(0.6)  # the pause ends, the decision runs, its refund follows
+        assert limiter.late_refunds == 1
+        peeked = await limiter.peek(limits)
+        assert (peeked.remaining_requests, peeked.remaining_tokens) == (1, 900)
+        await client.aclose()
+        await admin.aclose()
+
+    asyncio.run(scenario())

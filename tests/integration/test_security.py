@@ -37,6 +37,7 @@ from tests.integration.fault_support import (
     holding,
     provider_stats,
 )
+from tests.integration.overflow_support import STATIC_RESERVATION
 
 PROVIDER_KEY_ENV = "HOSTED_API_KEY"
 ROOM = 100_000  # tokens the recording backend holds
@@ -109,6 +110,7 @@ def secure() -> Iterator[SecureFleet]:
                 {"name": "rec", "backends": [recording]},
                 {"name": "big", "target_fill": 1.0, "cache": {"ttl_s": 60},
                  "overflow": ["cache", "provider", "reject"], "provider": "hosted",
+                 "reservation": STATIC_RESERVATION,
                  "backends": [{"url": big.url, "served_model": "m", "capacity": 1000}]},
             ],
             "providers": [

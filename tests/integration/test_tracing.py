@@ -140,6 +140,8 @@ def traced_fleet(*, enabled: bool) -> Iterator[Traced]:
                     "backends": [_backend(url["queued"], "queued-served")],
                     "overflow": ["queue", "reject"],
                     "queue": {"max_wait_s": 15},
+                    # the holder holds all of its max_tokens: nothing else fits beside it
+                    "reservation": {"mode": "max_tokens"},
                 },
                 {
                     "name": "tiny",

@@ -210,3 +210,23 @@ def test_example_configs_load() -> None:
     assert examples, "deploy/examples holds at least one config"
     for path in examples:
         load_settings(path)
+
+
+def test_reservation_and_feedback_are_known_keys_with_defaults() -> None:
+    pool = parse_settings(_minimal()).pools[0]
+    assert pool.reservation.model_dump() == {
+        "mode": "learned",
+        "quantile": 0.9,
+        "prior_tokens": 512,
+        "min_samples": 50,
+    }
+    assert pool.feedback is True
+    static = parse_settings(_minimal(reservation={"mode": "max_tokens"}, feedback=False))
+    assert (static.pools[0].reservation.mode, static.pools[0].feedback) == ("max_tokens", False)
+    problems = _problems(_minimal(reservation={"mode": "static", "quantile": 1.5, "prior": 9}))
+    assert len(problems) == 3
+    assert [p.split(": ")[1] for p in problems] == [
+        "pools[0].reservation.mode",
+        "pools[0].reservation.quantile",
+        "pools[0].reservation.prior",
+    ]

@@ -1,0 +1,161 @@
+"""What each backend reports it holds, scraped every SCRAPE_S: the loop's other half.
+
+The ledger knows what the gateway reserved; the backend knows what it really holds,
+including traffic that bypasses the gateway. Admission takes the larger of the two
+(gateway/router.py), and a backend that preempts sequences or keeps requests waiting
+lowers its effective fill (gateway/fill.py).
+
+vLLM: `vllm:kv_cache_usage_perc` (0..1), `vllm:num_requests_waiting`,
+`vllm:num_preemptions_total` (a counter). SGLang: `sglang:token_usage` (0..1),
+`sglang:num_queue_reqs`, and `sglang:num_retracted_reqs` (requests it retracted, SGLang's
+preemption, a gauge: any is taken as a preemption). Engines of one server (data parallel)
+are averaged for the usage and added up for the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+
+from gateway.clock import Clock
+from gateway.fill import FillReason
+
+log = logging.getLogger("spillgate.backends")
+
+SCRAPE_S = 0.5  # how often each backend's load is read
+SCRAPE_TIMEOUT_S = 0.4  # an answer later than this is no answer: the scrape is skipped
+STALE_S = 3.0  # a load older than this is not used: admission falls back to the ledger
+
+USAGE = ("vllm:kv_cache_usage_perc", "sglang:token_usage")
+WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+PREEMPTIONS = ("vllm:num_preemptions_total",)
+RETRACTED = ("sglang:num_retracted_reqs",)
+_WANTED = frozenset((*USAGE, *WAITING, *PREEMPTIONS, *RETRACTED))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReportedLoad:
+    """One scrape of a backend's own metrics."""
+
+    kv_usage: float  # share of its KV cache in use, 0..1
+    waiting: int  # requests waiting inside it
+    preemptions: float | None  # its preemption counter, where it has one
+    retracted: int = 0  # SGLang's retracted requests
+
+
+def load_from_metrics(text: str) -> ReportedLoad | None:
+    """The load a vLLM or SGLang metrics page reports, or None when it reports no KV use.
+    Reads line by line: the page is mostly histograms, parsed here several times a second."""
+    values: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        if not line.startswith(("vllm:", "sglang:")):
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        name = line[: brace if 0 <= brace < space or space < 0 else space]
+        if name not in _WANTED:
+            continue
+        rest = line[line.rfind("}") + 1 :] if brace >= 0 else line[space:]
+        try:
+            value = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+        values.setdefault(name, []).append(value)
+    usage = next((values[n] for n in USAGE if n in values), None)
+    if not usage:
+        return None
+
+    def total(names: Iterable[str]) -> float | None:
+        found = [sum(values[n]) for n in names if n in values]
+        return found[0] if found else None
+
+    return ReportedLoad(
+        kv_usage=min(1.0, max(0.0, sum(usage) / len(usage))),
+        waiting=int(total(WAITING) or 0),
+        preemptions=total(PREEMPTIONS),
+        retracted=int(total(RETRACTED) or 0),
+    )
+
+
+BackoffListener = Callable[[str, FillReason], None]  # (backend, reason)
+
+
+class LoadReporting(Protocol):
+    """A backend as the load watcher sees it (gateway/backends.py's Backend)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def url(self) -> str: ...
+
+    def report(self, load: ReportedLoad, *, now: float, reserved: int = 0) -> FillReason | None:
+        """Take a scrape; the reason the effective fill backed off, if it did."""
+        ...
+
+
+class LoadWatcher:
+    """Scrapes the load of every backend whose pool has `feedback` on, every SCRAPE_S; each
+    scrape is bounded by SCRAPE_TIMEOUT_S, so a slow backend only makes its load stale."""
+
+    def __init__(
+        self,
+        backends: Sequence[LoadReporting],
+        *,
+        client: httpx.AsyncClient,
+        clock: Clock,
+        reserved: Callable[[str], int],
+        on_backoff: BackoffListener,
+    ) -> None:
+        """`reserved(backend)`: the tokens the ledger holds on it now."""
+        self._backends = list(backends)
+        self._reserved = reserved
+        self._client = client
+        self._clock = clock
+        self._on_backoff = on_backoff
+        self._task: asyncio.Task[None] | None = None
+
+    async def scrape_once(self) -> None:
+        await asyncio.gather(*(self._scrape(b) for b in self._backends))
+
+    async def _scrape(self, backend: LoadReporting) -> None:
+        # the ledger's view as the scrape leaves and as it comes back, the larger: a request
+        # released meanwhile was still in the backend's figure, one admitted was not yet
+        before = self._reserved(backend.name)
+        try:
+            response = await self._client.get(f"{backend.url}/metrics", timeout=SCRAPE_TIMEOUT_S)
+        except httpx.HTTPError:
+            return  # the probe (FleetWatcher) says why; the load just goes stale
+        if response.status_code != 200:
+            return
+        load = load_from_metrics(response.text)
+        if load is None:
+            return
+        reserved = max(before, self._reserved(backend.name))
+        reason = backend.report(load, now=self._clock.monotonic(), reserved=reserved)
+        if reason is not None:
+            self._on_backoff(backend.name, reason)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.scrape_once()
+            except Exception:
+                log.exception("load scrape failed")
+            await asyncio.sleep(SCRAPE_S)
+
+    def start(self) -> None:
+        if self._backends:
+            self._task = asyncio.create_task(self._loop(), name="load-watcher")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

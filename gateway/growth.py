@@ -1,0 +1,72 @@
+"""A streaming request's reservation grows with its answer.
+
+A request reserves its prompt and the output it will likely generate (gateway/
+output_lengths.py). While it streams, the relay shows every batch of events it passes on
+to `Growth.seen`, which counts the tokens generated: vLLM sends one SSE event per token
+and choice (a stream's first event, its role, and its last, the usage, are counted too,
+which errs on the side of more). When the longest choice passes what is reserved, the
+reservation is extended to the next whole block of each choice, over the backend's limit
+if need be: the request is running already, and new admissions see the room it took.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Protocol
+
+from gateway.ledger import Reservation
+from gateway.router import Router
+
+_CHOICE = re.compile(rb'"choices"\s*:\s*\[\s*\{\s*"index"\s*:\s*(\d+)')
+
+
+class Held(Protocol):
+    """What holds the request's reservation (gateway/exchange.py's Holding)."""
+
+    reservation: Reservation | None
+
+
+class Growth:
+    # one per streaming request
+    __slots__ = ("_block", "_counts", "_covered", "_holding", "_prompt", "_router", "_sequences")
+
+    def __init__(
+        self, *, router: Router, holding: Held, prompt_tokens: int, sequences: int, block_size: int
+    ) -> None:
+        reservation = holding.reservation
+        assert reservation is not None
+        self._router = router
+        self._holding = holding
+        self._prompt = prompt_tokens
+        self._sequences = sequences
+        self._block = block_size
+        # the tokens of one sequence the reservation covers, and the tokens each choice made
+        self._covered = reservation.tokens // sequences
+        self._counts = [0] * sequences
+
+    @property
+    def generated(self) -> int:
+        """The output tokens of the longest choice so far."""
+        return max(self._counts)
+
+    def seen(self, out: bytes) -> bool:
+        """Count the events of `out`; whether the reservation must grow now."""
+        if self._sequences == 1:
+            self._counts[0] += out.count(b"data:")
+        else:
+            for index in _CHOICE.findall(out):
+                i = int(index)
+                if i < self._sequences:
+                    self._counts[i] += 1
+        return self._prompt + max(self._counts) > self._covered
+
+    async def grow(self) -> None:
+        """Extend the reservation to cover the longest choice, in whole blocks per choice."""
+        reservation = self._holding.reservation
+        if reservation is None:
+            return
+        need = self._prompt + max(self._counts)
+        covered = -(-need // self._block) * self._block
+        added = (covered - self._covered) * self._sequences
+        self._covered = covered
+        self._holding.reservation = await self._router.extend(reservation, added)

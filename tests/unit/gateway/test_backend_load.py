@@ -1,0 +1,131 @@
+"""Reading a backend's own load from its metrics page, and admitting against it."""
+
+import asyncio
+from pathlib import Path
+
+from gateway.backend_load import STALE_S, ReportedLoad, load_from_metrics
+from gateway.backends import build_pools
+from gateway.clock import ManualClock
+from gateway.config import parse_settings
+from gateway.fill import FillReason
+from gateway.ledger import LocalLedger
+from gateway.router import Router
+
+METRICS_FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "vllm-0.32-metrics.txt"
+
+SGLANG = """\
+# HELP sglang:token_usage The token usage
+# TYPE sglang:token_usage gauge
+sglang:token_usage{model_name="m"} 0.28
+sglang:num_queue_reqs{model_name="m"} 3.0
+sglang:num_retracted_reqs{model_name="m"} 0.0
+"""
+
+
+def test_reads_vllm_0_32s_own_page() -> None:
+    load = load_from_metrics(METRICS_FIXTURE.read_text())
+    assert load == ReportedLoad(kv_usage=0.0, waiting=0, preemptions=0.0)
+
+
+def test_averages_the_usage_of_engines_and_adds_up_the_rest() -> None:
+    text = (
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.2\n'
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.4\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'
+        'vllm:num_requests_waiting{engine="1",model_name="m"} 2.0\n'
+        'vllm:num_preemptions_total{engine="0",model_name="m"} 5.0\n'
+        'vllm:num_preemptions_total{engine="1",model_name="m"} 7.0\n'
+        'vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="x"} 9.0\n'
+    )
+    load = load_from_metrics(text)
+    assert load is not None
+    assert (round(load.kv_usage, 6), load.waiting, load.preemptions) == (0.3, 3, 12.0)
+
+
+def test_reads_sglangs_equivalents() -> None:
+    assert load_from_metrics(SGLANG) == ReportedLoad(
+        kv_usage=0.28, waiting=3, preemptions=None, retracted=0
+    )
+
+
+def test_a_page_without_kv_use_reports_nothing() -> None:
+    assert load_from_metrics("vllm:num_requests_waiting 1.0\n") is None
+    assert load_from_metrics("") is None
+
+
+def _router(*, feedback: bool = True) -> tuple[Router, ManualClock]:
+    settings = parse_settings(
+        {
+            "tenants": [{"name": "t", "key_env": "K"}],
+            "pools": [
+                {
+                    "name": "p",
+                    "target_fill": 0.5,
+                    "feedback": feedback,
+                    "backends": [{"url": "http://127.0.0.1:1", "capacity": 1000, "block_size": 1}],
+                }
+            ],
+        }
+    )
+    clock = ManualClock()
+    pools = build_pools(settings.pools, clock=clock)
+    return Router(pools, ledger=LocalLedger(), clock=clock), clock
+
+
+def test_admission_counts_the_larger_of_the_ledger_and_the_backends_report() -> None:
+    async def scenario() -> None:
+        router, clock = _router()
+        backend = router.pools["p"].backends[0]
+
+        def report(usage: float) -> None:
+            load = ReportedLoad(kv_usage=usage, waiting=0, preemptions=0.0)
+            backend.report(load, now=clock.now, reserved=router.ledger.tokens_in_flight("p-0"))
+
+        held = await router.admit("p", 100)
+        assert held is not None
+        # the backend holds 300 tokens: 200 the ledger does not know of (bypassing traffic)
+        report(0.3)
+        assert router.limit(backend) == 500 - 200
+        assert router.fill(backend) == 0.3
+        assert await router.admit("p", 201) is None  # 300 + 201 > 500
+        second = await router.admit("p", 200)
+        assert second is not None
+        assert router.fill(backend) == 0.5
+        # a release counts at once, not a scrape later: the 200 beyond stay, the 100 go
+        await router.release(held)
+        assert router.fill(backend) == 0.4
+        assert router.limit(backend) == 300
+        # a report below the ledger's view changes nothing: the ledger is the larger
+        report(0.1)
+        assert router.limit(backend) == 500
+        # a stale report: the ledger alone
+        report(0.45)
+        assert router.limit(backend) == 500 - 250
+        clock.advance(STALE_S + 0.1)
+        assert router.limit(backend) == 500
+        assert router.reported_tokens(backend) is None
+
+    asyncio.run(scenario())
+
+
+def test_a_preemption_lowers_the_limit_until_the_fill_recovers() -> None:
+    router, clock = _router()
+    backend = router.pools["p"].backends[0]
+    calm = ReportedLoad(kv_usage=0.0, waiting=0, preemptions=4.0)
+    assert backend.report(calm, now=clock.now) is None
+    clock.advance(0.5)
+    preempted = ReportedLoad(kv_usage=0.0, waiting=0, preemptions=5.0)
+    reason = backend.report(preempted, now=clock.now)
+    assert reason is FillReason.PREEMPTION
+    assert router.effective_fill(backend) == 0.4
+    assert router.limit(backend) == 400
+    clock.advance(STALE_S + 0.1)  # no fresh scrape: the target fill again
+    assert router.effective_fill(backend) == 0.5
+
+
+def test_feedback_off_ignores_the_backends_report() -> None:
+    router, clock = _router(feedback=False)
+    backend = router.pools["p"].backends[0]
+    backend.report(ReportedLoad(kv_usage=0.4, waiting=0, preemptions=0.0), now=clock.now)
+    assert router.limit(backend) == 500
+    assert router.reported_tokens(backend) is None
