@@ -24,6 +24,10 @@ from gateway.admin import AdminEndpoints
 from gateway.auth import AdminAuth, Authenticator
 from gateway.backend_load import LoadWatcher
 from gateway.backends import FleetWatcher, Pool, build_pools
+from gateway.batch.api import BatchEndpoints
+from gateway.batch.runner import BatchRunner
+from gateway.batch.service import Batches
+from gateway.batch.store import BatchStore, DirStore, RedisStore
 from gateway.clock import Clock, SystemClock
 from gateway.config import Settings
 from gateway.dashboard import Dashboard, OutcomeHistory
@@ -211,12 +215,17 @@ def create_app(
         provider_slots = _provider_slots(settings, batcher, metrics, clock, workers=workers)
     upstream = UpstreamPool(max_connections=settings.server.upstream_max_connections)
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))  # capacity discovery and probes
+    store: BatchStore = DirStore(settings.batch.dir)
+    if url:
+        store = RedisStore.connect(url, timeout_s=settings.batch.redis_timeout_s)
+    batches = Batches(store, settings=settings.batch, pools=pools, clock=clock)
     policy_deps = PolicyDeps(
         settings=settings,
         router=router,
         metrics=metrics,
         clock=clock,
         redis=redis,
+        batches=batches,
         providers=build_gates(
             settings.providers,
             environ=env,
@@ -243,6 +252,8 @@ def create_app(
         request_read_timeout_s=settings.server.request_read_timeout_s,
         tracing=tracing,
     )
+    runner = BatchRunner(batches, deps=deps, tenants=auth.by_name)
+    batch_api = BatchEndpoints(batches, auth=auth, max_upload_bytes=settings.batch.max_file_bytes)
     watcher = FleetWatcher(pools, client=client, clock=clock)
     loads = LoadWatcher(
         [b for pool in pools.values() if pool.settings.feedback for b in pool.backends],
@@ -275,6 +286,7 @@ def create_app(
             await provider_slots.start()
         if feed is not None:
             feed.start()
+        runner.start()
         gauges = None
         if metrics.multiprocess_dir is not None:
             gauges = asyncio.create_task(publish_metrics(admin.publish))
@@ -287,6 +299,8 @@ def create_app(
         finally:
             if gauges is not None:
                 gauges.cancel()
+            await runner.stop()
+            await store.close()
             if feed is not None:
                 await feed.stop()
             await history.stop()
@@ -316,6 +330,7 @@ def create_app(
     routes = [
         *(Route(e, endpoint, methods=["POST"]) for e, endpoint in completions.items()),
         *admin.routes(),
+        *batch_api.routes(),
         *dashboard.routes(),
         openapi_route(),
     ]

@@ -20,6 +20,7 @@ class Tenant:
     pools: frozenset[str]  # empty: every pool
     limits: TenantLimits
     ttft_budget_s: float | None
+    batchable: bool = False  # its requests may wait, as batches, when their pool overflows
 
     def may_use(self, pool: str) -> bool:
         return not self.pools or pool in self.pools
@@ -39,6 +40,7 @@ def _tenant(t: TenantSettings, environ: Mapping[str, str]) -> Tenant:
             token_burst=t.token_burst,
         ),
         ttft_budget_s=None if t.ttft_budget_ms is None else t.ttft_budget_ms / 1000,
+        batchable=t.batchable,
     )
 
 
@@ -56,6 +58,7 @@ class Authenticator:
     def __init__(self, settings: Settings, environ: Mapping[str, str]) -> None:
         tenants = [_tenant(t, environ) for t in settings.tenants]
         self._by_hash = {t.key_hash: t for t in tenants}
+        self.by_name = {t.name: t for t in tenants}
 
     def tenant(self, authorization: str | None) -> Tenant:
         token = bearer_token(authorization)

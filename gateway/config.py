@@ -36,7 +36,7 @@ from gateway.config_references import reference_problems
 Priority = Literal["critical", "standard", "sheddable"]
 PRIORITIES: tuple[Priority, ...] = ("critical", "standard", "sheddable")
 # the overflow policies policies/registry.py builds, by the names a pool's chain uses
-PolicyName = Literal["queue", "degrade", "provider", "cache", "reject"]
+PolicyName = Literal["queue", "degrade", "provider", "cache", "batch", "reject"]
 # what a pool's backends serve: generation (chat, completions, responses) or embeddings
 PoolKind = Literal["chat", "embedding"]
 
@@ -152,6 +152,7 @@ class TenantSettings(_Model):
     priority: Priority = "standard"
     pools: list[str] = Field(default_factory=list)  # empty: every pool
     ttft_budget_ms: float | None = Field(None, gt=0)
+    batchable: bool = False  # overflow may answer its requests 202 with a batch (policy batch)
 
     @field_validator("key_sha256")
     @classmethod
@@ -228,6 +229,27 @@ class TracingSettings(_Model):
         return None if url is None else _http_url(url)
 
 
+class BatchSettings(_Model):
+    """The batch tier (gateway/batch/): OpenAI's files and batches API, run on spare room.
+
+    Files, batches and results live under `dir` (the embedded default; relative to the
+    working directory) or, when a Redis URL is configured, in Redis."""
+
+    dir: str = Field(".spillgate/batch", min_length=1)
+    max_fill: float = Field(0.6, gt=0, le=1)  # the runner takes items only below this fill
+    window_s: float = Field(86_400.0, gt=0)  # what completion_window "24h" means
+    results_ttl_s: float = Field(7 * 86_400.0, gt=0)  # output and error files kept this long
+    max_files: int = Field(100, gt=0)  # per tenant
+    max_file_bytes: int = Field(100 * 1024 * 1024, gt=0)  # per file
+    max_total_bytes: int = Field(1024 * 1024 * 1024, gt=0)  # per tenant, all its files
+    max_queued_tokens: int = Field(10_000_000, gt=0)  # per tenant, items not yet run
+    max_items: int = Field(50_000, gt=0)  # lines per file
+    concurrency: int = Field(8, gt=0)  # items one process runs at once
+    poll_s: float = Field(0.2, gt=0)  # how often the runner looks for work
+    claim_ttl_s: float = Field(600.0, gt=0)  # an item a dead process claimed runs again after
+    redis_timeout_s: float = Field(5.0, gt=0)  # each batch-store call, a whole file's included
+
+
 class Settings(_Model):
     server: ServerSettings = ServerSettings()
     redis: RedisSettings = RedisSettings()
@@ -237,6 +259,7 @@ class Settings(_Model):
     pools: list[PoolSettings] = Field(min_length=1)
     providers: list[ProviderSettings] = Field(default_factory=list)
     tracing: TracingSettings = TracingSettings()
+    batch: BatchSettings = BatchSettings()
 
     @model_validator(mode="after")
     def _references(self) -> Settings:

@@ -86,6 +86,7 @@ def _pool_references(
 NOT_FOR_EMBEDDINGS = {
     "degrade": "another model's vectors do not match this model's",
     "cache": "the response cache keeps generated text, not vectors",
+    "batch": "embeddings that may wait go to /v1/batches; the 202 answer is for chat pools",
 }
 
 

@@ -38,6 +38,7 @@ class HistoryPoint:
     outcomes: Counts
     queue_depth: dict[str, float]
     tokens_in_flight: dict[str, int]
+    batch_queued_tokens: dict[str, float]  # pool → tokens of batch items waiting for room
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -46,6 +47,7 @@ class HistoryPoint:
             "outcomes": self.outcomes,
             "queue_depth": self.queue_depth,
             "tokens_in_flight": self.tokens_in_flight,
+            "batch_queued_tokens": self.batch_queued_tokens,
         }
 
 
@@ -89,6 +91,13 @@ class OutcomeHistory:
             for sample in family.samples
         }
 
+    def _batch_queued(self) -> dict[str, float]:
+        return {
+            sample.labels["pool"]: sample.value
+            for family in self._metrics.batch_queued_tokens.collect()
+            for sample in family.samples
+        }
+
     def _point(self, totals: Counts, now: float) -> HistoryPoint:
         delta: Counts = {}
         for pool, outcomes in totals.items():
@@ -104,6 +113,7 @@ class OutcomeHistory:
             outcomes=delta,
             queue_depth=self._queue_depth(),
             tokens_in_flight={name: ledger.tokens_in_flight(name) for name in backends},
+            batch_queued_tokens=self._batch_queued(),
         )
 
     def sample(self) -> HistoryPoint:

@@ -21,6 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+# a batch's creation to its completion: seconds (a valley now) to its 24 h window
+BATCH_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 86400.0)
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
@@ -192,6 +194,19 @@ class GatewayMetrics:
         self.provider_breaker_open = Gauge(
             "spillgate_provider_breaker_open", "1 while a provider's circuit breaker is open",
             ["provider"], registry=r, multiprocess_mode="livemax",
+        )  # fmt: skip
+        self.batch_queued_tokens = Gauge(
+            "spillgate_batch_queued_tokens",
+            "Estimated tokens of batch items not yet run, by the pool they will run on",
+            ["pool"], registry=r, multiprocess_mode=FLEET,
+        )  # fmt: skip
+        self.batch_tokens = Counter(
+            "spillgate_batch_tokens", "Tokens served to batch items, by kind (prompt|completion)",
+            ["kind"], registry=r,
+        )  # fmt: skip
+        self.batch_completion = Histogram(
+            "spillgate_batch_completion_seconds", "From a batch's creation to its completion",
+            buckets=BATCH_BUCKETS, registry=r,
         )  # fmt: skip
         # the request path's metrics, counted in bulk
         self.tally = RequestTally(self.requests, self.tokens, self.ttft)

@@ -39,6 +39,7 @@ from gateway.outcome import Outcome
 from gateway.ratelimit import Decision, RateLimiter
 from gateway.relay import ResponseTap
 from gateway.request import (
+    BATCHABLE_HEADER,
     PRIORITY_HEADER,
     Endpoint,
     InferenceRequest,
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spillgate.pipeline")
 PRIORITY_HEADER_BYTES = PRIORITY_HEADER.encode()
+BATCHABLE_HEADER_BYTES = BATCHABLE_HEADER.encode()
 SPILL_POLICIES = frozenset({"degrade", "provider"})  # may serve what the pool cannot hold
 
 
@@ -295,6 +297,8 @@ class CompletionsEndpoint:
             chars_per_token=pool.estimator.chars_per_token,
         )
         request = self._expect(request, pool)
+        if tenant.batchable or fields.get(BATCHABLE_HEADER_BYTES) == b"true":
+            request = request._replace(batchable=True)
         if trace is not None:
             trace.parsed(request)
         reserved = request.reserved_tokens

@@ -14,6 +14,7 @@ MAX_TOKENS_CEILING = 1_000_000
 MAX_CHOICES = 128  # `n`: each choice is a sequence of its own on the backend
 MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings request, as OpenAI allows
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other; orjson writes at most 254
+BATCHABLE_HEADER = "x-spillgate-batchable"  # "true": the request may wait, as a batch
 PRIORITY_HEADER = "x-spillgate-priority"
 OUTPUT_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 NUMBER = (int, float)  # built once: `int | float` in isinstance makes a new union per call
@@ -55,6 +56,7 @@ class InferenceRequest(NamedTuple):
     # the output one choice reserves on admission (gateway/output_lengths.py); 0: all of
     # max_output_tokens
     output_reserve: int = 0
+    batchable: bool = False  # may wait: overflow may accept it into a batch (policies/batch.py)
 
     @property
     def sequence_tokens(self) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import yaml
 
+from loadtest.drill_batch import BatchProbe
 from loadtest.drill_checks import Check, evaluate
 from loadtest.drill_demo import DemoProcess
 from loadtest.generator import run_loop
@@ -172,18 +173,30 @@ async def drill(target: DrillTarget, script: DrillScript) -> tuple[list[Check], 
         shape=RequestShape(model=target.model, timeout_s=60.0), admin_token=target.admin_token,
         backend_urls=backends, sample_queue_depth=False,
     )  # fmt: skip
-    data = await run_schedule(
+    # with a `batch` step, requests that may wait go in at the spike's peak (drill_batch.py)
+    probe = None
+    if "batch" in chain:
+        probe = BatchProbe(url=target.url, key=target.key, model=target.model)
+    load = run_schedule(
         plans, target=run_target, duration_s=profile.duration_s,
         sample_interval_s=script.sample_interval_s,
     )  # fmt: skip
+    if probe is None:
+        data = await load
+    else:
+        peak_s = script.warmup_s + script.spike_s / 2
+        data, _ = await asyncio.gather(load, probe.spike(after_s=peak_s))
     async with httpx.AsyncClient(timeout=5.0) as client:
         scraper = Scraper(client=client, gateway_url=target.url, admin_token=target.admin_token)
         final, waited = await wait_released(scraper, timeout_s=script.drain_timeout_s)
         errors = await upstream_errors(scraper)
     checks = evaluate(
-        data, chain=chain, slo_ttft_s=script.slo_ttft_ms / 1000, final=final, waited_s=waited,
+        data, chain=[p for p in chain if p != "batch"], slo_ttft_s=script.slo_ttft_ms / 1000,
+        final=final, waited_s=waited,
         upstream_errors={k: v - errors_before.get(k, 0.0) for k, v in errors.items()},
     )  # fmt: skip
+    if probe is not None:
+        checks += probe.checks(await probe.drained(timeout_s=script.drain_timeout_s))
     return checks, data
 
 

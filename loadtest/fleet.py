@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import secrets
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,6 +107,8 @@ def run_fleet(
             ],
             **(extra or {}),
         }
+        # each fleet its own batch store, so that no batch outlives the test that made it
+        config.setdefault("batch", {"dir": tempfile.mkdtemp(prefix="spillgate-batch-")})
         settings = parse_settings(config)
         env = {"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN}
         app = create_app(settings, environ=env, redis_url=redis_url)

@@ -9,6 +9,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
+from gateway.batch.service import Batches
 from gateway.clock import Clock
 from gateway.config import PoolSettings, Settings
 from gateway.exchange import Exchange, Served
@@ -63,6 +64,7 @@ class PolicyDeps:
     clock: Clock
     redis: aioredis.Redis | RedisCluster | None = None  # shared state when configured, else local
     providers: Mapping[str, ProviderGate] = field(default_factory=dict)  # one per provider
+    batches: Batches | None = None  # the batch tier, which the `batch` step hands work to
 
 
 PolicyFactory = Callable[[PoolSettings, PolicyDeps], OverflowPolicy]

@@ -14,6 +14,7 @@ from policies.base import (
     PolicyFactory,
     TapFactory,
 )
+from policies.batch import BatchPolicy
 from policies.cache import CachePolicy
 from policies.degrade import DegradePolicy
 from policies.provider import ProviderPolicy
@@ -29,6 +30,7 @@ def registry() -> dict[str, PolicyFactory]:
         DegradePolicy.name: DegradePolicy.build,
         ProviderPolicy.name: ProviderPolicy.build,
         CachePolicy.name: CachePolicy.build,
+        BatchPolicy.name: BatchPolicy.build,
         RejectPolicy.name: RejectPolicy.build,
     }
 

@@ -60,7 +60,7 @@ def test_a_misspelt_policy_is_refused_with_the_name_it_resembles() -> None:
     ]
     assert _problems(_minimal(overflow=["spill"])) == [
         "gw.yaml: pools[0].overflow[0]: unknown overflow policy 'spill' "
-        "(known: queue, degrade, provider, cache, reject)"
+        "(known: queue, degrade, provider, cache, batch, reject)"
     ]
 
 

@@ -19,7 +19,7 @@ from gateway.router import Router
 from policies.base import PolicyDeps
 from policies.registry import admission_gates, answer_taps, build_chain, registry
 
-FULL = ["queue", "degrade", "provider", "cache", "reject"]
+FULL = ["queue", "degrade", "provider", "cache", "batch", "reject"]
 
 
 def config(**big: Any) -> dict[str, Any]:

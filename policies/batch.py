@@ -1,0 +1,61 @@
+"""Accept into the batch tier: a request that says it may wait, answered 202 with a batch.
+
+A request may wait when it carries `x-spillgate-batchable: true` or its tenant is
+`batchable`. When its pool overflows up to this step, it becomes a one-item batch (run by
+the batch runner once the pool has spare room, gateway/batch/runner.py) and the client gets
+`202` with the batch object, whose output file will hold the answer. The outcome is
+`queued`: the request waits for room, in the batch tier rather than in the pool's queue.
+The tenant's bucket is refunded now and charged when the item runs, at its settlement.
+
+A request that may not wait, or a batch the tenant's queued-token limit refuses, passes to
+the next step.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import orjson
+
+from gateway.batch.service import Batches, public
+from gateway.config import PoolSettings
+from gateway.errors import SpillgateError
+from gateway.exchange import Exchange, Served
+from gateway.outcome import Outcome
+from gateway.relay import JSON_HEADERS, Relayed, Usage
+from gateway.request import InferenceRequest
+from policies.base import PolicyDeps
+
+BATCH_TARGET = "batch"  # the `target` a request accepted into the batch tier is served by
+
+
+class BatchPolicy:
+    name: ClassVar[str] = "batch"
+
+    def __init__(self, batches: Batches | None) -> None:
+        self._batches = batches
+
+    @classmethod
+    def build(cls, pool: PoolSettings, deps: PolicyDeps) -> BatchPolicy:
+        return cls(deps.batches)
+
+    async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
+        if not request.batchable or self._batches is None:
+            return None
+        try:
+            record = await self._batches.create_one(request)
+        except SpillgateError:
+            return None  # over the tenant's batch limits: the next step decides
+        body = orjson.dumps(public(record))
+        headers = [
+            *exchange.headers(Outcome.QUEUED),
+            *JSON_HEADERS,
+            (b"content-length", b"%d" % len(body)),
+        ]
+        await exchange.send({"type": "http.response.start", "status": 202, "headers": headers})
+        await exchange.send({"type": "http.response.body", "body": body})
+        # nothing was generated for it yet: the tenant's bucket gets the reservation back
+        relayed = Relayed(usage=Usage(0, 0, True), first_byte_at=None, completed=True)
+        return Served(
+            outcome=Outcome.QUEUED, target=BATCH_TARGET, pool=request.pool, relayed=relayed
+        )
