@@ -131,13 +131,18 @@ class BatchRunner:
                 queued[pool] += each
 
     async def _advance(self, record: Record) -> None:
-        batches, store = self._batches, self._batches.store
+        batches = self._batches
         if record["status"] == "validating":
-            fresh = await store.load(BATCH, record["id"])
-            if fresh is None or fresh["status"] != "validating":
+
+            def start(fresh: Record) -> Record | None:
+                if fresh["status"] != "validating":
+                    return None
+                return {**fresh, "status": "in_progress", "in_progress_at": batches.now()}
+
+            started = await batches.change(record["id"], start)
+            if started is None or started["status"] != "in_progress":
                 return  # cancelled meanwhile: the next pass sees it as it is
-            record = {**fresh, "status": "in_progress", "in_progress_at": batches.now()}
-            await store.save(BATCH, record["id"], record)
+            record = started
         items = self._items.get(record["id"])
         if items is None:
             items = self._items[record["id"]] = await batches.items(record)

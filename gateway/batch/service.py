@@ -8,8 +8,9 @@ batch record at once while items run; the counts are read from the results.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -52,6 +53,9 @@ class Batches:
         clock: Clock,
     ) -> None:
         self.store = store
+        # one change of a batch record at a time in this process: a cancel and the runner's
+        # start each load, change and save the record, and must not overwrite each other
+        self._changing = asyncio.Lock()
         self.settings = settings
         self._pools = pools
         self._clock = clock
@@ -312,12 +316,30 @@ class Batches:
             "has_more": len(mine) > limit,
         }
 
+    async def change(
+        self, batch_id: str, change: Callable[[Record], Record | None]
+    ) -> Record | None:
+        """The batch as stored after `change` (None: leave it as it is) was applied to it
+        afresh; None when there is no such batch."""
+        async with self._changing:
+            record = await self.store.load(BATCH, batch_id)
+            if record is None:
+                return None
+            changed = change(record)
+            if changed is not None:
+                await self.store.save(BATCH, batch_id, changed)
+            return changed or record
+
     async def cancel(self, tenant: Tenant, batch_id: str) -> Record:
-        record = await self.batch(tenant, batch_id)
-        if record["status"] in ("validating", "in_progress"):
-            record = {**record, "status": "cancelling", "cancelling_at": self.now()}
-            await self.store.save(BATCH, batch_id, record)
-        elif record["status"] not in ("cancelling", "cancelled"):
+        record = await self.batch(tenant, batch_id)  # the tenant's own, else 404
+
+        def cancelling(record: Record) -> Record | None:
+            if record["status"] not in ("validating", "in_progress"):
+                return None
+            return {**record, "status": "cancelling", "cancelling_at": self.now()}
+
+        record = await self.change(batch_id, cancelling) or record
+        if record["status"] not in ("cancelling", "cancelled"):
             raise InvalidRequest(
                 f"Cannot cancel a batch with status {record['status']!r}.",
                 code="batch_not_cancellable",
