@@ -4,12 +4,10 @@ import asyncio
 from pathlib import Path
 
 from gateway.backend_load import STALE_S, ReportedLoad, load_from_metrics
-from gateway.backends import build_pools
 from gateway.clock import ManualClock
-from gateway.config import parse_settings
 from gateway.fill import FillReason
-from gateway.ledger import LocalLedger
 from gateway.router import Router
+from tests.support.routers import local_router
 
 METRICS_FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "vllm-0.32-metrics.txt"
 
@@ -54,22 +52,10 @@ def test_a_page_without_kv_use_reports_nothing() -> None:
 
 
 def _router(*, feedback: bool = True) -> tuple[Router, ManualClock]:
-    settings = parse_settings(
-        {
-            "tenants": [{"name": "t", "key_env": "K"}],
-            "pools": [
-                {
-                    "name": "p",
-                    "target_fill": 0.5,
-                    "feedback": feedback,
-                    "backends": [{"url": "http://127.0.0.1:1", "capacity": 1000, "block_size": 1}],
-                }
-            ],
-        }
-    )
     clock = ManualClock()
-    pools = build_pools(settings.pools, clock=clock)
-    return Router(pools, ledger=LocalLedger(), clock=clock), clock
+    return local_router(
+        [1000], target_fill=0.5, block_size=1, clock=clock, feedback=feedback
+    ), clock
 
 
 def test_admission_counts_the_larger_of_the_ledger_and_the_backends_report() -> None:

@@ -4,28 +4,14 @@ import asyncio
 
 import pytest
 
-from gateway.backends import build_pools
 from gateway.clock import ManualClock
-from gateway.config import parse_settings
 from gateway.forecast import HoldTimes, expected_hold_s, seconds_until_fits
-from gateway.ledger import LocalLedger
 from gateway.router import Router
+from tests.support.routers import local_router
 
 
 def _router(clock: ManualClock, *, target_fill: float = 1.0) -> Router:
-    settings = parse_settings(
-        {
-            "tenants": [{"name": "t", "key_env": "K"}],
-            "pools": [
-                {
-                    "name": "p",
-                    "target_fill": target_fill,
-                    "backends": [{"url": "http://127.0.0.1:1", "capacity": 1000, "block_size": 1}],
-                }
-            ],
-        }
-    )
-    return Router(build_pools(settings.pools, clock=clock), ledger=LocalLedger(), clock=clock)
+    return local_router([1000], target_fill=target_fill, block_size=1, clock=clock)
 
 
 def test_the_queue_ahead_is_served_first_wave_by_wave() -> None:

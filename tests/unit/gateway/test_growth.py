@@ -2,27 +2,14 @@
 
 import asyncio
 
-from gateway.backends import build_pools
-from gateway.clock import ManualClock
-from gateway.config import parse_settings
 from gateway.growth import Growth
 from gateway.ledger import LocalLedger, Reservation
 from gateway.router import Router
+from tests.support.routers import local_router
 
 
 def _router(capacities: list[int], target_fill: float, *, block_size: int) -> Router:
-    backends = [
-        {"url": f"http://127.0.0.1:{i + 1}", "capacity": c, "block_size": block_size}
-        for i, c in enumerate(capacities)
-    ]
-    settings = parse_settings(
-        {
-            "tenants": [{"name": "t", "key_env": "K"}],
-            "pools": [{"name": "p", "target_fill": target_fill, "backends": backends}],
-        }
-    )
-    clock = ManualClock()
-    return Router(build_pools(settings.pools, clock=clock), ledger=LocalLedger(), clock=clock)
+    return local_router(capacities, target_fill=target_fill, block_size=block_size)
 
 
 class Held:

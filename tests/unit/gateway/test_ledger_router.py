@@ -3,36 +3,14 @@ import math
 
 import pytest
 
-from gateway.backends import build_pools
 from gateway.clock import ManualClock
-from gateway.config import parse_settings
 from gateway.demand import PoolDemand, RateMeter
-from gateway.ledger import LocalLedger
 from gateway.router import Router
+from tests.support.routers import local_router
 
 
 def _router(capacities: list[int], target_fill: float = 0.5, *, block_size: int = 1) -> Router:
-    settings = parse_settings(
-        {
-            "tenants": [{"name": "t", "key_env": "K"}],
-            "pools": [
-                {
-                    "name": "p",
-                    "target_fill": target_fill,
-                    "backends": [
-                        {
-                            "url": f"http://127.0.0.1:{i + 1}",
-                            "capacity": c,
-                            "block_size": block_size,
-                        }
-                        for i, c in enumerate(capacities)
-                    ],
-                }
-            ],
-        }
-    )
-    clock = ManualClock()
-    return Router(build_pools(settings.pools, clock=clock), ledger=LocalLedger(), clock=clock)
+    return local_router(capacities, target_fill=target_fill, block_size=block_size)
 
 
 def test_admits_on_least_filled_backend_and_never_past_target_fill() -> None:

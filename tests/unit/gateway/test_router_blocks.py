@@ -3,35 +3,12 @@ request too large for the target fill served alone on an idle backend."""
 
 import asyncio
 
-from gateway.backends import build_pools
-from gateway.clock import ManualClock
-from gateway.config import parse_settings
-from gateway.ledger import LocalLedger
 from gateway.router import Router, kv_tokens
+from tests.support.routers import local_router
 
 
 def _router(capacities: list[int], *, target_fill: float = 0.9, block_size: int = 128) -> Router:
-    settings = parse_settings(
-        {
-            "tenants": [{"name": "t", "key_env": "K"}],
-            "pools": [
-                {
-                    "name": "p",
-                    "target_fill": target_fill,
-                    "backends": [
-                        {
-                            "url": f"http://127.0.0.1:{i + 1}",
-                            "capacity": c,
-                            "block_size": block_size,
-                        }
-                        for i, c in enumerate(capacities)
-                    ],
-                }
-            ],
-        }
-    )
-    clock = ManualClock()
-    return Router(build_pools(settings.pools, clock=clock), ledger=LocalLedger(), clock=clock)
+    return local_router(capacities, target_fill=target_fill, block_size=block_size)
 
 
 def test_kv_tokens_rounds_each_sequence_up_to_whole_blocks() -> None:

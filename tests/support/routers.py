@@ -1,0 +1,34 @@
+"""A router over in-process backends of hand-set capacity, on a manual clock."""
+
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.backends import build_pools
+from gateway.clock import ManualClock
+from gateway.config import parse_settings
+from gateway.ledger import LocalLedger
+from gateway.router import Router
+
+
+def local_router(
+    capacities: Sequence[int],
+    *,
+    target_fill: float,
+    block_size: int,
+    clock: ManualClock | None = None,
+    **pool: Any,
+) -> Router:
+    """Pool `p` with one backend per capacity (`p-0`, `p-1`, …), a local ledger, and the
+    pool's other settings from `pool`."""
+    backends = [
+        {"url": f"http://127.0.0.1:{i + 1}", "capacity": c, "block_size": block_size}
+        for i, c in enumerate(capacities)
+    ]
+    settings = parse_settings(
+        {
+            "tenants": [{"name": "t", "key_env": "K"}],
+            "pools": [{"name": "p", "target_fill": target_fill, "backends": backends, **pool}],
+        }
+    )
+    clock = clock or ManualClock()
+    return Router(build_pools(settings.pools, clock=clock), ledger=LocalLedger(), clock=clock)
