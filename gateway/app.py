@@ -276,51 +276,49 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await watcher.refresh_once()
-        watcher.start()
-        loads.start()
-        history.start()
-        if shared is not None:
-            await shared.start()
-        if provider_slots is not None:
-            await provider_slots.start()
-        if feed is not None:
-            feed.start()
-        runner.start()
-        gauges = None
-        if metrics.multiprocess_dir is not None:
-            gauges = asyncio.create_task(publish_metrics(admin.publish))
-        # everything built at start-up lives as long as the process: keep it out of the
-        # collector's full passes, which otherwise stall the event loop for tens of ms
-        gc.collect()
-        gc.freeze()
-        try:
-            yield
-        finally:
-            if gauges is not None:
-                gauges.cancel()
-            await runner.stop()
-            await store.close()
-            if feed is not None:
-                await feed.stop()
-            await history.stop()
-            await loads.stop()
-            await watcher.stop()
-            await client.aclose()
-            await upstream.aclose()
-            await limiter.close()
-            await router.ledger.close()
-            if provider_slots is not None:
-                await provider_slots.close()
-            if batcher is not None:
-                await batcher.aclose()
-            if redis is not None:
-                await redis.aclose()
+        # each part is closed even when one before it fails (Redis gone at shutdown, say),
+        # in reverse order of start; the metrics files go last, once nothing writes them
+        async with contextlib.AsyncExitStack() as stack:
+            stack.callback(metrics.close)
             if tracing is not None:
-                # the spans still batched go out now, off the loop (an export may wait on
-                # the collector for its timeout)
-                await asyncio.to_thread(tracing.shutdown)
-            metrics.close()
+                # the spans still batched go out off the loop (an export may wait on the
+                # collector for its timeout)
+                stack.push_async_callback(asyncio.to_thread, tracing.shutdown)
+            if redis is not None:
+                stack.push_async_callback(redis.aclose)
+            if batcher is not None:
+                stack.push_async_callback(batcher.aclose)
+            if provider_slots is not None:
+                stack.push_async_callback(provider_slots.close)
+            stack.push_async_callback(router.ledger.close)
+            stack.push_async_callback(limiter.close)
+            stack.push_async_callback(upstream.aclose)
+            stack.push_async_callback(client.aclose)
+            await watcher.refresh_once()
+            watcher.start()
+            stack.push_async_callback(watcher.stop)
+            loads.start()
+            stack.push_async_callback(loads.stop)
+            history.start()
+            stack.push_async_callback(history.stop)
+            if shared is not None:
+                await shared.start()
+            if provider_slots is not None:
+                await provider_slots.start()
+            if feed is not None:
+                feed.start()
+                stack.push_async_callback(feed.stop)
+            stack.push_async_callback(store.close)
+            runner.start()
+            stack.push_async_callback(runner.stop)
+            if metrics.multiprocess_dir is not None:
+                gauges = asyncio.create_task(publish_metrics(admin.publish))
+                stack.callback(gauges.cancel)
+            # everything built at start-up lives as long as the process: keep it out of
+            # the collector's full passes, which otherwise stall the event loop for tens of ms
+            gc.collect()
+            gc.freeze()
+            yield
 
     completions: dict[Endpoint, ASGIApp] = {
         e: CompletionsEndpoint(e, deps) for e in (Endpoint.CHAT, Endpoint.COMPLETIONS)

@@ -38,6 +38,7 @@ from gateway.clock import Clock
 from gateway.deadline import Deadline
 from gateway.ledger import Reservation
 from gateway.redis_batch import BatchScript, RedisBatcher, batcher_of
+from gateway.tasks import stop_task
 
 log = logging.getLogger("spillgate.ledger")
 
@@ -69,20 +70,6 @@ def parse_reply(reply: Any) -> tuple[int, Seen, list[str]]:
 
 def _ignore(*_: object) -> None:
     return None
-
-
-async def stop_task(task: asyncio.Task[None], *, within_s: float = 2.0) -> None:
-    """Cancel a background loop and wait for it, a bounded time.
-
-    The loops also stop on their own flag, checked after every round trip: a cancellation
-    that lands inside the Redis client can be absorbed there and never reach the loop.
-    """
-    task.cancel()
-    await asyncio.wait([task], timeout=within_s)
-    if not task.done():
-        log.warning("background task %s did not stop within %.1fs", task.get_name(), within_s)
-    elif not task.cancelled() and task.exception() is not None:
-        log.warning("background task %s failed: %r", task.get_name(), task.exception())
 
 
 class RedisLedger:

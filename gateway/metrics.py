@@ -228,7 +228,7 @@ class GatewayMetrics:
         self.flush()
         if self.multiprocess_dir is None:
             return generate_latest(self.registry)
-        _forget_dead_workers(self.multiprocess_dir)
+        forget_dead_workers(self.multiprocess_dir)
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
         return generate_latest(registry)
@@ -240,7 +240,7 @@ class GatewayMetrics:
             mark_process_dead(os.getpid(), self.multiprocess_dir)  # type: ignore[no-untyped-call]
 
 
-def _forget_dead_workers(path: str) -> None:
+def forget_dead_workers(path: str) -> None:
     """Drop the live gauges of workers that died without a clean exit (kill -9, OOM)."""
     for file in Path(path).glob("gauge_live*.db"):
         match = _LIVE_GAUGE_FILE.fullmatch(file.name)

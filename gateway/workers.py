@@ -28,6 +28,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from gateway.config import Settings, load_settings
+from gateway.metrics import forget_dead_workers
 
 SPEC_ENV = "SPILLGATE_WORKER_SPEC"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -110,6 +111,9 @@ def serve_workers(
             loop="uvloop",
             http="httptools",
         )
+        # a worker that could not finish its shutdown (killed, or failed on the way) left
+        # its live gauges behind; they would count in the next run's sums
+        forget_dead_workers(path)
     return 0
 
 

@@ -16,7 +16,6 @@ sharing a store one runs it; a process that dies holding a claim loses it after
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import secrets
@@ -33,6 +32,7 @@ from gateway.exchange import Served
 from gateway.outcome import Outcome
 from gateway.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.request import Endpoint, InferenceRequest
+from gateway.tasks import Periodic, stop_task
 from policies.base import Gate
 
 log = logging.getLogger("spillgate.batch")
@@ -82,29 +82,17 @@ class BatchRunner:
         self._tenants = dict(tenants)
         self._settings = batches.settings
         self._running: dict[str, asyncio.Task[None]] = {}  # item key → its task
-        self._task: asyncio.Task[None] | None = None
+        self._passes = Periodic(self.tick, every_s=self._settings.poll_s, name="batch runner")
         self._endpoints: dict[tuple[str, str], ItemEndpoint] = {}
         self._items: dict[str, list[dict[str, Any]]] = {}  # batch id → its parsed lines
         self._metrics = deps.metrics
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop())
+        self._passes.start()
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._running.values()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.tick()
-            except Exception:
-                log.exception("batch runner pass failed")
-            await asyncio.sleep(self._settings.poll_s)
+        await self._passes.stop()
+        await asyncio.gather(*(stop_task(t) for t in list(self._running.values())))
 
     async def tick(self) -> None:
         """One pass over the active batches, oldest first."""

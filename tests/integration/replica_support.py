@@ -46,15 +46,17 @@ class GatewayProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def kill(self) -> None:
-        """kill -9: no shutdown, no releases; only the leases' TTL frees what it held."""
-        self.proc.send_signal(signal.SIGKILL)
+        """kill -9: no shutdown, no releases; only the leases' TTL frees what it held.
+        The whole process group goes, so no worker of `--workers N` outlives its parent."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=10)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.kill()
 
@@ -130,7 +132,9 @@ def start_gateways(
             args += ["--redis", redis_url]
         log = config.with_name(f"gateway-{i}.log")
         with log.open("wb") as out:
-            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=environ)
+            proc = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, env=environ, start_new_session=True
+            )
         gateways.append(GatewayProcess(proc=proc, port=port, log=log))
     try:
         for gateway in gateways:

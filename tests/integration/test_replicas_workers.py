@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 from pathlib import Path
 
 import httpx
@@ -78,3 +80,30 @@ def worker_pids(metrics_dir: Path) -> set[int]:
     pattern = re.compile(r"\w+_(\d+)\.db")
     found = (pattern.fullmatch(f.name) for f in metrics_dir.glob("*.db"))
     return {int(m.group(1)) for m in found if m is not None}
+
+
+def test_a_killed_workers_live_gauges_are_gone_once_the_gateway_stops(tmp_path: Path) -> None:
+    """uvicorn's supervisor kills a worker that stops answering its pings and starts
+    another; the killed one never ran its shutdown, so the supervisor's own exit must
+    take its live gauges out, or the next run's sums would count them."""
+    metrics_dir = tmp_path / "metrics"
+    sim = ServerThread(create_sim_app(SimConfig(model="m", kv_tokens=KV_TOKENS)))
+    with RedisProcess() as redis_proc, sim:
+        config = write_config(tmp_path / "gateway.yaml", [sim.url], redis=True)
+        (gateway,) = start_gateways(
+            config,
+            1,
+            redis_url=redis_proc.url,
+            workers=2,
+            PROMETHEUS_MULTIPROC_DIR=str(metrics_dir),
+        )
+        try:
+            until(lambda: len(worker_pids(metrics_dir)) == 2, within_s=30, what="both workers")
+            victim = min(worker_pids(metrics_dir))
+            os.kill(victim, signal.SIGKILL)
+            until(lambda: len(worker_pids(metrics_dir)) == 3, within_s=30, what="a new worker")
+            assert list(metrics_dir.glob(f"gauge_live*_{victim}.db")) != []
+        finally:
+            gateway.stop()
+    assert gateway.proc.returncode == 0
+    assert list(metrics_dir.glob("gauge_live*")) == []

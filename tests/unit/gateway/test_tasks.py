@@ -1,0 +1,54 @@
+"""Background loops stop when asked, even when a pass absorbs the cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.tasks import Periodic
+
+
+def test_a_loop_stops_though_its_pass_turned_the_cancellation_into_an_error() -> None:
+    asyncio.run(_absorbed())
+
+
+async def _absorbed() -> None:
+    # what a Redis client's read can do on Python 3.11 when the cancellation and its own
+    # timeout land together: the cancellation comes out as a connection error
+    started = asyncio.Event()
+
+    async def run_pass() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            raise ConnectionError("connection lost while reading") from None
+
+    passes = Periodic(run_pass, every_s=0.01, name="absorbing")
+    passes.start()
+    await started.wait()
+    await asyncio.wait_for(passes.stop(within_s=5), timeout=2)
+    assert passes.done()
+
+
+def test_a_failing_pass_is_logged_and_the_next_one_runs() -> None:
+    asyncio.run(_failing())
+
+
+async def _failing() -> None:
+    runs = 0
+    third = asyncio.Event()
+
+    async def run_pass() -> None:
+        nonlocal runs
+        runs += 1
+        if runs == 1:
+            raise RuntimeError("the first pass fails")
+        if runs == 3:
+            third.set()
+
+    passes = Periodic(run_pass, every_s=0.001, name="flaky")
+    passes.start()
+    await asyncio.wait_for(third.wait(), timeout=2)
+    await passes.stop()
+    assert passes.done()
