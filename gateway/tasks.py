@@ -48,11 +48,19 @@ class Periodic:
         return self._task is not None and self._task.done()
 
     async def _loop(self) -> None:
+        failing = False  # a pass that keeps failing (Redis down) is logged once, not per pass
         while not self._stopping.is_set():
             try:
                 await self._run_pass()
             except Exception:
                 if self._stopping.is_set():
                     return
-                log.exception("%s: a pass failed", self._name)
+                if not failing:
+                    every = self._every_s
+                    log.exception("%s: a pass failed; retrying every %gs", self._name, every)
+                failing = True
+            else:
+                if failing:
+                    log.warning("%s: passes succeed again", self._name)
+                failing = False
             await asyncio.sleep(self._every_s)

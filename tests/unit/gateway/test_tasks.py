@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from gateway.tasks import Periodic
 
 
@@ -52,3 +54,31 @@ async def _failing() -> None:
     await asyncio.wait_for(third.wait(), timeout=2)
     await passes.stop()
     assert passes.done()
+
+
+def test_a_pass_that_keeps_failing_is_logged_once_until_it_succeeds(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    asyncio.run(_keeps_failing())
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "down: a pass failed; retrying every 0.001s",
+        "down: passes succeed again",
+    ]
+
+
+async def _keeps_failing() -> None:
+    runs = 0
+    recovered = asyncio.Event()
+
+    async def run_pass() -> None:
+        nonlocal runs
+        runs += 1
+        if runs <= 5:
+            raise ConnectionError("Redis is down")
+        recovered.set()
+
+    passes = Periodic(run_pass, every_s=0.001, name="down")
+    passes.start()
+    await asyncio.wait_for(recovered.wait(), timeout=2)
+    await passes.stop()
