@@ -1,6 +1,9 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# Most tests wait on sockets and subprocesses, not the CPU, so a few more workers
+# than cores finish sooner; TEST_WORKERS=0 runs them in one process.
+TEST_WORKERS ?= 4
 
 .PHONY: demo test lint typecheck unit clean test-vllm
 
@@ -28,7 +31,7 @@ unit: $(VENV)/.dev
 	$(BIN)/pytest -q tests/unit
 
 test: lint typecheck
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 # Opt-in, not part of `test`: a real vLLM (CPU build, a tiny random Llama; the first run
 # installs it into $(VLLM_VENV), minutes) started by loadtest/real_vllm/serve.sh on

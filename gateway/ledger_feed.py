@@ -121,7 +121,8 @@ class ReleaseFeed:
             self.subscribed = False
             with contextlib.suppress(RedisError, OSError, TimeoutError):
                 async with asyncio.timeout(self._timeout_s):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    # redis-py types PubSub.aclose only from 8.x on.
+                    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
 
     async def _poll(self, seconds: float) -> None:
         """Wake every pool's waiters every `poll_s` for `seconds`."""
