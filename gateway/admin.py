@@ -187,7 +187,11 @@ class AdminEndpoints:
                     "overflow": pool.settings.overflow,
                     "reservation": {
                         "mode": pool.settings.reservation.mode,
-                        "expected_output_tokens": pool.outputs.expected(),
+                        "quantile_of": pool.settings.reservation.quantile_of,
+                        # what a request with an empty prompt reserves now
+                        "expected_output_tokens": pool.outputs.expected(
+                            room=self._router.room(name)
+                        ),
                         "samples": pool.outputs.samples(),
                     },
                     "backends": backends,

@@ -95,6 +95,9 @@ class ReservationSettings(_Model):
     # max_tokens, held to the end
     mode: Literal["learned", "max_tokens"] = "learned"
     quantile: float = Field(0.9, gt=0, le=1)  # of the completion lengths seen in the pool
+    # backend: the quantile bounds the sum of the answers a backend holds at once;
+    # answer: each answer's own length (gateway/output_lengths.py)
+    quantile_of: Literal["backend", "answer"] = "backend"
     prior_tokens: int = Field(512, gt=0)  # the expected output until min_samples were seen
     min_samples: int = Field(50, gt=0)  # per pool; a tenant's own figure once it has this many
 

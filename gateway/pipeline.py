@@ -337,8 +337,7 @@ class CompletionsEndpoint:
                 if trace is not None:
                     trace.settled(served, outcome)
 
-    @staticmethod
-    def _expect(request: InferenceRequest, pool: Pool) -> InferenceRequest:
+    def _expect(self, request: InferenceRequest, pool: Pool) -> InferenceRequest:
         """`request` with the output it reserves: the smaller of its cap (max_tokens, or
         what the context leaves when it names none) and the pool's expected output.
 
@@ -352,9 +351,13 @@ class CompletionsEndpoint:
             cap = request.max_output_tokens
         else:
             cap = max(1, pool.max_model_len - request.prompt_tokens)
-        return request._replace(
-            output_reserve=pool.outputs.reserve_output(tenant=request.tenant, cap=cap)
+        reserve = pool.outputs.reserve_output(
+            tenant=request.tenant,
+            cap=cap,
+            room=self._d.router.room(pool.name),
+            prompt_tokens=request.prompt_tokens,
         )
+        return request._replace(output_reserve=reserve)
 
     def _tap(self, request: InferenceRequest) -> ResponseTap | None:
         observe = self._d.taps.get(request.pool)

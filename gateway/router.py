@@ -62,6 +62,13 @@ class Router:
         stale = self.pools[backend.pool].settings.metrics_stale_s
         return backend.capacity(now=self.clock.monotonic(), stale_after=stale)
 
+    def room(self, pool: str) -> int:
+        """The tokens the pool's smallest backend of known capacity admits at its target
+        fill (0 when none is known): how many answers share a backend's KV cache."""
+        p = self.pools[pool]
+        known = [c for b in p.backends if (c := self.capacity(b)) > 0]
+        return _limit(min(known), p.settings.target_fill) if known else 0
+
     def limit(self, backend: Backend) -> int:
         """Tokens the ledger may hold on this backend: capacity × its effective fill, less
         what the backend reports holding beyond the ledger's view (see `_view`)."""

@@ -6,13 +6,15 @@
 
 Arms, side by side in one run: `direct` to the backend; the gateway with `static`
 reservation (prompt + max_tokens held until the last byte, no feedback from the backend);
-the gateway with the `learned` admission (prompt + a learned p90 of real answer lengths,
-grown as streams run past it, checked against the backend's reported KV use). Each arm
+the gateway with the `learned` admission (prompt + the learned output share that keeps the
+answers a backend holds at once within their p90 together, grown as streams run past it,
+checked against the backend's reported KV use), and `per answer`, the same with each
+answer's own p90 of real lengths reserved (`quantile_of: answer`). Each arm
 gets the same seeded requests: streaming chats with `max_tokens` 2048 whose answers end
 early (the simulator's realistic lengths; on a real vLLM sixteen stop token ids and a seed
 per prompt, so every arm gets the same answers). Bursts of 24 and 48 (3 runs each, the
 table shows medians), then a 5x spike into a pool whose overflow chain ends at a simulated
-provider. The learned arm is warmed first with a seeded warm-up, so its quantile starts
+provider. The learning arms are warmed first with a seeded warm-up, so their figures start
 from samples. Each run starts from an idle engine (on a real vLLM, an empty prefix cache)
 and, through a gateway, once that gateway aims at its target fill again: the other arms'
 traffic bypasses it, and requests waiting inside vLLM make it back off. Every 0.25 s the
@@ -64,7 +66,7 @@ class BenchPlan:
     runs: int = 3
     spike_factor: int = 5  # the spike is this many times the smallest burst
     spike_window_s: float = 1.0  # over which the spike's requests arrive, evenly
-    warmup: int = 64  # requests through each pool of the learned arm before measuring
+    warmup: int = 64  # requests through each pool of the learning arms before measuring
     warmup_rate: float = 4.0  # per second: slow enough that the warm-up neither queues nor spills
     max_tokens: int = 2048
     prompt_tokens: str = "uniform:32:256"
@@ -288,18 +290,22 @@ class Bench:
         )
 
     async def warm(self, plan: BenchPlan) -> dict[str, Any]:
-        """The learned arm sees `plan.warmup` seeded answers per pool before it is measured."""
+        """The learning arms see `plan.warmup` seeded answers per pool before they are
+        measured; the outcomes per arm and pool."""
         out: dict[str, Any] = {}
-        for spike in (False, True):
-            target = self.target("learned", spike=spike)
-            plans = plan.warmup_requests(target.shape.model)
-            data = await run_schedule(
-                plans, target=target, duration_s=plans[-1].at_s, sample_interval_s=1.0
-            )
-            out[target.shape.model] = dict(Counter(r.outcome for r in data.results))
-            errors = [r.error for r in data.results if r.error]
-            if errors:
-                out[target.shape.model]["first_error"] = errors[0]
+        for arm in fleet.LEARNING:
+            for spike in (False, True):
+                target = self.target(arm, spike=spike)
+                plans = plan.warmup_requests(target.shape.model)
+                data = await run_schedule(
+                    plans, target=target, duration_s=plans[-1].at_s, sample_interval_s=1.0
+                )
+                seen = out.setdefault(arm, {})[target.shape.model] = dict(
+                    Counter(r.outcome for r in data.results)
+                )
+                errors = [r.error for r in data.results if r.error]
+                if errors:
+                    seen["first_error"] = errors[0]
         return out
 
 
@@ -310,7 +316,7 @@ def _progress(message: str) -> None:
 async def run_bench(bench: Bench, plan: BenchPlan) -> dict[str, Any]:
     out: dict[str, Any] = {"bursts": {}, "spike": {"runs": {arm: [] for arm in ARMS}}}
     if plan.warmup:
-        _progress(f"warm-up: {plan.warmup} seeded requests through each pool of the learned arm")
+        _progress(f"warm-up: {plan.warmup} seeded requests through each pool of the learning arms")
         out["warmup"] = await bench.warm(plan)
     for size in plan.bursts:
         runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}

@@ -113,8 +113,8 @@ def report(figures: dict[str, Any]) -> str:
     ]
     if figures.get("warmup"):
         lines.append(
-            f"the learned arm was warmed first: {figures['plan']['warmup']} seeded requests "
-            f"through each of its pools ({figures['warmup']})"
+            f"the learning arms were warmed first: {figures['plan']['warmup']} seeded requests "
+            f"through each of their pools ({figures['warmup']})"
         )
     settled = [
         r["settle_s"]

@@ -217,6 +217,7 @@ def test_reservation_and_feedback_are_known_keys_with_defaults() -> None:
     assert pool.reservation.model_dump() == {
         "mode": "learned",
         "quantile": 0.9,
+        "quantile_of": "backend",
         "prior_tokens": 512,
         "min_samples": 50,
     }

@@ -1,5 +1,8 @@
 """The expected output a request reserves: a quantile of real completion lengths."""
 
+import math
+import random
+
 from gateway.config import ReservationSettings
 from gateway.output_lengths import WINDOW, LengthQuantile, OutputLengths
 
@@ -27,7 +30,10 @@ def test_quantile_follows_the_last_window_of_answers() -> None:
 
 
 def test_the_prior_until_min_samples_then_the_pool_then_the_tenants_own() -> None:
-    lengths = OutputLengths(ReservationSettings(quantile=0.9, prior_tokens=512, min_samples=10))
+    settings = ReservationSettings(
+        quantile=0.9, quantile_of="answer", prior_tokens=512, min_samples=10
+    )
+    lengths = OutputLengths(settings)
     assert lengths.expected("a") == 512
     for tokens in range(1, 10):  # 9 answers of tenant b: not enough yet
         lengths.observe(tenant="b", completion_tokens=tokens * 10)
@@ -53,3 +59,47 @@ def test_reserved_output_is_the_smaller_of_the_cap_and_the_expected() -> None:
     assert lengths.reserve_output(tenant="a", cap=100) == 100
     static = OutputLengths(ReservationSettings(mode="max_tokens", prior_tokens=512))
     assert static.reserve_output(tenant="a", cap=2048) == 2048
+
+
+def geometric_answers(lengths: OutputLengths, *, mean: float, count: int) -> list[int]:
+    rng = random.Random(7)
+    answers = [1 + int(rng.expovariate(1 / (mean - 1))) for _ in range(count)]
+    for tokens in answers:
+        lengths.observe(tenant="a", completion_tokens=tokens)
+    return answers
+
+
+def test_answers_sharing_a_backend_reserve_the_mean_and_their_share_of_the_spread() -> None:
+    lengths = OutputLengths(ReservationSettings(quantile=0.9, min_samples=10))
+    answers = geometric_answers(lengths, mean=256, count=1000)
+    mean = sum(answers) / len(answers)
+    sd = math.sqrt(sum((a - mean) ** 2 for a in answers) / len(answers))
+    alone = sorted(answers)[899]  # the p90 of one answer
+    # 16,000 tokens of room, prompts of 144: about 40 sequences of 144 + mean at once
+    at_once = 16_000 // (144 + math.ceil(mean))
+    share = lengths.expected("a", room=16_000, prompt_tokens=144)
+    assert share == math.ceil(mean + 1.2815515655446004 * sd / math.sqrt(at_once))
+    assert mean < share < alone
+    # a backend with room for one such answer at a time reserves the answer's own p90
+    assert lengths.expected("a", room=400, prompt_tokens=144) == alone
+    assert lengths.expected("a") == alone  # room unknown: one answer alone
+
+
+def test_the_per_answer_quantile_when_asked_for_or_at_q_1() -> None:
+    per_answer = OutputLengths(ReservationSettings(quantile_of="answer", min_samples=10))
+    answers = geometric_answers(per_answer, mean=256, count=1000)
+    assert per_answer.expected("a", room=16_000, prompt_tokens=144) == sorted(answers)[899]
+    everything = OutputLengths(ReservationSettings(quantile=1.0, min_samples=10))
+    geometric_answers(everything, mean=256, count=1000)
+    assert everything.expected("a", room=16_000, prompt_tokens=144) == max(answers)
+
+
+def test_a_sum_of_answers_stays_within_its_reservations_at_the_quantile() -> None:
+    """The shares are what the quantile promises: 40 answers drawn from the same lengths
+    outgrow 40 shares together in about a tenth of draws, not in half or in none."""
+    lengths = OutputLengths(ReservationSettings(quantile=0.9, min_samples=10))
+    answers = geometric_answers(lengths, mean=256, count=1000)
+    share = lengths.expected("a", room=40 * (144 + 256), prompt_tokens=144)
+    rng = random.Random(11)
+    over = sum(sum(rng.choices(answers, k=40)) > 40 * share for _ in range(2000))
+    assert 0.05 < over / 2000 < 0.16
