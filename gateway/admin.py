@@ -121,6 +121,12 @@ class AdminEndpoints:
                 )
                 m.backend_waiting.labels(backend.name).set(0 if load is None else load.waiting)
                 m.effective_fill.labels(backend.name).set(self._router.effective_fill(backend))
+                predicted = pool.prefixes.hit_rate(backend.name)
+                m.prefix_index_hit.labels(backend.name).set(
+                    math.nan if predicted is None else predicted
+                )
+                own = None if load is None else load.prefix_hit_rate
+                m.backend_prefix_hit.labels(backend.name).set(math.nan if own is None else own)
             fill = self._router.pool_fill(name)
             m.pool_fill.labels(name).set(fill if math.isfinite(fill) else 1.0)
             m.pool_demand.labels(name).set(pool.demand.tokens_per_s())
@@ -147,6 +153,12 @@ class AdminEndpoints:
             "effective_fill": self._router.effective_fill(backend),
             "fill_reason": backend.fill.reason.value,
             "fill_backoffs": {r.value: n for r, n in backend.fill.backoffs.items()},
+            "prefix_cache": {
+                # what the prefix index expected of the prompts routed here, and what the
+                # backend's own counters say it found
+                "index_hit_rate": self._router.pools[backend.pool].prefixes.hit_rate(backend.name),
+                "backend_hit_rate": None if load is None else load.prefix_hit_rate,
+            },
         }
 
     async def status(self, request: Request) -> Response:
@@ -185,6 +197,7 @@ class AdminEndpoints:
                     "state": "down" if down else "up",
                     "max_model_len": pool.max_model_len,
                     "overflow": pool.settings.overflow,
+                    "routing": pool.settings.routing,
                     "reservation": {
                         "mode": pool.settings.reservation.mode,
                         "quantile_of": pool.settings.reservation.quantile_of,

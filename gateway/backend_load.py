@@ -8,8 +8,10 @@ lowers its effective fill (gateway/fill.py).
 vLLM: `vllm:kv_cache_usage_perc` (0..1), `vllm:num_requests_waiting`,
 `vllm:num_preemptions_total` (a counter). SGLang: `sglang:token_usage` (0..1),
 `sglang:num_queue_reqs`, and `sglang:num_retracted_reqs` (requests it retracted, SGLang's
-preemption, a gauge: any is taken as a preemption). Engines of one server (data parallel)
-are averaged for the usage and added up for the rest.
+preemption, a gauge: any is taken as a preemption). vLLM's prefix-cache counters
+(`vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`, in tokens) are read too,
+to show beside the prefix index's own guess (gateway/prefix_index.py). Engines of one
+server (data parallel) are averaged for the usage and added up for the rest.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ USAGE = ("vllm:kv_cache_usage_perc", "sglang:token_usage")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 PREEMPTIONS = ("vllm:num_preemptions_total",)
 RETRACTED = ("sglang:num_retracted_reqs",)
-_WANTED = frozenset((*USAGE, *WAITING, *PREEMPTIONS, *RETRACTED))
+PREFIX_QUERIES = ("vllm:prefix_cache_queries_total",)  # prompt tokens looked up, a counter
+PREFIX_HITS = ("vllm:prefix_cache_hits_total",)  # of them, the tokens found cached
+_WANTED = frozenset((*USAGE, *WAITING, *PREEMPTIONS, *RETRACTED, *PREFIX_QUERIES, *PREFIX_HITS))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,6 +51,15 @@ class ReportedLoad:
     waiting: int  # requests waiting inside it
     preemptions: float | None  # its preemption counter, where it has one
     retracted: int = 0  # SGLang's retracted requests
+    prefix_queries: float | None = None  # vLLM's prefix-cache counters, where it has them
+    prefix_hits: float | None = None
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """The share of looked-up prompt tokens the backend found in its prefix cache."""
+        if not self.prefix_queries or self.prefix_hits is None:
+            return None
+        return self.prefix_hits / self.prefix_queries
 
 
 def load_from_metrics(text: str) -> ReportedLoad | None:
@@ -80,6 +93,8 @@ def load_from_metrics(text: str) -> ReportedLoad | None:
         waiting=int(total(WAITING) or 0),
         preemptions=total(PREEMPTIONS),
         retracted=int(total(RETRACTED) or 0),
+        prefix_queries=total(PREFIX_QUERIES),
+        prefix_hits=total(PREFIX_HITS),
     )
 
 

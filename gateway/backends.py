@@ -26,6 +26,7 @@ from gateway.errors import BackendUnavailable
 from gateway.fill import FillController, FillReason
 from gateway.forward import unreachable_reason
 from gateway.output_lengths import OutputLengths
+from gateway.prefix_index import PrefixIndex
 from gateway.request import PromptEstimator
 
 log = logging.getLogger("spillgate.backends")
@@ -132,6 +133,7 @@ class Pool:
     demand: PoolDemand
     estimator: PromptEstimator = field(default_factory=PromptEstimator)
     outputs: OutputLengths = field(default_factory=lambda: OutputLengths(ReservationSettings()))
+    prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(()))
 
     @property
     def name(self) -> str:
@@ -169,6 +171,7 @@ def build_pools(pools: list[PoolSettings], *, clock: Clock) -> dict[str, Pool]:
             backends=backends,
             demand=PoolDemand(clock),
             outputs=OutputLengths(pool.reservation),
+            prefixes=PrefixIndex(b.name for b in backends),
         )
     return built
 

@@ -122,6 +122,9 @@ class PoolSettings(_Model):
     reservation: ReservationSettings = ReservationSettings()
     # admit against the backends' reported KV use too; back off on preemption or waiting
     feedback: bool = True
+    # least_filled: the backend with the most room; prefix: the one likeliest to hold the
+    # prompt's prefix in its cache, unless that piles load on it (gateway/router.py)
+    routing: Literal["least_filled", "prefix"] = "least_filled"
 
 
 class ProviderSettings(_Model):

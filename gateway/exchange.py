@@ -128,7 +128,12 @@ class Exchange:
         ):
             return _nothing()
         return self.router.admit(
-            request.pool, request.sequence_tokens, sequences=request.n, exclude=exclude
+            request.pool,
+            request.sequence_tokens,
+            sequences=request.n,
+            exclude=exclude,
+            prefix=request.prefix,
+            session=request.session,
         )
 
     async def serve_local(self, request: InferenceRequest, outcome: Outcome) -> Served:

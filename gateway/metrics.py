@@ -135,6 +135,18 @@ class GatewayMetrics:
             "The fill admission aims at on the backend: target_fill, lowered after a back-off",
             ["backend"], registry=r, multiprocess_mode=FLEET,
         )  # fmt: skip
+        self.prefix_index_hit = Gauge(
+            "spillgate_prefix_index_hit_ratio",
+            "Share of the prompt blocks routed to the backend that the prefix index expected "
+            "it to hold cached (NaN before any)",
+            ["backend"], registry=r, multiprocess_mode=FLEET,
+        )  # fmt: skip
+        self.backend_prefix_hit = Gauge(
+            "spillgate_backend_prefix_cache_hit_ratio",
+            "Share of prompt tokens the backend itself reports found in its prefix cache "
+            "(NaN while unknown)",
+            ["backend"], registry=r, multiprocess_mode=FLEET,
+        )  # fmt: skip
         self.fill_backoffs = Counter(
             "spillgate_fill_backoffs", "Times a backend's effective fill backed off, by reason",
             ["backend", "reason"], registry=r,

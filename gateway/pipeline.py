@@ -36,11 +36,13 @@ from gateway.forward import Forwarder
 from gateway.guard import body_too_large
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
+from gateway.prefix_index import block_keys, prompt_bytes
 from gateway.ratelimit import Decision, RateLimiter
 from gateway.relay import ResponseTap
 from gateway.request import (
     BATCHABLE_HEADER,
     PRIORITY_HEADER,
+    SESSION_HEADER,
     Endpoint,
     InferenceRequest,
     check_pool_kind,
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("spillgate.pipeline")
 PRIORITY_HEADER_BYTES = PRIORITY_HEADER.encode()
 BATCHABLE_HEADER_BYTES = BATCHABLE_HEADER.encode()
+SESSION_HEADER_BYTES = SESSION_HEADER.encode()
 SPILL_POLICIES = frozenset({"degrade", "provider"})  # may serve what the pool cannot hold
 
 
@@ -297,6 +300,8 @@ class CompletionsEndpoint:
             chars_per_token=pool.estimator.chars_per_token,
         )
         request = self._expect(request, pool)
+        if pool.settings.routing == "prefix":
+            request = self._locate(request, pool, fields)
         if tenant.batchable or fields.get(BATCHABLE_HEADER_BYTES) == b"true":
             request = request._replace(batchable=True)
         if trace is not None:
@@ -358,6 +363,21 @@ class CompletionsEndpoint:
             prompt_tokens=request.prompt_tokens,
         )
         return request._replace(output_reserve=reserve)
+
+    @staticmethod
+    def _locate(
+        request: InferenceRequest, pool: Pool, fields: Mapping[bytes, bytes]
+    ) -> InferenceRequest:
+        """`request` with what prefix routing places it by: the keys of its prompt's leading
+        blocks, and its session (the header, else the body's `user`), within its tenant."""
+        session = _text(fields, SESSION_HEADER_BYTES)
+        user = request.body.get("user")
+        if session is None and isinstance(user, str) and user:
+            session = user
+        keys = block_keys(prompt_bytes(request.body), block_size=pool.backends[0].block_size)
+        return request._replace(
+            prefix=keys, session=None if session is None else f"{request.tenant}\0{session}"
+        )
 
     def _tap(self, request: InferenceRequest) -> ResponseTap | None:
         observe = self._d.taps.get(request.pool)

@@ -16,6 +16,7 @@ MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings request, as OpenAI allow
 MAX_JSON_DEPTH = 64  # arrays and objects inside each other; orjson writes at most 254
 BATCHABLE_HEADER = "x-spillgate-batchable"  # "true": the request may wait, as a batch
 PRIORITY_HEADER = "x-spillgate-priority"
+SESSION_HEADER = "x-spillgate-session"  # a conversation's turns go where its prefix is cached
 OUTPUT_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 NUMBER = (int, float)  # built once: `int | float` in isinstance makes a new union per call
 NUMBER_FIELD_ORDER = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
@@ -57,6 +58,10 @@ class InferenceRequest(NamedTuple):
     # max_output_tokens
     output_reserve: int = 0
     batchable: bool = False  # may wait: overflow may accept it into a batch (policies/batch.py)
+    # the keys of its prompt's leading blocks and its session, where its pool routes by
+    # prefix (gateway/prefix_index.py)
+    prefix: tuple[bytes, ...] = ()
+    session: str | None = None
 
     @property
     def sequence_tokens(self) -> int:

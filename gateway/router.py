@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 from gateway.backends import Backend, Pool
 from gateway.clock import Clock
@@ -14,6 +14,10 @@ from gateway.ledger import Ledger, Reservation
 ReleaseListener = Callable[[str], None]
 WaitingTokens = Callable[[], list[int]]  # the KV tokens of each request queued in a pool
 FORECAST_REUSE_S = 0.1  # Retry-After counts whole seconds: a burst of refusals shares one
+# prefix routing's herding guard (Router._by_prefix): a backend may be this many times the
+# pool's mean fill, or this much above it, before a prefix it holds goes elsewhere
+PREFIX_SKEW = 1.25
+PREFIX_SLACK = 0.1
 
 
 def kv_tokens(tokens: int, *, sequences: int = 1, block_size: int = 1) -> int:
@@ -152,16 +156,30 @@ class Router:
         return ranked
 
     async def admit(
-        self, pool: str, tokens: int, *, sequences: int = 1, exclude: Collection[str] = ()
+        self,
+        pool: str,
+        tokens: int,
+        *,
+        sequences: int = 1,
+        exclude: Collection[str] = (),
+        prefix: Sequence[bytes] = (),
+        session: str | None = None,
     ) -> Reservation | None:
         """Reserve `sequences` sequences of up to `tokens` tokens each, in whole KV blocks, on
-        the least-filled backend with room under the target fill, else None.
+        the least-filled backend with room under the target fill, else None. With `prefix`
+        (the keys of the prompt's leading blocks) or a `session`, the backend likeliest to
+        hold them goes first, within the herding guard (`_by_prefix`).
 
         A request larger than the target fill allows but within a backend's KV cache is
         reserved on an idle backend, alone: the ledger's limit is then its own size.
         """
+        ranked = self._ranked(pool, exclude)
+        if self.pools[pool].settings.routing != "prefix":
+            prefix, session = (), None
+        elif len(ranked) > 1:
+            self._by_prefix(pool, ranked, tokens * sequences, prefix, session)
         alone: list[tuple[Backend, int]] = []
-        for *_, backend, limit, capacity in self._ranked(pool, exclude):
+        for *_, backend, limit, capacity in ranked:
             need = kv_tokens(tokens, sequences=sequences, block_size=backend.block_size)
             if need > limit:
                 if need <= capacity:
@@ -169,17 +187,63 @@ class Router:
                 continue
             reservation = await self.ledger.reserve(backend.name, need, limit=limit)
             if reservation is not None:
-                return self._hold(reservation)
+                return self._hold(reservation, prefix, session)
         for backend, need in alone:  # in-flight + need ≤ need: only when idle
             beyond = self.unreserved_tokens(backend)  # idle means the backend too
             reservation = await self.ledger.reserve(backend.name, need, limit=need - beyond)
             if reservation is not None:
-                return self._hold(reservation)
+                return self._hold(reservation, prefix, session)
         return None
 
-    def _hold(self, reservation: Reservation) -> Reservation:
+    def _by_prefix(
+        self,
+        pool: str,
+        ranked: list[tuple[float, int, Backend, int, int]],
+        tokens: int,
+        prefix: Sequence[bytes],
+        session: str | None,
+    ) -> None:
+        """Move to the front of `ranked` the backend that holds the request's session, else
+        the one likeliest to hold most of its prefix (ties: the least filled).
+
+        The guard against herding: a backend is passed over when taking the request would
+        leave it more than PREFIX_SKEW times the pool's mean fill and more than
+        PREFIX_SLACK above it. A hot prefix then goes to the next best backend, which
+        caches it too, and its requests spread over the backends that hold it.
+        """
+        index = self.pools[pool].prefixes
+        held = sum(fill * capacity for fill, *_, capacity in ranked)
+        mean = (held + tokens) / sum(capacity for *_, capacity in ranked)
+        bound = max(mean * PREFIX_SKEW, mean + PREFIX_SLACK)
+        home = index.session_backend(session)
+        best, most = 0, 0
+        for i, (fill, _, backend, _, capacity) in enumerate(ranked):
+            if fill + tokens / capacity > bound:
+                continue
+            matched = (
+                len(prefix) + 1 if backend.name == home else index.matched(backend.name, prefix)
+            )
+            if matched > most:
+                best, most = i, matched
+        if best:
+            ranked.insert(0, ranked.pop(best))
+
+    def _hold(
+        self,
+        reservation: Reservation,
+        prefix: Sequence[bytes] = (),
+        session: str | None = None,
+    ) -> Reservation:
         pool = self._backends[reservation.backend].pool
         self._held[pool][reservation.lease] = (self.clock.monotonic(), reservation)
+        if prefix or session:
+            backend = self._backends[reservation.backend]
+            self.pools[pool].prefixes.routed(
+                backend.name,
+                prefix,
+                session=session,
+                blocks=self.capacity(backend) // backend.block_size,
+            )
         return reservation
 
     def has_room(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:

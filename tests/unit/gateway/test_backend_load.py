@@ -22,7 +22,10 @@ sglang:num_retracted_reqs{model_name="m"} 0.0
 
 def test_reads_vllm_0_32s_own_page() -> None:
     load = load_from_metrics(METRICS_FIXTURE.read_text())
-    assert load == ReportedLoad(kv_usage=0.0, waiting=0, preemptions=0.0)
+    assert load == ReportedLoad(
+        kv_usage=0.0, waiting=0, preemptions=0.0, prefix_queries=1732.0, prefix_hits=0.0
+    )
+    assert load is not None and load.prefix_hit_rate == 0.0
 
 
 def test_averages_the_usage_of_engines_and_adds_up_the_rest() -> None:

@@ -1,0 +1,124 @@
+"""Prefix routing: the index's guess of each backend's cached blocks, and the router's
+choice between that guess and load (gateway/prefix_index.py, Router._by_prefix)."""
+
+import asyncio
+from collections import Counter
+
+import orjson
+
+from gateway.ledger import Reservation
+from gateway.prefix_index import CHARS_PER_TOKEN, MIN_ENTRIES, PrefixIndex, block_keys, prompt_bytes
+from tests.support.routers import local_router
+
+BLOCK = 16
+SIZE = BLOCK * CHARS_PER_TOKEN  # bytes per block
+
+
+def chat(system: str, user: str) -> bytes:
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+    return prompt_bytes(body)
+
+
+def test_keys_cover_whole_blocks_and_match_only_as_far_as_everything_before() -> None:
+    a = block_keys(b"x" * (3 * SIZE + 10), block_size=BLOCK)
+    assert len(a) == 3  # the part block is not keyed
+    b = block_keys(b"x" * (2 * SIZE) + b"y" * SIZE, block_size=BLOCK)
+    assert (a[:2], a[2] != b[2]) == (b[:2], True)
+    # the same block after a different first block has another key
+    c = block_keys(b"y" * SIZE + b"x" * SIZE, block_size=BLOCK)
+    d = block_keys(b"z" * SIZE + b"x" * SIZE, block_size=BLOCK)
+    assert c[1] != d[1]
+
+
+def test_a_chat_is_keyed_by_its_messages_in_order() -> None:
+    body = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}
+    assert prompt_bytes(body) == b'{"role":"system","content":"s"}{"role":"user","content":"u"}'
+    assert prompt_bytes({"prompt": "once upon"}) == b"once upon"
+    assert prompt_bytes({"prompt": [1, 2]}) == orjson.dumps([1, 2])
+
+
+def test_the_index_matches_the_leading_run_and_forgets_the_least_recent() -> None:
+    index = PrefixIndex(["a", "b"])
+    shared = "S" * (8 * SIZE)
+    first = block_keys(chat(shared, "one" * 100), block_size=BLOCK)
+    second = block_keys(chat(shared, "two" * 100), block_size=BLOCK)
+    assert index.matched("a", first) == 0
+    index.routed("a", first, session=None)
+    common = next(i for i, (x, y) in enumerate(zip(first, second, strict=False)) if x != y)
+    assert common >= 8
+    assert index.matched("a", second) == common
+    assert index.matched("b", second) == 0
+    assert (index.queried["a"], index.found["a"]) == (len(first), 0)
+    index.routed("a", second, session=None)
+    assert index.found["a"] == common
+    # the oldest blocks go first once the index is full: the first prompt's own tail
+    filler = [bytes([i % 256, i // 256, 7]) for i in range(MIN_ENTRIES)]
+    index.routed("a", filler, session=None)
+    assert index.matched("a", second) == 0
+    assert index.matched("a", filler) == len(filler)
+
+
+def _keys(tag: str) -> tuple[bytes, ...]:
+    return block_keys(chat(tag * (16 * SIZE), "hello"), block_size=BLOCK)
+
+
+def test_a_tenants_requests_stay_where_its_prefix_is() -> None:
+    async def scenario() -> None:
+        router = local_router([10_000] * 4, target_fill=0.9, block_size=BLOCK, routing="prefix")
+        homes: dict[str, set[str]] = {}
+        held: list[Reservation] = []
+        for round_ in range(6):
+            for tenant in "ABCD":
+                r = await router.admit("p", 300, prefix=_keys(tenant))
+                assert r is not None
+                homes.setdefault(tenant, set()).add(r.backend)
+                held.append(r)
+            if round_ % 2:
+                for r in held:
+                    await router.release(r)
+                held.clear()
+        # four prefixes over four backends, each kept on the one it first went to
+        assert sorted(len(b) for b in homes.values()) == [1, 1, 1, 1]
+        assert len(set().union(*homes.values())) == 4
+
+    asyncio.run(scenario())
+
+
+def test_a_hot_prefix_spreads_instead_of_piling_on_one_backend() -> None:
+    async def scenario() -> None:
+        router = local_router([10_000] * 4, target_fill=0.9, block_size=BLOCK, routing="prefix")
+        hot = _keys("H")
+        placed = Counter()
+        for _ in range(24):
+            r = await router.admit("p", 300, prefix=hot)
+            assert r is not None
+            placed[r.backend] += 1
+        # one backend would take all 24 by prefix alone; the guard lets each take its
+        # share of the pool's mean fill plus a tenth of its cache (3 requests here)
+        assert sorted(placed.values()) == [8, 8, 8]
+        assert max(placed.values()) <= 1.5 * 24 / 4
+
+    asyncio.run(scenario())
+
+
+def test_least_filled_ignores_the_prefix() -> None:
+    async def scenario() -> None:
+        router = local_router([10_000] * 2, target_fill=0.9, block_size=BLOCK)
+        first = await router.admit("p", 300, prefix=_keys("A"))
+        second = await router.admit("p", 300, prefix=_keys("A"))
+        assert first is not None and second is not None
+        assert first.backend != second.backend
+
+    asyncio.run(scenario())
+
+
+def test_a_session_returns_to_its_backend_even_with_a_new_prompt() -> None:
+    async def scenario() -> None:
+        router = local_router([10_000] * 3, target_fill=0.9, block_size=BLOCK, routing="prefix")
+        r = await router.admit("p", 300, prefix=_keys("A"), session="t\0chat-1")
+        other = await router.admit("p", 300, prefix=_keys("B"))
+        assert r is not None and other is not None and other.backend != r.backend
+        again = await router.admit("p", 300, prefix=_keys("C"), session="t\0chat-1")
+        assert again is not None and again.backend == r.backend
+
+    asyncio.run(scenario())
