@@ -5,7 +5,9 @@ The replica batches continuously over a KV cache of `--kv-tokens` (or the catalo
 and exports vLLM's own metrics. Prompt tokens are counted as ceil(chars / 4) per message
 plus 4 per message and 3 per chat prompt. Answers are filler words that end at a sampled
 EOS (geometric, mean 256 tokens, as real vLLM stopping on 16 of ~4,096 token ids), capped by
-`max_tokens`; `--answer-lengths max_tokens` runs every answer to its cap instead.
+`max_tokens`; `--answer-lengths max_tokens` runs every answer to its cap instead. Prompts'
+leading full blocks are cached and reused as by vLLM V1's prefix caching, unless
+`--no-enable-prefix-caching`.
 """
 
 from __future__ import annotations
@@ -87,6 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     replica.add_argument(
         "--embedding-dim", type=int, help="serve an embedding model with vectors of this size"
     )
+    replica.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of prompt prefixes computed before, as vLLM V1 does "
+        "(default: on)",
+    )
     provider = parser.add_argument_group("simulated external provider")
     provider.add_argument("--provider", action="store_true", help="run the provider instead")
     provider.add_argument(
@@ -124,6 +133,7 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         answer_sigma=args.answer_sigma,
         seed=args.seed,
         embedding_dim=args.embedding_dim,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 
@@ -166,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
                 "speed": replica.speed,
                 "no_delay": replica.no_delay,
                 "answer_lengths": replica.answer_lengths.value,
+                "enable_prefix_caching": replica.enable_prefix_caching,
             }
     except ValueError as exc:
         print(f"spillgate sim: {exc}", file=sys.stderr)

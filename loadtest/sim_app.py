@@ -89,6 +89,8 @@ class CompletionsEndpoint:
         self._engine = engine
         self._filler = filler
         self._lengths = lengths
+        # only an engine with a prefix cache needs the prompt's ids, not just their count
+        self._token_ids = config.enable_prefix_caching and not config.no_delay
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -96,7 +98,7 @@ class CompletionsEndpoint:
         except ClientGone:
             return
         try:
-            req = parse_request(self._kind, raw, self._limits)
+            req = parse_request(self._kind, raw, self._limits, token_ids=self._token_ids)
         except SimRequestError as exc:
             await send_error(send, exc)
             return
@@ -141,6 +143,7 @@ class CompletionsEndpoint:
                     finish_reason=reason,
                     stop_reason=answer.stop_reason,
                     streaming=req.stream,
+                    prompt_token_ids=req.prompt_token_ids,
                 )
             )
         for seq in seqs[1:]:
@@ -344,6 +347,7 @@ def create_sim_app(config: SimConfig) -> Starlette:
             block_size=resolved.block_size,
             max_num_seqs=resolved.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            prefix_caching=config.enable_prefix_caching,
         )
     )
     metrics = SimMetrics(config=config, resolved=resolved, scheduler=scheduler)

@@ -49,6 +49,9 @@ class SimConfig:
     sampled EOS as a real model does, a request without `max_tokens` capped by the room
     left in `max_model_len` as vLLM caps it (see loadtest/sim_lengths.py). `seed` seeds
     the lengths of requests that send no seed of their own.
+    `enable_prefix_caching` (on by default, as in vLLM V1) reuses the cached KV blocks of
+    a prompt's leading full blocks that an earlier prompt computed (chat and completions
+    prompts; see loadtest/sim_blocks.py).
     """
 
     model: str = "sim-model"
@@ -74,6 +77,7 @@ class SimConfig:
     seed: int | None = None
     # an embedding model's vector size: it then serves /v1/embeddings only
     embedding_dim: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.speed <= 0:

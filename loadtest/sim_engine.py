@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from collections.abc import Sequence as TokenIds
 
 from gateway.capacity.perf import StepCost
 from loadtest.sim_scheduler import Scheduler, SeqState, Sequence, Step
@@ -44,9 +45,13 @@ class LiveSequence(Sequence):
         answer_tokens: int | None = None,
         finish_reason: str = "length",
         stop_reason: int | None = None,
+        prompt_token_ids: TokenIds[int] | None = None,
     ) -> None:
         super().__init__(
-            prompt_tokens=prompt_tokens, max_tokens=max_tokens, answer_tokens=answer_tokens
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            answer_tokens=answer_tokens,
+            prompt_token_ids=prompt_token_ids,
         )
         self.streaming = streaming
         self.finish_reason = finish_reason  # what the last event says

@@ -65,6 +65,16 @@ class _EngineCollector(Collector):
                 s.used_blocks / limits.usable_blocks,
             ),
             self._counter(
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                stats.prefix_cache_queries,
+            ),
+            self._counter(
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                stats.prefix_cache_hits,
+            ),
+            self._counter(
                 "vllm:num_preemptions",
                 "Cumulative number of preemption from the engine.",
                 stats.preemptions,
@@ -124,7 +134,7 @@ class SimMetrics:
         cache_info = {
             "block_size": str(resolved.block_size),
             "cache_dtype": config.kv_dtype,
-            "enable_prefix_caching": "False",
+            "enable_prefix_caching": str(config.enable_prefix_caching),
             "engine": "0",
             "gpu_memory_utilization": str(config.gpu_memory_utilization),
             "kv_cache_size_tokens": str(resolved.kv_tokens),

@@ -7,7 +7,12 @@ from dataclasses import dataclass, field
 import orjson
 
 from loadtest.sim_lengths import StopRule
-from loadtest.sim_tokens import chat_prompt_tokens, completion_prompt_tokens
+from loadtest.sim_tokens import (
+    chat_prompt_ids,
+    chat_prompt_tokens,
+    completion_prompt_ids,
+    completion_prompt_tokens,
+)
 from loadtest.sim_wire import Kind
 
 
@@ -34,6 +39,7 @@ class SimRequest:
     include_usage: bool
     n: int = 1  # choices: one sequence each, as vLLM runs them
     stop: StopRule = field(default_factory=StopRule)
+    prompt_token_ids: list[int] | None = None  # when asked for: what the prefix cache hashes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,19 +49,21 @@ class Limits:
     default_max_tokens: int | None  # None: vLLM's, the room left after the prompt
 
 
-def _prompt_tokens(kind: Kind, body: dict[str, object]) -> int:
+def _prompt(kind: Kind, body: dict[str, object], *, token_ids: bool) -> list[int] | int:
+    """The prompt's token ids when `token_ids`, else only how many there are: counting is
+    cheaper, and a replica without a prefix cache needs nothing more."""
     if kind is Kind.CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise SimRequestError("messages must be a non-empty list", param="messages")
-        return chat_prompt_tokens(messages)
+        return chat_prompt_ids(messages) if token_ids else chat_prompt_tokens(messages)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str) or (
         isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
     ):
-        return completion_prompt_tokens(prompt)
+        return completion_prompt_ids(prompt) if token_ids else completion_prompt_tokens(prompt)
     raise SimRequestError(
         "prompt must be a string or a list of token ids (one prompt per request)",
         param="prompt",
@@ -96,7 +104,8 @@ def _check_length(prompt_tokens: int, max_tokens: int | None, limits: Limits) ->
         )
 
 
-def parse_request(kind: Kind, raw: bytes, limits: Limits) -> SimRequest:
+def parse_request(kind: Kind, raw: bytes, limits: Limits, *, token_ids: bool = False) -> SimRequest:
+    """The request as the engine runs it; with `token_ids`, its prompt's ids too."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -115,7 +124,9 @@ def parse_request(kind: Kind, raw: bytes, limits: Limits) -> SimRequest:
         n = 1
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise SimRequestError("n must be at least 1.", param="n")
-    prompt_tokens = _prompt_tokens(kind, body)
+    prompt = _prompt(kind, body, token_ids=token_ids)
+    ids = prompt if isinstance(prompt, list) else None
+    prompt_tokens = len(prompt) if isinstance(prompt, list) else prompt
     requested = _requested_max_tokens(body)
     _check_length(prompt_tokens, requested, limits)
     room = limits.max_model_len - prompt_tokens
@@ -144,6 +155,7 @@ def parse_request(kind: Kind, raw: bytes, limits: Limits) -> SimRequest:
         include_usage=isinstance(options, dict) and options.get("include_usage") is True,
         n=n,
         stop=stop,
+        prompt_token_ids=ids,
     )
 
 

@@ -11,14 +11,23 @@ token budget.
 
 A step that computes a sequence's first `n` tokens leaves `n` tokens of KV behind it and
 samples token `generated + 1`; a finished sequence frees its blocks at once.
+
+With prefix caching (vLLM V1's default), a sequence that brings its prompt's token ids reuses
+the cached blocks its prompt's leading full blocks hash to (see loadtest/sim_blocks.py): they
+are shared, not allocated again, and their tokens are not computed. As in vLLM the hit stops
+short of the last prompt token, whose logits the first sample needs. Only prompt blocks are
+cached: generated tokens are filler no later prompt repeats.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as TokenIds
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, TypeVar
+
+from loadtest.sim_blocks import BlockPool, hash_blocks
 
 
 class SeqState(Enum):
@@ -33,29 +42,46 @@ class Sequence:
 
     __slots__ = (
         "answer_tokens",
-        "blocks",
+        "block_hashes",
+        "block_ids",
         "generated",
         "max_tokens",
         "preemptions",
+        "prompt_token_ids",
         "prompt_tokens",
         "state",
     )
 
     def __init__(
-        self, *, prompt_tokens: int, max_tokens: int, answer_tokens: int | None = None
+        self,
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        answer_tokens: int | None = None,
+        prompt_token_ids: TokenIds[int] | None = None,
     ) -> None:
         """`answer_tokens`: where the answer ends (its sampled EOS), at most `max_tokens`;
-        by default the answer runs to `max_tokens`."""
+        by default the answer runs to `max_tokens`. `prompt_token_ids`, when given, let the
+        prefix cache find the prompt's blocks; without them the prompt never hits."""
         answer = max_tokens if answer_tokens is None else answer_tokens
         if prompt_tokens < 1 or not 1 <= answer <= max_tokens:
             raise ValueError("a sequence needs a prompt token and 1..max_tokens output tokens")
+        if prompt_token_ids is not None and len(prompt_token_ids) != prompt_tokens:
+            raise ValueError("prompt_token_ids must hold prompt_tokens ids")
         self.prompt_tokens = prompt_tokens
+        self.prompt_token_ids = prompt_token_ids
         self.max_tokens = max_tokens
         self.answer_tokens = answer
         self.generated = 0
-        self.blocks = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # of the prompt's full blocks, once added
         self.preemptions = 0
         self.state = SeqState.WAITING
+
+    @property
+    def blocks(self) -> int:
+        """KV blocks the sequence holds, shared ones included."""
+        return len(self.block_ids)
 
     @property
     def context_tokens(self) -> int:
@@ -73,6 +99,7 @@ class SchedulerLimits:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:
@@ -116,12 +143,16 @@ class SchedulerStats:
     peak_running: int = 0
     peak_waiting: int = 0
     peak_reserved_tokens: int = 0
+    # vLLM's counters, in tokens, of requests admitted for the first time: prompt tokens
+    # looked up, and those found cached
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class Scheduler(Generic[S]):
     def __init__(self, limits: SchedulerLimits) -> None:
         self.limits = limits
-        self.free_blocks = limits.usable_blocks
+        self.pool = BlockPool(limits.usable_blocks)
         self.waiting: deque[S] = deque()
         self.running: list[S] = []
         self.stats = SchedulerStats()
@@ -129,8 +160,13 @@ class Scheduler(Generic[S]):
         self.reserved_tokens = 0
 
     @property
+    def free_blocks(self) -> int:
+        """Blocks no sequence holds, cached ones included: vLLM counts those as free."""
+        return self.pool.num_free
+
+    @property
     def used_blocks(self) -> int:
-        return self.limits.usable_blocks - self.free_blocks
+        return self.limits.usable_blocks - self.pool.num_free
 
     @property
     def has_work(self) -> bool:
@@ -143,6 +179,8 @@ class Scheduler(Generic[S]):
         # the last token's KV is never written: the answer ends when it is sampled
         if self.blocks_for(seq.prompt_tokens + seq.answer_tokens - 1) > self.limits.usable_blocks:
             raise ValueError("sequence can never fit in the KV cache")
+        if self.limits.prefix_caching and seq.prompt_token_ids is not None:
+            seq.block_hashes = hash_blocks(seq.prompt_token_ids, self.limits.block_size)
         self.waiting.append(seq)
         self.reserved_tokens += seq.prompt_tokens + seq.max_tokens
         stats = self.stats
@@ -210,9 +248,10 @@ class Scheduler(Generic[S]):
         while i < len(running):
             seq = running[i]
             context = seq.prompt_tokens + seq.generated
-            if context > seq.blocks * bs:  # crosses into a new block
-                need = -(-context // bs) - seq.blocks
-                while need > self.free_blocks:
+            held = len(seq.block_ids)
+            if context > held * bs:  # crosses into a new block
+                need = -(-context // bs) - held
+                while need > self.pool.num_free:
                     victim = running.pop()
                     self._preempt(victim)
                     preempted = True
@@ -220,8 +259,7 @@ class Scheduler(Generic[S]):
                         break
                 if seq.state is not SeqState.RUNNING:
                     break
-                self.free_blocks -= need
-                seq.blocks += need
+                seq.block_ids += self.pool.allocate(need)
             decodes.append(seq)
             kv_tokens += context
             i += 1
@@ -229,26 +267,43 @@ class Scheduler(Generic[S]):
         return preempted
 
     def _admit_waiting(self, step: Step[S]) -> None:
-        limits = self.limits
+        limits, pool = self.limits, self.pool
         budget = limits.max_num_batched_tokens - len(step.decodes)
         waiting = self.waiting
         while waiting and len(self.running) < limits.max_num_seqs:
             seq = waiting[0]
             tokens = seq.context_tokens
-            if step.prefills and tokens > budget:
+            hit = self._cached_prefix(seq, tokens)
+            computed = tokens - len(hit) * limits.block_size
+            if step.prefills and computed > budget:
                 break
-            need = self.blocks_for(tokens)
-            if need > self.free_blocks:
+            need = self.blocks_for(tokens) - len(hit)
+            if need + pool.free_among(hit) > pool.num_free:
                 break
             waiting.popleft()
-            self.free_blocks -= need
-            seq.blocks = need
+            pool.touch(hit)
+            seq.block_ids = hit + pool.allocate(need)
+            # blocks are named when scheduled, as in vLLM: a prompt admitted later in this
+            # same step already hits them
+            full = len(seq.block_hashes)
+            pool.cache(seq.block_ids[len(hit) : full], seq.block_hashes[len(hit) :])
+            if limits.prefix_caching and seq.preemptions == 0:
+                self.stats.prefix_cache_queries += seq.prompt_tokens
+                self.stats.prefix_cache_hits += tokens - computed
             seq.state = SeqState.RUNNING
             self.running.append(seq)
             step.prefills.append(seq)
-            step.prefill_tokens += tokens
+            step.prefill_tokens += computed
             step.kv_tokens += tokens
-            budget -= tokens
+            budget -= computed
+
+    def _cached_prefix(self, seq: S, tokens: int) -> list[int]:
+        """The cached blocks that begin the sequence, short of its last token: a whole-prompt
+        hit would leave nothing to compute the first sample's logits from."""
+        if not seq.block_hashes:
+            return []
+        most = (tokens - 1) // self.limits.block_size
+        return self.pool.cached_prefix(seq.block_hashes[:most])
 
     def _preempt(self, seq: S) -> None:
         self._free(seq)
@@ -259,5 +314,5 @@ class Scheduler(Generic[S]):
         self.stats.peak_waiting = max(self.stats.peak_waiting, len(self.waiting))
 
     def _free(self, seq: S) -> None:
-        self.free_blocks += seq.blocks
-        seq.blocks = 0
+        self.pool.release(seq.block_ids)
+        seq.block_ids = []

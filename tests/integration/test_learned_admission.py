@@ -159,8 +159,12 @@ def test_what_the_backend_holds_for_traffic_that_bypasses_the_gateway_reduces_ad
     fleet: Fleet,
 ) -> None:
     backend = fleet.backends["bypass"][0].url
-    # two requests straight to the backend: 2 x (1,600 prompt + 400 output) of its 4,080 tokens
-    direct = {"model": "bypass", "prompt": list(range(100, 1700)), "max_tokens": 400}
+    # two requests straight to the backend: 2 x (1,600 prompt + 400 output) of its 4,080
+    # tokens, with prompts of their own so that the prefix cache shares none of it
+    direct = [
+        {"model": "bypass", "prompt": list(range(first, first + 1600)), "max_tokens": 400}
+        for first in (100, 1700)
+    ]
     through = {"model": "bypass", "messages": MSG, "max_tokens": 1000}  # reserves 8 + 512
 
     async def scenario() -> tuple[int, str, int, str]:
@@ -170,7 +174,7 @@ def test_what_the_backend_holds_for_traffic_that_bypasses_the_gateway_reduces_ad
             httpx.AsyncClient(base_url=fleet.url, headers=headers, timeout=60) as gateway,
         ):
             bypassing = [
-                asyncio.create_task(straight.post("/v1/completions", json=direct)) for _ in range(2)
+                asyncio.create_task(straight.post("/v1/completions", json=body)) for body in direct
             ]
             await until(
                 lambda: (backend_status(fleet, "bypass")["reported_kv_tokens"] or 0) >= 3200

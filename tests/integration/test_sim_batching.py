@@ -113,8 +113,11 @@ def test_metrics_have_vllm_names_labels_and_honest_counters() -> None:
 
 
 def test_over_subscribed_requests_wait_and_the_kv_budget_holds() -> None:
-    # each request: 57 prompt tokens + 7 output = 4 blocks; 17 blocks, one kept back, hold 4
-    config = SimConfig(model=MODEL, kv_tokens=272, max_model_len=256, speed=1.0)
+    # each request: 57 prompt tokens + 7 output = 4 blocks; 17 blocks, one kept back, hold 4.
+    # The prompts are all the same: without the prefix cache each holds blocks of its own.
+    config = SimConfig(
+        model=MODEL, kv_tokens=272, max_model_len=256, speed=1.0, enable_prefix_caching=False
+    )
     with ServerThread(create_sim_app(config)) as sim:
         texts = run_concurrently(sim.url, [body(200, 7) for _ in range(8)])
         values = scrape(sim.url)

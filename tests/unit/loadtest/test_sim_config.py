@@ -1,8 +1,11 @@
 """Sizing a simulated replica: explicit budget, built-in 8B-on-H100 default, or the catalog."""
 
+import argparse
+
 import pytest
 
 from gateway.capacity import replica_profile
+from loadtest.sim import add_arguments, sim_config
 from loadtest.sim_config import DEFAULT_STEP_COST, SimConfig, resolve
 
 
@@ -48,3 +51,15 @@ def test_a_context_longer_than_the_cache_is_refused_like_vllm_at_start_up() -> N
 def test_invalid_configs_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         SimConfig(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("flags", "enabled"),
+    [([], True), (["--enable-prefix-caching"], True), (["--no-enable-prefix-caching"], False)],
+)
+def test_prefix_caching_is_on_unless_turned_off_with_vllms_flag(
+    flags: list[str], enabled: bool
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert sim_config(parser.parse_args(flags)).enable_prefix_caching is enabled

@@ -1,0 +1,119 @@
+"""vLLM's KV block pool with prefix caching, without the GPU: which block holds what.
+
+A full block of prompt tokens is named by a chain hash: its parent block's hash and its own
+token ids, so the same tokens after a different prefix are a different block. A partial
+block has no hash and is never shared.
+
+Blocks nobody holds wait in one free queue, least recently freed first. A free block keeps
+its cached contents until the allocator takes it from the front of the queue; only then is
+its hash forgotten. A prefix hit on a free block takes it out of the queue again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+# the first block's parent: any fixed value serves, since one replica only compares its own
+ROOT_HASH = 0
+
+
+def hash_blocks(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chain hash of each full block of `token_ids`.
+
+    Python's tuple hash of ints is the same in every process and fast; a 64-bit collision
+    between two prompts a simulated replica sees is not a risk worth sha256's cost.
+    """
+    hashes: list[int] = []
+    parent = ROOT_HASH
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+class BlockPool:
+    """`num_blocks` blocks, each held by some sequences (a reference count) or free."""
+
+    def __init__(self, num_blocks: int) -> None:
+        # the free queue: allocation takes from the front, release appends at the back
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}  # block hash -> the block holding it
+
+    @property
+    def num_free(self) -> int:
+        """Blocks nobody holds, cached or not: what the allocator may still hand out."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def is_cached(self, block_hash: int) -> bool:
+        return block_hash in self._cached
+
+    def cached_prefix(self, block_hashes: Sequence[int]) -> list[int]:
+        """The blocks holding the longest run of `block_hashes` from the first one."""
+        blocks: list[int] = []
+        cached = self._cached
+        for block_hash in block_hashes:
+            block = cached.get(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def free_among(self, blocks: Sequence[int]) -> int:
+        """How many of `blocks` nobody holds: taking them costs the free queue as much."""
+        refs = self._refs
+        return sum(1 for block in blocks if refs[block] == 0)
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        """Hold cached blocks for one more sequence, out of the free queue if they were in it."""
+        refs, free = self._refs, self._free
+        for block in blocks:
+            if refs[block] == 0:
+                del free[block]
+            refs[block] += 1
+
+    def allocate(self, count: int) -> list[int]:
+        """Take `count` blocks from the front of the free queue, evicting what they cached."""
+        if count > len(self._free):
+            raise ValueError(f"{count} blocks asked for, {len(self._free)} free")
+        free, refs, hash_of, cached = self._free, self._refs, self._hash_of, self._cached
+        blocks: list[int] = []
+        for _ in range(count):
+            block, _ = free.popitem(last=False)
+            block_hash = hash_of[block]
+            if block_hash is not None:
+                del cached[block_hash]
+                hash_of[block] = None
+            refs[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def cache(self, blocks: Sequence[int], block_hashes: Sequence[int]) -> None:
+        """Name freshly computed full blocks by their hashes, so later prompts can hit them.
+
+        A hash another block already holds keeps that block: the copy stays unnamed and is
+        freed as plain.
+        """
+        hash_of, cached = self._hash_of, self._cached
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            if block_hash not in cached and hash_of[block] is None:
+                cached[block_hash] = block
+                hash_of[block] = block_hash
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one holder from each block; blocks left unheld join the back of the free queue.
+
+        A sequence's last block goes first, as vLLM frees them: a prompt's tail is the part
+        least likely to be shared, so it is the first evicted.
+        """
+        refs, free = self._refs, self._free
+        for block in reversed(blocks):
+            refs[block] -= 1
+            if refs[block] == 0:
+                free[block] = None

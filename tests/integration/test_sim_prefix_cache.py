@@ -1,0 +1,52 @@
+"""A replica under uvicorn reuses a shared system prompt's blocks and counts it as vLLM does."""
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.harness import ServerThread
+from loadtest.sim import SimConfig, create_sim_app
+
+MODEL = "sim"
+SYSTEM = {"role": "system", "content": "Answer as briefly as you can. " * 13 + "Be kind."}
+
+
+def chat(question: str) -> dict[str, object]:
+    messages = [SYSTEM, {"role": "user", "content": question}]
+    return {"model": MODEL, "messages": messages, "max_tokens": 2}
+
+
+def metrics(url: str) -> tuple[dict[str, float], dict[str, str]]:
+    values: dict[str, float] = {}
+    info: dict[str, str] = {}
+    with httpx.Client(timeout=5) as client:
+        text = client.get(f"{url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if family.name == "vllm:cache_config_info":
+                info = sample.labels
+            elif "le" not in sample.labels:
+                assert sample.labels == {"engine": "0", "model_name": MODEL}, sample
+                values[sample.name] = sample.value
+    return values, info
+
+
+@pytest.mark.parametrize(("enabled", "hits"), [(True, 96), (False, 0)])
+def test_a_second_chat_with_the_same_system_prompt_hits_its_full_blocks(
+    enabled: bool, hits: int
+) -> None:
+    config = SimConfig(model=MODEL, kv_tokens=2048, speed=100.0, enable_prefix_caching=enabled)
+    with ServerThread(create_sim_app(config)) as sim, httpx.Client(timeout=10) as client:
+        answers = [
+            client.post(f"{sim.url}/v1/chat/completions", json=chat(q)).json()
+            for q in ("What is a KV cache?", "Why batch requests?")
+        ]
+        values, info = metrics(sim.url)
+    # 3 + 100 + 1 system tokens, then the user turn's 3 template tokens: 107 shared ids,
+    # 6 full blocks of 16; each prompt is 104 + (5 + 4) + 3 = 116 tokens
+    assert [a["usage"]["prompt_tokens"] for a in answers] == [116, 116]
+    assert values["vllm:prefix_cache_queries_total"] == (232 if enabled else 0)
+    assert values["vllm:prefix_cache_hits_total"] == hits
+    assert values["vllm:prompt_tokens_total"] == 232
+    assert values["vllm:kv_cache_usage_perc"] == 0.0  # cached blocks nobody holds are free
+    assert info["enable_prefix_caching"] == str(enabled)
