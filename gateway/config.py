@@ -124,7 +124,7 @@ class PoolSettings(_Model):
     feedback: bool = True
     # least_filled: the backend with the most room; prefix: the one likeliest to hold the
     # prompt's prefix in its cache, unless that piles load on it (gateway/router.py)
-    routing: Literal["least_filled", "prefix"] = "least_filled"
+    routing: Literal["least_filled", "prefix"] = "prefix"
 
 
 class ProviderSettings(_Model):

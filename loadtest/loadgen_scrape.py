@@ -64,6 +64,9 @@ def backend_state(text: str) -> dict[str, float]:
         "running": metric_sum(samples, "vllm:num_requests_running") or 0.0,
         "waiting": metric_sum(samples, "vllm:num_requests_waiting") or 0.0,
         "preemptions": metric_sum(samples, PREEMPTIONS) or 0.0,
+        # prompt tokens looked up in the prefix cache, and found there (counters)
+        "prefix_queries": metric_sum(samples, "vllm:prefix_cache_queries_total") or 0.0,
+        "prefix_hits": metric_sum(samples, "vllm:prefix_cache_hits_total") or 0.0,
     }
 
 

@@ -70,6 +70,8 @@ def test_dashboard_shows_capacity_in_flight_and_outcomes(fleet: Fleet, tmp_path:
         assert f'class="limit-tokens">{CAPACITY // 2:,}<' in row.group(0)
         assert re.search(r'class="effective-fill"[^>]*>50 %<', row.group(0))
         assert re.search(r'class="kv-used"[^>]*>[\d.]+ %<', row.group(0))
+        # one-word prompts fill no whole block: nothing for the prefix index to expect
+        assert re.search(r'class="prefix-hits"[^>]*>– / [\d.]+ %<', row.group(0))
     assert '<form id="login" hidden=""' in dom
     width, height, variety = png_facts(tmp_path / "dashboard.png")
     assert (width, height) == (1280, 720)

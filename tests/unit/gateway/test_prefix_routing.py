@@ -103,7 +103,9 @@ def test_a_hot_prefix_spreads_instead_of_piling_on_one_backend() -> None:
 
 def test_least_filled_ignores_the_prefix() -> None:
     async def scenario() -> None:
-        router = local_router([10_000] * 2, target_fill=0.9, block_size=BLOCK)
+        router = local_router(
+            [10_000] * 2, target_fill=0.9, block_size=BLOCK, routing="least_filled"
+        )
         first = await router.admit("p", 300, prefix=_keys("A"))
         second = await router.admit("p", 300, prefix=_keys("A"))
         assert first is not None and second is not None
@@ -120,5 +122,22 @@ def test_a_session_returns_to_its_backend_even_with_a_new_prompt() -> None:
         assert r is not None and other is not None and other.backend != r.backend
         again = await router.admit("p", 300, prefix=_keys("C"), session="t\0chat-1")
         assert again is not None and again.backend == r.backend
+
+    asyncio.run(scenario())
+
+
+def test_a_session_cannot_pile_load_on_its_backend_past_the_guard() -> None:
+    async def scenario() -> None:
+        router = local_router([10_000] * 2, target_fill=0.9, block_size=BLOCK, routing="prefix")
+        first = await router.admit("p", 300, session="t\0pinned")
+        assert first is not None
+        placed = Counter([first.backend])
+        for _ in range(15):
+            r = await router.admit("p", 300, session="t\0pinned")
+            assert r is not None
+            placed[r.backend] += 1
+        # the session's backend takes its share plus the slack, the other backend the rest
+        assert placed[first.backend] < 16
+        assert max(placed.values()) <= 1.5 * 16 / 2
 
     asyncio.run(scenario())

@@ -9,6 +9,8 @@ def test_a_backends_kv_in_use_leaves_the_null_block_out_of_usage() -> None:
         'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
         'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
         'vllm:num_preemptions_total{engine="0",model_name="m"} 2.0\n'
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 640.0\n'
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 480.0\n'
     )
     assert backend_state(text) == {
         "capacity": 512,  # 32 blocks of 16, as vLLM reports its cache
@@ -17,4 +19,6 @@ def test_a_backends_kv_in_use_leaves_the_null_block_out_of_usage() -> None:
         "running": 3,
         "waiting": 0,
         "preemptions": 2,
+        "prefix_queries": 640,
+        "prefix_hits": 480,
     }
