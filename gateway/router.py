@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Collection, Sequence
 
@@ -204,7 +205,10 @@ class Router:
         session: str | None,
     ) -> None:
         """Move to the front of `ranked` the backend that holds the request's session, else
-        the one likeliest to hold most of its prefix (ties: the least filled).
+        the one likeliest to hold most of its prefix (ties: the least filled). A prefix no
+        backend holds goes to its home: the backend its first block's key ranks highest
+        (rendezvous hashing), so replicas that keep their own indexes still send a new
+        prefix, and so its later requests, to the same backend.
 
         The guard against herding: a backend is passed over when taking the request would
         leave it more than PREFIX_SKEW times the pool's mean fill and more than
@@ -217,14 +221,18 @@ class Router:
         bound = max(mean * PREFIX_SKEW, mean + PREFIX_SLACK)
         home = index.session_backend(session)
         best, most = 0, 0
+        eligible = []
         for i, (fill, _, backend, _, capacity) in enumerate(ranked):
             if fill + tokens / capacity > bound:
                 continue
+            eligible.append(i)
             matched = (
                 len(prefix) + 1 if backend.name == home else index.matched(backend.name, prefix)
             )
             if matched > most:
                 best, most = i, matched
+        if not most and prefix and eligible:
+            best = max(eligible, key=lambda i: _weight(prefix[0], ranked[i][2].name))
         if best:
             ranked.insert(0, ranked.pop(best))
 
@@ -345,6 +353,11 @@ class Router:
         pool = self._backends[backend].pool
         for listener in self._listeners:
             listener(pool)
+
+
+def _weight(key: bytes, backend: str) -> bytes:
+    """A backend's rendezvous weight for a prefix's first block: the same on every replica."""
+    return hashlib.blake2b(key + backend.encode(), digest_size=8).digest()
 
 
 def _limit(capacity: int, target_fill: float) -> int:

@@ -8,6 +8,7 @@ import orjson
 
 from gateway.ledger import Reservation
 from gateway.prefix_index import CHARS_PER_TOKEN, MIN_ENTRIES, PrefixIndex, block_keys, prompt_bytes
+from gateway.router import Router
 from tests.support.routers import local_router
 
 BLOCK = 16
@@ -116,12 +117,38 @@ def test_least_filled_ignores_the_prefix() -> None:
 
 def test_a_session_returns_to_its_backend_even_with_a_new_prompt() -> None:
     async def scenario() -> None:
-        router = local_router([10_000] * 3, target_fill=0.9, block_size=BLOCK, routing="prefix")
-        r = await router.admit("p", 300, prefix=_keys("A"), session="t\0chat-1")
-        other = await router.admit("p", 300, prefix=_keys("B"))
-        assert r is not None and other is not None and other.backend != r.backend
-        again = await router.admit("p", 300, prefix=_keys("C"), session="t\0chat-1")
-        assert again is not None and again.backend == r.backend
+        def router() -> Router:
+            return local_router([10_000] * 3, target_fill=0.9, block_size=BLOCK, routing="prefix")
+
+        prompts = [_keys(tag) for tag in "CDEFG"]
+        pinned = router()
+        r = await pinned.admit("p", 300, prefix=_keys("A"), session="t\0chat-1")
+        assert r is not None
+        # without the session these prompts would go to their own homes, not all to r's
+        fresh = router()
+        homes = {(await fresh.admit("p", 300, prefix=keys)).backend for keys in prompts}  # type: ignore[union-attr]
+        assert homes != {r.backend}
+        await pinned.release(r)
+        for keys in prompts:  # the chat's turns, one after another
+            again = await pinned.admit("p", 300, prefix=keys, session="t\0chat-1")
+            assert again is not None and again.backend == r.backend
+            await pinned.release(again)
+
+    asyncio.run(scenario())
+
+
+def test_replicas_with_their_own_indexes_send_a_new_prefix_to_the_same_backend() -> None:
+    async def scenario() -> None:
+        replicas = [
+            local_router([10_000] * 4, target_fill=0.9, block_size=BLOCK, routing="prefix")
+            for _ in range(3)
+        ]
+        homes = []
+        for tag in "ABCDEFGH":
+            placed = {(await r.admit("p", 300, prefix=_keys(tag))).backend for r in replicas}  # type: ignore[union-attr]
+            assert len(placed) == 1  # every replica chose the same home
+            homes.append(placed.pop())
+        assert len(set(homes)) > 1  # different prefixes, different homes
 
     asyncio.run(scenario())
 
