@@ -1,6 +1,9 @@
 """Prefix-aware routing on a shared-prefix workload: where the prompt's prefix is cached.
 
     python -m loadtest.bench_prefix                 # 4 simulated vLLM backends (minutes)
+    python -m loadtest.bench_prefix --real-vllm --backends 2 --tenants 8 \\
+        --system-tokens 800 --chats 2 --turns 3 --rate 4 --kv-tokens 16384
+                                                    # two real vLLM servers, one a core
 
 Tenants each have a long system prompt and hold multi-turn chats: every turn resends the
 system prompt and the chat so far, so a backend that served the chat's last turn (or any
@@ -38,6 +41,7 @@ from typing import Any
 import httpx
 
 from loadtest import bench_admission_fleet as fleet
+from loadtest import real_vllm
 from loadtest.loadgen_scrape import backend_state
 from loadtest.loadgen_stats import percentile
 from loadtest.loadgen_text import table
@@ -45,6 +49,7 @@ from loadtest.loadgen_text import table
 ARMS = ("least_filled", "prefix", "round-robin", "sticky")
 GATEWAY_ARMS = ("least_filled", "prefix")
 SAMPLE_S = 0.25
+POOL = "chat"  # the gateways' pool
 WORDS = [
     "alpha",
     "beta",
@@ -128,6 +133,7 @@ def workload(plan: Plan) -> list[Turn]:
 class Arm:
     name: str
     urls: list[str]  # the backends
+    model: str  # the model they serve
     gateway: str | None
 
 
@@ -135,14 +141,14 @@ async def send(
     client: httpx.AsyncClient, arm: Arm, turn: Turn, i: int, plan: Plan
 ) -> dict[str, Any]:
     if arm.gateway is not None:
-        url, model = arm.gateway, "sim"
+        url, model = arm.gateway, POOL
         headers = {"authorization": f"Bearer {fleet.KEY}", "x-spillgate-session": turn.chat}
     else:
         if arm.name == "sticky":
             pick = zlib.crc32(str(turn.tenant).encode()) % len(arm.urls)
         else:
             pick = i % len(arm.urls)
-        url, model, headers = arm.urls[pick], "sim", {}
+        url, model, headers = arm.urls[pick], arm.model, {}
     body = {"model": model, "messages": turn.messages, "max_tokens": plan.max_tokens,
             "stream": True, "ignore_eos": True}  # fmt: skip
     start = time.perf_counter()
@@ -203,18 +209,19 @@ async def run_arm(arm: Arm, turns: Sequence[Turn], plan: Plan) -> dict[str, Any]
     }
 
 
-def gateway_config(urls: Sequence[str], routing: str) -> dict[str, Any]:
-    backends = [{"url": u, "served_model": "sim", "capacity": "auto"} for u in urls]
+def gateway_config(urls: Sequence[str], model: str, routing: str) -> dict[str, Any]:
+    backends = [{"url": u, "served_model": model, "capacity": "auto"} for u in urls]
     return {
         "tenants": [{"name": fleet.TENANT, "key_sha256": fleet.key_hash(fleet.KEY),
                      "requests_per_minute": 1_000_000, "tokens_per_minute": 10**10}],
-        "pools": [{"name": "sim", "backends": backends, "routing": routing,
+        "pools": [{"name": POOL, "backends": backends, "routing": routing,
                    "overflow": ["queue", "reject"], "timeouts": fleet.TIMEOUTS}],
     }  # fmt: skip
 
 
 @contextlib.contextmanager
-def backends(plan: Plan, workdir: Path, arm: str) -> Iterator[list[str]]:
+def simulators(plan: Plan, workdir: Path, arm: str) -> Iterator[list[str]]:
+    """Fresh simulated backends for one arm: empty caches, nothing left running."""
     options = fleet.SimOptions(
         kv_tokens=plan.kv_tokens, max_model_len=min(32_768, plan.kv_tokens), speed=plan.speed
     )
@@ -227,17 +234,44 @@ def backends(plan: Plan, workdir: Path, arm: str) -> Iterator[list[str]]:
         yield urls
 
 
-def measure(plan: Plan, workdir: Path) -> dict[str, Any]:
+@contextlib.contextmanager
+def real_servers(plan: Plan) -> Iterator[list[str]]:
+    """Real vLLM servers, one per core (loadtest/real_vllm), started once for every arm."""
+    real_vllm.install()
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(
+                real_vllm.running(
+                    real_vllm.RealVllm(port=8101 + i, kv_tokens=plan.kv_tokens, cores=str(i))
+                )
+            )
+            for i in range(plan.backends)
+        ]
+
+
+def measure(plan: Plan, workdir: Path, *, real: bool = False) -> dict[str, Any]:
     turns = workload(plan)
-    out: dict[str, Any] = {"plan": asdict(plan), "arms": {}}
-    for name in ARMS:
-        print(f"{name}: {len(turns)} requests", file=sys.stderr, flush=True)
-        with backends(plan, workdir, name) as urls, contextlib.ExitStack() as stack:
-            gateway = None
-            if name in GATEWAY_ARMS:
-                config = gateway_config(urls, name)
-                gateway = stack.enter_context(fleet.gateway(config, workdir=workdir, arm=name))
-            out["arms"][name] = asyncio.run(run_arm(Arm(name, urls, gateway), turns, plan))
+    out: dict[str, Any] = {"plan": asdict(plan), "backend": "real-vllm" if real else "simulator"}
+    out["arms"] = {}
+    model = real_vllm.MODEL if real else "sim"
+    with contextlib.ExitStack() as fleet_stack:
+        shared = fleet_stack.enter_context(real_servers(plan)) if real else None
+        for name in ARMS:
+            print(f"{name}: {len(turns)} requests", file=sys.stderr, flush=True)
+            with contextlib.ExitStack() as stack:
+                if shared is None:
+                    urls = stack.enter_context(simulators(plan, workdir, name))
+                else:  # the same servers, their caches emptied
+                    urls = shared
+                    for url in urls:
+                        if not real_vllm.reset_prefix_cache(url):
+                            raise RuntimeError(f"{url} refused to reset its prefix cache")
+                gateway = None
+                if name in GATEWAY_ARMS:
+                    config = gateway_config(urls, model, name)
+                    gateway = stack.enter_context(fleet.gateway(config, workdir=workdir, arm=name))
+                arm = Arm(name, urls, model, gateway)
+                out["arms"][name] = asyncio.run(run_arm(arm, turns, plan))
     return out
 
 
@@ -280,11 +314,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     defaults = Plan()
     for key, value in asdict(defaults).items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    p.add_argument("--real-vllm", action="store_true", help="real vLLM servers, one per core")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     plan = Plan(**{k: getattr(args, k) for k in asdict(defaults)})
     with tempfile.TemporaryDirectory(prefix="bench-prefix-") as workdir:
-        figures = measure(plan, Path(workdir))
+        figures = measure(plan, Path(workdir), real=args.real_vllm)
     print(report(figures))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1) + "\n")

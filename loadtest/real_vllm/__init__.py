@@ -32,6 +32,9 @@ class RealVllm:
     port: int = 8101
     kv_tokens: int = 16_384
     max_model_len: int = 4096
+    # the core its CPU worker is bound to: vLLM binds every server to core 0, so a second
+    # server on the same machine needs another (VLLM_CPU_OMP_THREADS_BIND)
+    cores: str | None = None
 
     @property
     def url(self) -> str:
@@ -43,6 +46,7 @@ class RealVllm:
             "KV_CACHE_BYTES": str(self.kv_tokens * BYTES_PER_TOKEN),
             "MAX_MODEL_LEN": str(self.max_model_len),
             "SERVED_MODEL_NAME": MODEL,
+            **({"VLLM_CPU_OMP_THREADS_BIND": self.cores} if self.cores else {}),
         }
 
 
