@@ -6,7 +6,8 @@ can gate a deploy pipeline.
 
 A drill file is YAML with any of: url, key, admin_token, model, and the DrillScript
 fields (baseline_rate, spike_factor, warmup_s, spike_s, recovery_s, prompt_tokens,
-output_tokens, repeat_fraction, stream_fraction, slo_ttft_ms, drain_timeout_s, seed).
+output_tokens, repeat_fraction, stream_fraction, shared_prefix_tokens, slo_ttft_ms,
+drain_timeout_s, seed).
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ import httpx
 import yaml
 
 from loadtest.drill_batch import BatchProbe
-from loadtest.drill_checks import Check, evaluate
+from loadtest.drill_checks import Check, evaluate, shared_prefix_cached
 from loadtest.drill_demo import DemoProcess
 from loadtest.generator import run_loop
 from loadtest.loadgen_client import RequestShape
 from loadtest.loadgen_run import RunData, Target, run_schedule
 from loadtest.loadgen_schedule import ArrivalProfile, arrival_times
 from loadtest.loadgen_scrape import Scraper, parse_metrics
-from loadtest.loadgen_stats import LagVerdict
+from loadtest.loadgen_stats import LagVerdict, prefix_cache
 from loadtest.loadgen_workload import LengthDist, TenantKey, Workload, plan_requests
 
 DEMO_MODEL = "llama-3.1-70b"
@@ -44,7 +45,9 @@ class DrillScript:
     """The spike: a baseline, a burst of `spike_factor` x baseline, then recovery.
 
     A share of requests repeat a few fixed greedy prompts, so the response cache (which
-    stores reproducible answers) has something to answer from during the spike.
+    stores reproducible answers) has something to answer from during the spike. With
+    `shared_prefix_tokens`, every request starts with the same system prompt of about that
+    many tokens, and a check asks the backends' prefix caches to have found it.
     """
 
     baseline_rate: float = 3.0
@@ -56,6 +59,7 @@ class DrillScript:
     output_tokens: str = "uniform:120:200"
     repeat_fraction: float = 0.3
     stream_fraction: float = 0.8
+    shared_prefix_tokens: int = 0
     slo_ttft_ms: float = 3000.0
     drain_timeout_s: float = 15.0
     sample_interval_s: float = 0.05
@@ -102,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-token", help="the gateway's admin token")
     parser.add_argument("--model", help=f"pool to drill (default: {DEMO_MODEL} on the demo)")
     parser.add_argument("--slo-ttft-ms", type=float, help="p99 TTFT bound for local requests")
+    parser.add_argument(
+        "--shared-prefix-tokens",
+        type=int,
+        metavar="N",
+        help="start every request with one system prompt of about N tokens, and check that "
+        "the backends' prefix caches found it",
+    )
     parser.add_argument("--demo-speed", type=float, default=1.0, help="demo simulator speed")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the verdicts as JSON")
 
@@ -165,6 +176,7 @@ async def drill(target: DrillTarget, script: DrillScript) -> tuple[list[Check], 
         stream_fraction=script.stream_fraction,
         repeat_fraction=script.repeat_fraction,
         prime_repeats=True,
+        shared_prefix_tokens=script.shared_prefix_tokens,
     )
     profile = script.profile
     plans = plan_requests(arrival_times(profile, seed=script.seed), workload, seed=script.seed)
@@ -195,6 +207,8 @@ async def drill(target: DrillTarget, script: DrillScript) -> tuple[list[Check], 
         final=final, waited_s=waited,
         upstream_errors={k: v - errors_before.get(k, 0.0) for k, v in errors.items()},
     )  # fmt: skip
+    if script.shared_prefix_tokens > 0:
+        checks.append(shared_prefix_cached(data.prefix_counters, plans=plans))
     if probe is not None:
         checks += probe.checks(await probe.drained(timeout_s=script.drain_timeout_s))
     return checks, data
@@ -222,7 +236,17 @@ def verdicts(
         "requests": len(data.results),
         "outcomes": dict(Counter(r.outcome for r in data.results)),
         "lag": lag,
+        "prefix_cache": prefix_cache(data.prefix_counters),
     }
+
+
+def prefix_note(cache: dict[str, Any]) -> str:
+    if cache["hit_rate"] is None:
+        return "backends' prefix-cache hit rate: - (no backend reported its counters)"
+    return (
+        f"backends' prefix-cache hit rate {cache['hit_rate'] * 100:.1f} % "
+        f"({cache['hits']:,.0f} of {cache['queries']:,.0f} prompt tokens)"
+    )
 
 
 def report(
@@ -243,6 +267,7 @@ def report(
     lag = result["lag"]
     state = "as scripted" if lag["kept_schedule"] else "LATE (the generator fell behind)"
     print(f"note  spike delivered {state}: send lag p99 {lag['p99_ms']} ms")
+    print(f"note  {prefix_note(result['prefix_cache'])}")
     failed = [c for c in checks if not c.passed]
     if failed:
         print(f"drill FAILED: {len(failed)} of {len(checks)} checks failed")
@@ -261,6 +286,8 @@ def resolve_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], DrillScrip
             given[name] = getattr(args, name)
     if args.slo_ttft_ms is not None:
         script = dataclasses.replace(script, slo_ttft_ms=args.slo_ttft_ms)
+    if args.shared_prefix_tokens is not None:
+        script = dataclasses.replace(script, shared_prefix_tokens=args.shared_prefix_tokens)
     return given, script
 
 

@@ -9,7 +9,8 @@ from typing import Any
 
 from loadtest.loadgen_client import Result
 from loadtest.loadgen_run import RunData
-from loadtest.loadgen_stats import percentile
+from loadtest.loadgen_stats import percentile, prefix_cache
+from loadtest.loadgen_workload import PlannedRequest, message_tokens
 
 # the outcome each overflow policy records when it serves a request
 POLICY_OUTCOME = {
@@ -160,6 +161,35 @@ def released(final: dict[str, Any] | None, *, waited_s: float) -> Check:
         f"0 tokens and 0 sessions at {len(held)} backends, queues empty, {waited_s:.1f}s after "
         "the last answer"
     ))  # fmt: skip
+
+
+def shared_prefix_cached(
+    counters: dict[str, dict[str, dict[str, float] | None]], *, plans: Sequence[PlannedRequest]
+) -> Check:
+    """Did the backends' prefix caches find the system prompt every request starts with?
+
+    Of the prompt tokens planned, the shared system prompt is some share; where caching and
+    routing work, all but each backend's first sight of it is found cached, so the hit rate
+    comes near that share. Half of it is the bar: a broken cache finds nothing, and what
+    evictions under the spike cost stays far from halving it."""
+    name = "backends' prefix caches found the shared system prompt"
+    shared = sum(message_tokens(p.system) for p in plans if p.system)
+    planned = sum(p.prompt_tokens for p in plans)
+    share = shared / planned if planned else 0.0
+    cache = prefix_cache(counters)
+    rate = cache["hit_rate"]
+    if rate is None:
+        detail = "no backend reported vllm:prefix_cache_queries_total (prefix caching off?)"
+        return Check(passed=False, name=name, detail=detail)
+    passed = rate >= share / 2
+    detail = (
+        f"hit rate {rate * 100:.1f} % {'>=' if passed else '<'} {share * 50:.1f} %, half the "
+        f"share of the prompts the system prompt is ({cache['hits']:,.0f} of "
+        f"{cache['queries']:,.0f} tokens)"
+    )
+    if not passed:
+        detail += "; is prefix caching on at the backends, and the pool's routing `prefix`?"
+    return Check(passed=passed, name=name, detail=detail)
 
 
 def evaluate(

@@ -3,7 +3,9 @@
 Arrivals follow a fixed schedule (constant, Poisson, gamma or spike), so a slow answer
 never slows the load; the report says so if the generator itself fell behind. With
 `--compare-direct` the same schedule is replayed straight at the backends, no gateway, and
-both runs report what the backends' engines said meanwhile (running, KV use, preemptions).
+both runs report what the backends' engines said meanwhile (running, KV use, preemptions,
+prefix-cache hit rate). `--shared-prefix-tokens` and `--turns` make the workload one a
+prefix cache serves: per-tenant system prompts and multi-turn chats.
 By default answers end where the model ends them: each request asks a generous max_tokens
 and sends its own seed, so both runs get the same answers; `--fixed-lengths` sends
 `ignore_eos` so each answer runs to its drawn max_tokens.
@@ -103,6 +105,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="share repeating a few fixed greedy requests (exercises a cache)",
     )
+    w.add_argument(
+        "--shared-prefix-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="each tenant's requests start with its own system prompt of about N tokens, the "
+        "same text every time (from --seed and the tenant's name): a prefix cache's workload",
+    )
+    w.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        metavar="K",
+        help="chats of K requests: each later turn resends the chat so far (answers made up)",
+    )
     w.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
     w.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     r = p.add_argument_group("report")
@@ -152,6 +169,8 @@ def build_plans(args: argparse.Namespace) -> tuple[ArrivalProfile, list[PlannedR
     output = output_spec(args)
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be positive")
+    if args.shared_prefix_tokens < 0 or args.turns < 1:
+        raise ValueError("--shared-prefix-tokens must be 0 or more, --turns 1 or more")
     workload = Workload(
         model=args.model,
         prompt_tokens=LengthDist.parse(args.prompt_tokens),
@@ -164,6 +183,8 @@ def build_plans(args: argparse.Namespace) -> tuple[ArrivalProfile, list[PlannedR
         stream_fraction=args.stream_fraction,
         repeat_fraction=args.repeat_fraction,
         endpoint=args.endpoint,
+        shared_prefix_tokens=args.shared_prefix_tokens,
+        turns=args.turns,
     )
     return profile, plan_requests(arrival_times(profile, seed=args.seed), workload, seed=args.seed)
 
@@ -260,6 +281,7 @@ def config_of(args: argparse.Namespace, profile: ArrivalProfile, n: int) -> dict
         "output_tokens": output_spec(args), "max_tokens": None if output_spec(args) else
         args.max_tokens, "fixed_lengths": args.fixed_lengths,
         "stop_token_ids": list(args.stop_token_ids), "stream_fraction": args.stream_fraction,
+        "shared_prefix_tokens": args.shared_prefix_tokens, "turns": args.turns,
         "tenants": [t.name for t in TenantKey.parse_all(args.key)], "seed": args.seed,
         "compare_direct": args.compare_direct,
     }  # fmt: skip

@@ -75,9 +75,9 @@ class RequestShape:
         if plan.stop_token_ids:
             body["stop_token_ids"] = list(plan.stop_token_ids)
         if self.endpoint == "chat":
-            body["messages"] = [{"role": "user", "content": plan.text}]
+            body["messages"] = plan.messages()
         else:
-            body["prompt"] = plan.text
+            body["prompt"] = plan.prompt()
         if plan.stream:
             body["stream_options"] = {"include_usage": True}
         return orjson.dumps(body)

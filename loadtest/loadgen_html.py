@@ -19,6 +19,7 @@ from loadtest.loadgen_text import (
     compared_figures,
     engine_figures,
     first_error_line,
+    prefix_hit_percent,
 )
 
 Span = tuple[float, float]
@@ -70,6 +71,7 @@ def _cards(i: int, s: dict[str, Any]) -> str:
         _card(i, "preemptions", "backend preemptions", pre, "bad" if pre else "good"),
         _card(i, "running-max", "running at once, max (p50 " + running_p50 + ")", running_max),
         _card(i, "kv-peak", "backend KV use peak %", kv_peak),
+        _card(i, "prefix-hit", "backend prefix-cache hit %", prefix_hit_percent(s)),
         _card(i, "lag-p99", "send lag p99 ms" + ("" if lag["kept_schedule"] else " (BEHIND)"),
               lag["p99_ms"], "" if lag["kept_schedule"] else "bad"),
     ]) + "</div>"  # fmt: skip

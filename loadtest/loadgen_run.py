@@ -53,6 +53,9 @@ class RunData:
     sample_failures: int = 0
     sampled: str = "none"  # where the samples came from: gateway | backends | none
     preemptions: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    # per backend, its prefix-cache counters (tokens) before and after: {"before": {"queries",
+    # "hits"} or None when unread, "after": ...}
+    prefix_counters: dict[str, dict[str, dict[str, float] | None]] = field(default_factory=dict)
     # the backends' own /metrics during the run: {"t", "backends": {url: backend_state}}
     engine_samples: list[dict[str, Any]] = field(default_factory=list)
     engine_interval_s: float = 0.0
@@ -68,10 +71,18 @@ def raise_open_file_limit() -> int:
     return soft
 
 
-async def _preemptions(client: httpx.AsyncClient, urls: Sequence[str]) -> dict[str, float | None]:
-    scraper = Scraper(client=client, backend_urls=urls)
-    states = await scraper.backends()
-    return {url: states[url]["preemptions"] if url in states else None for url in urls}
+async def _counters(
+    client: httpx.AsyncClient, urls: Sequence[str]
+) -> dict[str, dict[str, float] | None]:
+    """Each backend's state, for the counters read across a run; None where unread."""
+    states = await Scraper(client=client, backend_urls=urls).backends()
+    return {url: states.get(url) for url in urls}
+
+
+def _prefix_part(state: dict[str, float] | None) -> dict[str, float] | None:
+    if state is None:
+        return None
+    return {"queries": state["prefix_queries"], "hits": state["prefix_hits"]}
 
 
 async def _dispatch(
@@ -118,7 +129,7 @@ async def run_schedule(
     )
     pools = [ConnectionPool(Origin.parse(url)) for url in target.urls]
     async with httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S) as client:
-        before = await _preemptions(client, target.backend_urls)
+        before = await _counters(client, target.backend_urls)
         scraper = Scraper(
             client=client,
             gateway_url=target.urls[0] if target.admin_token else None,
@@ -153,12 +164,16 @@ async def run_schedule(
             for pool in pools:
                 await pool.close()
             gc.unfreeze()
-        after = await _preemptions(client, target.backend_urls)
+        after = await _counters(client, target.backend_urls)
     data.samples, data.sample_failures = sampler.points, sampler.failures
     data.engine_samples, data.engine_interval_s = engines.points, engines.interval_s
     if target.admin_token or target.backend_urls:
         data.sampled = "gateway" if target.admin_token else "backends"
-    data.preemptions = {
-        url: {"before": before[url], "after": after[url]} for url in target.backend_urls
-    }
+    for url in target.backend_urls:
+        was, now = before[url], after[url]
+        data.preemptions[url] = {
+            "before": None if was is None else was["preemptions"],
+            "after": None if now is None else now["preemptions"],
+        }
+        data.prefix_counters[url] = {"before": _prefix_part(was), "after": _prefix_part(now)}
     return data

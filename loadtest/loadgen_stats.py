@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +118,7 @@ def summarize(data: RunData, *, slo: Slo, lag: LagVerdict) -> dict[str, Any]:
         ),
         "preemptions": _preemption_delta(data),
         "engine": engine_load(data),
+        "prefix_cache": prefix_cache(data.prefix_counters),
         "peak_fill": peak_fill(data.samples),
     }  # fmt: skip
 
@@ -139,6 +140,39 @@ def _preemption_delta(data: RunData) -> dict[str, Any]:
         per[url] = None if before is None or after is None else after - before
     known = [v for v in per.values() if v is not None]
     return {"per_backend": per, "total": sum(known) if known else None}
+
+
+def prefix_cache(
+    counters: Mapping[str, Mapping[str, Mapping[str, float] | None]],
+) -> dict[str, Any]:
+    """The backends' prefix-cache hit rate over a run: of the prompt tokens they looked up
+    in their prefix cache, the share they found there, from how far their counters moved
+    (`{url: {"before": {"queries", "hits"}, "after": ...}}`, in tokens), summed over the
+    backends read both times. A backend whose counters went back (it restarted) is left
+    out. The rate is None when nothing was looked up: no backend reports the counters."""
+    queries = hits = 0.0
+    per_backend: dict[str, float | None] = {}
+    for url, c in counters.items():
+        before, after = c.get("before"), c.get("after")
+        looked = found = -1.0
+        if before is not None and after is not None:
+            looked = after["queries"] - before["queries"]
+            found = after["hits"] - before["hits"]
+        if looked < 0 or found < 0:
+            per_backend[url] = None
+            continue
+        queries, hits = queries + looked, hits + found
+        per_backend[url] = _share(found, looked)
+    return {
+        "queries": queries,
+        "hits": hits,
+        "hit_rate": _share(hits, queries),
+        "per_backend": per_backend,
+    }
+
+
+def _share(part: float, whole: float) -> float | None:
+    return round(part / whole, 4) if whole > 0 else None
 
 
 def engine_load(data: RunData) -> dict[str, Any]:

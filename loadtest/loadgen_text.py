@@ -66,6 +66,7 @@ def summary_text(summary: dict[str, Any]) -> str:
         "statuses: " + ", ".join(f"{k}: {v}" for k, v in summary["statuses"].items()),
         f"backend preemptions during the run: {'-' if pre is None else f'{pre:g}'}",
         engine_line(summary),
+        prefix_line(summary),
         _lag_line(summary["lag"]),
     ]
     if summary["missing_retry_after"]:
@@ -87,7 +88,7 @@ def first_error_line(summary: dict[str, Any]) -> str:
 
 COMPARED = ("requests", "answered", "TTFT p50 ms", "TTFT p99 ms", "ITL p99 ms", "in SLO",
             "preemptions", "running max", "running p50", "KV use peak %",
-            "KV used / reserved")  # fmt: skip
+            "KV used / reserved", "prefix-cache hit %")  # fmt: skip
 _REFUSED = ("throttled", "rejected", "error")
 
 
@@ -104,7 +105,24 @@ def compared_figures(s: dict[str, Any]) -> list[str]:
         _cell(s["goodput"]["requests"]),
         "-" if pre is None else f"{pre:g}",
         *engine_figures(s),
+        prefix_hit_percent(s),
     ]
+
+
+def prefix_hit_percent(s: dict[str, Any]) -> str:
+    """The backends' prefix-cache hit rate over the run, in %, or "-" when none reported it."""
+    rate = (s.get("prefix_cache") or {}).get("hit_rate")
+    return "-" if rate is None else f"{rate * 100:.1f}"
+
+
+def prefix_line(s: dict[str, Any]) -> str:
+    cache = s.get("prefix_cache") or {}
+    if cache.get("hit_rate") is None:
+        return "backend prefix cache during the run: - (no backend reported its counters)"
+    return (
+        f"backend prefix cache during the run: hit rate {prefix_hit_percent(s)} % "
+        f"({cache['hits']:,.0f} of {cache['queries']:,.0f} prompt tokens found cached)"
+    )
 
 
 def engine_figures(s: dict[str, Any]) -> list[str]:

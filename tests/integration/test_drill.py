@@ -24,18 +24,25 @@ def drill(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_drill_passes_against_the_demo_it_starts(tmp_path: Path) -> None:
-    done = drill("--json", str(tmp_path / "drill.json"))
+    # with a shared system prompt, so the demo's two big backends' prefix caches are checked
+    done = drill("--json", str(tmp_path / "drill.json"), "--shared-prefix-tokens", "256")
     lines = done.stdout.splitlines()
     assert done.returncode == 0, done.stdout + done.stderr
     checks = [line for line in lines if line.startswith(("PASS", "FAIL"))]
-    assert len(checks) == 11 and all(line.startswith("PASS") for line in checks), checks
+    assert len(checks) == 12 and all(line.startswith("PASS") for line in checks), checks
     for path in ("queue", "degrade", "provider", "cache", "reject"):
         assert any(line.startswith(f"PASS  overflow path '{path}' engaged") for line in lines)
-    assert lines[-1] == "drill passed: 11 checks"
+    assert checks[-1].startswith("PASS  backends' prefix caches found the shared system prompt")
+    assert lines[-1] == "drill passed: 12 checks"
     assert f"wrote {tmp_path / 'drill.json'}" in done.stderr.splitlines()
     verdicts = json.loads((tmp_path / "drill.json").read_text())
-    assert verdicts["passed"] is True and len(verdicts["checks"]) == 11
+    assert verdicts["passed"] is True and len(verdicts["checks"]) == 12
     assert set(verdicts["outcomes"]) >= {"queued", "degraded", "provider", "cached", "rejected"}
+    assert verdicts["script"]["shared_prefix_tokens"] == 256
+    cache = verdicts["prefix_cache"]
+    assert cache["hit_rate"] > 0.17, cache  # about 0.4 where it works; 0.03 without the prefix
+    note = f"note  backends' prefix-cache hit rate {cache['hit_rate'] * 100:.1f} % ("
+    assert any(line.startswith(note) for line in lines), lines
 
 
 @pytest.fixture
@@ -85,4 +92,7 @@ def test_drill_fails_naming_the_path_when_the_provider_refuses_connections(
     assert "upstream errors: hosted" in provider
     assert any(line.startswith("PASS  overflow path 'queue' engaged") for line in lines)
     assert any(line.startswith("PASS  everything reserved was released") for line in lines)
+    # no shared prefix asked for: the hit rate is a note, not a check
+    assert any(line.startswith("note  backends' prefix-cache hit rate ") for line in lines)
+    assert not any("prefix caches found" in line for line in lines)
     assert lines[-1].startswith("drill FAILED: ")

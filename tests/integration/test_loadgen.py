@@ -65,6 +65,9 @@ def test_streams_and_plain_requests_are_timed_against_a_backend(
     summary = run["summary"]
     assert summary["lag"]["kept_schedule"], summary["lag"]
     assert summary["preemptions"]["total"] == 0
+    # every prompt differs from its first block on: looked up, never found
+    cache = summary["prefix_cache"]
+    assert cache["hit_rate"] == 0.0 and cache["hits"] == 0 and cache["queries"] > 0
     assert run["sampled"] == "backends" and run["samples"]
     assert run["samples"][0]["backends"][sim.url]["capacity"] == 200_000
     printed = capsys.readouterr()
@@ -120,6 +123,27 @@ def test_a_spike_through_the_gateway_records_outcomes_and_fleet_samples(
     assert set(run["summary"]["preemptions"]["per_backend"]) == {
         s.url for s in fleet.backends["big"]
     }
+
+
+def test_a_shared_prefix_workload_reports_the_backends_prefix_cache_hits(
+    fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    html = tmp_path / "report.html"
+    data = _gateway_run(
+        fleet, tmp_path, "--shared-prefix-tokens", "256", "--turns", "3", "--html", str(html)
+    )
+    requests = data["runs"][0]["requests"]
+    assert all(r["prompt_tokens"] >= 256 + 40 for r in requests)
+    cache = data["runs"][0]["summary"]["prefix_cache"]
+    assert set(cache["per_backend"]) == {s.url for s in fleet.backends["big"]}
+    # each tenant's 256-token system prompt (and its chats so far) found cached after its
+    # first sight on a backend
+    assert cache["hit_rate"] > 0.3, cache
+    assert cache["hits"] > 0 and data["config"]["shared_prefix_tokens"] == 256
+    printed = capsys.readouterr().out
+    percent = f"{cache['hit_rate'] * 100:.1f}"
+    assert f"backend prefix cache during the run: hit rate {percent} %" in printed
+    assert f'id="run0-prefix-hit">{percent}</div>' in html.read_text()
 
 
 def test_compare_direct_replays_the_schedule_at_the_backends(

@@ -9,9 +9,11 @@ from loadtest.drill_checks import (
     overflow_engaged,
     released,
     retry_after_everywhere,
+    shared_prefix_cached,
     within_target_fill,
 )
 from loadtest.loadgen_client import Result
+from loadtest.loadgen_workload import PlannedRequest
 
 
 def result(outcome: str, status: int = 200, **kw: Any) -> Result:
@@ -107,3 +109,28 @@ def test_release_check_reads_the_final_status() -> None:
     stuck = released(status(120, 1), waited_s=15.0)
     assert not stuck.passed and "{'b0': (120, 1)}" in stuck.detail
     assert not released(None, waited_s=1.0).passed
+
+
+def _plan(system: str, prompt_tokens: int) -> PlannedRequest:
+    return PlannedRequest(
+        index=0, at_s=0.0, tenant="drill", prompt_tokens=prompt_tokens, max_tokens=8,
+        stream=True, repeated=False, text="x", system=system,
+    )  # fmt: skip
+
+
+def _moved(queries: float, hits: float) -> dict[str, dict[str, float] | None]:
+    return {"before": {"queries": 0.0, "hits": 0.0}, "after": {"queries": queries, "hits": hits}}
+
+
+def test_the_shared_prefix_check_asks_half_the_share_the_system_prompt_is() -> None:
+    # a system prompt of 96 + 4 template tokens in prompts of 400: a quarter of the tokens
+    plans = [_plan("s" * 96 * 4, 400)] * 4
+    ok = shared_prefix_cached({"http://a": _moved(1000, 125)}, plans=plans)
+    assert ok.passed and ok.detail == (
+        "hit rate 12.5 % >= 12.5 %, half the share of the prompts the system prompt is "
+        "(125 of 1,000 tokens)"
+    )
+    low = shared_prefix_cached({"http://a": _moved(1000, 124)}, plans=plans)
+    assert not low.passed and low.detail.startswith("hit rate 12.4 % < 12.5 %")
+    unread = shared_prefix_cached({"http://a": _moved(0, 0)}, plans=plans)
+    assert not unread.passed and "no backend reported" in unread.detail

@@ -3,8 +3,17 @@
 from typing import Any
 
 from loadtest.loadgen_client import Result
+from loadtest.loadgen_html import render_html
 from loadtest.loadgen_run import RunData
-from loadtest.loadgen_stats import LagVerdict, Slo, percentile, report, series, summarize
+from loadtest.loadgen_stats import (
+    LagVerdict,
+    Slo,
+    percentile,
+    prefix_cache,
+    report,
+    series,
+    summarize,
+)
 from loadtest.loadgen_text import comparison_text, summary_text
 
 
@@ -159,11 +168,66 @@ def test_engine_figures_read_side_by_side_and_unknown_is_a_dash() -> None:
     data = report([unknown, direct], slo=Slo(), lag=LagVerdict(), config={})
     gateway_s, direct_s = (r["summary"] for r in data["runs"])
     rows = comparison_text(gateway_s, direct_s).splitlines()
-    assert rows[-4].split() == ["running", "max", "-", "19"]
-    assert rows[-3].split() == ["running", "p50", "-", "7"]
-    assert rows[-2].split() == ["KV", "use", "peak", "%", "-", "36.0"]
-    assert rows[-1].split() == ["KV", "used", "/", "reserved", "-", "-"]
+    assert rows[-5].split() == ["running", "max", "-", "19"]
+    assert rows[-4].split() == ["running", "p50", "-", "7"]
+    assert rows[-3].split() == ["KV", "use", "peak", "%", "-", "36.0"]
+    assert rows[-2].split() == ["KV", "used", "/", "reserved", "-", "-"]
+    assert rows[-1].split() == ["prefix-cache", "hit", "%", "-", "-"]
     assert (
         "backend engines during the run: running max 19, p50 7; waiting max 0; KV use peak "
         "36.0 % (2 samples of vLLM /metrics)"
     ) in summary_text(direct_s)
+
+
+def _counters(queries: float, hits: float) -> dict[str, float]:
+    return {"queries": queries, "hits": hits}
+
+
+def test_prefix_hit_rate_is_the_summed_change_of_the_backends_counters() -> None:
+    counters = {
+        "http://a": {"before": _counters(1000, 200), "after": _counters(5000, 3200)},
+        "http://b": {"before": _counters(0, 0), "after": _counters(4000, 1000)},
+        "http://c": {"before": None, "after": _counters(9000, 9000)},  # unread before: left out
+        "http://d": {"before": _counters(800, 400), "after": _counters(10, 0)},  # restarted
+    }
+    cache = prefix_cache(counters)
+    assert cache == {
+        "queries": 8000.0,
+        "hits": 4000.0,
+        "hit_rate": 0.5,
+        "per_backend": {"http://a": 0.75, "http://b": 0.25, "http://c": None, "http://d": None},
+    }
+
+
+def test_no_prefix_hit_rate_when_no_backend_looked_anything_up() -> None:
+    assert prefix_cache({})["hit_rate"] is None
+    idle = prefix_cache({"http://a": {"before": _counters(0, 0), "after": _counters(0, 0)}})
+    assert idle == {
+        "queries": 0.0,
+        "hits": 0.0,
+        "hit_rate": None,
+        "per_backend": {"http://a": None},
+    }
+
+
+def test_the_report_shows_the_prefix_hit_rate_or_a_dash() -> None:
+    counters = {"http://a": {"before": _counters(0, 0), "after": _counters(3000, 1000)}}
+    s = summarize(run([result(0)], prefix_counters=counters), slo=Slo(), lag=LagVerdict())
+    assert s["prefix_cache"]["hit_rate"] == 0.3333
+    text = summary_text(s)
+    assert (
+        "backend prefix cache during the run: hit rate 33.3 % (1,000 of 3,000 prompt tokens "
+        "found cached)" in text
+    )
+    bare = summarize(run([result(0)]), slo=Slo(), lag=LagVerdict())
+    assert bare["prefix_cache"]["hit_rate"] is None
+    assert "backend prefix cache during the run: - (no backend reported its counters)" in (
+        summary_text(bare)
+    )
+    table = comparison_text(s, bare).splitlines()
+    assert table[-1].split() == ["prefix-cache", "hit", "%", "33.3", "-"]
+    page = render_html({"config": {"model": "m"}, "runs": [
+        {"summary": s, "series": series(run([result(0)])), "samples": [], "sampled": "none",
+         "sample_failures": 0, "engine_series": {}, "requests": []},
+    ]})  # fmt: skip
+    assert '<div class="v " id="run0-prefix-hit">33.3</div>' in page

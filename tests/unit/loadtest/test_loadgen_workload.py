@@ -1,16 +1,21 @@
 """What each scheduled request asks for: lengths, tenants, repeats a cache can answer."""
 
+import hashlib
 import random
 
+import orjson
 import pytest
 
+from loadtest.loadgen_client import RequestShape
 from loadtest.loadgen_workload import (
     LengthDist,
     PlannedRequest,
     TenantKey,
     Workload,
+    message_text,
     plan_requests,
     prompt_text,
+    system_prompt,
 )
 from loadtest.sim_tokens import chat_prompt_tokens
 
@@ -92,3 +97,91 @@ def test_priming_sends_each_fixed_request_first() -> None:
     assert all(p.repeated for p in first)
     assert len({p.text for p in first}) == 4
     assert {p.text for p in plans if p.repeated} == {p.text for p in first}
+
+
+def _plan_digest(plans: list[PlannedRequest]) -> str:
+    fields = [
+        (p.index, p.tenant, p.prompt_tokens, p.max_tokens, p.stream, p.repeated, p.text, p.seed)
+        for p in plans
+    ]
+    return hashlib.sha256(repr(fields).encode()).hexdigest()
+
+
+def test_without_a_shared_prefix_or_turns_the_plans_are_those_planned_before_them() -> None:
+    # the digest of these plans as planned before prefix sharing existed
+    workload = _workload(repeat_fraction=0.2, seeded=True, stream_fraction=0.5)
+    plans = plan_requests([i / 10 for i in range(200)], workload, seed=7)
+    assert _plan_digest(plans) == (
+        "35bf233f84d4ed50b014829fb33676e285a732d89701934ec9de09c80196e647"
+    )
+    assert all(p.system == "" and p.history == () for p in plans)
+    assert plans[3].messages() == [{"role": "user", "content": plans[3].text}]
+    assert plans[3].prompt() == plans[3].text
+
+
+def test_each_tenant_has_its_own_system_prompt_the_same_in_every_request() -> None:
+    plans = plan_requests(
+        [i / 10 for i in range(60)], _workload(shared_prefix_tokens=300, repeat_fraction=0.2)
+    )
+    systems = {t: {p.system for p in plans if p.tenant == t} for t in ("a", "b")}
+    assert all(len(texts) == 1 for texts in systems.values())
+    (a,), (b,) = systems["a"], systems["b"]
+    assert a != b and a[:40] != b[:40]
+    assert a == system_prompt(300, tenant="a", seed=0)
+    assert system_prompt(300, tenant="a", seed=1) != a  # another seed, another prompt
+    # 300 tokens as a message, as the simulator counts it; every prompt counted in full
+    assert chat_prompt_tokens([{"role": "system", "content": a}]) == 300 + 3
+    assert all(chat_prompt_tokens(p.messages()) == p.prompt_tokens for p in plans)
+    assert all(p.messages()[0] == {"role": "system", "content": p.system} for p in plans)
+
+
+def test_a_shared_prefix_keeps_the_arrivals_tenants_and_lengths_of_the_seed() -> None:
+    times = [i / 10 for i in range(100)]
+    plain = plan_requests(times, _workload())
+    shared = plan_requests(times, _workload(shared_prefix_tokens=200, turns=3))
+    assert [(p.tenant, p.text, p.max_tokens, p.stream) for p in shared] == [
+        (p.tenant, p.text, p.max_tokens, p.stream) for p in plain
+    ]
+    opening = [(p, q) for p, q in zip(shared, plain, strict=True) if not p.history]
+    assert len(opening) == 34
+    assert all(p.prompt_tokens == q.prompt_tokens + 200 for p, q in opening)
+
+
+def test_later_turns_resend_the_chat_so_far_in_order() -> None:
+    tenants = TenantKey.parse_all(["a=1"])
+    plans = plan_requests(
+        [i / 10 for i in range(7)],
+        _workload(tenants=tenants, turns=3, shared_prefix_tokens=64, max_tokens=16),
+    )
+    assert [len(p.history) for p in plans] == [0, 2, 4, 0, 2, 4, 0]
+    first, second, third = plans[:3]
+    assert second.history[0] == ("user", first.text)
+    assert [role for role, _ in third.history] == ["user", "assistant", "user", "assistant"]
+    assert third.history[:2] == second.history and third.history[2] == ("user", second.text)
+    # a made-up answer as long as the mean answer, within max_tokens
+    answer = third.history[1][1]
+    assert answer == message_text(16, salt="answer-0-0") and len(answer) == 16 * 4
+    assert [m["role"] for m in third.messages()] == [
+        "system", "user", "assistant", "user", "assistant", "user"
+    ]  # fmt: skip
+    assert third.messages()[-1]["content"] == third.text
+    assert chat_prompt_tokens(third.messages()) == third.prompt_tokens
+    assert plans[3].history == () and plans[3].text not in {m for _, m in third.history}
+    assert third.prompt() == "\n\n".join(m["content"] for m in third.messages())
+
+
+def test_the_request_body_sends_the_whole_chat() -> None:
+    plan = PlannedRequest(
+        index=0, at_s=0.0, tenant="a", prompt_tokens=40, max_tokens=8, stream=False,
+        repeated=False, text="now", system="be brief", history=(("user", "hi"),
+                                                                 ("assistant", "hello")),
+    )  # fmt: skip
+    chat = orjson.loads(RequestShape(model="m").body(plan))
+    assert chat["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "now"},
+    ]
+    completion = orjson.loads(RequestShape(model="m", endpoint="completions").body(plan))
+    assert completion["prompt"] == "be brief\n\nhi\n\nhello\n\nnow"
