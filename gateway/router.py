@@ -206,9 +206,10 @@ class Router:
     ) -> None:
         """Move to the front of `ranked` the backend that holds the request's session, else
         the one likeliest to hold most of its prefix (ties: the least filled). A prefix no
-        backend holds goes to its home: the backend its first block's key ranks highest
-        (rendezvous hashing), so replicas that keep their own indexes still send a new
-        prefix, and so its later requests, to the same backend.
+        backend holds goes to the less filled of its two homes: the backends its first
+        block's key ranks highest (rendezvous hashing), so replicas that keep their own
+        indexes send a new prefix, and so its later requests, to the same two backends at
+        most, while load still picks between them.
 
         The guard against herding: a backend is passed over when taking the request would
         leave it more than PREFIX_SKEW times the pool's mean fill and more than
@@ -232,7 +233,9 @@ class Router:
             if matched > most:
                 best, most = i, matched
         if not most and prefix and eligible:
-            best = max(eligible, key=lambda i: _weight(prefix[0], ranked[i][2].name))
+            # the less filled of its two homes (`ranked` is least filled first)
+            homes = sorted(eligible, key=lambda i: _weight(prefix[0], ranked[i][2].name))[-2:]
+            best = min(homes)
         if best:
             ranked.insert(0, ranked.pop(best))
 

@@ -78,9 +78,8 @@ def test_a_tenants_requests_stay_where_its_prefix_is() -> None:
                 for r in held:
                     await router.release(r)
                 held.clear()
-        # four prefixes over four backends, each kept on the one it first went to
+        # each prefix kept on the backend it first went to, held or released meanwhile
         assert sorted(len(b) for b in homes.values()) == [1, 1, 1, 1]
-        assert len(set().union(*homes.values())) == 4
 
     asyncio.run(scenario())
 
