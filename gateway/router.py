@@ -233,9 +233,11 @@ class Router:
             if matched > most:
                 best, most = i, matched
         if not most and prefix and eligible:
-            # the less filled of its two homes (`ranked` is least filled first)
-            homes = sorted(eligible, key=lambda i: _weight(prefix[0], ranked[i][2].name))[-2:]
-            best = min(homes)
+            # its two homes, first first: the less filled, the first when equally filled
+            homes = sorted(
+                eligible, key=lambda i: _weight(prefix[0], ranked[i][2].name), reverse=True
+            )[:2]
+            best = min(homes, key=lambda i: ranked[i][0])
         if best:
             ranked.insert(0, ranked.pop(best))
 

@@ -167,3 +167,17 @@ def test_a_session_cannot_pile_load_on_its_backend_past_the_guard() -> None:
         assert max(placed.values()) <= 1.5 * 16 / 2
 
     asyncio.run(scenario())
+
+
+def test_new_prefixes_on_an_idle_pool_go_to_their_homes_not_all_to_the_first() -> None:
+    async def scenario() -> None:
+        router = local_router([10_000] * 2, target_fill=0.9, block_size=BLOCK, routing="prefix")
+        placed = set()
+        for tag in "ABCDEFGH":  # one at a time: the pool is idle for each
+            r = await router.admit("p", 300, prefix=_keys(tag))
+            assert r is not None
+            placed.add(r.backend)
+            await router.release(r)
+        assert placed == {"p-0", "p-1"}
+
+    asyncio.run(scenario())
