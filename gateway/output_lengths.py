@@ -16,6 +16,7 @@ quantile of one answer alone. `quantile_of: answer` reserves each answer's own q
 from __future__ import annotations
 
 import math
+import operator
 import statistics
 from collections import deque
 
@@ -27,7 +28,7 @@ WINDOW = 1024  # the most recent answers a quantile is taken over: it follows th
 class LengthQuantile:
     """A quantile of the last WINDOW samples, worked out again only when enough changed."""
 
-    __slots__ = ("_dirty", "_mean", "_q", "_samples", "_sd", "_value")
+    __slots__ = ("_dirty", "_mean", "_q", "_samples", "_sd", "_share", "_value")
 
     def __init__(self, q: float) -> None:
         self._q = q
@@ -35,6 +36,7 @@ class LengthQuantile:
         self._dirty = 0
         self._value = 0
         self._mean = self._sd = 0.0
+        self._share = (0, 0)  # (sequences at once, the share worked out for them)
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -54,13 +56,28 @@ class LengthQuantile:
         self._update()
         return self._mean, self._sd
 
+    def share(self, z: float, at_once: int) -> int:
+        """What each of `at_once` answers reserves for their sum to stay within the normal
+        quantile `z`: mean + z x sd / sqrt(at_once), at most the quantile of one answer.
+        Kept for the last `at_once` until the samples move (it runs on every request)."""
+        self._update()
+        if self._share[0] != at_once:
+            share = math.ceil(self._mean + z * self._sd / math.sqrt(at_once))
+            self._share = (at_once, max(1, min(self._value, share)))
+        return self._share[1]
+
     def _update(self) -> None:
         if self._dirty and (self._dirty * 64 >= len(self._samples) or not self._value):
             ordered = sorted(self._samples)
             rank = max(1, math.ceil(self._q * len(ordered)))
             self._value = ordered[rank - 1]
-            self._mean = statistics.fmean(ordered)
-            self._sd = statistics.pstdev(ordered, self._mean)
+            # exact integer sums, summed in C: this runs on the request path
+            n, total = len(ordered), sum(ordered)
+            self._mean = total / n
+            self._sd = (
+                math.sqrt(max(0, n * sum(map(operator.mul, ordered, ordered)) - total * total)) / n
+            )
+            self._share = (0, 0)
             self._dirty = 0
 
 
@@ -99,14 +116,13 @@ class OutputLengths:
         return self.settings.prior_tokens
 
     def _share(self, lengths: LengthQuantile, room: int, prompt_tokens: int) -> int:
-        alone = lengths.value()
         if self.settings.quantile_of == "answer" or self._z == math.inf:
-            return max(1, alone)
-        mean, sd = lengths.spread()
+            return max(1, lengths.value())
+        mean, _ = lengths.spread()
         at_once = room // max(1, prompt_tokens + math.ceil(mean))  # sequences like this one
         if at_once <= 1:
-            return max(1, alone)
-        return max(1, min(alone, math.ceil(mean + self._z * sd / math.sqrt(at_once))))
+            return max(1, lengths.value())
+        return lengths.share(self._z, at_once)
 
     def samples(self, tenant: str | None = None) -> int:
         if tenant is None:

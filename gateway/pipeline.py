@@ -300,7 +300,7 @@ class CompletionsEndpoint:
             chars_per_token=pool.estimator.chars_per_token,
         )
         request = self._expect(request, pool)
-        if pool.settings.routing == "prefix" and len(pool.backends) > 1:  # else no choice
+        if len(pool.backends) > 1 and pool.settings.routing == "prefix":  # else no choice
             request = self._locate(request, pool, fields)
         if tenant.batchable or fields.get(BATCHABLE_HEADER_BYTES) == b"true":
             request = request._replace(batchable=True)

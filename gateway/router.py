@@ -15,6 +15,7 @@ from gateway.ledger import Ledger, Reservation
 ReleaseListener = Callable[[str], None]
 WaitingTokens = Callable[[], list[int]]  # the KV tokens of each request queued in a pool
 FORECAST_REUSE_S = 0.1  # Retry-After counts whole seconds: a burst of refusals shares one
+ROOM_REUSE_S = 1.0  # how long a pool's room (Router.room) is reused
 # prefix routing's herding guard (Router._by_prefix): a backend may be this many times the
 # pool's mean fill, or this much above it, before a prefix it holds goes elsewhere
 PREFIX_SKEW = 1.25
@@ -43,6 +44,7 @@ class Router:
         self._forecasts: dict[tuple[str, int], tuple[float, float]] = {}  # → (at, seconds)
         self._waiting: dict[str, WaitingTokens] = {}
         self._targets: dict[str, Target] = {}
+        self._rooms: dict[str, tuple[float, int]] = {}  # pool → (worked out at, room)
 
     def backend(self, name: str) -> Backend:
         return self._backends[name]
@@ -69,10 +71,17 @@ class Router:
 
     def room(self, pool: str) -> int:
         """The tokens the pool's smallest backend of known capacity admits at its target
-        fill (0 when none is known): how many answers share a backend's KV cache."""
+        fill (0 when none is known): how many answers share a backend's KV cache. Worked
+        out again after ROOM_REUSE_S (capacities move at probes, seconds apart)."""
+        now = self.clock.monotonic()
+        at, room = self._rooms.get(pool, (-math.inf, 0))
+        if now - at < ROOM_REUSE_S:
+            return room
         p = self.pools[pool]
         known = [c for b in p.backends if (c := self.capacity(b)) > 0]
-        return _limit(min(known), p.settings.target_fill) if known else 0
+        room = _limit(min(known), p.settings.target_fill) if known else 0
+        self._rooms[pool] = (now, room)
+        return room
 
     def limit(self, backend: Backend) -> int:
         """Tokens the ledger may hold on this backend: capacity × its effective fill, less
@@ -175,10 +184,11 @@ class Router:
         reserved on an idle backend, alone: the ledger's limit is then its own size.
         """
         ranked = self._ranked(pool, exclude)
-        if self.pools[pool].settings.routing != "prefix":
-            prefix, session = (), None
-        elif len(ranked) > 1:
-            self._by_prefix(pool, ranked, tokens * sequences, prefix, session)
+        if prefix or session:
+            if self.pools[pool].settings.routing != "prefix":
+                prefix, session = (), None
+            elif len(ranked) > 1:
+                self._by_prefix(pool, ranked, tokens * sequences, prefix, session)
         alone: list[tuple[Backend, int]] = []
         for *_, backend, limit, capacity in ranked:
             need = kv_tokens(tokens, sequences=sequences, block_size=backend.block_size)
