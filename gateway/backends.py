@@ -133,7 +133,7 @@ class Pool:
     demand: PoolDemand
     estimator: PromptEstimator = field(default_factory=PromptEstimator)
     outputs: OutputLengths = field(default_factory=lambda: OutputLengths(ReservationSettings()))
-    prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(()))
+    prefixes: PrefixIndex = field(default_factory=PrefixIndex)
 
     @property
     def name(self) -> str:
@@ -171,7 +171,6 @@ def build_pools(pools: list[PoolSettings], *, clock: Clock) -> dict[str, Pool]:
             backends=backends,
             demand=PoolDemand(clock),
             outputs=OutputLengths(pool.reservation),
-            prefixes=PrefixIndex(b.name for b in backends),
         )
     return built
 

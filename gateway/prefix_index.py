@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -55,16 +55,16 @@ class PrefixIndex:
     """One pool's guess of the blocks each backend holds, where each session last went, and
     how often the guess expected the blocks it routed to be cached."""
 
-    def __init__(self, backends: Iterable[str]) -> None:
-        self._held: dict[str, OrderedDict[bytes, None]] = {b: OrderedDict() for b in backends}
+    def __init__(self) -> None:
+        self._held: dict[str, OrderedDict[bytes, None]] = {}  # backend → its blocks, LRU first
         self._sessions: OrderedDict[str, str] = OrderedDict()
         # blocks looked up and found on the backend each request was routed to
-        self.queried: dict[str, int] = dict.fromkeys(self._held, 0)
-        self.found: dict[str, int] = dict.fromkeys(self._held, 0)
+        self.queried: dict[str, int] = {}
+        self.found: dict[str, int] = {}
 
     def matched(self, backend: str, keys: Sequence[bytes]) -> int:
         """How many of the leading blocks `keys` the backend likely holds."""
-        held = self._held[backend]
+        held = self._held.get(backend)
         if not held or not keys or keys[0] not in held:
             return 0
         # leading blocks are held or not as a run: find its end by bisection
@@ -80,7 +80,7 @@ class PrefixIndex:
     def hit_rate(self, backend: str) -> float | None:
         """The share of prompt blocks routed to `backend` the index expected it to hold."""
         queried = self.queried.get(backend, 0)
-        return self.found[backend] / queried if queried else None
+        return self.found.get(backend, 0) / queried if queried else None
 
     def session_backend(self, session: str | None) -> str | None:
         """The backend the session's last turn went to, if remembered."""
@@ -97,10 +97,12 @@ class PrefixIndex:
             self._sessions.move_to_end(session)
             if len(self._sessions) > MAX_SESSIONS:
                 self._sessions.popitem(last=False)
-        self.queried[backend] += len(keys)
-        self.found[backend] += self.matched(backend, keys)
-        held = self._held[backend]
-        for key in keys:
+        self.queried[backend] = self.queried.get(backend, 0) + len(keys)
+        self.found[backend] = self.found.get(backend, 0) + self.matched(backend, keys)
+        held = self._held.setdefault(backend, OrderedDict())
+        # last block first, so a prompt's tail is evicted before its head, as vLLM frees a
+        # sequence's blocks, and what is held of a prompt stays a leading run
+        for key in reversed(keys):
             held[key] = None
             held.move_to_end(key)
         bound = max(MIN_ENTRIES, blocks)

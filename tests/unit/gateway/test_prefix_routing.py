@@ -39,7 +39,7 @@ def test_a_chat_is_keyed_by_its_messages_in_order() -> None:
 
 
 def test_the_index_matches_the_leading_run_and_forgets_the_least_recent() -> None:
-    index = PrefixIndex(["a", "b"])
+    index = PrefixIndex()
     shared = "S" * (8 * SIZE)
     first = block_keys(chat(shared, "one" * 100), block_size=BLOCK)
     second = block_keys(chat(shared, "two" * 100), block_size=BLOCK)
@@ -181,3 +181,14 @@ def test_new_prefixes_on_an_idle_pool_go_to_their_homes_not_all_to_the_first() -
         assert placed == {"p-0", "p-1"}
 
     asyncio.run(scenario())
+
+
+def test_a_full_index_forgets_a_prompts_tail_before_its_head() -> None:
+    index = PrefixIndex()
+    prompt = [bytes([i % 256, i // 256, 1]) for i in range(600)]
+    index.routed("a", prompt, session=None)
+    other = [bytes([i % 256, i // 256, 2]) for i in range(512)]
+    index.routed("a", other, session=None)
+    # 1,112 blocks in an index of 1,024: the first prompt's last 88 blocks went first
+    assert index.matched("a", prompt) == 600 - 88
+    assert index.matched("a", other) == 512
