@@ -158,7 +158,12 @@ def _app(arm: str, backend: str, tmp: Path) -> ASGIApp:
 
     config = tmp / "spillgate.yaml"
     _spillgate_config(backend, config)
-    settings = load_settings(config)
+    loaded = load_settings(config)
+    # no background reads of the backend (its load every 0.5 s, its health every 5 s) while
+    # requests are counted: they would land in some runs' window and not in others'
+    quiet = {"feedback": False, "capacity_refresh_s": 3600.0}
+    pools = [pool.model_copy(update=quiet) for pool in loaded.pools]
+    settings = loaded.model_copy(update={"pools": pools})
     if arm != TRACED:
         return create_app(settings, environ={})
     traced = settings.model_copy(update={"tracing": TracingSettings(enabled=True)})
