@@ -88,9 +88,10 @@ class OutputLengths:
         self.settings = settings
         self._pool = LengthQuantile(settings.quantile)
         self._tenants: dict[str, LengthQuantile] = {}
-        # the normal quantile of `quantile`; q = 1 has none: each answer's own maximum
+        # q = 1 has no normal quantile: each answer reserves the longest seen
         q = settings.quantile
-        self._z = statistics.NormalDist().inv_cdf(q) if q < 1 else math.inf
+        self._per_answer = settings.quantile_of == "answer" or q >= 1
+        self._z = 0.0 if self._per_answer else statistics.NormalDist().inv_cdf(q)
 
     def observe(self, *, tenant: str, completion_tokens: int, choices: int = 1) -> None:
         """One finished answer: its completion tokens over `choices` choices, each choice a
@@ -116,7 +117,7 @@ class OutputLengths:
         return self.settings.prior_tokens
 
     def _share(self, lengths: LengthQuantile, room: int, prompt_tokens: int) -> int:
-        if self.settings.quantile_of == "answer" or self._z == math.inf:
+        if self._per_answer:
             return max(1, lengths.value())
         mean, _ = lengths.spread()
         at_once = room // max(1, prompt_tokens + math.ceil(mean))  # sequences like this one
