@@ -41,7 +41,6 @@ from gateway.ledger_redis import RedisLedger
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_route
 from gateway.pipeline import CompletionsEndpoint, PipelineDeps
-from gateway.providers import build_gates
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
 from gateway.redis_batch import RedisBatcher
 from gateway.request import Endpoint
@@ -50,7 +49,8 @@ from gateway.router import Router
 from gateway.tracing import build_tracing
 from gateway.upstream import UpstreamPool
 from gateway.workers import MULTIPROC_ENV, publish_metrics
-from policies.base import PolicyDeps
+from policies.deps import PolicyDeps
+from policies.provider.gate import build_gates
 from policies.registry import admission_gates, answer_taps, build_chain
 
 REDIS_POOL_SIZE = 64  # connections per process

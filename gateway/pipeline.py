@@ -36,6 +36,7 @@ from gateway.forward import Forwarder
 from gateway.guard import body_too_large
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
+from gateway.overflow import Gate, OverflowPolicy, TapFactory
 from gateway.prefix_index import block_keys, prompt_bytes
 from gateway.ratelimit import Decision, RateLimiter
 from gateway.relay import ResponseTap
@@ -53,7 +54,6 @@ from gateway.request import (
     requested_model,
 )
 from gateway.router import Router
-from policies.base import Gate, OverflowPolicy, TapFactory
 
 if TYPE_CHECKING:
     from gateway.tracing import RequestTrace, Tracing

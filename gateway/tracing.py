@@ -43,8 +43,8 @@ from gateway.relay import Relayed, ResponseTap, StreamWatch, Usage
 if TYPE_CHECKING:
     from gateway.exchange import Exchange, Served
     from gateway.forward import Target
+    from gateway.overflow import OverflowPolicy
     from gateway.request import InferenceRequest
-    from policies.base import OverflowPolicy
 
 OTLP_TRACES_PATH = "/v1/traces"
 DEFAULT_OTLP_ENDPOINT = "http://localhost:4318"  # the OTLP/HTTP default, as the SDK has it

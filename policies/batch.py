@@ -24,7 +24,7 @@ from gateway.exchange import Exchange, Served
 from gateway.outcome import Outcome
 from gateway.relay import JSON_HEADERS, Relayed, Usage
 from gateway.request import InferenceRequest
-from policies.base import PolicyDeps
+from policies.deps import PolicyDeps
 
 BATCH_TARGET = "batch"  # the `target` a request accepted into the batch tier is served by
 

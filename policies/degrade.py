@@ -10,7 +10,7 @@ from gateway.exchange import Exchange, Served
 from gateway.outcome import Outcome
 from gateway.request import InferenceRequest
 from gateway.router import Router
-from policies.base import PolicyDeps
+from policies.deps import PolicyDeps
 
 
 class DegradePolicy:

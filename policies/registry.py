@@ -5,20 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from gateway.config import PoolSettings
-from policies.base import (
-    AdmissionGate,
-    AnswerObserver,
-    Gate,
-    OverflowPolicy,
-    PolicyDeps,
-    PolicyFactory,
-    TapFactory,
-)
+from gateway.overflow import AdmissionGate, AnswerObserver, Gate, OverflowPolicy, TapFactory
 from policies.batch import BatchPolicy
-from policies.cache import CachePolicy
+from policies.cache.policy import CachePolicy
 from policies.degrade import DegradePolicy
-from policies.provider import ProviderPolicy
-from policies.queue import QueuePolicy
+from policies.deps import PolicyDeps, PolicyFactory
+from policies.provider.policy import ProviderPolicy
+from policies.queue.policy import QueuePolicy
 from policies.reject import RejectPolicy
 
 

@@ -9,7 +9,7 @@ from gateway.errors import Rejected
 from gateway.exchange import Exchange, Served
 from gateway.request import InferenceRequest
 from gateway.router import Router
-from policies.base import PolicyDeps
+from policies.deps import PolicyDeps
 
 
 class RejectPolicy:

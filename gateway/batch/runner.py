@@ -30,10 +30,10 @@ from gateway.batch.service import ACTIVE, BATCH, Batches, results_kind
 from gateway.batch.store import Record
 from gateway.exchange import Served
 from gateway.outcome import Outcome
+from gateway.overflow import Gate
 from gateway.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.request import Endpoint, InferenceRequest
 from gateway.tasks import Periodic, stop_task
-from policies.base import Gate
 
 log = logging.getLogger("spillgate.batch")
 RETRY_LATER = (429, 503)  # no room, or the tenant's budget is spent for now: run it later

@@ -7,8 +7,8 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from gateway.cache import RedisResponseCache
 from loadtest.harness import RedisProcess
+from policies.cache.store import RedisResponseCache
 
 
 def test_entries_beyond_max_entries_are_evicted_oldest_first(redis_proc: RedisProcess) -> None:

@@ -13,7 +13,6 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from gateway.app import create_app
-from gateway.cache import RedisResponseCache
 from gateway.clock import SystemClock
 from gateway.config import parse_settings
 from gateway.ledger_feed import ReleaseFeed
@@ -24,6 +23,7 @@ from loadtest.fleet import ADMIN_TOKEN, tenant
 from loadtest.harness import ServerThread
 from loadtest.sim_app import create_sim_app
 from loadtest.sim_config import SimConfig
+from policies.cache.store import RedisResponseCache
 from tests.integration.cluster_support import redis_cluster
 from tests.integration.replica_support import sample
 

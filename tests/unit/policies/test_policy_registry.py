@@ -12,11 +12,11 @@ from gateway.clock import ManualClock
 from gateway.config import ConfigError, hash_key, parse_settings
 from gateway.ledger import LocalLedger
 from gateway.metrics import GatewayMetrics
-from gateway.providers import build_gates
 from gateway.ratelimit import LocalRateLimiter
 from gateway.request import Endpoint, InferenceRequest
 from gateway.router import Router
-from policies.base import PolicyDeps
+from policies.deps import PolicyDeps
+from policies.provider.gate import build_gates
 from policies.registry import admission_gates, answer_taps, build_chain, registry
 
 FULL = ["queue", "degrade", "provider", "cache", "batch", "reject"]

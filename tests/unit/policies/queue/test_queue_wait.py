@@ -17,8 +17,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.request import Endpoint, InferenceRequest
 from gateway.router import Router
 from gateway.upstream import UpstreamPool
-from policies.fair_queue import QueueResult
-from policies.queue import QueuePolicy
+from policies.queue.fair_queue import QueueResult
+from policies.queue.policy import QueuePolicy
 
 CAPACITY = 1000
 BACKEND = "p-0"

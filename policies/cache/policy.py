@@ -22,14 +22,14 @@ from typing import Any, ClassVar
 
 import orjson
 
-from gateway.answers import AnswerRecorder, send_replay
-from gateway.cache import LocalResponseCache, RedisResponseCache, ResponseCache
 from gateway.config import CacheSettings, PoolSettings
 from gateway.exchange import Exchange, Served
 from gateway.outcome import Outcome
 from gateway.relay import JSON_HEADERS, send_json_body
 from gateway.request import InferenceRequest
-from policies.base import PolicyDeps
+from policies.cache.recorder import AnswerRecorder, send_replay
+from policies.cache.store import LocalResponseCache, RedisResponseCache, ResponseCache
+from policies.deps import PolicyDeps
 
 IGNORED_KEYS = frozenset({"model", "stream", "stream_options", "user"})
 FLOAT_KEYS = ("temperature", "top_p", "presence_penalty", "frequency_penalty")

@@ -6,7 +6,7 @@ from typing import Any
 
 from gateway.config import CacheSettings
 from gateway.request import Endpoint, parse_request
-from policies.cache import cache_key, is_deterministic, storable
+from policies.cache.policy import cache_key, is_deterministic, storable
 
 
 def request(body: dict[str, Any], *, tenant: str = "a", pool: str = "big") -> Any:

@@ -10,7 +10,8 @@ from gateway.clock import ManualClock
 from gateway.config import ProviderSettings
 from gateway.errors import SpillgateError
 from gateway.metrics import GatewayMetrics
-from gateway.providers import (
+from gateway.ratelimit import LocalRateLimiter
+from policies.provider.gate import (
     BreakerState,
     CircuitBreaker,
     ProviderGate,
@@ -18,7 +19,6 @@ from gateway.providers import (
     Ticket,
     build_gates,
 )
-from gateway.ratelimit import LocalRateLimiter
 
 
 def settings(**overrides: object) -> ProviderSettings:

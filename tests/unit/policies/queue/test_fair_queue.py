@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gateway.config import Priority
-from policies.fair_queue import FairQueue, Waiter
+from policies.queue.fair_queue import FairQueue, Waiter
 
 
 def waiter(tenant: str, priority: Priority = "standard", tokens: int = 10) -> Waiter[str]:

@@ -19,9 +19,9 @@ from gateway.exchange import Exchange, Served
 from gateway.forward import UpstreamUnavailable
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
-from gateway.providers import ProviderGate, Refusal
 from gateway.request import InferenceRequest
-from policies.base import PolicyDeps
+from policies.deps import PolicyDeps
+from policies.provider.gate import ProviderGate, Refusal
 
 log = logging.getLogger("spillgate.provider")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.cache import LocalResponseCache
 from gateway.clock import ManualClock
+from policies.cache.store import LocalResponseCache
 
 
 def test_entries_expire_and_the_least_recently_used_is_evicted_first() -> None:

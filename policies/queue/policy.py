@@ -24,8 +24,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
 from gateway.request import InferenceRequest
 from gateway.router import Router
-from policies.base import PolicyDeps
-from policies.fair_queue import FairQueue, QueueResult, Waiter
+from policies.deps import PolicyDeps
+from policies.queue.fair_queue import FairQueue, QueueResult, Waiter
 
 log = logging.getLogger("spillgate.queue")
 

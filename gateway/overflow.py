@@ -1,23 +1,17 @@
-"""The overflow policy role: what runs when no backend of a pool has room."""
+"""The overflow policy role: what runs when no backend of a pool has room, and the hooks a
+policy may offer the request path (watching answers, holding new arrivals back).
+
+The gateway sees the policies only through these; `gateway/app.py` builds the chains.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import ClassVar, Protocol, runtime_checkable
 
-import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
-
-from gateway.batch.service import Batches
-from gateway.clock import Clock
-from gateway.config import PoolSettings, Settings
 from gateway.exchange import Exchange, Served
-from gateway.metrics import GatewayMetrics
-from gateway.providers import ProviderGate
 from gateway.relay import ResponseTap
 from gateway.request import InferenceRequest
-from gateway.router import Router
 
 
 class OverflowPolicy(Protocol):
@@ -52,19 +46,3 @@ class AdmissionGate(Protocol):
 
 
 Gate = Callable[[InferenceRequest], bool]
-
-
-@dataclass(frozen=True, kw_only=True)
-class PolicyDeps:
-    """Everything a policy factory may draw on; built once in the app's lifespan."""
-
-    settings: Settings
-    router: Router
-    metrics: GatewayMetrics
-    clock: Clock
-    redis: aioredis.Redis | RedisCluster | None = None  # shared state when configured, else local
-    providers: Mapping[str, ProviderGate] = field(default_factory=dict)  # one per provider
-    batches: Batches | None = None  # the batch tier, which the `batch` step hands work to
-
-
-PolicyFactory = Callable[[PoolSettings, PolicyDeps], OverflowPolicy]

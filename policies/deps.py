@@ -1,0 +1,33 @@
+"""What a policy factory is given: everything a policy may draw on, built once by the app."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+
+from gateway.batch.service import Batches
+from gateway.clock import Clock
+from gateway.config import PoolSettings, Settings
+from gateway.metrics import GatewayMetrics
+from gateway.overflow import OverflowPolicy
+from gateway.router import Router
+from policies.provider.gate import ProviderGate
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyDeps:
+    """Everything a policy factory may draw on; built once in the app's lifespan."""
+
+    settings: Settings
+    router: Router
+    metrics: GatewayMetrics
+    clock: Clock
+    redis: aioredis.Redis | RedisCluster | None = None  # shared state when configured, else local
+    providers: Mapping[str, ProviderGate] = field(default_factory=dict)  # one per provider
+    batches: Batches | None = None  # the batch tier, which the `batch` step hands work to
+
+
+PolicyFactory = Callable[[PoolSettings, PolicyDeps], OverflowPolicy]
