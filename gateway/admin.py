@@ -12,10 +12,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from gateway.auth import AdminAuth, Authenticator
 from gateway.backends import Backend, FleetWatcher, Pool
 from gateway.config import Settings
 from gateway.errors import SpillgateError, error_response
+from gateway.front.auth import AdminAuth, Authenticator
 from gateway.metrics import GatewayMetrics
 from gateway.router import Router
 

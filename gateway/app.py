@@ -21,7 +21,6 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admin import AdminEndpoints
-from gateway.auth import AdminAuth, Authenticator
 from gateway.backend_load import LoadWatcher
 from gateway.backends import FleetWatcher, Pool, build_pools
 from gateway.batch.api import BatchEndpoints
@@ -31,20 +30,21 @@ from gateway.batch.store import BatchStore, DirStore, RedisStore
 from gateway.clock import Clock, SystemClock
 from gateway.config import Settings
 from gateway.dashboard import Dashboard, OutcomeHistory
-from gateway.endpoints import EmbeddingsEndpoint, ResponsesEndpoint
 from gateway.errors import InvalidRequest, SpillgateError, error_response
 from gateway.forward import Forwarder
-from gateway.guard import head_bytes, head_too_large
+from gateway.front.auth import AdminAuth, Authenticator
+from gateway.front.endpoints import EmbeddingsEndpoint, ResponsesEndpoint
+from gateway.front.guard import head_bytes, head_too_large
+from gateway.front.pipeline import CompletionsEndpoint, PipelineDeps
+from gateway.front.request import Endpoint
+from gateway.front.response_homes import ResponseHomes
 from gateway.ledger import LocalLedger
 from gateway.ledger_feed import ReleaseFeed
 from gateway.ledger_redis import RedisLedger
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_route
-from gateway.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
 from gateway.redis_batch import RedisBatcher
-from gateway.request import Endpoint
-from gateway.response_homes import ResponseHomes
 from gateway.router import Router
 from gateway.tracing import build_tracing
 from gateway.upstream import UpstreamPool
@@ -347,7 +347,7 @@ def create_app(
 
 class FrontDoor:
     """Pure ASGI, and the app uvicorn serves. An HTTP request whose target and headers
-    exceed `max_header_bytes` gets a 431 before any handler runs (gateway/guard.py);
+    exceed `max_header_bytes` gets a 431 before any handler runs (gateway/front/guard.py);
     completion POSTs go straight to their endpoint, past Starlette's routing and
     middleware (they render their own errors); everything else goes to the app. One
     layer for both, as every layer is a frame each request passes through on every wait.

@@ -25,9 +25,9 @@ from gateway.discovery import ServedModel, capacity_from_metrics, models_from_li
 from gateway.errors import BackendUnavailable
 from gateway.fill import FillController, FillReason
 from gateway.forward import unreachable_reason
+from gateway.front.request import PromptEstimator
 from gateway.output_lengths import OutputLengths
 from gateway.prefix_index import PrefixIndex
-from gateway.request import PromptEstimator
 
 log = logging.getLogger("spillgate.backends")
 

@@ -15,6 +15,7 @@ from yarl import URL
 
 from gateway.config import Timeouts
 from gateway.deadline import Deadline
+from gateway.front.request import Endpoint, InferenceRequest
 from gateway.relay import (
     JSON_HEADERS,
     SSE_HEADERS,
@@ -25,7 +26,6 @@ from gateway.relay import (
     relay_stream,
     send_json_body,
 )
-from gateway.request import Endpoint, InferenceRequest
 from gateway.upstream import UpstreamPool
 
 

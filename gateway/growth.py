@@ -21,7 +21,7 @@ _CHOICE = re.compile(rb'"choices"\s*:\s*\[\s*\{\s*"index"\s*:\s*(\d+)')
 
 
 class Held(Protocol):
-    """What holds the request's reservation (gateway/exchange.py's Holding)."""
+    """What holds the request's reservation (gateway/front/exchange.py's Holding)."""
 
     reservation: Reservation | None
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import ClassVar, Protocol, runtime_checkable
 
-from gateway.exchange import Exchange, Served
+from gateway.front.exchange import Exchange, Served
+from gateway.front.request import InferenceRequest
 from gateway.relay import ResponseTap
-from gateway.request import InferenceRequest
 
 
 class OverflowPolicy(Protocol):

@@ -41,10 +41,10 @@ from gateway.outcome import Outcome
 from gateway.relay import Relayed, ResponseTap, StreamWatch, Usage
 
 if TYPE_CHECKING:
-    from gateway.exchange import Exchange, Served
     from gateway.forward import Target
+    from gateway.front.exchange import Exchange, Served
+    from gateway.front.request import InferenceRequest
     from gateway.overflow import OverflowPolicy
-    from gateway.request import InferenceRequest
 
 OTLP_TRACES_PATH = "/v1/traces"
 DEFAULT_OTLP_ENDPOINT = "http://localhost:4318"  # the OTLP/HTTP default, as the SDK has it

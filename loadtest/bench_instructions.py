@@ -38,7 +38,7 @@ def _child(arm: str, requests: int, backend: str) -> None:
     """Runs in the process valgrind watches: `requests` bench requests through `arm`."""
     import uvloop
 
-    from gateway import pipeline
+    from gateway.front import pipeline
     from loadtest.bench_ops import _app, drive
 
     # the default itself, so that no wrapper adds its own cost to every request

@@ -20,10 +20,10 @@ import orjson
 from gateway.batch.service import Batches, public
 from gateway.config import PoolSettings
 from gateway.errors import SpillgateError
-from gateway.exchange import Exchange, Served
+from gateway.front.exchange import Exchange, Served
+from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
 from gateway.relay import JSON_HEADERS, Relayed, Usage
-from gateway.request import InferenceRequest
 from policies.deps import PolicyDeps
 
 BATCH_TARGET = "batch"  # the `target` a request accepted into the batch tier is served by

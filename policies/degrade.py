@@ -6,9 +6,9 @@ from typing import ClassVar
 
 from gateway.config import PoolSettings
 from gateway.errors import UpstreamError
-from gateway.exchange import Exchange, Served
+from gateway.front.exchange import Exchange, Served
+from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
-from gateway.request import InferenceRequest
 from gateway.router import Router
 from policies.deps import PolicyDeps
 

@@ -6,8 +6,8 @@ from typing import ClassVar
 
 from gateway.config import PoolSettings
 from gateway.errors import Rejected
-from gateway.exchange import Exchange, Served
-from gateway.request import InferenceRequest
+from gateway.front.exchange import Exchange, Served
+from gateway.front.request import InferenceRequest
 from gateway.router import Router
 from policies.deps import PolicyDeps
 

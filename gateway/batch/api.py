@@ -11,11 +11,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from gateway.auth import Authenticator, Tenant
 from gateway.batch.files import parse_upload
 from gateway.batch.service import Batches, public
 from gateway.errors import InvalidRequest, SpillgateError, error_response
-from gateway.guard import body_too_large
+from gateway.front.auth import Authenticator, Tenant
+from gateway.front.guard import body_too_large
 
 log = logging.getLogger("spillgate.batch")
 MAX_LIST = 100

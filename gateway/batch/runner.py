@@ -25,14 +25,14 @@ from typing import Any
 import orjson
 from starlette.types import Message, Scope
 
-from gateway.auth import Authenticator, Tenant
 from gateway.batch.service import ACTIVE, BATCH, Batches, results_kind
 from gateway.batch.store import Record
-from gateway.exchange import Served
+from gateway.front.auth import Authenticator, Tenant
+from gateway.front.exchange import Served
+from gateway.front.pipeline import CompletionsEndpoint, PipelineDeps
+from gateway.front.request import Endpoint, InferenceRequest
 from gateway.outcome import Outcome
 from gateway.overflow import Gate
-from gateway.pipeline import CompletionsEndpoint, PipelineDeps
-from gateway.request import Endpoint, InferenceRequest
 from gateway.tasks import Periodic, stop_task
 
 log = logging.getLogger("spillgate.batch")

@@ -15,14 +15,14 @@ from typing import Any
 
 import orjson
 
-from gateway.auth import Tenant
 from gateway.backends import Pool
 from gateway.batch.files import Upload, batch_lines
 from gateway.batch.store import BatchStore, Record
 from gateway.clock import Clock
 from gateway.config import BatchSettings
 from gateway.errors import InvalidRequest, Throttled
-from gateway.request import Endpoint, InferenceRequest, check_pool_kind, parse_request
+from gateway.front.auth import Tenant
+from gateway.front.request import Endpoint, InferenceRequest, check_pool_kind, parse_request
 
 WINDOWS = {"24h"}
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")

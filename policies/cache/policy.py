@@ -23,10 +23,10 @@ from typing import Any, ClassVar
 import orjson
 
 from gateway.config import CacheSettings, PoolSettings
-from gateway.exchange import Exchange, Served
+from gateway.front.exchange import Exchange, Served
+from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
 from gateway.relay import JSON_HEADERS, send_json_body
-from gateway.request import InferenceRequest
 from policies.cache.recorder import AnswerRecorder, send_replay
 from policies.cache.store import LocalResponseCache, RedisResponseCache, ResponseCache
 from policies.deps import PolicyDeps

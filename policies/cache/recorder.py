@@ -16,8 +16,8 @@ from typing import Any
 import orjson
 from starlette.types import Send
 
+from gateway.front.request import Endpoint
 from gateway.relay import DONE, SSE_HEADERS, Relayed, Usage
-from gateway.request import Endpoint
 
 Document = dict[str, Any]
 

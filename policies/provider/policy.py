@@ -15,11 +15,11 @@ import logging
 from typing import ClassVar
 
 from gateway.config import PoolSettings
-from gateway.exchange import Exchange, Served
 from gateway.forward import UpstreamUnavailable
+from gateway.front.exchange import Exchange, Served
+from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
-from gateway.request import InferenceRequest
 from policies.deps import PolicyDeps
 from policies.provider.gate import ProviderGate, Refusal
 

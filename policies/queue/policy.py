@@ -19,10 +19,10 @@ from typing import ClassVar
 from gateway.clock import Clock
 from gateway.config import PoolSettings
 from gateway.deadline import Deadline
-from gateway.exchange import Exchange, Served
+from gateway.front.exchange import Exchange, Served
+from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
-from gateway.request import InferenceRequest
 from gateway.router import Router
 from policies.deps import PolicyDeps
 from policies.queue.fair_queue import FairQueue, QueueResult, Waiter

@@ -22,9 +22,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from gateway.app import create_app
-from gateway.auth import Authenticator
 from gateway.config import parse_settings
 from gateway.errors import Unauthenticated
+from gateway.front.auth import Authenticator
 from loadtest.fleet import ADMIN_TOKEN, Fleet, tenant
 from loadtest.harness import ServerThread
 from loadtest.provider_sim import ProviderConfig, create_provider_app

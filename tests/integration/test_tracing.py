@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.app import create_app
 from gateway.config import parse_settings
-from gateway.request import Endpoint, parse_request
+from gateway.front.request import Endpoint, parse_request
 from loadtest.fleet import ADMIN_TOKEN, tenant
 from loadtest.harness import ServerThread
 from loadtest.provider_sim import ProviderConfig, create_provider_app

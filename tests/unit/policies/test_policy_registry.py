@@ -10,10 +10,10 @@ import pytest
 from gateway.backends import build_pools
 from gateway.clock import ManualClock
 from gateway.config import ConfigError, hash_key, parse_settings
+from gateway.front.request import Endpoint, InferenceRequest
 from gateway.ledger import LocalLedger
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import LocalRateLimiter
-from gateway.request import Endpoint, InferenceRequest
 from gateway.router import Router
 from policies.deps import PolicyDeps
 from policies.provider.gate import build_gates

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.config import CacheSettings
-from gateway.request import Endpoint, parse_request
+from gateway.front.request import Endpoint, parse_request
 from policies.cache.policy import cache_key, is_deterministic, storable
 
 

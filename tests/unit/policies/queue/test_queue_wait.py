@@ -10,11 +10,11 @@ from typing import Any
 from gateway.backends import build_pools
 from gateway.clock import ManualClock
 from gateway.config import BackendSettings, PoolSettings, Priority, QueueSettings
-from gateway.exchange import Exchange, Holding
 from gateway.forward import Forwarder
+from gateway.front.exchange import Exchange, Holding
+from gateway.front.request import Endpoint, InferenceRequest
 from gateway.ledger import LocalLedger
 from gateway.metrics import GatewayMetrics
-from gateway.request import Endpoint, InferenceRequest
 from gateway.router import Router
 from gateway.upstream import UpstreamPool
 from policies.queue.fair_queue import QueueResult

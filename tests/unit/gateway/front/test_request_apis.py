@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.request import Endpoint, check_pool_kind, parse_request
+from gateway.front.request import Endpoint, check_pool_kind, parse_request
 
 
 def _parse(endpoint: Endpoint, body: dict[str, Any]) -> Any:

@@ -18,12 +18,12 @@ from tenacity import (
 from gateway.clock import Clock
 from gateway.errors import UpstreamError, UpstreamTimeout
 from gateway.forward import Forwards, Target, UpstreamUnavailable
+from gateway.front.request import InferenceRequest
 from gateway.growth import Growth
 from gateway.ledger import Reservation
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
 from gateway.relay import Relayed, ResponseTap
-from gateway.request import InferenceRequest
 from gateway.router import Router
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ overflow, forward, release, record). What differs:
   text, and a chat pool's provider may not serve the Responses API at all (its 404 would
   count against the provider's breaker, and so against the pool's chat spills);
 - a Responses request with `previous_response_id` goes only to the backend that answered
-  that response (gateway/response_homes.py) and waits for room there through `queue`; an
+  that response (gateway/front/response_homes.py) and waits for room there through `queue`; an
   id no backend of the pool answered gets vLLM's 404, one whose backend is out of rotation
   a 503 (`backend_unavailable`).
 """
@@ -23,16 +23,16 @@ import dataclasses
 from collections.abc import Awaitable, Collection
 
 from gateway.errors import BackendUnavailable, InvalidRequest
-from gateway.exchange import Exchange, Served
+from gateway.front.exchange import Exchange, Served
+from gateway.front.pipeline import CompletionsEndpoint, PipelineDeps
+from gateway.front.request import Endpoint, InferenceRequest
+from gateway.front.response_homes import ResponseHomes, ResponseIdTap
 from gateway.ledger import Reservation
-from gateway.pipeline import CompletionsEndpoint, PipelineDeps
-from gateway.request import Endpoint, InferenceRequest
-from gateway.response_homes import ResponseHomes, ResponseIdTap
 
 # the overflow steps that can serve an embedding, and a response
 EMBEDDING_POLICIES = frozenset({"queue", "provider", "reject"})
 RESPONSE_POLICIES = frozenset({"queue", "reject"})
-# the longest response id the gateway remembers (gateway/response_homes.py)
+# the longest response id the gateway remembers (gateway/front/response_homes.py)
 MAX_RESPONSE_ID = 205
 
 

@@ -1,7 +1,7 @@
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.request import (
+from gateway.front.request import (
     Endpoint,
     PromptEstimator,
     decode_body,

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
 
-from gateway.exchange import Holding
+from gateway.front.exchange import Holding
 
 log = logging.getLogger("spillgate.responses")
 KEY_PREFIX = "spillgate:response:"

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 from starlette.types import Message, Receive, Scope, Send
 
-from gateway.auth import Authenticator, Tenant
 from gateway.backends import Pool
 from gateway.clock import Clock
 from gateway.deadline import Sweep
@@ -31,16 +30,11 @@ from gateway.errors import (
     Throttled,
     error_response,
 )
-from gateway.exchange import Exchange, Holding, Served
 from gateway.forward import Forwarder
-from gateway.guard import body_too_large
-from gateway.metrics import GatewayMetrics
-from gateway.outcome import Outcome
-from gateway.overflow import Gate, OverflowPolicy, TapFactory
-from gateway.prefix_index import block_keys, prompt_bytes
-from gateway.ratelimit import Decision, RateLimiter
-from gateway.relay import ResponseTap
-from gateway.request import (
+from gateway.front.auth import Authenticator, Tenant
+from gateway.front.exchange import Exchange, Holding, Served
+from gateway.front.guard import body_too_large
+from gateway.front.request import (
     BATCHABLE_HEADER,
     PRIORITY_HEADER,
     SESSION_HEADER,
@@ -53,6 +47,12 @@ from gateway.request import (
     parse_request,
     requested_model,
 )
+from gateway.metrics import GatewayMetrics
+from gateway.outcome import Outcome
+from gateway.overflow import Gate, OverflowPolicy, TapFactory
+from gateway.prefix_index import block_keys, prompt_bytes
+from gateway.ratelimit import Decision, RateLimiter
+from gateway.relay import ResponseTap
 from gateway.router import Router
 
 if TYPE_CHECKING:
