@@ -12,12 +12,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from gateway.backends import Backend, FleetWatcher, Pool
+from gateway.admission.backends import Backend, FleetWatcher, Pool
+from gateway.admission.router import Router
 from gateway.config import Settings
 from gateway.errors import SpillgateError, error_response
 from gateway.front.auth import AdminAuth, Authenticator
 from gateway.metrics import GatewayMetrics
-from gateway.router import Router
 
 STARTED = int(time.time())
 

@@ -21,8 +21,12 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admin import AdminEndpoints
-from gateway.backend_load import LoadWatcher
-from gateway.backends import FleetWatcher, Pool, build_pools
+from gateway.admission.backend_load import LoadWatcher
+from gateway.admission.backends import FleetWatcher, Pool, build_pools
+from gateway.admission.ledger import LocalLedger
+from gateway.admission.ledger_feed import ReleaseFeed
+from gateway.admission.ledger_redis import RedisLedger
+from gateway.admission.router import Router
 from gateway.batch.api import BatchEndpoints
 from gateway.batch.runner import BatchRunner
 from gateway.batch.service import Batches
@@ -38,14 +42,10 @@ from gateway.front.guard import head_bytes, head_too_large
 from gateway.front.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.front.request import Endpoint
 from gateway.front.response_homes import ResponseHomes
-from gateway.ledger import LocalLedger
-from gateway.ledger_feed import ReleaseFeed
-from gateway.ledger_redis import RedisLedger
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_route
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
 from gateway.redis_batch import RedisBatcher
-from gateway.router import Router
 from gateway.tracing import build_tracing
 from gateway.upstream import UpstreamPool
 from gateway.workers import MULTIPROC_ENV, publish_metrics

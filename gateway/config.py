@@ -96,7 +96,7 @@ class ReservationSettings(_Model):
     mode: Literal["learned", "max_tokens"] = "learned"
     quantile: float = Field(0.9, gt=0, le=1)  # of the completion lengths seen in the pool
     # backend: the quantile bounds the sum of the answers a backend holds at once;
-    # answer: each answer's own length (gateway/output_lengths.py)
+    # answer: each answer's own length (gateway/admission/output_lengths.py)
     quantile_of: Literal["backend", "answer"] = "backend"
     prior_tokens: int = Field(512, gt=0)  # the expected output until min_samples were seen
     min_samples: int = Field(50, gt=0)  # per pool; a tenant's own figure once it has this many
@@ -123,7 +123,7 @@ class PoolSettings(_Model):
     # admit against the backends' reported KV use too; back off on preemption or waiting
     feedback: bool = True
     # least_filled: the backend with the most room; prefix: the one likeliest to hold the
-    # prompt's prefix in its cache, unless that piles load on it (gateway/router.py)
+    # prompt's prefix in its cache, unless that piles load on it (gateway/admission/router.py)
     routing: Literal["least_filled", "prefix"] = "prefix"
 
 

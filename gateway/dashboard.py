@@ -22,11 +22,11 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from gateway.admin import json_response
+from gateway.admission.router import Router
 from gateway.clock import Clock
 from gateway.errors import SpillgateError, error_response
 from gateway.front.auth import AdminAuth
 from gateway.metrics import GatewayMetrics
-from gateway.router import Router
 
 Counts = dict[str, dict[str, int]]  # pool → outcome → requests
 

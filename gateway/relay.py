@@ -59,7 +59,7 @@ class Usage:
 
 
 class StreamWatch(Protocol):
-    """Counts what a stream relays (gateway/growth.py); `grow` when `seen` says so."""
+    """Counts what a stream relays (gateway/admission/growth.py); `grow` when `seen` says so."""
 
     def seen(self, out: bytes) -> bool: ...
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from gateway.admission.router import Router
 from gateway.config import PoolSettings
 from gateway.errors import UpstreamError
 from gateway.front.exchange import Exchange, Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
-from gateway.router import Router
 from policies.deps import PolicyDeps
 
 

@@ -8,12 +8,12 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
+from gateway.admission.router import Router
 from gateway.batch.service import Batches
 from gateway.clock import Clock
 from gateway.config import PoolSettings, Settings
 from gateway.metrics import GatewayMetrics
 from gateway.overflow import OverflowPolicy
-from gateway.router import Router
 from policies.provider.gate import ProviderGate
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from gateway.backends import Pool
+from gateway.admission.backends import Pool
 from gateway.batch.files import Upload, batch_lines
 from gateway.batch.store import BatchStore, Record
 from gateway.clock import Clock

@@ -22,12 +22,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Awaitable, Collection
 
+from gateway.admission.ledger import Reservation
 from gateway.errors import BackendUnavailable, InvalidRequest
 from gateway.front.exchange import Exchange, Served
 from gateway.front.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.front.request import Endpoint, InferenceRequest
 from gateway.front.response_homes import ResponseHomes, ResponseIdTap
-from gateway.ledger import Reservation
 
 # the overflow steps that can serve an embedding, and a response
 EMBEDDING_POLICIES = frozenset({"queue", "provider", "reject"})

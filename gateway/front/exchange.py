@@ -15,16 +15,16 @@ from tenacity import (
     stop_after_delay,
 )
 
+from gateway.admission.growth import Growth
+from gateway.admission.ledger import Reservation
+from gateway.admission.router import Router
 from gateway.clock import Clock
 from gateway.errors import UpstreamError, UpstreamTimeout
 from gateway.forward import Forwards, Target, UpstreamUnavailable
 from gateway.front.request import InferenceRequest
-from gateway.growth import Growth
-from gateway.ledger import Reservation
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
 from gateway.relay import Relayed, ResponseTap
-from gateway.router import Router
 
 if TYPE_CHECKING:
     from gateway.tracing import RequestTrace

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 
 from starlette.types import Message, Receive, Scope, Send
 
-from gateway.backends import Pool
+from gateway.admission.backends import Pool
+from gateway.admission.prefix_index import block_keys, prompt_bytes
+from gateway.admission.router import Router
 from gateway.clock import Clock
 from gateway.deadline import Sweep
 from gateway.errors import (
@@ -50,10 +52,8 @@ from gateway.front.request import (
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
 from gateway.overflow import Gate, OverflowPolicy, TapFactory
-from gateway.prefix_index import block_keys, prompt_bytes
 from gateway.ratelimit import Decision, RateLimiter
 from gateway.relay import ResponseTap
-from gateway.router import Router
 
 if TYPE_CHECKING:
     from gateway.tracing import RequestTrace, Tracing
@@ -359,7 +359,7 @@ class CompletionsEndpoint:
 
         A request that is not streamed cannot grow its reservation as it goes; it reserves
         the same expected output all the same, since the backends' reported KV use
-        (gateway/backend_load.py) covers an answer longer than that within a scrape.
+        (gateway/admission/backend_load.py) covers an answer longer than that within a scrape.
         """
         if pool.settings.reservation.mode == "max_tokens" or not request.max_output_tokens:
             return request  # the whole of max_tokens (or the pool's default); embeddings: 0

@@ -54,12 +54,12 @@ class InferenceRequest(NamedTuple):
     max_output_tokens: int  # what the backend may generate per choice; reserved on admission
     body: dict[str, Any]
     n: int = 1  # choices asked for: vLLM runs one sequence per choice
-    # the output one choice reserves on admission (gateway/output_lengths.py); 0: all of
+    # the output one choice reserves on admission (gateway/admission/output_lengths.py); 0: all of
     # max_output_tokens
     output_reserve: int = 0
     batchable: bool = False  # may wait: overflow may accept it into a batch (policies/batch.py)
     # the keys of its prompt's leading blocks and its session, where its pool routes by
-    # prefix (gateway/prefix_index.py)
+    # prefix (gateway/admission/prefix_index.py)
     prefix: tuple[bytes, ...] = ()
     session: str | None = None
 

@@ -15,11 +15,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from gateway.admission.ledger import Ledger, LocalLedger, Reservation
 from gateway.clock import Clock
 from gateway.config import ProviderSettings
 from gateway.errors import SpillgateError
 from gateway.forward import Target
-from gateway.ledger import Ledger, LocalLedger, Reservation
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import RateLimiter, TenantLimits
 

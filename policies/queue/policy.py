@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
+from gateway.admission.router import Router
 from gateway.clock import Clock
 from gateway.config import PoolSettings
 from gateway.deadline import Deadline
@@ -23,7 +24,6 @@ from gateway.front.exchange import Exchange, Served
 from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
-from gateway.router import Router
 from policies.deps import PolicyDeps
 from policies.queue.fair_queue import FairQueue, QueueResult, Waiter
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from gateway.admission.ledger import Reservation
+from gateway.admission.ledger_redis import RedisLedger
 from gateway.clock import ManualClock, SystemClock
-from gateway.ledger import Reservation
-from gateway.ledger_redis import RedisLedger
 from loadtest.harness import RedisProcess
 
 TIMEOUT_S = 0.05

@@ -14,13 +14,13 @@ import httpx
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.admission.backends import build_pools
+from gateway.admission.ledger_feed import ReleaseFeed
+from gateway.admission.ledger_redis import RedisLedger
+from gateway.admission.router import Router
 from gateway.app import create_app
-from gateway.backends import build_pools
 from gateway.clock import SystemClock
 from gateway.config import parse_settings
-from gateway.ledger_feed import ReleaseFeed
-from gateway.ledger_redis import RedisLedger
-from gateway.router import Router
 from loadtest.fleet import tenant
 from loadtest.harness import RedisProcess, ServerThread
 from loadtest.sim_app import create_sim_app

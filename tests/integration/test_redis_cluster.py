@@ -12,11 +12,11 @@ import httpx
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
+from gateway.admission.ledger_feed import ReleaseFeed
+from gateway.admission.ledger_redis import RedisLedger
 from gateway.app import create_app
 from gateway.clock import SystemClock
 from gateway.config import parse_settings
-from gateway.ledger_feed import ReleaseFeed
-from gateway.ledger_redis import RedisLedger
 from gateway.ratelimit import RedisRateLimiter, TenantLimits
 from gateway.redis_batch import RedisBatcher
 from loadtest.fleet import ADMIN_TOKEN, tenant

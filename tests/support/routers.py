@@ -3,11 +3,11 @@
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.backends import build_pools
+from gateway.admission.backends import build_pools
+from gateway.admission.ledger import LocalLedger
+from gateway.admission.router import Router
 from gateway.clock import ManualClock
 from gateway.config import parse_settings
-from gateway.ledger import LocalLedger
-from gateway.router import Router
 
 
 def local_router(

@@ -2,13 +2,13 @@
 
 import asyncio
 
-from gateway.backends import build_pools
+from gateway.admission.backends import build_pools
+from gateway.admission.ledger import LocalLedger
+from gateway.admission.router import Router
 from gateway.clock import ManualClock
 from gateway.config import parse_settings
 from gateway.dashboard import OutcomeHistory
-from gateway.ledger import LocalLedger
 from gateway.metrics import GatewayMetrics
-from gateway.router import Router
 
 
 def _history(

@@ -7,14 +7,14 @@ from typing import Any
 
 import pytest
 
-from gateway.backends import build_pools
+from gateway.admission.backends import build_pools
+from gateway.admission.ledger import LocalLedger
+from gateway.admission.router import Router
 from gateway.clock import ManualClock
 from gateway.config import ConfigError, hash_key, parse_settings
 from gateway.front.request import Endpoint, InferenceRequest
-from gateway.ledger import LocalLedger
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import LocalRateLimiter
-from gateway.router import Router
 from policies.deps import PolicyDeps
 from policies.provider.gate import build_gates
 from policies.registry import admission_gates, answer_taps, build_chain, registry

@@ -7,15 +7,15 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from gateway.backends import build_pools
+from gateway.admission.backends import build_pools
+from gateway.admission.ledger import LocalLedger
+from gateway.admission.router import Router
 from gateway.clock import ManualClock
 from gateway.config import BackendSettings, PoolSettings, Priority, QueueSettings
 from gateway.forward import Forwarder
 from gateway.front.exchange import Exchange, Holding
 from gateway.front.request import Endpoint, InferenceRequest
-from gateway.ledger import LocalLedger
 from gateway.metrics import GatewayMetrics
-from gateway.router import Router
 from gateway.upstream import UpstreamPool
 from policies.queue.fair_queue import QueueResult
 from policies.queue.policy import QueuePolicy

@@ -8,13 +8,13 @@ import pytest
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
-from gateway.backends import build_pools
+from gateway.admission.backends import build_pools
+from gateway.admission.ledger import LocalLedger
+from gateway.admission.ledger_feed import parse_message
+from gateway.admission.ledger_redis import RedisLedger, Seen, parse_reply
+from gateway.admission.router import Router
 from gateway.clock import ManualClock
 from gateway.config import ConfigError, hash_key, parse_settings
-from gateway.ledger import LocalLedger
-from gateway.ledger_feed import parse_message
-from gateway.ledger_redis import RedisLedger, Seen, parse_reply
-from gateway.router import Router
 from gateway.workers import WorkerSpec, refusal
 from loadtest.harness import free_port
 

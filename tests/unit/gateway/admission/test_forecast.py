@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
+from gateway.admission.forecast import HoldTimes, expected_hold_s, seconds_until_fits
+from gateway.admission.router import Router
 from gateway.clock import ManualClock
-from gateway.forecast import HoldTimes, expected_hold_s, seconds_until_fits
-from gateway.router import Router
 from tests.support.routers import local_router
 
 

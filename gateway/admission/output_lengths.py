@@ -4,7 +4,7 @@ A request reserves its prompt and this expected output, not the whole of `max_to
 answers end at an end-of-sequence token long before it. The figure comes from the completion
 lengths the pool's answers had, the tenant's own once it has `min_samples` of them, the
 pool's once the pool has, and a configured prior before that. A stream whose answer
-outgrows it grows its reservation as it goes (gateway/growth.py).
+outgrows it grows its reservation as it goes (gateway/admission/growth.py).
 
 By default (`quantile_of: backend`) the quantile (p90) bounds the sum of the answers a
 backend holds at once, not each answer: answers end independently, so n of them sum to

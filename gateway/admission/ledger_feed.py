@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from gateway.ledger_redis import RedisLedger, Seen
+from gateway.admission.ledger_redis import RedisLedger, Seen
 from gateway.tasks import stop_task
 
 log = logging.getLogger("spillgate.ledger")

@@ -3,7 +3,7 @@ request too large for the target fill served alone on an idle backend."""
 
 import asyncio
 
-from gateway.router import Router, kv_tokens
+from gateway.admission.router import Router, kv_tokens
 from tests.support.routers import local_router
 
 

@@ -3,13 +3,13 @@
 import asyncio
 from pathlib import Path
 
-from gateway.backend_load import STALE_S, ReportedLoad, load_from_metrics
+from gateway.admission.backend_load import STALE_S, ReportedLoad, load_from_metrics
+from gateway.admission.fill import FillReason
+from gateway.admission.router import Router
 from gateway.clock import ManualClock
-from gateway.fill import FillReason
-from gateway.router import Router
 from tests.support.routers import local_router
 
-METRICS_FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "vllm-0.32-metrics.txt"
+METRICS_FIXTURE = Path(__file__).resolve().parents[3] / "fixtures" / "vllm-0.32-metrics.txt"
 
 SGLANG = """\
 # HELP sglang:token_usage The token usage

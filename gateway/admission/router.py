@@ -6,11 +6,11 @@ import hashlib
 import math
 from collections.abc import Callable, Collection, Sequence
 
-from gateway.backends import Backend, Pool
+from gateway.admission.backends import Backend, Pool
+from gateway.admission.forecast import HoldTimes, expected_hold_s, seconds_until_fits
+from gateway.admission.ledger import Ledger, Reservation
 from gateway.clock import Clock
-from gateway.forecast import HoldTimes, expected_hold_s, seconds_until_fits
 from gateway.forward import Target
-from gateway.ledger import Ledger, Reservation
 
 ReleaseListener = Callable[[str], None]
 WaitingTokens = Callable[[], list[int]]  # the KV tokens of each request queued in a pool
@@ -97,7 +97,7 @@ class Router:
 
     def effective_fill(self, backend: Backend) -> float:
         """The fill admission aims at on `backend`: the target, or less after a back-off
-        (gateway/fill.py) while the backend's load is fresh."""
+        (gateway/admission/fill.py) while the backend's load is fresh."""
         settings = self.pools[backend.pool].settings
         fresh = settings.feedback and backend.reported_load(self.clock.monotonic()) is not None
         return backend.fill.fill if fresh else settings.target_fill
@@ -303,7 +303,7 @@ class Router:
 
     def retry_after(self, pool: str, tokens: int, *, sequences: int = 1) -> float:
         """Seconds until a request of `sequences` × `tokens` likely fits in the pool, behind
-        the requests already queued there (gateway/forecast.py)."""
+        the requests already queued there (gateway/admission/forecast.py)."""
         now = self.clock.monotonic()
         need = self.pool_kv_tokens(pool, tokens, sequences=sequences)
         recent = self._forecasts.get((pool, need))

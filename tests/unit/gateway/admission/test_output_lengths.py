@@ -3,8 +3,8 @@
 import math
 import random
 
+from gateway.admission.output_lengths import WINDOW, LengthQuantile, OutputLengths
 from gateway.config import ReservationSettings
-from gateway.output_lengths import WINDOW, LengthQuantile, OutputLengths
 
 
 def test_quantile_is_the_nearest_rank_rounded_up() -> None:

@@ -2,15 +2,15 @@
 
 The ledger knows what the gateway reserved; the backend knows what it really holds,
 including traffic that bypasses the gateway. Admission takes the larger of the two
-(gateway/router.py), and a backend that preempts sequences or keeps requests waiting
-lowers its effective fill (gateway/fill.py).
+(gateway/admission/router.py), and a backend that preempts sequences or keeps requests waiting
+lowers its effective fill (gateway/admission/fill.py).
 
 vLLM: `vllm:kv_cache_usage_perc` (0..1), `vllm:num_requests_waiting`,
 `vllm:num_preemptions_total` (a counter). SGLang: `sglang:token_usage` (0..1),
 `sglang:num_queue_reqs`, and `sglang:num_retracted_reqs` (requests it retracted, SGLang's
 preemption, a gauge: any is taken as a preemption). vLLM's prefix-cache counters
 (`vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`, in tokens) are read too,
-to show beside the prefix index's own guess (gateway/prefix_index.py). Engines of one
+to show beside the prefix index's own guess (gateway/admission/prefix_index.py). Engines of one
 server (data parallel) are averaged for the usage and added up for the rest.
 """
 
@@ -25,8 +25,8 @@ from typing import Protocol
 
 import httpx
 
+from gateway.admission.fill import FillReason
 from gateway.clock import Clock
-from gateway.fill import FillReason
 
 log = logging.getLogger("spillgate.backends")
 
@@ -102,7 +102,7 @@ BackoffListener = Callable[[str, FillReason], None]  # (backend, reason)
 
 
 class LoadReporting(Protocol):
-    """A backend as the load watcher sees it (gateway/backends.py's Backend)."""
+    """A backend as the load watcher sees it (gateway/admission/backends.py's Backend)."""
 
     @property
     def name(self) -> str: ...

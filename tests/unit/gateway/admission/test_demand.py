@@ -1,7 +1,7 @@
 """Refused demand is remembered only as long as it would have held capacity."""
 
+from gateway.admission.demand import PoolDemand
 from gateway.clock import ManualClock
-from gateway.demand import PoolDemand
 
 
 def test_refusals_are_forgotten_even_when_nobody_reads_the_demand() -> None:

@@ -1,14 +1,20 @@
 """Prefix routing: the index's guess of each backend's cached blocks, and the router's
-choice between that guess and load (gateway/prefix_index.py, Router._by_prefix)."""
+choice between that guess and load (gateway/admission/prefix_index.py, Router._by_prefix)."""
 
 import asyncio
 from collections import Counter
 
 import orjson
 
-from gateway.ledger import Reservation
-from gateway.prefix_index import CHARS_PER_TOKEN, MIN_ENTRIES, PrefixIndex, block_keys, prompt_bytes
-from gateway.router import Router
+from gateway.admission.ledger import Reservation
+from gateway.admission.prefix_index import (
+    CHARS_PER_TOKEN,
+    MIN_ENTRIES,
+    PrefixIndex,
+    block_keys,
+    prompt_bytes,
+)
+from gateway.admission.router import Router
 from tests.support.routers import local_router
 
 BLOCK = 16

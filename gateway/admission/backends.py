@@ -16,18 +16,18 @@ from dataclasses import dataclass, field
 import httpx
 import orjson
 
-from gateway.backend_load import STALE_S, ReportedLoad
+from gateway.admission.backend_load import STALE_S, ReportedLoad
+from gateway.admission.demand import PoolDemand
+from gateway.admission.discovery import ServedModel, capacity_from_metrics, models_from_listing
+from gateway.admission.fill import FillController, FillReason
+from gateway.admission.output_lengths import OutputLengths
+from gateway.admission.prefix_index import PrefixIndex
 from gateway.clock import Clock
 from gateway.config import BackendSettings, PoolSettings, ReservationSettings
 from gateway.config_references import backend_name
-from gateway.demand import PoolDemand
-from gateway.discovery import ServedModel, capacity_from_metrics, models_from_listing
 from gateway.errors import BackendUnavailable
-from gateway.fill import FillController, FillReason
 from gateway.forward import unreachable_reason
 from gateway.front.request import PromptEstimator
-from gateway.output_lengths import OutputLengths
-from gateway.prefix_index import PrefixIndex
 
 log = logging.getLogger("spillgate.backends")
 

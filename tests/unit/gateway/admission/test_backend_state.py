@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
-from gateway.backends import EJECT_S, FALLBACK_MAX_MODEL_LEN, Backend, build_pools
+from gateway.admission.backends import EJECT_S, FALLBACK_MAX_MODEL_LEN, Backend, build_pools
+from gateway.admission.discovery import ServedModel
 from gateway.clock import ManualClock
 from gateway.config import PoolSettings
-from gateway.discovery import ServedModel
 
 
 def backend(served_model: str = "m") -> Backend:

@@ -2,8 +2,8 @@
 
 import pytest
 
+from gateway.admission.fill import FillController, FillReason
 from gateway.clock import ManualClock
-from gateway.fill import FillController, FillReason
 
 
 def calm(fill: FillController, clock: ManualClock, seconds: float) -> None:

@@ -3,9 +3,9 @@ import math
 
 import pytest
 
+from gateway.admission.demand import PoolDemand, RateMeter
+from gateway.admission.router import Router
 from gateway.clock import ManualClock
-from gateway.demand import PoolDemand, RateMeter
-from gateway.router import Router
 from tests.support.routers import local_router
 
 

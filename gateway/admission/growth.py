@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
-from gateway.ledger import Reservation
-from gateway.router import Router
+from gateway.admission.ledger import Reservation
+from gateway.admission.router import Router
 
 _CHOICE = re.compile(rb'"choices"\s*:\s*\[\s*\{\s*"index"\s*:\s*(\d+)')
 

@@ -2,9 +2,9 @@
 
 import asyncio
 
-from gateway.growth import Growth
-from gateway.ledger import LocalLedger, Reservation
-from gateway.router import Router
+from gateway.admission.growth import Growth
+from gateway.admission.ledger import LocalLedger, Reservation
+from gateway.admission.router import Router
 from tests.support.routers import local_router
 
 

@@ -34,9 +34,9 @@ from typing import Any, Literal, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.admission.ledger import Reservation
 from gateway.clock import Clock
 from gateway.deadline import Deadline
-from gateway.ledger import Reservation
 from gateway.redis_batch import BatchScript, RedisBatcher, batcher_of
 from gateway.tasks import stop_task
 
@@ -49,7 +49,7 @@ T = TypeVar("T")
 
 
 def ledger_script() -> str:
-    return resources.files("gateway").joinpath("ledger.lua").read_text("utf-8")
+    return resources.files("gateway.admission").joinpath("ledger.lua").read_text("utf-8")
 
 
 @dataclass(frozen=True, slots=True)

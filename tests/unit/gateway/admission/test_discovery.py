@@ -2,7 +2,12 @@ from pathlib import Path
 
 import orjson
 
-from gateway.discovery import KvCache, ServedModel, capacity_from_metrics, models_from_listing
+from gateway.admission.discovery import (
+    KvCache,
+    ServedModel,
+    capacity_from_metrics,
+    models_from_listing,
+)
 from tests.conftest import VLLM_FIXTURES as FIXTURES
 
 
@@ -35,7 +40,7 @@ def test_no_capacity_metric_means_unknown() -> None:
     assert capacity_from_metrics("# TYPE up gauge\nup 1.0\n") is None
 
 
-MODELS_FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "vllm-0.32-models.json"
+MODELS_FIXTURE = Path(__file__).resolve().parents[3] / "fixtures" / "vllm-0.32-models.json"
 
 
 def test_reads_the_served_models_context_and_root_from_a_real_vllm_listing() -> None:

@@ -8,7 +8,7 @@ CHARS_PER_TOKEN bytes, and each block's key is a digest of everything up to its 
 backend is assumed to hold the blocks of the prompts routed to it lately: a bounded LRU per
 backend, about as many blocks as its KV cache holds, updated as requests are routed. It is
 a guess (vLLM evicts under its own pressure, and traffic that bypasses the gateway is not
-seen), which is why the router weighs it against load (gateway/router.py).
+seen), which is why the router weighs it against load (gateway/admission/router.py).
 """
 
 from __future__ import annotations
