@@ -35,7 +35,6 @@ from gateway.clock import Clock, SystemClock
 from gateway.config import Settings
 from gateway.dashboard import Dashboard, OutcomeHistory
 from gateway.errors import InvalidRequest, SpillgateError, error_response
-from gateway.forward import Forwarder
 from gateway.front.auth import AdminAuth, Authenticator
 from gateway.front.endpoints import EmbeddingsEndpoint, ResponsesEndpoint
 from gateway.front.guard import head_bytes, head_too_large
@@ -47,7 +46,8 @@ from gateway.openapi import openapi_route
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
 from gateway.redis_batch import RedisBatcher
 from gateway.tracing import build_tracing
-from gateway.upstream import UpstreamPool
+from gateway.upstream.forward import Forwarder
+from gateway.upstream.session import UpstreamPool
 from gateway.workers import MULTIPROC_ENV, publish_metrics
 from policies.deps import PolicyDeps
 from policies.provider.gate import build_gates

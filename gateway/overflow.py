@@ -11,7 +11,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 from gateway.front.exchange import Exchange, Served
 from gateway.front.request import InferenceRequest
-from gateway.relay import ResponseTap
+from gateway.upstream.relay import ResponseTap
 
 
 class OverflowPolicy(Protocol):

@@ -41,7 +41,7 @@ from redis.exceptions import (
     ResponseError,
 )
 
-from gateway.deadline import Sweep
+from gateway.upstream.deadline import Sweep
 
 log = logging.getLogger("spillgate.redis")
 

@@ -36,15 +36,15 @@ from starlette.types import Message, Scope, Send
 
 from gateway.config import TracingSettings
 from gateway.errors import SpillgateError
-from gateway.forward import Forwards, UpstreamUnavailable
 from gateway.outcome import Outcome
-from gateway.relay import Relayed, ResponseTap, StreamWatch, Usage
+from gateway.upstream.forward import Forwards, UpstreamUnavailable
+from gateway.upstream.relay import Relayed, ResponseTap, StreamWatch, Usage
 
 if TYPE_CHECKING:
-    from gateway.forward import Target
     from gateway.front.exchange import Exchange, Served
     from gateway.front.request import InferenceRequest
     from gateway.overflow import OverflowPolicy
+    from gateway.upstream.forward import Target
 
 OTLP_TRACES_PATH = "/v1/traces"
 DEFAULT_OTLP_ENDPOINT = "http://localhost:4318"  # the OTLP/HTTP default, as the SDK has it

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from gateway.upstream import UpstreamPool
+from gateway.upstream.session import UpstreamPool
 
 MODEL = "bench-model"
 CHUNKS = int(os.environ.get("BENCH_STREAM_CHUNKS", "32"))

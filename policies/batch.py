@@ -23,7 +23,7 @@ from gateway.errors import SpillgateError
 from gateway.front.exchange import Exchange, Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
-from gateway.relay import JSON_HEADERS, Relayed, Usage
+from gateway.upstream.relay import JSON_HEADERS, Relayed, Usage
 from policies.deps import PolicyDeps
 
 BATCH_TARGET = "batch"  # the `target` a request accepted into the batch tier is served by

@@ -26,8 +26,8 @@ from gateway.clock import Clock
 from gateway.config import BackendSettings, PoolSettings, ReservationSettings
 from gateway.config_references import backend_name
 from gateway.errors import BackendUnavailable
-from gateway.forward import unreachable_reason
 from gateway.front.request import PromptEstimator
+from gateway.upstream.forward import unreachable_reason
 
 log = logging.getLogger("spillgate.backends")
 

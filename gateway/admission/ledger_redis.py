@@ -36,9 +36,9 @@ from redis.exceptions import RedisError
 
 from gateway.admission.ledger import Reservation
 from gateway.clock import Clock
-from gateway.deadline import Deadline
 from gateway.redis_batch import BatchScript, RedisBatcher, batcher_of
 from gateway.tasks import stop_task
+from gateway.upstream.deadline import Deadline
 
 log = logging.getLogger("spillgate.ledger")
 

@@ -20,11 +20,11 @@ from gateway.admission.ledger import Reservation
 from gateway.admission.router import Router
 from gateway.clock import Clock
 from gateway.errors import UpstreamError, UpstreamTimeout
-from gateway.forward import Forwards, Target, UpstreamUnavailable
 from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
-from gateway.relay import Relayed, ResponseTap
+from gateway.upstream.forward import Forwards, Target, UpstreamUnavailable
+from gateway.upstream.relay import Relayed, ResponseTap
 
 if TYPE_CHECKING:
     from gateway.tracing import RequestTrace

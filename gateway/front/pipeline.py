@@ -21,7 +21,6 @@ from gateway.admission.backends import Pool
 from gateway.admission.prefix_index import block_keys, prompt_bytes
 from gateway.admission.router import Router
 from gateway.clock import Clock
-from gateway.deadline import Sweep
 from gateway.errors import (
     ContextLengthExceeded,
     LimiterUnavailable,
@@ -32,7 +31,6 @@ from gateway.errors import (
     Throttled,
     error_response,
 )
-from gateway.forward import Forwarder
 from gateway.front.auth import Authenticator, Tenant
 from gateway.front.exchange import Exchange, Holding, Served
 from gateway.front.guard import body_too_large
@@ -53,7 +51,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
 from gateway.overflow import Gate, OverflowPolicy, TapFactory
 from gateway.ratelimit import Decision, RateLimiter
-from gateway.relay import ResponseTap
+from gateway.upstream.deadline import Sweep
+from gateway.upstream.forward import Forwarder
+from gateway.upstream.relay import ResponseTap
 
 if TYPE_CHECKING:
     from gateway.tracing import RequestTrace, Tracing
@@ -125,7 +125,7 @@ class RequestWatch:
     """One per request: it bounds the body's arrival, then watches for a disconnect, and
     sees the response go out (`send`).
 
-    It is first due `after_s` in, on the loop's Sweep (gateway/deadline.py), which holds
+    It is first due `after_s` in, on the loop's Sweep (gateway/upstream/deadline.py), which holds
     it without a timer of its own. A body still arriving then has until `read_s` after
     the start, or the handling task is cancelled (`read_timed_out`, answered 408). Once
     the body has arrived (and no sooner, since the handler itself reads it), a task waits

@@ -37,11 +37,11 @@ from collections.abc import Awaitable, Callable
 from typing import Literal, TypeVar
 
 from gateway.clock import Clock
-from gateway.deadline import Deadline
 from gateway.ratelimit import bucket
 from gateway.ratelimit.base import Decision, StoreError, TenantLimits
 from gateway.ratelimit.local import LocalRateLimiter
 from gateway.ratelimit.redis_limiter import RedisRateLimiter
+from gateway.upstream.deadline import Deadline
 
 FailureMode = Literal["local", "allow", "deny"]
 Mode = Literal["shared", "local", "allow", "deny"]

@@ -26,7 +26,7 @@ from gateway.config import CacheSettings, PoolSettings
 from gateway.front.exchange import Exchange, Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
-from gateway.relay import JSON_HEADERS, send_json_body
+from gateway.upstream.relay import JSON_HEADERS, send_json_body
 from policies.cache.recorder import AnswerRecorder, send_replay
 from policies.cache.store import LocalResponseCache, RedisResponseCache, ResponseCache
 from policies.deps import PolicyDeps

@@ -17,7 +17,7 @@ import orjson
 from starlette.types import Send
 
 from gateway.front.request import Endpoint
-from gateway.relay import DONE, SSE_HEADERS, Relayed, Usage
+from gateway.upstream.relay import DONE, SSE_HEADERS, Relayed, Usage
 
 Document = dict[str, Any]
 

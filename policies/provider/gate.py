@@ -19,9 +19,9 @@ from gateway.admission.ledger import Ledger, LocalLedger, Reservation
 from gateway.clock import Clock
 from gateway.config import ProviderSettings
 from gateway.errors import SpillgateError
-from gateway.forward import Target
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import RateLimiter, TenantLimits
+from gateway.upstream.forward import Target
 
 UNLIMITED_REQUESTS = 1_000_000_000  # a provider's budget counts tokens only
 

@@ -15,11 +15,11 @@ import logging
 from typing import ClassVar
 
 from gateway.config import PoolSettings
-from gateway.forward import UpstreamUnavailable
 from gateway.front.exchange import Exchange, Served
 from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
+from gateway.upstream.forward import UpstreamUnavailable
 from policies.deps import PolicyDeps
 from policies.provider.gate import ProviderGate, Refusal
 

@@ -19,11 +19,11 @@ from typing import ClassVar
 from gateway.admission.router import Router
 from gateway.clock import Clock
 from gateway.config import PoolSettings
-from gateway.deadline import Deadline
 from gateway.front.exchange import Exchange, Served
 from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
+from gateway.upstream.deadline import Deadline
 from policies.deps import PolicyDeps
 from policies.queue.fair_queue import FairQueue, QueueResult, Waiter
 

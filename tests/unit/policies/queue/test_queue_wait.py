@@ -12,11 +12,11 @@ from gateway.admission.ledger import LocalLedger
 from gateway.admission.router import Router
 from gateway.clock import ManualClock
 from gateway.config import BackendSettings, PoolSettings, Priority, QueueSettings
-from gateway.forward import Forwarder
 from gateway.front.exchange import Exchange, Holding
 from gateway.front.request import Endpoint, InferenceRequest
 from gateway.metrics import GatewayMetrics
-from gateway.upstream import UpstreamPool
+from gateway.upstream.forward import Forwarder
+from gateway.upstream.session import UpstreamPool
 from policies.queue.fair_queue import QueueResult
 from policies.queue.policy import QueuePolicy
 

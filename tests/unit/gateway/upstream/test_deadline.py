@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import uvloop
 
-from gateway import deadline as deadline_module
-from gateway.deadline import Deadline, Sweep
+from gateway.upstream import deadline as deadline_module
+from gateway.upstream.deadline import Deadline, Sweep
 
 
 def run(main: Callable[[], Awaitable[Any]]) -> Any:

@@ -14,9 +14,9 @@ from starlette.types import Send
 from yarl import URL
 
 from gateway.config import Timeouts
-from gateway.deadline import Deadline
 from gateway.front.request import Endpoint, InferenceRequest
-from gateway.relay import (
+from gateway.upstream.deadline import Deadline
+from gateway.upstream.relay import (
     JSON_HEADERS,
     SSE_HEADERS,
     Relayed,
@@ -26,7 +26,7 @@ from gateway.relay import (
     relay_stream,
     send_json_body,
 )
-from gateway.upstream import UpstreamPool
+from gateway.upstream.session import UpstreamPool
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

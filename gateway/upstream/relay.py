@@ -25,7 +25,7 @@ import aiohttp
 import orjson
 from starlette.types import Send
 
-from gateway.deadline import Deadline
+from gateway.upstream.deadline import Deadline
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),

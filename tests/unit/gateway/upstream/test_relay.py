@@ -5,7 +5,7 @@ import orjson
 import pytest
 from starlette.types import Message
 
-from gateway.relay import HIDDEN_ERROR, StreamRelay, model_swap, send_json_body
+from gateway.upstream.relay import HIDDEN_ERROR, StreamRelay, model_swap, send_json_body
 from tests.vllm_capture import sse
 
 CHUNK = b'data: {"id":"c","model":"served","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
