@@ -20,7 +20,6 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.admin import AdminEndpoints
 from gateway.admission.backend_load import LoadWatcher
 from gateway.admission.backends import FleetWatcher, Pool, build_pools
 from gateway.admission.ledger import LocalLedger
@@ -33,7 +32,6 @@ from gateway.batch.service import Batches
 from gateway.batch.store import BatchStore, DirStore, RedisStore
 from gateway.clock import Clock, SystemClock
 from gateway.config import Settings
-from gateway.dashboard import Dashboard, OutcomeHistory
 from gateway.errors import InvalidRequest, SpillgateError, error_response
 from gateway.front.auth import AdminAuth, Authenticator
 from gateway.front.endpoints import EmbeddingsEndpoint, ResponsesEndpoint
@@ -42,7 +40,9 @@ from gateway.front.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.front.request import Endpoint
 from gateway.front.response_homes import ResponseHomes
 from gateway.metrics import GatewayMetrics
-from gateway.openapi import openapi_route
+from gateway.ops.admin import AdminEndpoints
+from gateway.ops.dashboard import Dashboard, OutcomeHistory
+from gateway.ops.openapi import openapi_route
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
 from gateway.redis_batch import RedisBatcher
 from gateway.tracing import build_tracing

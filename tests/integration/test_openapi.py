@@ -18,7 +18,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from gateway.openapi import openapi_document
+from gateway.ops.openapi import openapi_document
 from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
 from loadtest.sim_config import SimConfig
 

@@ -1,4 +1,4 @@
-"""The gateway's OpenAPI description (gateway/openapi.yaml), served as JSON at /openapi.json."""
+"""The gateway's OpenAPI description (gateway/ops/openapi.yaml), served as JSON at /openapi.json."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ OPENAPI_PATH = "/openapi.json"
 
 
 def openapi_document() -> dict[str, Any]:
-    text = resources.files("gateway").joinpath("openapi.yaml").read_text("utf-8")
+    text = resources.files("gateway.ops").joinpath("openapi.yaml").read_text("utf-8")
     document: dict[str, Any] = yaml.safe_load(text)
     return document
 

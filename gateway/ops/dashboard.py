@@ -21,12 +21,12 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from gateway.admin import json_response
 from gateway.admission.router import Router
 from gateway.clock import Clock
 from gateway.errors import SpillgateError, error_response
 from gateway.front.auth import AdminAuth
 from gateway.metrics import GatewayMetrics
+from gateway.ops.admin import json_response
 
 Counts = dict[str, dict[str, int]]  # pool → outcome → requests
 
@@ -150,7 +150,7 @@ class OutcomeHistory:
 
 
 def _page() -> str:
-    return resources.files("gateway").joinpath("dashboard.html").read_text("utf-8")
+    return resources.files("gateway.ops").joinpath("dashboard.html").read_text("utf-8")
 
 
 class Dashboard:

@@ -7,8 +7,8 @@ from gateway.admission.ledger import LocalLedger
 from gateway.admission.router import Router
 from gateway.clock import ManualClock
 from gateway.config import parse_settings
-from gateway.dashboard import OutcomeHistory
 from gateway.metrics import GatewayMetrics
+from gateway.ops.dashboard import OutcomeHistory
 
 
 def _history(
