@@ -11,7 +11,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from loadtest.charts import PALETTE, LineChart, Series, render_svg
+from gateway.capacity.charts import PALETTE, LineChart, Series, render_svg
 from loadtest.loadgen_svg import StackedChart, render_stacked
 from loadtest.loadgen_text import (
     COLUMNS,

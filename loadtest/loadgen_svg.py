@@ -1,6 +1,6 @@
 """A stacked-area SVG chart (outcomes per second, stacked) with an optional line on top.
 
-Line charts come from `loadtest.charts`; this adds the one shape it lacks, drawn to the
+Line charts come from `gateway.capacity.charts`; this adds the one shape it lacks, drawn to the
 same look: white ground, grey frame, ticks from `charts.nice_ticks`, legend on the right.
 """
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
-from loadtest.charts import PALETTE, nice_ticks
+from gateway.capacity.charts import PALETTE, nice_ticks
 
 OUTCOME_COLORS = {
     "local": "#2ca02c",

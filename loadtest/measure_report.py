@@ -150,7 +150,7 @@ def report_json(
 
 
 def write_chart(path: Path, result: Measurement, prediction: Prediction | None) -> None:
-    from loadtest.charts import LineChart, Marker, Series, write_svg
+    from gateway.capacity.charts import LineChart, Marker, Series, write_svg
 
     xs = [level.concurrency for level in result.levels]
     tokens = [

@@ -121,7 +121,7 @@ def chart_concurrencies(plan: Plan, *, points: int = 48) -> list[int]:
 
 
 def write_chart(plan: Plan, path: Path) -> None:
-    from loadtest.charts import LineChart, Marker, Series, write_svg
+    from gateway.capacity.charts import LineChart, Marker, Series, write_svg
 
     load = throughput.curve(plan.profile, plan.workload, chart_concurrencies(plan))
     markers = [

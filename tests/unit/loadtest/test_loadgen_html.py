@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from loadtest.charts import LineChart, Series, render_svg
+from gateway.capacity.charts import LineChart, Series, render_svg
 from loadtest.loadgen_html import _fill_chart
 from loadtest.loadgen_svg import StackedChart, render_stacked
 

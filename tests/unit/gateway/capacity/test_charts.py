@@ -5,7 +5,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from loadtest.charts import LineChart, Marker, Series, nice_ticks, render_svg, write_svg
+from gateway.capacity.charts import LineChart, Marker, Series, nice_ticks, render_svg, write_svg
 
 SVG = "{http://www.w3.org/2000/svg}"
 
