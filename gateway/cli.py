@@ -13,13 +13,16 @@ from typing import Protocol, cast
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("gateway.serve", "run the gateway from a YAML config"),
-    "demo": ("loadtest.demo", "run a whole local fleet: gateway, simulated backends, provider"),
+    "demo": ("loadtest.sim.demo", "run a whole local fleet: gateway, simulated backends, provider"),
     "plan": ("gateway.capacity.cli", "capacity plan: KV-cache sessions, tokens/s, GPUs needed"),
-    "sim": ("loadtest.sim", "simulated vLLM replica (or external provider)"),
-    "loadtest": ("loadtest.generator", "open-loop streaming load generator"),
-    "drill": ("loadtest.drill", "spike drill: fails loudly if an overflow path is broken"),
-    "measure": ("loadtest.measure", "measure batch fill vs TTFT of a live endpoint"),
-    "bench": ("loadtest.bench", "gateway overhead benchmark against a raw relay and others"),
+    "sim": ("loadtest.sim.cli", "simulated vLLM replica (or external provider)"),
+    "loadtest": ("loadtest.loadgen.cli", "open-loop streaming load generator"),
+    "drill": ("loadtest.drill.cli", "spike drill: fails loudly if an overflow path is broken"),
+    "measure": ("loadtest.measure.cli", "measure batch fill vs TTFT of a live endpoint"),
+    "bench": (
+        "loadtest.bench.overhead",
+        "gateway overhead benchmark against a raw relay and others",
+    ),
 }
 
 

@@ -15,8 +15,8 @@ import httpx
 from gateway.app import create_app
 from gateway.config import Settings, parse_settings
 from loadtest.harness import ServerThread
-from loadtest.sim_app import create_sim_app
-from loadtest.sim_config import SimConfig
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
 
 ADMIN_TOKEN = "test-admin-token"
 

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from gateway.cli import COMMANDS
-from loadtest.sim import provider_config, sim_config
-from loadtest.sim_config import resolve
+from loadtest.sim.cli import provider_config, sim_config
+from loadtest.sim.config import resolve
 from tests.deploy.kustomize import pod_spec, render
 
 ROOT = Path(__file__).resolve().parents[2]

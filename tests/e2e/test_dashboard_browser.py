@@ -14,7 +14,7 @@ from gateway.app import create_app
 from gateway.config import parse_settings
 from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet, tenant
 from loadtest.harness import ServerThread, free_port
-from loadtest.sim_config import SimConfig
+from loadtest.sim.config import SimConfig
 from tests.e2e.browser import dump_dom, needs_chromium, png_facts, screenshot
 
 pytestmark = needs_chromium

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from loadtest import generator
 from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
-from loadtest.sim_config import SimConfig
+from loadtest.loadgen import cli as generator
+from loadtest.sim.config import SimConfig
 from tests.e2e.browser import dump_dom, needs_chromium, png_facts, screenshot
 
 pytestmark = needs_chromium

@@ -16,7 +16,7 @@ import orjson
 from gateway.app import create_app
 from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
 from loadtest.harness import ServerThread
-from loadtest.sim_config import SimConfig
+from loadtest.sim.config import SimConfig
 
 POOL = "chat"
 TERMINAL = ("completed", "cancelled", "expired", "failed")

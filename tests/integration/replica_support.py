@@ -26,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.fleet import ADMIN_TOKEN, admin_status, tenant
 from loadtest.harness import ServerThread, free_port
-from loadtest.sim_app import create_sim_app
-from loadtest.sim_config import SimConfig
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
 
 KV_TOKENS = 1024
 TARGET_FILL = 0.85

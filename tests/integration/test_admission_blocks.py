@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from loadtest.fleet import Fleet, run_fleet
-from loadtest.sim_config import SimConfig
+from loadtest.sim.config import SimConfig
 from tests.integration.overflow_support import sample
 
 PROMPT = list(range(100, 206))  # 106 token ids

@@ -24,8 +24,8 @@ from gateway.app import create_app
 from gateway.config import parse_settings
 from loadtest.fleet import ADMIN_TOKEN, Fleet, tenant
 from loadtest.harness import ServerThread, free_port, wait_for_port
-from loadtest.sim_app import create_sim_app
-from loadtest.sim_config import SimConfig
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
 from tests.integration.fault_support import FaultBackend, chat
 
 KEY = "sk-health-" + secrets.token_hex(8)

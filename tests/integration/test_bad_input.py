@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from loadtest.fleet import run_fleet
-from loadtest.sim_config import SimConfig
+from loadtest.sim.config import SimConfig
 
 MSG = [{"role": "user", "content": "hi"}]
 

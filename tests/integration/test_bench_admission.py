@@ -1,4 +1,4 @@
-"""`python -m loadtest.bench_admission` end to end on the simulator, in tiny sizes: the
+"""`python -m loadtest.bench.admission` end to end on the simulator, in tiny sizes: the
 plumbing (processes, arms, sampling, medians, targets, JSON), not a measurement."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench_admission import main, streaming_at_once
-from loadtest.loadgen_client import Result
+from loadtest.bench.admission import main, streaming_at_once
+from loadtest.loadgen.client import Result
 
 ARMS = ["static", "per answer", "learned", "direct"]
 

@@ -1,4 +1,4 @@
-"""`python -m loadtest.bench_builds`: two builds side by side, each round beside the raw relay."""
+"""`python -m loadtest.bench.builds`: two builds side by side, each round beside the raw relay."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench_builds import RAW, compare, summary
+from loadtest.bench.builds import RAW, compare, summary
 
 ROOT = Path(__file__).resolve().parents[2]
 

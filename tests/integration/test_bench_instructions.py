@@ -1,4 +1,4 @@
-"""`python -m loadtest.bench_instructions`: its plumbing, in seconds. A count of the gateway's
+"""`python -m loadtest.bench.instructions`: its plumbing, in seconds. A count of the gateway's
 own instructions takes minutes under callgrind (imports alone run 2.5 billion); that is the
 benchmark's to run, not the test suite's."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench import _uvicorn
-from loadtest.bench_instructions import ARMS, callgrind_total, child_command
+from loadtest.bench.instructions import ARMS, callgrind_total, child_command
+from loadtest.bench.overhead import _uvicorn
 from loadtest.harness import free_port, serving_process
 
 needs_valgrind = pytest.mark.skipif(
@@ -37,7 +37,7 @@ def test_a_command_that_fails_under_callgrind_is_an_error_not_a_count(tmp_path: 
 
 def test_the_child_sends_its_requests_through_each_arm_and_checks_the_answers() -> None:
     port = free_port()
-    with serving_process(_uvicorn("loadtest.bench_apps:backend", port), port) as backend:
+    with serving_process(_uvicorn("loadtest.bench.apps:backend", port), port) as backend:
         for arm in ARMS:
             done = subprocess.run(
                 child_command(arm, 3, backend), capture_output=True, text=True, timeout=60

@@ -1,9 +1,9 @@
-"""`python -m loadtest.bench_ops`: the bytecode each arm runs per request, against the real
+"""`python -m loadtest.bench.ops`: the bytecode each arm runs per request, against the real
 zero-delay backend."""
 
 from __future__ import annotations
 
-from loadtest.bench_ops import TRACED, count
+from loadtest.bench.ops import TRACED, count
 
 
 def test_counts_each_arms_own_bytecode_and_the_gateway_runs_more_than_the_raw_relay() -> None:

@@ -1,4 +1,4 @@
-"""`python -m loadtest.bench_prefix` end to end in tiny sizes: the plumbing (backends per
+"""`python -m loadtest.bench.prefix` end to end in tiny sizes: the plumbing (backends per
 arm, gateways, sampling, counters, targets, JSON), not a measurement."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench_prefix import ARMS, Plan, main, workload
+from loadtest.bench.prefix import ARMS, Plan, main, workload
 
 
 def test_every_chat_turn_resends_the_chat_so_far_in_order() -> None:

@@ -13,7 +13,7 @@ import redis
 
 from loadtest.fleet import Fleet, run_fleet
 from loadtest.harness import RedisProcess
-from loadtest.sim_config import SimConfig
+from loadtest.sim.config import SimConfig
 from tests.integration.overflow_support import (
     STATIC_RESERVATION,
     async_client,

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
-from loadtest.sim_config import SimConfig
+from loadtest.sim.config import SimConfig
 from tests.integration.overflow_support import sample
 
 MSG = [{"role": "user", "content": "Hi"}]  # the gateway estimates 5 prompt tokens

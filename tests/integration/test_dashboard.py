@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
-from loadtest.sim_config import SimConfig
+from loadtest.sim.config import SimConfig
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import yaml
 
 from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
 from loadtest.harness import free_port
-from loadtest.sim_config import SimConfig
+from loadtest.sim.config import SimConfig
 
 DRILL_TIMEOUT_S = 150
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
-from loadtest.sim_config import SimConfig
+from loadtest.sim.config import SimConfig
 from tests.integration.test_drill import drill
 
 

@@ -25,9 +25,9 @@ from gateway.app import create_app
 from gateway.config import parse_settings
 from loadtest.fleet import ADMIN_TOKEN, Fleet, tenant
 from loadtest.harness import ServerThread, free_port
-from loadtest.provider_sim import ProviderConfig, create_provider_app
-from loadtest.sim_app import create_sim_app
-from loadtest.sim_config import SimConfig
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
+from loadtest.sim.provider import ProviderConfig, create_provider_app
 from tests.integration.fault_support import (
     Book,
     FaultBackend,

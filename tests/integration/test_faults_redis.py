@@ -22,8 +22,8 @@ from gateway.config import parse_settings
 from loadtest.fault_proxy import DelayProxy
 from loadtest.fleet import ADMIN_TOKEN, Fleet, tenant
 from loadtest.harness import RedisProcess, ServerThread, free_port
-from loadtest.sim_app import create_sim_app
-from loadtest.sim_config import SimConfig
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
 from tests.integration.fault_support import Book, chat, metric_sum, usage_total
 
 TIME_BUDGET_S = 0.25

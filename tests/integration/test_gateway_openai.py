@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from loadtest.fleet import Fleet, run_fleet
-from loadtest.sim_config import SimConfig
+from loadtest.sim.config import SimConfig
 
 
 @pytest.fixture(scope="module")

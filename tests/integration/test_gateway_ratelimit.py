@@ -34,8 +34,8 @@ from starlette.routing import Route
 
 from gateway.config import hash_key
 from loadtest.harness import RedisProcess, ServerThread, free_port
-from loadtest.sim_app import create_sim_app
-from loadtest.sim_config import SimConfig
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBFAKETIME = next(iter(sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))), None)

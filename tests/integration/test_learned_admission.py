@@ -1,6 +1,6 @@
 """Admission by what the backends really hold, against a simulator whose answers end early.
 
-The simulator ends answers at a sampled EOS, as a real model does (loadtest/sim_lengths.py):
+The simulator ends answers at a sampled EOS, as a real model does (loadtest/sim/lengths.py):
 the gateway reserves the expected output, grows a stream's reservation as it goes, and
 reads the backend's own KV use, so it admits what fits at once and never makes it preempt.
 """
@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from loadtest.fleet import Fleet, run_fleet
-from loadtest.sim_config import SimConfig
+from loadtest.sim.config import SimConfig
 
 MSG = [{"role": "user", "content": "Tell me a story"}]
 

@@ -23,8 +23,8 @@ from gateway.clock import SystemClock
 from gateway.config import parse_settings
 from loadtest.fleet import tenant
 from loadtest.harness import RedisProcess, ServerThread
-from loadtest.sim_app import create_sim_app
-from loadtest.sim_config import SimConfig
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
 
 TIMEOUT_S = 0.5
 POLL_S = 0.05

@@ -23,8 +23,8 @@ import pytest
 
 from gateway.cli import main
 from loadtest.harness import free_port, serving_process
-from loadtest.measure import MeasureConfig, MeasureError, one_request, open_endpoint
-from loadtest.sim_config import DEFAULT_STEP_COST
+from loadtest.measure.cli import MeasureConfig, MeasureError, one_request, open_endpoint
+from loadtest.sim.config import DEFAULT_STEP_COST
 
 SPEED = 20.0
 ATTEMPTS = 3

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from loadtest.fleet import Fleet, run_fleet
-from loadtest.sim_config import SimConfig
+from loadtest.sim.config import SimConfig
 
 MSG = [{"role": "user", "content": "Hi"}]  # the gateway estimates 5 prompt tokens
 STATIC = {"mode": "max_tokens"}

@@ -20,7 +20,7 @@ from schemathesis.specs.openapi.checks import (
 
 from gateway.ops.openapi import openapi_document
 from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
-from loadtest.sim_config import SimConfig
+from loadtest.sim.config import SimConfig
 
 EXAMPLES_PER_OPERATION = 25
 CHECKS = [

@@ -16,8 +16,8 @@ import pytest
 
 from loadtest.fleet import Fleet, run_fleet
 from loadtest.harness import ServerThread
-from loadtest.sim_app import create_sim_app
-from loadtest.sim_config import SimConfig
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
 from tests.integration.overflow_support import sample, wait_for
 
 CHAT, EMBED = "chat", "embed"

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from loadtest.fleet import Fleet, run_fleet
-from loadtest.sim_config import SimConfig
+from loadtest.sim.config import SimConfig
 from tests.integration.overflow_support import (
     STATIC_RESERVATION,
     async_client,

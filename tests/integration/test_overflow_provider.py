@@ -15,8 +15,8 @@ import httpx
 
 from loadtest.fleet import Fleet
 from loadtest.harness import ServerThread
-from loadtest.provider_sim import ProviderConfig
-from loadtest.sim_config import SimConfig
+from loadtest.sim.config import SimConfig
+from loadtest.sim.provider import ProviderConfig
 from tests.integration.overflow_support import chat, provider_fleet, provider_stats, sample
 
 KEY = "sk-hosted"

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from loadtest.fleet import Fleet, run_fleet
-from loadtest.loadgen_scrape import backend_state
-from loadtest.sim_config import SimConfig
+from loadtest.loadgen.scrape import backend_state
+from loadtest.sim.config import SimConfig
 
 SYSTEM = {"role": "system", "content": "You answer questions about the fleet. " * 60}
 

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.fleet import Fleet, run_fleet
-from loadtest.sim_config import SimConfig
+from loadtest.sim.config import SimConfig
 from tests.integration.overflow_support import async_client, chat, flooding, p99, steady
 
 SLOTS = 12  # requests of ~16 tokens that fit the pool at once

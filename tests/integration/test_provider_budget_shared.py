@@ -12,9 +12,9 @@ from gateway.app import create_app
 from gateway.config import parse_settings
 from loadtest.fleet import tenant
 from loadtest.harness import RedisProcess, ServerThread
-from loadtest.provider_sim import ProviderConfig, create_provider_app
-from loadtest.sim_app import create_sim_app
-from loadtest.sim_config import SimConfig
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
+from loadtest.sim.provider import ProviderConfig, create_provider_app
 
 KEY = "sk-tenant-budget"
 PROVIDER_KEY = "sk-provider-budget"

@@ -7,8 +7,8 @@ import openai
 import pytest
 
 from loadtest.harness import ServerThread
-from loadtest.provider_sim import ProviderConfig, create_provider_app
-from loadtest.sim_tokens import chat_prompt_tokens
+from loadtest.sim.provider import ProviderConfig, create_provider_app
+from loadtest.sim.tokens import chat_prompt_tokens
 
 KEY = "sk-provider-test"
 MESSAGES = [{"role": "user", "content": "Summarise the spill policy in one line."}]

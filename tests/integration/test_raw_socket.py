@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from loadtest.fleet import Fleet, run_fleet
-from loadtest.sim_config import SimConfig
+from loadtest.sim.config import SimConfig
 
 BODY_LIMIT = 8192
 READ_DEADLINE_S = 0.5

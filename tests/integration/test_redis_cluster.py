@@ -21,8 +21,8 @@ from gateway.ratelimit import RedisRateLimiter, TenantLimits
 from gateway.redis_batch import RedisBatcher
 from loadtest.fleet import ADMIN_TOKEN, tenant
 from loadtest.harness import ServerThread
-from loadtest.sim_app import create_sim_app
-from loadtest.sim_config import SimConfig
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
 from policies.cache.store import RedisResponseCache
 from tests.integration.cluster_support import redis_cluster
 from tests.integration.replica_support import sample

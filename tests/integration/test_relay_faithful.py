@@ -22,8 +22,8 @@ from gateway.app import create_app
 from gateway.config import parse_settings
 from loadtest.fleet import ADMIN_TOKEN, Fleet, tenant
 from loadtest.harness import ServerThread
-from loadtest.sim_app import create_sim_app
-from loadtest.sim_config import SimConfig
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
 from tests.vllm_capture import sse
 
 SERVED = {"tiny": "tiny-served", "spaced": "spaced-served"}

@@ -23,8 +23,8 @@ import yaml
 
 from loadtest.fleet import tenant
 from loadtest.harness import RedisProcess, ServerThread
-from loadtest.sim_app import create_sim_app
-from loadtest.sim_config import SimConfig
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
 from tests.integration.replica_support import GatewayProcess, start_gateways
 
 BURST = 300

@@ -13,8 +13,8 @@ import pytest
 
 from gateway.cli import main
 from loadtest.harness import RedisProcess, ServerThread
-from loadtest.sim_app import create_sim_app
-from loadtest.sim_config import SimConfig
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
 from tests.integration.replica_support import (
     KV_TOKENS,
     backend_stats,

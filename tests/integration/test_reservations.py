@@ -12,7 +12,7 @@ from starlette.types import Receive, Scope, Send
 
 from loadtest.fleet import Fleet, run_fleet
 from loadtest.harness import ServerThread, free_port
-from loadtest.sim_config import SimConfig
+from loadtest.sim.config import SimConfig
 
 CHAT = {"messages": [{"role": "user", "content": "Tell me a story"}]}
 

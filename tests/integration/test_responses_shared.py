@@ -12,8 +12,8 @@ from gateway.app import create_app
 from gateway.config import parse_settings
 from loadtest.fleet import ADMIN_TOKEN, admin_status, tenant
 from loadtest.harness import RedisProcess, ServerThread
-from loadtest.sim_app import create_sim_app
-from loadtest.sim_config import SimConfig
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
 
 KEY = "sk-shared-responses"
 

@@ -27,9 +27,9 @@ from gateway.errors import Unauthenticated
 from gateway.front.auth import Authenticator
 from loadtest.fleet import ADMIN_TOKEN, Fleet, tenant
 from loadtest.harness import ServerThread
-from loadtest.provider_sim import ProviderConfig, create_provider_app
-from loadtest.sim_config import SimConfig
-from loadtest.sim_wire import Kind, full_response
+from loadtest.sim.config import SimConfig
+from loadtest.sim.provider import ProviderConfig, create_provider_app
+from loadtest.sim.wire import Kind, full_response
 from tests.integration.fault_support import (
     async_client,
     backend_requests,
@@ -88,7 +88,7 @@ class SecureFleet:
 
 @pytest.fixture(scope="module")
 def secure() -> Iterator[SecureFleet]:
-    from loadtest.sim import create_sim_app
+    from loadtest.sim.app import create_sim_app
 
     keys = {name: f"sk-{name}-" + secrets.token_hex(12) for name in ("acme", "beta", "gamma")}
     provider_key = "sk-provider-" + secrets.token_hex(12)

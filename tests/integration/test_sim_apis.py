@@ -9,9 +9,9 @@ import openai
 import pytest
 
 from loadtest.harness import ServerThread
-from loadtest.sim_apis import unit_vector
-from loadtest.sim_app import create_sim_app
-from loadtest.sim_config import SimConfig
+from loadtest.sim.apis import unit_vector
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
 
 
 @pytest.fixture(scope="module")

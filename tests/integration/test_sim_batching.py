@@ -11,8 +11,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.harness import ServerThread
-from loadtest.sim import SimConfig, create_sim_app
-from loadtest.sim_tokens import FillerText, chat_prompt_tokens
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
+from loadtest.sim.tokens import FillerText, chat_prompt_tokens
 
 MODEL = "sim"
 LABELS = {"engine": "0", "model_name": MODEL}

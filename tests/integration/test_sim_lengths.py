@@ -1,7 +1,7 @@
 """The simulated replica ends answers as a model does: at a sampled EOS, capped by max_tokens.
 
 Lengths are checked exactly against the sampler a request's seed selects, so the wire, the
-engine and usage all agree with the pure logic in loadtest/sim_lengths.py.
+engine and usage all agree with the pure logic in loadtest/sim/lengths.py.
 """
 
 import asyncio
@@ -15,9 +15,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.harness import ServerThread
-from loadtest.sim import SimConfig, create_sim_app
-from loadtest.sim_lengths import Answer, AnswerLengths, Finish, LengthSampler, StopRule
-from loadtest.sim_tokens import FillerText, chat_prompt_tokens
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
+from loadtest.sim.lengths import Answer, AnswerLengths, Finish, LengthSampler, StopRule
+from loadtest.sim.tokens import FillerText, chat_prompt_tokens
 
 MODEL = "sim"
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "vllm-0.32-metrics.txt"

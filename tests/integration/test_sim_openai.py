@@ -7,8 +7,9 @@ import openai
 import pytest
 
 from loadtest.harness import ServerThread
-from loadtest.sim import SimConfig, create_sim_app
-from loadtest.sim_tokens import chat_prompt_tokens
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
+from loadtest.sim.tokens import chat_prompt_tokens
 
 MODEL = "sim-8b"
 MESSAGES = [

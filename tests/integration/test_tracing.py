@@ -28,9 +28,9 @@ from gateway.config import parse_settings
 from gateway.front.request import Endpoint, parse_request
 from loadtest.fleet import ADMIN_TOKEN, tenant
 from loadtest.harness import ServerThread
-from loadtest.provider_sim import ProviderConfig, create_provider_app
-from loadtest.sim import create_sim_app
-from loadtest.sim_config import SimConfig
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
+from loadtest.sim.provider import ProviderConfig, create_provider_app
 
 PROVIDER_KEY = "sk-hosted"
 

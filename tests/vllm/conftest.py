@@ -22,11 +22,11 @@ import pytest
 import yaml
 
 from gateway.config import parse_settings
-from loadtest.bench import serve_command
-from loadtest.bench_admission_fleet import process, wait_ready
+from loadtest.bench.admission_fleet import process, wait_ready
+from loadtest.bench.overhead import serve_command
 from loadtest.fleet import ADMIN_TOKEN, admin_status, tenant
 from loadtest.harness import free_port
-from loadtest.loadgen_scrape import backend_state, metric_sum, parse_metrics
+from loadtest.loadgen.scrape import backend_state, metric_sum, parse_metrics
 from loadtest.real_vllm import MODEL, RealVllm
 
 SERVER = RealVllm()  # what `make test-vllm` starts

@@ -8,10 +8,10 @@ import math
 import httpx
 import orjson
 
-from loadtest.bench_admission_fleet import BenchShape
-from loadtest.loadgen_client import Result
-from loadtest.loadgen_run import Target, run_schedule
-from loadtest.loadgen_workload import LengthDist, TenantKey, Workload, plan_requests
+from loadtest.bench.admission_fleet import BenchShape
+from loadtest.loadgen.client import Result
+from loadtest.loadgen.run import Target, run_schedule
+from loadtest.loadgen.workload import LengthDist, TenantKey, Workload, plan_requests
 from loadtest.real_vllm import MODEL, STOP_TOKEN_IDS
 from tests.integration.overflow_support import eventually
 from tests.vllm.conftest import SERVER, gateway, vllm_metrics

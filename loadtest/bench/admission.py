@@ -1,0 +1,457 @@
+"""Admission by what vLLM really holds: the same seeded bursts, direct and through the gateway.
+
+    python -m loadtest.bench.admission                # against the simulator (seconds)
+    python -m loadtest.bench.admission --real-vllm    # a real vLLM, started by
+                                                      # loadtest/real_vllm/serve.sh (minutes)
+
+Arms, side by side in one run: `direct` to the backend; the gateway with `static`
+reservation (prompt + max_tokens held until the last byte, no feedback from the backend);
+the gateway with the `learned` admission (prompt + the learned output share that keeps the
+answers a backend holds at once within their p90 together, grown as streams run past it,
+checked against the backend's reported KV use), and `per answer`, the same with each
+answer's own p90 of real lengths reserved (`quantile_of: answer`). Each arm
+gets the same seeded requests: streaming chats with `max_tokens` 2048 whose answers end
+early (the simulator's realistic lengths; on a real vLLM sixteen stop token ids and a seed
+per prompt, so every arm gets the same answers). Bursts of 24 and 48 (3 runs each, the
+table shows medians), then a 5x spike into a pool whose overflow chain ends at a simulated
+provider. The learning arms are warmed first with a seeded warm-up, so their figures start
+from samples. Each run starts from an idle engine (on a real vLLM, an empty prefix cache)
+and, through a gateway, once that gateway aims at its target fill again: the other arms'
+traffic bypasses it, and requests waiting inside vLLM make it back off. Every 0.25 s the
+backend's /metrics and the gateway's /admin/status are read. Figures go in BENCHMARKS.md
+("Admission by what the backends hold").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest.bench import admission_fleet as fleet
+from loadtest.bench.admission_report import report, targets
+from loadtest.fleet import ADMIN_TOKEN
+from loadtest.loadgen.client import Result
+from loadtest.loadgen.run import Target, run_schedule
+from loadtest.loadgen.scrape import Scraper
+from loadtest.loadgen.workload import LengthDist, PlannedRequest, TenantKey, Workload, plan_requests
+from loadtest.real_vllm import RealVllm, install, reset_prefix_cache
+
+INTERVAL_S = 0.25
+IDLE_TIMEOUT_S = 180.0
+SETTLE_TIMEOUT_S = 180.0
+DIRECT = "direct"
+ON_BACKEND = ("served", "local", "queued")  # outcomes the backend answered, not the provider
+# Direct runs last in each round: the bursts it lets into the engine (requests waiting inside
+# vLLM, preemptions) lower the learned gateway's effective fill, which is then let recover.
+ARMS = (*fleet.ARMS, DIRECT)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchPlan:
+    bursts: tuple[int, ...] = (24, 48)
+    runs: int = 3
+    spike_factor: int = 5  # the spike is this many times the smallest burst
+    spike_window_s: float = 1.0  # over which the spike's requests arrive, evenly
+    warmup: int = 64  # requests through each pool of the learning arms before measuring
+    warmup_rate: float = 4.0  # per second: slow enough that the warm-up neither queues nor spills
+    max_tokens: int = 2048
+    prompt_tokens: str = "uniform:32:256"
+    seed: int = 20
+
+    def workload(self, model: str) -> Workload:
+        return Workload(
+            model=model,
+            prompt_tokens=LengthDist.parse(self.prompt_tokens),
+            output_tokens=LengthDist.parse(str(self.max_tokens)),
+            tenants=[TenantKey(name=fleet.TENANT, key=fleet.KEY)],
+        )
+
+    def burst(self, size: int, run: int, model: str) -> list[PlannedRequest]:
+        return plan_requests([0.0] * size, self.workload(model), seed=self.seed + 100 * size + run)
+
+    def spike(self, run: int, model: str) -> list[PlannedRequest]:
+        size = self.spike_factor * min(self.bursts)
+        times = [self.spike_window_s * i / size for i in range(size)]
+        return plan_requests(times, self.workload(model), seed=self.seed + 7 + run)
+
+    def warmup_requests(self, model: str) -> list[PlannedRequest]:
+        times = [i / self.warmup_rate for i in range(self.warmup)]
+        return plan_requests(times, self.workload(model), seed=self.seed - 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendPoint:
+    t: float
+    running: float
+    waiting: float
+    kv_usage: float  # vllm:kv_cache_usage_perc
+    kv_used_tokens: float  # the same, in tokens of the whole cache
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayPoint:
+    t: float
+    reserved: float  # the gateway's tokens in flight on the backend, all pools
+
+
+@dataclass(kw_only=True)
+class Watch:
+    """Samples the backend's /metrics and the gateway's /admin/status every 0.25 s, each
+    on its own: a slow answer from one never delays the other's samples."""
+
+    scraper: Scraper
+    backend_url: str
+    backend: list[BackendPoint] = field(default_factory=list)
+    gateway: list[GatewayPoint] = field(default_factory=list)
+    failures: int = 0
+
+    async def read_backend(self, t: float) -> None:
+        state = await self.scraper.backend(self.backend_url)
+        usage = state["in_flight"] / state["capacity"] if state["capacity"] else 0.0
+        self.backend.append(
+            BackendPoint(
+                t=t, running=state["running"], waiting=state["waiting"], kv_usage=usage,
+                kv_used_tokens=state["in_flight"],
+            )
+        )  # fmt: skip
+
+    async def read_gateway(self, t: float) -> None:
+        status = await self.scraper.status()
+        reserved = sum(b["tokens_in_flight"] for p in status["pools"] for b in p["backends"])
+        self.gateway.append(GatewayPoint(t=t, reserved=reserved))
+
+    async def every(self, read: Callable[[float], Awaitable[None]], t0: float) -> None:
+        while True:
+            started = time.perf_counter()
+            try:
+                await read(started - t0)
+            except (httpx.HTTPError, KeyError, ValueError):
+                self.failures += 1
+            await asyncio.sleep(max(0.0, INTERVAL_S - (time.perf_counter() - started)))
+
+    async def run(self) -> None:
+        t0 = time.perf_counter()
+        loops = [self.every(self.read_backend, t0)]
+        if self.scraper.gateway_url is not None:
+            loops.append(self.every(self.read_gateway, t0))
+        await asyncio.gather(*loops)
+
+    def used_per_reserved(self) -> float | None:
+        """KV really used ÷ tokens reserved, summed over the gateway's samples while it held
+        any, each against the backend sample nearest in time."""
+        used = reserved = 0.0
+        for point in self.gateway:
+            if point.reserved > 0 and self.backend:
+                nearest = min(self.backend, key=lambda b: abs(b.t - point.t))
+                used += nearest.kv_used_tokens
+                reserved += point.reserved
+        return used / reserved if reserved else None
+
+
+def streaming_at_once(results: Sequence[Result]) -> int:
+    """The most answers the backend streamed at once, as the client saw them (first token to
+    end): a cross-check of the scraped figure that a starved sampler cannot miss."""
+    edges = sorted(
+        edge
+        for r in results
+        if r.ok and r.ttft_s is not None and r.e2e_s is not None and r.outcome in ON_BACKEND
+        for edge in ((r.sent_s + r.ttft_s, 1), (r.sent_s + r.e2e_s, -1))
+    )  # at equal times an end (-1) sorts before a start
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def summarize(arm: str, results: Sequence[Result], watch: Watch, **extra: Any) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    spilled = [r for r in ok if r.outcome == "provider"]
+    points = watch.backend
+    return {
+        "arm": arm,
+        "requests": len(results),
+        "ok": len(ok),
+        "refused": sum(r.status == 503 for r in results),
+        "errors": sum(not r.ok and r.status != 503 for r in results),
+        "outcomes": dict(Counter(r.outcome for r in results)),
+        "running_max": max((p.running for p in points), default=None),
+        "streaming_max": streaming_at_once(results),
+        "waiting_max": max((p.waiting for p in points), default=None),
+        "kv_peak": max((p.kv_usage for p in points), default=None),
+        "reserved_peak": max((p.reserved for p in watch.gateway), default=None),
+        "used_per_reserved": watch.used_per_reserved(),
+        "ttft_p50_s": statistics.median(ttft) if ttft else None,
+        "completion_tokens_mean": statistics.fmean(r.completion_tokens for r in ok) if ok else None,
+        "spill_requests": len(spilled),
+        "spill_tokens": sum(r.prompt_tokens + r.completion_tokens for r in spilled),
+        "samples": len(points) + len(watch.gateway),
+        "sample_failures": watch.failures,
+        "first_error": next((r.error for r in results if r.error), None),
+        **extra,
+    }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Bench:
+    backend: fleet.Backend
+    gateways: dict[str, str]  # arm → gateway URL
+    client: httpx.AsyncClient
+
+    def scraper(self, arm: str) -> Scraper:
+        return Scraper(
+            client=self.client,
+            gateway_url=self.gateways.get(arm),
+            admin_token=ADMIN_TOKEN,
+            backend_urls=[self.backend.url],
+            with_queue_depth=False,
+        )
+
+    def target(self, arm: str, *, spike: bool) -> Target:
+        gateway = self.gateways.get(arm)
+        model = self.backend.model
+        if gateway is not None and spike:
+            model += fleet.SPIKE_SUFFIX
+        shape = fleet.BenchShape(model=model, extra=self.backend.extra)
+        keys = {fleet.TENANT: fleet.KEY} if gateway else {}
+        return Target(label=arm, urls=[gateway or self.backend.url], keys=keys, shape=shape)
+
+    async def idle(self) -> None:
+        """Until the backend runs nothing: a run starts from an empty engine."""
+        scraper = self.scraper(DIRECT)
+        deadline = time.monotonic() + IDLE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                state = await scraper.backend(self.backend.url)
+                if state["running"] == 0 and state["waiting"] == 0:
+                    break
+            await asyncio.sleep(0.2)
+        if self.backend.kind == "real-vllm":
+            await asyncio.to_thread(reset_prefix_cache, self.backend.url)
+
+    async def settle(self, arm: str) -> dict[str, float | None]:
+        """Until the arm's gateway aims at its target fill again: another arm's traffic (it
+        bypasses this gateway) may have made it back off. Returns the wait and the fill."""
+        waited = time.monotonic()
+        fill: float | None = None
+        if arm in self.gateways:
+            scraper = self.scraper(arm)
+            while time.monotonic() - waited < SETTLE_TIMEOUT_S:
+                status = await scraper.status()
+                fills = [
+                    b.get("effective_fill", p["target_fill"]) / p["target_fill"]
+                    for p in status["pools"]
+                    for b in p["backends"]
+                ]
+                fill = min(fills)
+                if fill >= 1.0:
+                    break
+                await asyncio.sleep(0.5)
+        return {"settle_s": time.monotonic() - waited, "fill_share_at_start": fill}
+
+    async def measure(
+        self, arm: str, plans: Sequence[PlannedRequest], *, spike: bool = False
+    ) -> dict[str, Any]:
+        await self.idle()
+        settled = await self.settle(arm)
+        scraper = self.scraper(arm)
+        watch = Watch(scraper=scraper, backend_url=self.backend.url)
+        before = await scraper.backend(self.backend.url)
+        sampling = asyncio.create_task(watch.run())
+        try:
+            data = await run_schedule(
+                plans,
+                target=self.target(arm, spike=spike),
+                duration_s=max(p.at_s for p in plans),
+                sample_interval_s=1.0,
+            )
+        finally:
+            sampling.cancel()
+            await asyncio.gather(sampling, return_exceptions=True)
+        after = await scraper.backend(self.backend.url)
+        preempted = after["preemptions"] - before["preemptions"]
+        return summarize(
+            arm, data.results, watch, preemptions=preempted, elapsed_s=data.elapsed_s, **settled
+        )
+
+    async def warm(self, plan: BenchPlan) -> dict[str, Any]:
+        """The learning arms see `plan.warmup` seeded answers per pool before they are
+        measured; the outcomes per arm and pool."""
+        out: dict[str, Any] = {}
+        for arm in fleet.LEARNING:
+            for spike in (False, True):
+                target = self.target(arm, spike=spike)
+                plans = plan.warmup_requests(target.shape.model)
+                data = await run_schedule(
+                    plans, target=target, duration_s=plans[-1].at_s, sample_interval_s=1.0
+                )
+                seen = out.setdefault(arm, {})[target.shape.model] = dict(
+                    Counter(r.outcome for r in data.results)
+                )
+                errors = [r.error for r in data.results if r.error]
+                if errors:
+                    seen["first_error"] = errors[0]
+        return out
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+async def run_bench(bench: Bench, plan: BenchPlan) -> dict[str, Any]:
+    out: dict[str, Any] = {"bursts": {}, "spike": {"runs": {arm: [] for arm in ARMS}}}
+    if plan.warmup:
+        _progress(f"warm-up: {plan.warmup} seeded requests through each pool of the learning arms")
+        out["warmup"] = await bench.warm(plan)
+    for size in plan.bursts:
+        runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
+        for run in range(plan.runs):
+            plans = plan.burst(size, run, bench.backend.model)
+            for arm in ARMS:  # arms interleaved: the machine's drift hits all alike
+                _progress(f"burst of {size}, run {run + 1}/{plan.runs}: {arm}")
+                runs[arm].append(await bench.measure(arm, plans))
+        out["bursts"][str(size)] = {"runs": runs, "median": medians(runs)}
+    spike_runs = out["spike"]["runs"]
+    for run in range(plan.runs):
+        plans = plan.spike(run, bench.backend.model)
+        for arm in ARMS:
+            _progress(f"spike of {len(plans)}, run {run + 1}/{plan.runs}: {arm}")
+            spike_runs[arm].append(await bench.measure(arm, plans, spike=True))
+    out["spike"]["median"] = medians(spike_runs)
+    out["spike"]["requests"] = plan.spike_factor * min(plan.bursts)
+    return out
+
+
+def medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per arm, the median of every figure over its runs (a figure missing in all: None)."""
+    out = {}
+    for arm, rows in runs.items():
+        keys = [k for k, v in rows[0].items() if isinstance(v, int | float) or v is None]
+        out[arm] = {
+            k: statistics.median(values) if (values := [r[k] for r in rows if r[k] is not None])
+            else None
+            for k in keys
+        }  # fmt: skip
+    return out
+
+
+@contextlib.contextmanager
+def backend(args: argparse.Namespace, workdir: Path) -> Iterator[fleet.Backend]:
+    if args.real_vllm:
+        install()
+        server = RealVllm(
+            port=args.port, kv_tokens=args.kv_tokens, max_model_len=args.max_model_len
+        )
+        with fleet.real_vllm(server) as found:
+            yield found
+    else:
+        options = fleet.SimOptions(
+            kv_tokens=args.kv_tokens,
+            block_size=args.sim_block_size,
+            max_model_len=args.max_model_len,
+            speed=args.sim_speed,
+        )
+        with fleet.simulator(options, workdir=workdir) as found:
+            yield found
+
+
+async def _main(args: argparse.Namespace, plan: BenchPlan, workdir: Path) -> dict[str, Any]:
+    with contextlib.ExitStack() as stack:
+        found = stack.enter_context(backend(args, workdir))
+        provider_url = stack.enter_context(fleet.provider(workdir=workdir))
+        gateways = {
+            arm: stack.enter_context(
+                fleet.gateway(
+                    fleet.gateway_config(backend=found, provider_url=provider_url, arm=arm),
+                    workdir=workdir,
+                    arm=arm,
+                )
+            )
+            for arm in fleet.ARMS
+        }
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            bench = Bench(backend=found, gateways=gateways, client=client)
+            status = await bench.scraper("learned").status()
+            capacity = status["pools"][0]["backends"][0]["capacity_tokens"]
+            figures = await run_bench(bench, plan)
+    return {
+        "backend": found.kind,
+        "model": found.model,
+        "capacity_tokens": capacity,
+        "arms": {arm: fleet.ARMS.get(arm, "no gateway") for arm in ARMS},
+        "plan": asdict(plan),
+        **figures,
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, BenchPlan]:
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench.admission", description=__doc__)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("--real-vllm", action="store_true", help="a real vLLM instead of the simulator")
+    p.add_argument("--port", type=int, default=8101, help="the real vLLM's port")
+    p.add_argument("--kv-tokens", type=int, default=16_384, help="the backend's KV cache")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--sim-speed", type=float, default=4.0)
+    p.add_argument("--sim-block-size", type=int, default=16)
+    p.add_argument("--bursts", default="24,48")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--spike-factor", type=int, default=5)
+    p.add_argument("--spike-window", type=float, default=1.0)
+    p.add_argument("--warmup", type=int, default=64)
+    p.add_argument("--warmup-rate", type=float, default=4.0)
+    p.add_argument("--max-tokens", type=int, default=2048)
+    p.add_argument("--prompt-tokens", default="uniform:32:256")
+    p.add_argument("--seed", type=int, default=20)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--logs", type=Path, help="keep the gateways' and simulators' output here")
+    args = p.parse_args(argv)
+    plan = BenchPlan(
+        bursts=tuple(int(b) for b in args.bursts.split(",")),
+        runs=args.runs,
+        spike_factor=args.spike_factor,
+        spike_window_s=args.spike_window,
+        warmup=args.warmup,
+        warmup_rate=args.warmup_rate,
+        max_tokens=args.max_tokens,
+        prompt_tokens=args.prompt_tokens,
+        seed=args.seed,
+    )
+    return args, plan
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, plan = parse_args(argv)
+    load_before = os.getloadavg()[0]
+    with contextlib.ExitStack() as stack:
+        if args.logs is None:
+            logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-admission-")))
+        else:
+            logs = args.logs
+            logs.mkdir(parents=True, exist_ok=True)
+        figures = asyncio.run(_main(args, plan, logs))
+    figures["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
+    figures["targets"] = targets(figures)
+    print(report(figures))
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
+        _progress(f"wrote {args.json.resolve()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""The processes `python -m loadtest.bench.admission` measures: a backend (the simulator or a
+real vLLM), a simulated provider, and one gateway per admission arm, each its own process.
+
+Every gateway has two pools on the same backend: `MODEL` (overflow `[queue, reject]`, for
+the bursts) and `MODEL-spike` (overflow `[queue, provider, reject]`, for the spike), so a
+spike's spill is counted apart from the bursts' refusals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import yaml
+
+from loadtest.bench.overhead import serve_command
+from loadtest.fleet import ADMIN_TOKEN, key_hash
+from loadtest.harness import free_port, wait_for_port
+from loadtest.loadgen.client import RequestShape
+from loadtest.loadgen.workload import PlannedRequest
+from loadtest.real_vllm import STOP_TOKEN_IDS, RealVllm, running
+
+TENANT, KEY = "bench", "sk-bench-admission"
+PROVIDER_KEY_ENV, PROVIDER_KEY = "BENCH_PROVIDER_KEY", "sk-bench-provider"
+SPIKE_SUFFIX = "-spike"
+START_TIMEOUT_S = 60.0
+TIMEOUTS = {"connect": 10.0, "first_token": 60.0, "idle": 60.0, "total": 600.0}
+# The arms through the gateway: pool options that pick the admission (issue 20's keys).
+# `per answer` reserves each answer's own p90, as the learned admission first did;
+# `learned` the defaults, the p90 of the answers a backend holds at once.
+LEARNED = {"mode": "learned", "quantile": 0.9, "prior_tokens": 512, "min_samples": 50}
+ARMS: dict[str, dict[str, Any]] = {
+    "static": {"reservation": {"mode": "max_tokens"}, "feedback": False},
+    "per answer": {"reservation": {**LEARNED, "quantile_of": "answer"}, "feedback": True},
+    "learned": {"reservation": {**LEARNED, "quantile_of": "backend"}, "feedback": True},
+}
+LEARNING = [arm for arm, options in ARMS.items() if options["reservation"]["mode"] == "learned"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchShape(RequestShape):
+    """The load generator's request, plus a seed per prompt (the same answer on every arm)
+    and, on a real vLLM, the stop tokens that end its random answers early."""
+
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def body(self, plan: PlannedRequest) -> bytes:
+        body = orjson.loads(super().body(plan))
+        body["seed"] = zlib.crc32(plan.text.encode()) & 0x7FFFFFFF
+        body.update(self.extra)
+        return orjson.dumps(body)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Backend:
+    url: str
+    model: str
+    kind: str  # simulator | real-vllm
+    extra: Mapping[str, Any] = field(default_factory=dict)  # added to every request body
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimOptions:
+    kv_tokens: int = 16_384
+    block_size: int = 16
+    max_model_len: int = 4096
+    speed: float = 4.0
+
+
+@contextlib.contextmanager
+def process(
+    cmd: list[str], port: int, *, log: Path, env: Mapping[str, str] | None = None
+) -> Iterator[str]:
+    """`cmd` as a child process (its output in `log`), yielded as its URL once it listens."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{' '.join(cmd[:4])} did not start; its output:\n{tail}")
+            with contextlib.suppress(TimeoutError):
+                wait_for_port(port, timeout=0.5)
+                break
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _spillgate(*args: str) -> list[str]:
+    return [sys.executable, "-m", "gateway.cli", *args]
+
+
+@contextlib.contextmanager
+def simulator(options: SimOptions, *, workdir: Path) -> Iterator[Backend]:
+    port = free_port()
+    cmd = _spillgate(
+        "sim", "--port", str(port), "--model", "sim", "--kv-tokens", str(options.kv_tokens),
+        "--block-size", str(options.block_size), "--max-model-len", str(options.max_model_len),
+        "--speed", str(options.speed),
+    )  # fmt: skip
+    with process(cmd, port, log=workdir / "sim.log") as url:
+        yield Backend(url=url, model="sim", kind="simulator")
+
+
+@contextlib.contextmanager
+def real_vllm(server: RealVllm) -> Iterator[Backend]:
+    with running(server) as url:
+        extra = {"stop_token_ids": list(STOP_TOKEN_IDS)}
+        yield Backend(url=url, model="tiny", kind="real-vllm", extra=extra)
+
+
+@contextlib.contextmanager
+def provider(*, workdir: Path) -> Iterator[str]:
+    port = free_port()
+    cmd = _spillgate(
+        "sim", "--provider", "--port", str(port), "--api-key", PROVIDER_KEY,
+        "--rpm", "1000000", "--tpm", "1000000000",
+    )  # fmt: skip
+    with process(cmd, port, log=workdir / "provider.log") as url:
+        yield url
+
+
+def gateway_config(*, backend: Backend, provider_url: str, arm: str) -> dict[str, Any]:
+    """One gateway: tenant limits out of the way, the arm's admission on both pools, and
+    connect timeouts long enough for a starved two-core machine (the default 2 s there
+    turned overload into refusals that had nothing to do with admission)."""
+    options = {"target_fill": 0.9, "timeouts": TIMEOUTS, **ARMS[arm]}
+    entry = {"url": backend.url, "served_model": backend.model, "capacity": "auto"}
+    return {
+        "tenants": [
+            {
+                "name": TENANT,
+                "key_sha256": key_hash(KEY),
+                "requests_per_minute": 1_000_000,
+                "tokens_per_minute": 1_000_000_000,
+            }
+        ],
+        "pools": [
+            {
+                "name": backend.model,
+                "backends": [entry],
+                "overflow": ["queue", "reject"],
+                **options,
+            },
+            {
+                "name": backend.model + SPIKE_SUFFIX,
+                "backends": [entry],
+                "overflow": ["queue", "provider", "reject"],
+                "provider": "hosted",
+                **options,
+            },
+        ],
+        "providers": [
+            {
+                "name": "hosted",
+                "base_url": provider_url + "/v1",
+                "api_key_env": PROVIDER_KEY_ENV,
+                "models": {backend.model + SPIKE_SUFFIX: backend.model},
+                "tokens_per_minute": 1_000_000_000,
+                "max_concurrency": 1024,
+                "timeouts": TIMEOUTS,
+            }
+        ],
+    }
+
+
+def wait_ready(url: str, *, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Until the gateway's /readyz says every pool has a backend with known capacity."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(f"{url}/readyz").status_code == 200:
+                    return
+            time.sleep(0.2)
+    raise RuntimeError(f"gateway {url} not ready after {timeout_s:g}s")
+
+
+@contextlib.contextmanager
+def gateway(config: dict[str, Any], *, workdir: Path, arm: str) -> Iterator[str]:
+    path = workdir / f"gateway-{arm}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    env = {"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN, PROVIDER_KEY_ENV: PROVIDER_KEY}
+    cmd = [*serve_command(sys.executable, path), "--port", str(port)]
+    with process(cmd, port, log=workdir / f"gateway-{arm}.log", env=env) as url:
+        wait_ready(url)
+        yield url

@@ -1,0 +1,373 @@
+"""Prefix-aware routing on a shared-prefix workload: where the prompt's prefix is cached.
+
+    python -m loadtest.bench.prefix                 # 4 simulated vLLM backends (minutes)
+    python -m loadtest.bench.prefix --real-vllm --backends 2 --tenants 8 \\
+        --system-tokens 800 --chats 2 --turns 3 --rate 4 --kv-tokens 16384
+                                                    # two real vLLM servers, one a core
+
+Tenants each have a long system prompt and hold multi-turn chats: every turn resends the
+system prompt and the chat so far, so a backend that served the chat's last turn (or any
+chat of the tenant) holds most of the next prompt in its prefix cache. Arms, side by side
+on the same seeded requests, each on fresh backends (empty caches):
+
+- `least_filled`, `prefix`: through a gateway with `routing` set so;
+- `round-robin`: straight to the backends in turn;
+- `sticky`: straight to one backend per tenant (it ignores load);
+- `oracle` (simulator only): straight to the backend that holds most of the prompt, known
+  exactly from every prompt sent so far, ties to the one with the fewest in flight.
+
+Figures per arm: the backends' own prefix-cache hit rate (`vllm:prefix_cache_hits_total`
+÷ `queries_total`, in tokens), client-side TTFT, and how evenly the backends ran (each
+backend's running requests averaged over the run, sampled every 0.25 s: max ÷ mean).
+Results go in BENCHMARKS.md ("Prefix-aware routing").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest import real_vllm
+from loadtest.bench import admission_fleet as fleet
+from loadtest.loadgen.scrape import backend_state
+from loadtest.loadgen.stats import percentile
+from loadtest.loadgen.text import table
+from loadtest.sim.blocks import hash_blocks
+from loadtest.sim.tokens import chat_prompt_ids
+
+ARMS = ("least_filled", "prefix", "round-robin", "sticky", "oracle")
+GATEWAY_ARMS = ("least_filled", "prefix")
+SAMPLE_S = 0.25
+POOL = "chat"  # the gateways' pool
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "theta",
+    "kappa",
+    "lambda",
+    "sigma",
+    "omega",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    backends: int = 4
+    tenants: int = 64
+    system_tokens: int = 4096  # each tenant's system prompt, about
+    chats: int = 3  # per tenant
+    turns: int = 4  # per chat
+    turn_tokens: int = 64  # each user turn and each (made-up) answer, about
+    rate: float = 24.0  # requests per second
+    max_tokens: int = 16
+    kv_tokens: int = 131_072  # per backend
+    speed: float = 1.0
+    seed: int = 23
+
+
+@dataclass(frozen=True, kw_only=True)
+class Turn:
+    at_s: float
+    tenant: int
+    chat: str
+    messages: list[dict[str, str]]
+
+
+def _text(rng: random.Random, tokens: int) -> str:
+    """About `tokens` tokens of words (the simulator counts four characters a token)."""
+    words: list[str] = []
+    size = 0
+    while size < tokens * 4:
+        words.append(rng.choice(WORDS))
+        size += len(words[-1]) + 1
+    return " ".join(words)
+
+
+@dataclass
+class Chat:
+    tenant: int
+    name: str
+    turns: list[list[dict[str, str]]]  # each turn's messages, in order
+
+
+def workload(plan: Plan) -> list[Turn]:
+    """Every chat's turns, in order within the chat, chats interleaved, evenly spaced."""
+    rng = random.Random(plan.seed)
+    chats = []
+    for t in range(plan.tenants):
+        system = {"role": "system", "content": f"tenant {t}: " + _text(rng, plan.system_tokens)}
+        for c in range(plan.chats):
+            history, turns = [system], []
+            for _ in range(plan.turns):
+                history = [*history, {"role": "user", "content": _text(rng, plan.turn_tokens)}]
+                turns.append(history)
+                answer = {"role": "assistant", "content": _text(rng, plan.turn_tokens)}
+                history = [*history, answer]
+            chats.append(Chat(tenant=t, name=f"{t}-{c}", turns=turns))
+    order = []
+    for i in range(plan.tenants * plan.chats * plan.turns):
+        chat = rng.choice([c for c in chats if c.turns])  # a random chat's next turn
+        messages = chat.turns.pop(0)
+        order.append(
+            Turn(at_s=i / plan.rate, tenant=chat.tenant, chat=chat.name, messages=messages)
+        )
+    return order
+
+
+@dataclass
+class Arm:
+    name: str
+    urls: list[str]  # the backends
+    model: str  # the model they serve
+    gateway: str | None
+    oracle: Oracle | None = None
+
+
+class Oracle:
+    """Knows every simulated backend's prefix cache: the blocks of every prompt sent to it,
+    hashed as the simulator hashes them. Exact while nothing is evicted (the default plan's
+    caches hold every tenant's chats); sends each request where most of its prompt is
+    cached, ties to the backend with the fewest requests in flight."""
+
+    def __init__(self, backends: int, *, block_size: int) -> None:
+        self._cached: list[set[int]] = [set() for _ in range(backends)]
+        self.in_flight = [0] * backends
+        self._block = block_size
+
+    def pick(self, messages: Sequence[dict[str, str]]) -> tuple[int, list[int]]:
+        blocks = hash_blocks(chat_prompt_ids(messages), self._block)
+
+        def cached(backend: int) -> int:
+            return next((n for n, b in enumerate(blocks) if b not in self._cached[backend]),
+                        len(blocks))  # fmt: skip
+
+        best = max(range(len(self._cached)), key=lambda b: (cached(b), -self.in_flight[b]))
+        return best, blocks
+
+    def sent(self, backend: int, blocks: Sequence[int]) -> None:
+        self._cached[backend].update(blocks)
+
+
+async def send(
+    client: httpx.AsyncClient, arm: Arm, turn: Turn, i: int, plan: Plan
+) -> dict[str, Any]:
+    if arm.gateway is not None:
+        url, model = arm.gateway, POOL
+        headers = {"authorization": f"Bearer {fleet.KEY}", "x-spillgate-session": turn.chat}
+    else:
+        if arm.oracle is not None:
+            pick, blocks = arm.oracle.pick(turn.messages)
+            arm.oracle.sent(pick, blocks)
+        elif arm.name == "sticky":
+            pick = zlib.crc32(str(turn.tenant).encode()) % len(arm.urls)
+        else:
+            pick = i % len(arm.urls)
+        url, model, headers = arm.urls[pick], arm.model, {}
+    body = {"model": model, "messages": turn.messages, "max_tokens": plan.max_tokens,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    start = time.perf_counter()
+    ttft = None
+    if arm.oracle is not None and arm.gateway is None:
+        arm.oracle.in_flight[pick] += 1
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
+                                 headers=headers) as response:  # fmt: skip
+            async for line in response.aiter_lines():
+                if ttft is None and line.startswith("data:") and '"content"' in line:
+                    ttft = time.perf_counter() - start
+            return {"status": response.status_code, "ttft_s": ttft}
+    except httpx.HTTPError as exc:
+        return {"status": 0, "ttft_s": None, "error": type(exc).__name__}
+    finally:
+        if arm.oracle is not None and arm.gateway is None:
+            arm.oracle.in_flight[pick] -= 1
+
+
+async def sample(client: httpx.AsyncClient, urls: Sequence[str], out: list[list[float]]) -> None:
+    while True:
+        states = await asyncio.gather(*(client.get(f"{u}/metrics") for u in urls))
+        out.append([backend_state(s.text)["running"] for s in states])
+        await asyncio.sleep(SAMPLE_S)
+
+
+async def prefix_counts(client: httpx.AsyncClient, urls: Sequence[str]) -> tuple[float, float]:
+    states = [backend_state((await client.get(f"{u}/metrics")).text) for u in urls]
+    return sum(s["prefix_queries"] for s in states), sum(s["prefix_hits"] for s in states)
+
+
+async def run_arm(arm: Arm, turns: Sequence[Turn], plan: Plan) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
+        before = await prefix_counts(client, arm.urls)
+        running: list[list[float]] = []
+        sampler = asyncio.create_task(sample(client, arm.urls, running))
+        t0 = time.perf_counter()
+
+        async def one(i: int, turn: Turn) -> dict[str, Any]:
+            await asyncio.sleep(max(0.0, t0 + turn.at_s - time.perf_counter()))
+            return await send(client, arm, turn, i, plan)
+
+        try:
+            results = await asyncio.gather(*(one(i, t) for i, t in enumerate(turns)))
+        finally:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
+        after = await prefix_counts(client, arm.urls)
+    queries, hits = after[0] - before[0], after[1] - before[1]
+    ttfts = sorted(r["ttft_s"] for r in results if r["ttft_s"] is not None)
+    per_backend = [statistics.fmean(col) for col in zip(*running, strict=True)] if running else []
+    mean = statistics.fmean(per_backend) if per_backend else 0.0
+    return {
+        "requests": len(results),
+        "ok": sum(1 for r in results if r["status"] == 200),
+        "hit_rate": hits / queries if queries else None,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "running_mean_per_backend": per_backend,
+        "running_max_over_mean": max(per_backend) / mean if mean else None,
+    }
+
+
+def gateway_config(urls: Sequence[str], model: str, routing: str) -> dict[str, Any]:
+    backends = [{"url": u, "served_model": model, "capacity": "auto"} for u in urls]
+    return {
+        "tenants": [{"name": fleet.TENANT, "key_sha256": fleet.key_hash(fleet.KEY),
+                     "requests_per_minute": 1_000_000, "tokens_per_minute": 10**10}],
+        "pools": [{"name": POOL, "backends": backends, "routing": routing,
+                   "overflow": ["queue", "reject"], "timeouts": fleet.TIMEOUTS}],
+    }  # fmt: skip
+
+
+@contextlib.contextmanager
+def simulators(plan: Plan, workdir: Path, arm: str) -> Iterator[list[str]]:
+    """Fresh simulated backends for one arm: empty caches, nothing left running."""
+    options = fleet.SimOptions(
+        kv_tokens=plan.kv_tokens, max_model_len=min(32_768, plan.kv_tokens), speed=plan.speed
+    )
+    with contextlib.ExitStack() as stack:
+        urls = []
+        for i in range(plan.backends):
+            where = workdir / f"{arm}-{i}"
+            where.mkdir(parents=True, exist_ok=True)
+            urls.append(stack.enter_context(fleet.simulator(options, workdir=where)).url)
+        yield urls
+
+
+@contextlib.contextmanager
+def real_servers(plan: Plan) -> Iterator[list[str]]:
+    """Real vLLM servers, one per core (loadtest/real_vllm), started once for every arm."""
+    real_vllm.install()
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(
+                real_vllm.running(
+                    real_vllm.RealVllm(port=8101 + i, kv_tokens=plan.kv_tokens, cores=str(i))
+                )
+            )
+            for i in range(plan.backends)
+        ]
+
+
+def measure(plan: Plan, workdir: Path, *, real: bool = False) -> dict[str, Any]:
+    turns = workload(plan)
+    out: dict[str, Any] = {"plan": asdict(plan), "backend": "real-vllm" if real else "simulator"}
+    out["arms"] = {}
+    model = real_vllm.MODEL if real else "sim"
+    with contextlib.ExitStack() as fleet_stack:
+        shared = fleet_stack.enter_context(real_servers(plan)) if real else None
+        for name in ARMS if not real else ARMS[:-1]:  # no oracle knows a real vLLM's cache
+            print(f"{name}: {len(turns)} requests", file=sys.stderr, flush=True)
+            with contextlib.ExitStack() as stack:
+                if shared is None:
+                    urls = stack.enter_context(simulators(plan, workdir, name))
+                else:  # the same servers, their caches emptied
+                    urls = shared
+                    for url in urls:
+                        if not real_vllm.reset_prefix_cache(url):
+                            raise RuntimeError(f"{url} refused to reset its prefix cache")
+                gateway = None
+                if name in GATEWAY_ARMS:
+                    config = gateway_config(urls, model, name)
+                    gateway = stack.enter_context(fleet.gateway(config, workdir=workdir, arm=name))
+                oracle = Oracle(len(urls), block_size=16) if name == "oracle" else None
+                arm = Arm(name, urls, model, gateway, oracle)
+                out["arms"][name] = asyncio.run(run_arm(arm, turns, plan))
+    return out
+
+
+def targets(figures: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
+    arms = figures["arms"]
+    prefix, least, sticky = arms["prefix"], arms["least_filled"], arms["sticky"]
+    oracle = arms.get("oracle")
+    rows: list[tuple[str, bool | None, str]] = []
+    if oracle is not None and prefix["hit_rate"] is not None and oracle["hit_rate"]:
+        share = prefix["hit_rate"] / oracle["hit_rate"]
+        rows.append(("hit rate ≥ 80 % of the oracle's", share >= 0.8, f"{share:.0%}"))
+    elif prefix["hit_rate"] is not None and sticky["hit_rate"] is not None:
+        gap = sticky["hit_rate"] - prefix["hit_rate"]  # on a real vLLM, sticky is the ceiling
+        rows.append(("hit rate within 0.02 of sticky's", gap <= 0.02, f"{gap:+.3f}"))
+    if prefix["ttft_p90_s"] is not None and least["ttft_p90_s"]:
+        ratio = prefix["ttft_p90_s"] / least["ttft_p90_s"]
+        rows.append(("TTFT p90 ≤ 0.5× least_filled's", ratio <= 0.5, f"{ratio:.2f}×"))
+    skew = prefix["running_max_over_mean"]
+    rows.append(("max/mean running per backend ≤ 1.5", None if skew is None else skew <= 1.5,
+                 "-" if skew is None else f"{skew:.2f}"))  # fmt: skip
+    return rows
+
+
+def report(figures: dict[str, Any]) -> str:
+    def cell(value: Any, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    rows = [["arm", "ok", "hit rate", "TTFT p50 (s)", "TTFT p90 (s)", "max/mean running"]]
+    for name, arm in figures["arms"].items():
+        rows.append(
+            [name, str(arm["ok"]), cell(arm["hit_rate"], ".3f"), cell(arm["ttft_p50_s"], ".3f"),
+             cell(arm["ttft_p90_s"], ".3f"), cell(arm["running_max_over_mean"], ".2f")]
+        )  # fmt: skip
+    lines = [table(rows, ["<", ">", ">", ">", ">", ">"]), ""]
+    for target, met, measured in targets(figures):
+        verdict = {True: "met", False: "NOT met", None: "not measured"}[met]
+        lines.append(f"{verdict:>12}  {target}: {measured}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench.prefix", description=__doc__)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    defaults = Plan()
+    for key, value in asdict(defaults).items():
+        p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    p.add_argument("--real-vllm", action="store_true", help="real vLLM servers, one per core")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    plan = Plan(**{k: getattr(args, k) for k in asdict(defaults)})
+    with tempfile.TemporaryDirectory(prefix="bench-prefix-") as workdir:
+        figures = measure(plan, Path(workdir), real=args.real_vllm)
+    print(report(figures))
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
+        print(f"wrote {args.json.resolve()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""`spillgate sim`: one simulated vLLM replica, or with `--provider` a simulated external provider.
+
+The replica batches continuously over a KV cache of `--kv-tokens` (or the catalog size of
+`--catalog-model` on `--gpu`), steps as fast as its cost model says divided by `--speed`,
+and exports vLLM's own metrics. Prompt tokens are counted as ceil(chars / 4) per message
+plus 4 per message and 3 per chat prompt. Answers are filler words that end at a sampled
+EOS (geometric, mean 256 tokens, as real vLLM stopping on 16 of ~4,096 token ids), capped by
+`max_tokens`; `--answer-lengths max_tokens` runs every answer to its cap instead. Prompts'
+leading full blocks are cached and reused as by vLLM V1's prefix caching, unless
+`--no-enable-prefix-caching`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import uvicorn
+
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig, resolve
+from loadtest.sim.lengths import DEFAULT_MEAN_TOKENS, DEFAULT_SIGMA, AnswerLengths
+from loadtest.sim.provider import DEFAULT_API_KEY, ProviderConfig, create_provider_app
+
+PROVIDER_KEY_ENV = "SPILLGATE_SIM_PROVIDER_KEY"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--json", action="store_true", help="print the start-up line as JSON")
+    replica = parser.add_argument_group("simulated vLLM replica")
+    replica.add_argument("--model", default="sim-model", help="served model name")
+    replica.add_argument("--kv-tokens", type=int, help="KV-cache budget in tokens")
+    replica.add_argument("--block-size", type=int, default=16)
+    replica.add_argument("--max-model-len", type=int)
+    replica.add_argument(
+        "--max-num-seqs", type=int, help="default: the catalog's with --gpu, else 256"
+    )
+    replica.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    replica.add_argument("--default-max-tokens", type=int, default=256)
+    replica.add_argument("--speed", type=float, default=1.0, help="10 = ten times real time")
+    replica.add_argument("--no-delay", action="store_true", help="answer at once, no engine")
+    replica.add_argument(
+        "--flush-interval",
+        type=float,
+        default=0.05,
+        help="least seconds between a stream's writes (0: every step)",
+    )
+    replica.add_argument("--gpu", help="size KV and step cost from the catalog for this GPU")
+    replica.add_argument("--catalog-model", help="catalog model (default: --model)")
+    replica.add_argument("--tp", type=int, default=1)
+    replica.add_argument("--kv-dtype", default="auto")
+    replica.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    replica.add_argument("--vocab-size", type=int, help="refuse prompt token ids from this on")
+    replica.add_argument(
+        "--answer-lengths",
+        choices=[m.value for m in AnswerLengths],
+        default=AnswerLengths.GEOMETRIC.value,
+        help="where answers end: at a sampled EOS, geometric (default) or lognormal, capped "
+        "by max_tokens; or max_tokens: every answer runs to its cap (max_tokens, else "
+        "--default-max-tokens). In every mode ignore_eos drops the sampled EOS and each of k "
+        "stop_token_ids stops a token with probability k / --vocab-size (default 32000); "
+        "stop strings are accepted but not matched",
+    )
+    replica.add_argument(
+        "--answer-mean-tokens",
+        type=float,
+        default=DEFAULT_MEAN_TOKENS,
+        help="mean answer length before the cap (default %(default)s)",
+    )
+    replica.add_argument(
+        "--answer-sigma", type=float, default=DEFAULT_SIGMA, help="lognormal shape"
+    )
+    replica.add_argument(
+        "--seed", type=int, help="seed answer lengths of requests that send no seed"
+    )
+    replica.add_argument(
+        "--embedding-dim", type=int, help="serve an embedding model with vectors of this size"
+    )
+    replica.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of prompt prefixes computed before, as vLLM V1 does "
+        "(default: on)",
+    )
+    provider = parser.add_argument_group("simulated external provider")
+    provider.add_argument("--provider", action="store_true", help="run the provider instead")
+    provider.add_argument(
+        "--api-key", help=f"key the provider accepts (default: ${PROVIDER_KEY_ENV} or built-in)"
+    )
+    provider.add_argument("--provider-model", action="append", default=[], dest="provider_models")
+    provider.add_argument("--rpm", type=int, default=600, help="requests per minute")
+    provider.add_argument("--tpm", type=int, default=1_000_000, help="tokens per minute")
+    provider.add_argument("--first-token-latency", type=float, default=0.005)
+    provider.add_argument("--token-latency", type=float, default=0.0005)
+    provider.add_argument("--fail-rate", type=float, default=0.0)
+    provider.add_argument("--fail-status", type=int, default=500)
+
+
+def sim_config(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        model=args.model,
+        kv_tokens=args.kv_tokens,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        default_max_tokens=args.default_max_tokens,
+        speed=args.speed,
+        no_delay=args.no_delay,
+        flush_interval_s=args.flush_interval,
+        gpu=args.gpu,
+        catalog_model=args.catalog_model,
+        tp=args.tp,
+        kv_dtype=args.kv_dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        vocab_size=args.vocab_size,
+        answer_lengths=AnswerLengths(args.answer_lengths),
+        answer_mean_tokens=args.answer_mean_tokens,
+        answer_sigma=args.answer_sigma,
+        seed=args.seed,
+        embedding_dim=args.embedding_dim,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+
+
+def provider_config(args: argparse.Namespace) -> ProviderConfig:
+    return ProviderConfig(
+        api_key=args.api_key or os.environ.get(PROVIDER_KEY_ENV) or DEFAULT_API_KEY,
+        models=tuple(args.provider_models),
+        requests_per_minute=args.rpm,
+        tokens_per_minute=args.tpm,
+        first_token_latency_s=args.first_token_latency,
+        token_latency_s=args.token_latency,
+        fail_rate=args.fail_rate,
+        fail_status=args.fail_status,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    url = f"http://{args.host}:{args.port}"
+    try:
+        if args.provider:
+            config = provider_config(args)
+            app = create_provider_app(config)
+            info: dict[str, object] = {
+                "kind": "provider",
+                "url": url,
+                "rpm": config.requests_per_minute,
+                "tpm": config.tokens_per_minute,
+            }
+        else:
+            replica = sim_config(args)
+            resolved = resolve(replica)
+            app = create_sim_app(replica)
+            info = {
+                "kind": "vllm",
+                "url": url,
+                "model": replica.model,
+                "kv_tokens": resolved.kv_tokens,
+                "num_gpu_blocks": resolved.num_blocks,
+                "max_model_len": resolved.max_model_len,
+                "speed": replica.speed,
+                "no_delay": replica.no_delay,
+                "answer_lengths": replica.answer_lengths.value,
+                "enable_prefix_caching": replica.enable_prefix_caching,
+            }
+    except ValueError as exc:
+        print(f"spillgate sim: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(info), flush=True)
+    else:
+        print(" ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

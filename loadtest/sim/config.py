@@ -1,0 +1,166 @@
+"""What one simulated vLLM replica is: its served name, KV budget, limits and speed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.capacity.perf import StepCost
+from loadtest.sim.lengths import DEFAULT_MEAN_TOKENS, DEFAULT_SIGMA, AnswerLengths
+
+GIB = 1024**3
+
+# An 8B model in bf16 on one H100 SXM: 16 GB of weights, 128 KiB of KV per token
+# (32 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes), 3.35 TB/s at 60 % and
+# ~1000 TFLOPS dense bf16 at 50 %.
+DEFAULT_STEP_COST = StepCost(
+    weights_bytes_per_rank=16e9,
+    kv_bytes_per_token_per_rank=128 * 1024,
+    bandwidth_bytes_per_s=3.35e12 * 0.6,
+    prefill_flops_per_token=2 * 8e9,
+    flops_per_s=1000e12 * 0.5,
+)
+DEFAULT_GPU_MEMORY_BYTES = 80 * GIB
+ACTIVATION_RESERVE_BYTES = 1 * GIB  # what vLLM's profiling run keeps back for activations
+DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default on smaller GPUs
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """One simulated replica.
+
+    The KV budget is `kv_tokens` when given; else the catalog profile of `catalog_model`
+    (default: `model`) on `gpu` when `gpu` is given; else the built-in 8B-on-H100 replica
+    (80 GiB x gpu_memory_utilization - weights - 1 GiB for activations, in whole blocks).
+    The step cost is `step_cost` when given, else the catalog's, else the built-in one.
+    `max_model_len` defaults to the catalog's (else 8192), capped at the KV cache size.
+    `speed` divides every step's duration (10 runs ten times faster than real time);
+    `no_delay` answers at once without the engine, for overhead benchmarks.
+    `vocab_size`, when given, refuses prompt token ids at or above it as vLLM does: in a
+    200 stream, as an error event (a 400 when not streamed).
+    `embedding_dim`, when given, makes the replica an embedding model: it serves
+    /v1/embeddings (vectors of that size) and refuses the generating APIs, as vLLM does.
+    `flush_interval_s` (real seconds) is the most often a stream's new tokens are written;
+    the first token and the end go out at once. Tokens arriving faster are written
+    together, one SSE event each, which keeps a socket write per token off busy hosts.
+    `answer_lengths`: `max_tokens` (the default here, which tests rely on) runs every
+    answer to its cap, and a request without `max_tokens` to `default_max_tokens`;
+    `geometric` or `lognormal` (mean `answer_mean_tokens`, `answer_sigma`) end answers at a
+    sampled EOS as a real model does, a request without `max_tokens` capped by the room
+    left in `max_model_len` as vLLM caps it (see loadtest/sim/lengths.py). `seed` seeds
+    the lengths of requests that send no seed of their own.
+    `enable_prefix_caching` (on by default, as in vLLM V1) reuses the cached KV blocks of
+    a prompt's leading full blocks that an earlier prompt computed (chat and completions
+    prompts; see loadtest/sim/blocks.py).
+    """
+
+    model: str = "sim-model"
+    kv_tokens: int | None = None
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None  # None: the catalog profile's with --gpu, else 256
+    max_num_batched_tokens: int = 8192
+    default_max_tokens: int = 256
+    speed: float = 1.0
+    no_delay: bool = False
+    flush_interval_s: float = 0.05
+    step_cost: StepCost | None = None
+    gpu: str | None = None
+    catalog_model: str | None = None
+    tp: int = 1
+    kv_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    vocab_size: int | None = None
+    answer_lengths: AnswerLengths = AnswerLengths.MAX_TOKENS
+    answer_mean_tokens: float = DEFAULT_MEAN_TOKENS
+    answer_sigma: float = DEFAULT_SIGMA
+    seed: int | None = None
+    # an embedding model's vector size: it then serves /v1/embeddings only
+    embedding_dim: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.speed <= 0:
+            raise ValueError("speed must be positive")
+        if min(self.block_size, self.max_num_seqs or 1, self.default_max_tokens) < 1:
+            raise ValueError("block_size, max_num_seqs and default_max_tokens must be positive")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.flush_interval_s < 0:
+            raise ValueError("flush_interval_s cannot be negative")
+        if self.kv_tokens is not None and self.kv_tokens < self.block_size:
+            raise ValueError("kv_tokens must hold at least one block")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        # a plain string from a caller becomes the enum, or a ValueError
+        object.__setattr__(self, "answer_lengths", AnswerLengths(self.answer_lengths))
+        if self.answer_mean_tokens < 1 or self.answer_sigma <= 0:
+            raise ValueError("answer_mean_tokens must be at least 1 and answer_sigma positive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedSim:
+    """The numbers the engine runs on, after the catalog and defaults are applied."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    step_cost: StepCost
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def _default_num_blocks(config: SimConfig, cost: StepCost) -> int:
+    free = (
+        DEFAULT_GPU_MEMORY_BYTES * config.gpu_memory_utilization
+        - cost.weights_bytes_per_rank
+        - ACTIVATION_RESERVE_BYTES
+    )
+    return int(free // (cost.kv_bytes_per_token_per_rank * config.block_size))
+
+
+def _catalog(config: SimConfig) -> tuple[int, StepCost, int | None, int | None]:
+    from gateway.capacity import replica_profile
+
+    profile = replica_profile(
+        model=config.catalog_model or config.model,
+        gpu=config.gpu or "",
+        tp=config.tp,
+        kv_dtype=config.kv_dtype,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        max_model_len=config.max_model_len,
+        block_size=config.block_size,
+    )
+    return profile.num_gpu_blocks, profile.step_cost, profile.max_model_len, profile.max_num_seqs
+
+
+def resolve(config: SimConfig) -> ResolvedSim:
+    catalog_len: int | None = None
+    catalog_seqs: int | None = None
+    if config.gpu is not None:
+        num_blocks, cost, catalog_len, catalog_seqs = _catalog(config)
+        cost = config.step_cost or cost
+    else:
+        cost = config.step_cost or DEFAULT_STEP_COST
+        num_blocks = _default_num_blocks(config, cost)
+    if config.kv_tokens is not None:
+        num_blocks = config.kv_tokens // config.block_size
+    if num_blocks < 1:
+        raise ValueError("no room for a KV cache block: the model does not fit this GPU")
+    kv_tokens = num_blocks * config.block_size
+    max_model_len = config.max_model_len or min(catalog_len or DEFAULT_MAX_MODEL_LEN, kv_tokens)
+    if max_model_len > kv_tokens:
+        raise ValueError(
+            f"max_model_len={max_model_len} is larger than the {kv_tokens} tokens the KV cache "
+            "can hold; lower max_model_len or raise kv_tokens"
+        )
+    return ResolvedSim(
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        max_model_len=max_model_len,
+        step_cost=cost,
+        max_num_seqs=config.max_num_seqs or catalog_seqs or DEFAULT_MAX_NUM_SEQS,
+    )

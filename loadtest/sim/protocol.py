@@ -1,0 +1,207 @@
+"""Parse an OpenAI request into what the simulated engine needs, with vLLM's 4xx errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import orjson
+
+from loadtest.sim.lengths import StopRule
+from loadtest.sim.tokens import (
+    chat_prompt_ids,
+    chat_prompt_tokens,
+    completion_prompt_ids,
+    completion_prompt_tokens,
+)
+from loadtest.sim.wire import Kind
+
+
+class SimRequestError(Exception):
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+    @property
+    def error_type(self) -> str:
+        return "NotFoundError" if self.status == 404 else "BadRequestError"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimRequest:
+    kind: Kind
+    model: str | None
+    prompt_tokens: int
+    max_tokens: int  # the cap: the request's, or the default when it sent none
+    finish_reason: str  # an answer that reaches the cap: "length", or "stop" for a default
+    stream: bool
+    include_usage: bool
+    n: int = 1  # choices: one sequence each, as vLLM runs them
+    stop: StopRule = field(default_factory=StopRule)
+    prompt_token_ids: list[int] | None = None  # when asked for: what the prefix cache hashes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    model: str | None  # the one served name; None accepts any name
+    max_model_len: int
+    default_max_tokens: int | None  # None: vLLM's, the room left after the prompt
+
+
+def _prompt(kind: Kind, body: dict[str, object], *, token_ids: bool) -> list[int] | int:
+    """The prompt's token ids when `token_ids`, else only how many there are: counting is
+    cheaper, and a replica without a prefix cache needs nothing more."""
+    if kind is Kind.CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise SimRequestError("messages must be a non-empty list", param="messages")
+        return chat_prompt_ids(messages) if token_ids else chat_prompt_tokens(messages)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+    ):
+        return completion_prompt_ids(prompt) if token_ids else completion_prompt_tokens(prompt)
+    raise SimRequestError(
+        "prompt must be a string or a list of token ids (one prompt per request)",
+        param="prompt",
+    )
+
+
+def _requested_max_tokens(body: dict[str, object]) -> int | None:
+    value = body.get("max_tokens")
+    if value is None:
+        value = body.get("max_completion_tokens")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SimRequestError("max_tokens must be a positive integer", param="max_tokens")
+    return value
+
+
+def _check_length(prompt_tokens: int, max_tokens: int | None, limits: Limits) -> None:
+    ctx = limits.max_model_len
+    if max_tokens is not None and max_tokens > ctx:
+        raise SimRequestError(
+            f"max_tokens={max_tokens} cannot be greater than max_model_len={ctx}. "
+            f"Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})",
+            param="max_tokens",
+        )
+    if prompt_tokens >= ctx:
+        raise SimRequestError(
+            f"This model's maximum context length is {ctx} tokens. However, your request has "
+            f"{prompt_tokens} input tokens. Please reduce the length of the input messages.",
+            param="messages",
+        )
+    if max_tokens is not None and prompt_tokens + max_tokens > ctx:
+        raise SimRequestError(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+            f"maximum context length is {ctx} tokens and your request has {prompt_tokens} "
+            f"input tokens ({max_tokens} > {ctx} - {prompt_tokens}).",
+            param="max_tokens",
+        )
+
+
+def parse_request(kind: Kind, raw: bytes, limits: Limits, *, token_ids: bool = False) -> SimRequest:
+    """The request as the engine runs it; with `token_ids`, its prompt's ids too."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise SimRequestError(f"invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise SimRequestError("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and limits.model is not None and model != limits.model:
+        raise SimRequestError(
+            f"The model `{model}` does not exist. Valid aliases: {limits.model}.",
+            status=404,
+            param="model",
+        )
+    n = body.get("n")
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise SimRequestError("n must be at least 1.", param="n")
+    prompt = _prompt(kind, body, token_ids=token_ids)
+    ids = prompt if isinstance(prompt, list) else None
+    prompt_tokens = len(prompt) if isinstance(prompt, list) else prompt
+    requested = _requested_max_tokens(body)
+    _check_length(prompt_tokens, requested, limits)
+    room = limits.max_model_len - prompt_tokens
+    if requested is not None:
+        max_tokens, finish_reason = requested, "length"
+    elif limits.default_max_tokens is not None and limits.default_max_tokens <= room:
+        # left uncapped, the model ends its answer by itself
+        max_tokens, finish_reason = limits.default_max_tokens, "stop"
+    else:
+        max_tokens, finish_reason = room, "length"
+    stop = _stop_rule(body)
+    if stop.min_tokens > max_tokens:
+        raise SimRequestError(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+            f"got {stop.min_tokens}.",
+            param="min_tokens",
+        )
+    options = body.get("stream_options")
+    return SimRequest(
+        kind=kind,
+        model=model if isinstance(model, str) else None,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        finish_reason=finish_reason,
+        stream=body.get("stream") is True,
+        include_usage=isinstance(options, dict) and options.get("include_usage") is True,
+        n=n,
+        stop=stop,
+        prompt_token_ids=ids,
+    )
+
+
+def _int_field(body: dict[str, object], name: str, *, least: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise SimRequestError(f"{name} must be an integer of at least {least}", param=name)
+    return value
+
+
+def _stop_rule(body: dict[str, object]) -> StopRule:
+    """`ignore_eos`, `stop_token_ids`, `min_tokens` and `seed`. `stop` strings are checked
+    for shape only: the filler text is no model's, so matching it would end nothing real."""
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        ids = []
+    if not isinstance(ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+    ):
+        raise SimRequestError(
+            "stop_token_ids must be a list of non-negative integers", param="stop_token_ids"
+        )
+    stop = body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise SimRequestError("stop must be a string or a list of strings", param="stop")
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise SimRequestError("ignore_eos must be a boolean", param="ignore_eos")
+    return StopRule(
+        ignore_eos=ignore_eos is True,
+        stop_token_ids=tuple(dict.fromkeys(ids)),
+        min_tokens=_int_field(body, "min_tokens", least=0) or 0,
+        seed=_int_field(body, "seed", least=-(2**63)),
+    )
+
+
+def out_of_vocabulary(raw: bytes, vocab_size: int) -> str | None:
+    """vLLM's refusal of a prompt holding a token id its vocabulary lacks, or None."""
+    prompt = orjson.loads(raw).get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    ids = [t for t in prompt if isinstance(t, int)] if isinstance(prompt, list) else []
+    if ids and max(ids) >= vocab_size:
+        return f"Token id {max(ids)} is out of vocabulary"
+    return None
