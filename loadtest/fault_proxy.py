@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import threading
 
-from loadtest.harness import free_port
+from loadtest.procs import free_port
 
 CHUNK = 65536
 

@@ -39,7 +39,7 @@ import yaml
 
 from gateway.config import hash_key
 from loadtest.fault_proxy import DelayProxy
-from loadtest.harness import RedisProcess, free_port, wait_for_port
+from loadtest.procs import RedisProcess, free_port, wait_for_port
 
 ADMIN = "soak-admin-" + secrets.token_hex(4)
 KEYS = {"acme": "sk-acme-" + secrets.token_hex(8), "beta": "sk-beta-" + secrets.token_hex(8)}

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.harness import RedisProcess
+from loadtest.procs import RedisProcess
 
 # tests/vllm/ runs against a real vLLM (`make test-vllm` starts one and names its URL here);
 # without one it is not collected, so the default run never needs vLLM

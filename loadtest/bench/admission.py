@@ -42,8 +42,8 @@ from typing import Any
 import httpx
 
 from loadtest.bench import admission_fleet as fleet
+from loadtest.bench.admission_fleet import ADMIN_TOKEN
 from loadtest.bench.admission_report import report, targets
-from loadtest.fleet import ADMIN_TOKEN
 from loadtest.loadgen.client import Result
 from loadtest.loadgen.run import Target, run_schedule
 from loadtest.loadgen.scrape import Scraper

@@ -23,14 +23,15 @@ import httpx
 import orjson
 import yaml
 
+from gateway.config import hash_key
 from loadtest.bench.overhead import serve_command
-from loadtest.fleet import ADMIN_TOKEN, key_hash
-from loadtest.harness import free_port, wait_for_port
 from loadtest.loadgen.client import RequestShape
 from loadtest.loadgen.workload import PlannedRequest
+from loadtest.procs import free_port, wait_for_port
 from loadtest.real_vllm import STOP_TOKEN_IDS, RealVllm, running
 
 TENANT, KEY = "bench", "sk-bench-admission"
+ADMIN_TOKEN = "bench-admin-token"
 PROVIDER_KEY_ENV, PROVIDER_KEY = "BENCH_PROVIDER_KEY", "sk-bench-provider"
 SPIKE_SUFFIX = "-spike"
 START_TIMEOUT_S = 60.0
@@ -149,7 +150,7 @@ def gateway_config(*, backend: Backend, provider_url: str, arm: str) -> dict[str
         "tenants": [
             {
                 "name": TENANT,
-                "key_sha256": key_hash(KEY),
+                "key_sha256": hash_key(KEY),
                 "requests_per_minute": 1_000_000,
                 "tokens_per_minute": 1_000_000_000,
             }

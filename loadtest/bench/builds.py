@@ -29,7 +29,7 @@ from loadtest.bench.overhead import (
     script,
     serve_command,
 )
-from loadtest.harness import free_port, wait_for_port
+from loadtest.procs import free_port, wait_for_port
 
 RAW = "raw relay"
 

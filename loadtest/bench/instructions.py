@@ -28,7 +28,7 @@ from pathlib import Path
 import orjson
 
 from loadtest.bench.overhead import _uvicorn
-from loadtest.harness import free_port, serving_process
+from loadtest.procs import free_port, serving_process
 
 ARMS = ("raw relay", "spillgate")
 TICK_PAST_RUN_S = 3600.0

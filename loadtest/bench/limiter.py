@@ -36,7 +36,7 @@ from gateway.ratelimit import (
     TenantLimits,
 )
 from gateway.redis_batch import RedisBatcher
-from loadtest.harness import RedisProcess
+from loadtest.procs import RedisProcess
 
 
 @dataclass(frozen=True, kw_only=True)

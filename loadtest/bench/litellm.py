@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from loadtest.harness import free_port
+from loadtest.procs import free_port
 
 VENV = Path(os.environ.get("SPILLGATE_LITELLM_VENV", "/tmp/spillgate-litellm-venv"))
 

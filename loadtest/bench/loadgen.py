@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.harness import free_port, wait_for_port
 from loadtest.loadgen.text import table
+from loadtest.procs import free_port, wait_for_port
 
 
 def _cpu_children() -> float:

@@ -30,7 +30,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from starlette.types import ASGIApp, Message
 
 from loadtest.bench.overhead import BODY, KEY, _spillgate_config, _uvicorn
-from loadtest.harness import free_port, serving_process
+from loadtest.procs import free_port, serving_process
 
 ARMS = ("raw relay", "spillgate")
 TRACED = "spillgate, traced"  # tracing on, every span sampled and handed to an exporter

@@ -28,7 +28,7 @@ import orjson
 import yaml
 
 from loadtest.bench.litellm import litellm_arm
-from loadtest.harness import RedisProcess, free_port, wait_for_port
+from loadtest.procs import RedisProcess, free_port, wait_for_port
 
 KEY = "sk-bench-key"
 BODY = b'{"model":"bench","messages":[{"role":"user","content":"hi"}],"max_tokens":16}'

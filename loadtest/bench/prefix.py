@@ -41,6 +41,7 @@ from typing import Any
 
 import httpx
 
+from gateway.config import hash_key
 from loadtest import real_vllm
 from loadtest.bench import admission_fleet as fleet
 from loadtest.loadgen.scrape import backend_state
@@ -249,7 +250,7 @@ async def run_arm(arm: Arm, turns: Sequence[Turn], plan: Plan) -> dict[str, Any]
 def gateway_config(urls: Sequence[str], model: str, routing: str) -> dict[str, Any]:
     backends = [{"url": u, "served_model": model, "capacity": "auto"} for u in urls]
     return {
-        "tenants": [{"name": fleet.TENANT, "key_sha256": fleet.key_hash(fleet.KEY),
+        "tenants": [{"name": fleet.TENANT, "key_sha256": hash_key(fleet.KEY),
                      "requests_per_minute": 1_000_000, "tokens_per_minute": 10**10}],
         "pools": [{"name": POOL, "backends": backends, "routing": routing,
                    "overflow": ["queue", "reject"], "timeouts": fleet.TIMEOUTS}],

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.harness import free_port
+from loadtest.procs import free_port
 
 READY_TIMEOUT_S = 60.0
 

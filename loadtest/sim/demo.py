@@ -22,7 +22,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import hash_key, parse_settings
-from loadtest.harness import free_port, wait_for_port
+from loadtest.procs import free_port, wait_for_port
 from loadtest.sim.lengths import AnswerLengths
 
 LARGE, SMALL, PROVIDER = "llama-3.1-70b", "llama-3.1-8b", "sim-provider"

@@ -16,7 +16,8 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import ServerSettings, hash_key, parse_settings
-from loadtest.harness import ServerThread, free_port
+from loadtest.procs import free_port
+from tests.support.harness import ServerThread
 
 ROOT = Path(__file__).resolve().parents[2]
 Instruction = tuple[str, str]

@@ -12,10 +12,11 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import parse_settings
-from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet, tenant
-from loadtest.harness import ServerThread, free_port
+from loadtest.procs import free_port
 from loadtest.sim.config import SimConfig
 from tests.e2e.browser import dump_dom, needs_chromium, png_facts, screenshot
+from tests.support.fleet import ADMIN_TOKEN, Fleet, run_fleet, tenant
+from tests.support.harness import ServerThread
 
 pytestmark = needs_chromium
 CAPACITY = 2000

@@ -13,7 +13,7 @@ import httpx
 import psutil
 import pytest
 
-from loadtest.harness import free_port
+from loadtest.procs import free_port
 
 KEY = "sk-demo-e2e"
 ADMIN = "demo-admin-e2e"

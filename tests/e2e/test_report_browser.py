@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
 from loadtest.loadgen import cli as generator
 from loadtest.sim.config import SimConfig
 from tests.e2e.browser import dump_dom, needs_chromium, png_facts, screenshot
+from tests.support.fleet import ADMIN_TOKEN, Fleet, run_fleet
 
 pytestmark = needs_chromium
 

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from loadtest.fleet import Fleet, run_fleet
 from loadtest.sim.config import SimConfig
-from tests.integration.overflow_support import sample
+from tests.support.fleet import Fleet, run_fleet
+from tests.support.overflow import sample
 
 PROMPT = list(range(100, 206))  # 106 token ids
 MAX_TOKENS = 412

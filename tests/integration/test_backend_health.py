@@ -22,11 +22,12 @@ import yaml
 
 from gateway.app import create_app
 from gateway.config import parse_settings
-from loadtest.fleet import ADMIN_TOKEN, Fleet, tenant
-from loadtest.harness import ServerThread, free_port, wait_for_port
+from loadtest.procs import free_port, wait_for_port
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
-from tests.integration.fault_support import FaultBackend, chat
+from tests.support.fault import FaultBackend, chat
+from tests.support.fleet import ADMIN_TOKEN, Fleet, tenant
+from tests.support.harness import ServerThread
 
 KEY = "sk-health-" + secrets.token_hex(8)
 MODELS_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32-models.json"

@@ -6,8 +6,8 @@ import httpx
 import orjson
 import pytest
 
-from loadtest.fleet import run_fleet
 from loadtest.sim.config import SimConfig
+from tests.support.fleet import run_fleet
 
 MSG = [{"role": "user", "content": "hi"}]
 

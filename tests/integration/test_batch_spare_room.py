@@ -10,9 +10,8 @@ import httpx
 import openai
 import pytest
 
-from loadtest.fleet import ADMIN_TOKEN
-from loadtest.harness import RedisProcess
-from tests.integration.batch_support import (
+from loadtest.procs import RedisProcess
+from tests.support.batch import (
     POOL,
     batch_fleet,
     chat_line,
@@ -24,7 +23,8 @@ from tests.integration.batch_support import (
     tokens_held,
     wait_status,
 )
-from tests.integration.overflow_support import backend_requests, sample
+from tests.support.fleet import ADMIN_TOKEN
+from tests.support.overflow import backend_requests, sample
 
 
 def test_batch_yields_to_a_spike_and_runs_once_it_passes(tmp_path: Path) -> None:

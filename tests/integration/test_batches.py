@@ -9,7 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.integration.batch_support import (
+from tests.support.batch import (
     batch_fleet,
     chat_line,
     client,

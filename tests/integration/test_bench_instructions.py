@@ -12,7 +12,7 @@ import pytest
 
 from loadtest.bench.instructions import ARMS, callgrind_total, child_command
 from loadtest.bench.overhead import _uvicorn
-from loadtest.harness import free_port, serving_process
+from loadtest.procs import free_port, serving_process
 
 needs_valgrind = pytest.mark.skipif(
     shutil.which("valgrind") is None, reason="needs valgrind (apt-get install valgrind)"

@@ -7,7 +7,7 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from loadtest.harness import RedisProcess
+from loadtest.procs import RedisProcess
 from policies.cache.store import RedisResponseCache
 
 

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import httpx
 import redis
 
-from loadtest.fleet import Fleet, run_fleet
-from loadtest.harness import RedisProcess
+from loadtest.procs import RedisProcess
 from loadtest.sim.config import SimConfig
-from tests.integration.overflow_support import (
+from tests.support.fleet import Fleet, run_fleet
+from tests.support.overflow import (
     STATIC_RESERVATION,
     async_client,
     chat,

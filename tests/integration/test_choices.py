@@ -8,9 +8,9 @@ import httpx
 import openai
 import pytest
 
-from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
 from loadtest.sim.config import SimConfig
-from tests.integration.overflow_support import sample
+from tests.support.fleet import ADMIN_TOKEN, Fleet, run_fleet
+from tests.support.overflow import sample
 
 MSG = [{"role": "user", "content": "Hi"}]  # the gateway estimates 5 prompt tokens
 

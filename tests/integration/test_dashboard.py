@@ -5,8 +5,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
 from loadtest.sim.config import SimConfig
+from tests.support.fleet import ADMIN_TOKEN, Fleet, run_fleet
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
-from loadtest.harness import free_port
+from loadtest.procs import free_port
 from loadtest.sim.config import SimConfig
+from tests.support.fleet import ADMIN_TOKEN, Fleet, run_fleet
 
 DRILL_TIMEOUT_S = 150
 

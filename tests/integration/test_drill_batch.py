@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
 from loadtest.sim.config import SimConfig
 from tests.integration.test_drill import drill
+from tests.support.fleet import ADMIN_TOKEN, Fleet, run_fleet
 
 
 @pytest.fixture

@@ -19,9 +19,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from loadtest.fleet import Fleet, run_fleet
 from loadtest.sim.config import SimConfig
-from tests.integration.overflow_support import (
+from tests.support.fleet import Fleet, run_fleet
+from tests.support.overflow import (
     async_client,
     chat,
     flooding,

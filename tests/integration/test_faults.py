@@ -23,12 +23,11 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import parse_settings
-from loadtest.fleet import ADMIN_TOKEN, Fleet, tenant
-from loadtest.harness import ServerThread, free_port
+from loadtest.procs import free_port
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from loadtest.sim.provider import ProviderConfig, create_provider_app
-from tests.integration.fault_support import (
+from tests.support.fault import (
     Book,
     FaultBackend,
     backend_process,
@@ -40,6 +39,8 @@ from tests.integration.fault_support import (
     wait_for,
     wait_for_process,
 )
+from tests.support.fleet import ADMIN_TOKEN, Fleet, tenant
+from tests.support.harness import ServerThread
 
 PROVIDER_KEY = "sk-hosted-" + secrets.token_hex(8)
 BURST_REQUESTS = 1000

@@ -20,11 +20,12 @@ import redis
 from gateway.app import create_app
 from gateway.config import parse_settings
 from loadtest.fault_proxy import DelayProxy
-from loadtest.fleet import ADMIN_TOKEN, Fleet, tenant
-from loadtest.harness import RedisProcess, ServerThread, free_port
+from loadtest.procs import RedisProcess, free_port
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
-from tests.integration.fault_support import Book, chat, metric_sum, usage_total
+from tests.support.fault import Book, chat, metric_sum, usage_total
+from tests.support.fleet import ADMIN_TOKEN, Fleet, tenant
+from tests.support.harness import ServerThread
 
 TIME_BUDGET_S = 0.25
 LIMITS = {"requests_per_minute": 1, "request_burst": 500,

@@ -6,8 +6,8 @@ import httpx
 import openai
 import pytest
 
-from loadtest.fleet import Fleet, run_fleet
 from loadtest.sim.config import SimConfig
+from tests.support.fleet import Fleet, run_fleet
 
 
 @pytest.fixture(scope="module")

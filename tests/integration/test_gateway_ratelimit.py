@@ -33,9 +33,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.config import hash_key
-from loadtest.harness import RedisProcess, ServerThread, free_port
+from loadtest.procs import RedisProcess, free_port
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
+from tests.support.harness import ServerThread
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBFAKETIME = next(iter(sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))), None)

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtest.fleet import Fleet, run_fleet
 from loadtest.sim.config import SimConfig
+from tests.support.fleet import Fleet, run_fleet
 
 MSG = [{"role": "user", "content": "Tell me a story"}]
 

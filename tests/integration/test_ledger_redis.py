@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from gateway.admission.ledger import Reservation
 from gateway.admission.ledger_redis import RedisLedger
 from gateway.clock import ManualClock, SystemClock
-from loadtest.harness import RedisProcess
+from loadtest.procs import RedisProcess
 
 TIMEOUT_S = 0.05
 MARGIN_S = 0.25  # slack for a loaded two-core machine on top of the time budget

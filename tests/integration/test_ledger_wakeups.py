@@ -21,10 +21,11 @@ from gateway.admission.router import Router
 from gateway.app import create_app
 from gateway.clock import SystemClock
 from gateway.config import parse_settings
-from loadtest.fleet import tenant
-from loadtest.harness import RedisProcess, ServerThread
+from loadtest.procs import RedisProcess
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
+from tests.support.fleet import tenant
+from tests.support.harness import ServerThread
 
 TIMEOUT_S = 0.5
 POLL_S = 0.05

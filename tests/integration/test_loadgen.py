@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
-from loadtest.harness import ServerThread
 from loadtest.loadgen import cli as generator
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
+from tests.support.fleet import ADMIN_TOKEN, Fleet, run_fleet
+from tests.support.harness import ServerThread
 
 # an x-axis tick label of a report's chart (its plot area ends 48 px above the bottom)
 X_TICKS = re.compile(r'<text x="([\d.]+)" y="288" text-anchor="middle">([^<]*)</text>')

@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from gateway.cli import main
-from loadtest.harness import free_port, serving_process
 from loadtest.measure.cli import MeasureConfig, MeasureError, one_request, open_endpoint
+from loadtest.procs import free_port, serving_process
 from loadtest.sim.config import DEFAULT_STEP_COST
 
 SPEED = 20.0

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from loadtest.fleet import Fleet, run_fleet
 from loadtest.sim.config import SimConfig
+from tests.support.fleet import Fleet, run_fleet
 
 MSG = [{"role": "user", "content": "Hi"}]  # the gateway estimates 5 prompt tokens
 STATIC = {"mode": "max_tokens"}

@@ -19,8 +19,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from gateway.ops.openapi import openapi_document
-from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
 from loadtest.sim.config import SimConfig
+from tests.support.fleet import ADMIN_TOKEN, Fleet, run_fleet
 
 EXAMPLES_PER_OPERATION = 25
 CHECKS = [

@@ -14,11 +14,11 @@ import httpx
 import openai
 import pytest
 
-from loadtest.fleet import Fleet, run_fleet
-from loadtest.harness import ServerThread
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
-from tests.integration.overflow_support import sample, wait_for
+from tests.support.fleet import Fleet, run_fleet
+from tests.support.harness import ServerThread
+from tests.support.overflow import sample, wait_for
 
 CHAT, EMBED = "chat", "embed"
 DIM = 8

@@ -14,11 +14,11 @@ import httpx
 import orjson
 import pytest
 
-from loadtest.fleet import Fleet
-from loadtest.harness import ServerThread
 from loadtest.sim.config import SimConfig
 from loadtest.sim.provider import ProviderConfig
-from tests.integration.overflow_support import (
+from tests.support.fleet import Fleet
+from tests.support.harness import ServerThread
+from tests.support.overflow import (
     async_client,
     chat,
     holding,

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from loadtest.fleet import Fleet, run_fleet
 from loadtest.sim.config import SimConfig
-from tests.integration.overflow_support import (
+from tests.support.fleet import Fleet, run_fleet
+from tests.support.overflow import (
     STATIC_RESERVATION,
     async_client,
     backend_requests,

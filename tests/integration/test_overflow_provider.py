@@ -13,11 +13,11 @@ from typing import Any
 
 import httpx
 
-from loadtest.fleet import Fleet
-from loadtest.harness import ServerThread
 from loadtest.sim.config import SimConfig
 from loadtest.sim.provider import ProviderConfig
-from tests.integration.overflow_support import chat, provider_fleet, provider_stats, sample
+from tests.support.fleet import Fleet
+from tests.support.harness import ServerThread
+from tests.support.overflow import chat, provider_fleet, provider_stats, sample
 
 KEY = "sk-hosted"
 

@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtest.fleet import Fleet, run_fleet
 from loadtest.loadgen.scrape import backend_state
 from loadtest.sim.config import SimConfig
+from tests.support.fleet import Fleet, run_fleet
 
 SYSTEM = {"role": "system", "content": "You answer questions about the fleet. " * 60}
 

@@ -12,9 +12,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.fleet import Fleet, run_fleet
 from loadtest.sim.config import SimConfig
-from tests.integration.overflow_support import async_client, chat, flooding, p99, steady
+from tests.support.fleet import Fleet, run_fleet
+from tests.support.overflow import async_client, chat, flooding, p99, steady
 
 SLOTS = 12  # requests of ~16 tokens that fit the pool at once
 CAPACITY = SLOTS * 16

@@ -10,11 +10,12 @@ import httpx
 
 from gateway.app import create_app
 from gateway.config import parse_settings
-from loadtest.fleet import tenant
-from loadtest.harness import RedisProcess, ServerThread
+from loadtest.procs import RedisProcess
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from loadtest.sim.provider import ProviderConfig, create_provider_app
+from tests.support.fleet import tenant
+from tests.support.harness import ServerThread
 
 KEY = "sk-tenant-budget"
 PROVIDER_KEY = "sk-provider-budget"

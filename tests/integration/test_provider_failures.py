@@ -19,11 +19,11 @@ import httpx
 import openai
 import pytest
 
-from loadtest.fleet import Fleet
-from loadtest.harness import ServerThread
 from loadtest.sim.config import SimConfig
 from loadtest.sim.provider import ProviderConfig
-from tests.integration.overflow_support import provider_fleet, provider_stats, sample
+from tests.support.fleet import Fleet
+from tests.support.harness import ServerThread
+from tests.support.overflow import provider_fleet, provider_stats, sample
 
 KEY = "sk-hosted"
 SERVED = "hosted-mini-0613"

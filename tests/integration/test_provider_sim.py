@@ -6,9 +6,9 @@ import httpx
 import openai
 import pytest
 
-from loadtest.harness import ServerThread
 from loadtest.sim.provider import ProviderConfig, create_provider_app
 from loadtest.sim.tokens import chat_prompt_tokens
+from tests.support.harness import ServerThread
 
 KEY = "sk-provider-test"
 MESSAGES = [{"role": "user", "content": "Summarise the spill policy in one line."}]

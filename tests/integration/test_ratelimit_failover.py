@@ -20,7 +20,7 @@ from gateway.ratelimit import (
     ResilientRateLimiter,
     TenantLimits,
 )
-from loadtest.harness import RedisProcess
+from loadtest.procs import RedisProcess
 
 TIMEOUT_S = 0.05
 COOLDOWN_S = 0.2

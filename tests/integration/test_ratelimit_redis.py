@@ -22,7 +22,7 @@ from gateway.ratelimit import (
     TenantLimits,
 )
 from gateway.ratelimit.redis_limiter import bucket_script
-from loadtest.harness import RedisProcess
+from loadtest.procs import RedisProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,8 +10,8 @@ import httpx
 import orjson
 import pytest
 
-from loadtest.fleet import Fleet, run_fleet
 from loadtest.sim.config import SimConfig
+from tests.support.fleet import Fleet, run_fleet
 
 BODY_LIMIT = 8192
 READ_DEADLINE_S = 0.5

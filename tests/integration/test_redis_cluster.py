@@ -19,13 +19,13 @@ from gateway.clock import SystemClock
 from gateway.config import parse_settings
 from gateway.ratelimit import RedisRateLimiter, TenantLimits
 from gateway.redis_batch import RedisBatcher
-from loadtest.fleet import ADMIN_TOKEN, tenant
-from loadtest.harness import ServerThread
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from policies.cache.store import RedisResponseCache
-from tests.integration.cluster_support import redis_cluster
-from tests.integration.replica_support import sample
+from tests.support.cluster import redis_cluster
+from tests.support.fleet import ADMIN_TOKEN, tenant
+from tests.support.harness import ServerThread
+from tests.support.replica import sample
 
 pytestmark = pytest.mark.skipif(
     __import__("shutil").which("redis-cli") is None, reason="redis-cli is not installed"

@@ -20,11 +20,12 @@ import pytest
 import redis
 import yaml
 
-from loadtest.fleet import tenant
-from loadtest.harness import RedisProcess, ServerThread
+from loadtest.procs import RedisProcess
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
-from tests.integration.replica_support import KEY, GatewayProcess, start_gateways
+from tests.support.fleet import tenant
+from tests.support.harness import ServerThread
+from tests.support.replica import KEY, GatewayProcess, start_gateways
 
 STALLS = 60
 STALL_S = 0.45

@@ -20,10 +20,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.app import create_app
 from gateway.config import parse_settings
-from loadtest.fleet import ADMIN_TOKEN, Fleet, tenant
-from loadtest.harness import ServerThread
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
+from tests.support.fleet import ADMIN_TOKEN, Fleet, tenant
+from tests.support.harness import ServerThread
 from tests.vllm_capture import sse
 
 SERVED = {"tiny": "tiny-served", "spaced": "spaced-served"}

@@ -19,8 +19,8 @@ import httpx
 import pytest
 import redis
 
-from loadtest.harness import RedisProcess
-from tests.integration.replica_support import (
+from loadtest.procs import RedisProcess
+from tests.support.replica import (
     KEY,
     KV_TOKENS,
     LEASE_TTL_S,

@@ -21,11 +21,12 @@ import httpx
 import pytest
 import yaml
 
-from loadtest.fleet import tenant
-from loadtest.harness import RedisProcess, ServerThread
+from loadtest.procs import RedisProcess
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
-from tests.integration.replica_support import GatewayProcess, start_gateways
+from tests.support.fleet import tenant
+from tests.support.harness import ServerThread
+from tests.support.replica import GatewayProcess, start_gateways
 
 BURST = 300
 MAX_TOKENS = 100

@@ -12,10 +12,11 @@ import httpx
 import pytest
 
 from gateway.cli import main
-from loadtest.harness import RedisProcess, ServerThread
+from loadtest.procs import RedisProcess
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
-from tests.integration.replica_support import (
+from tests.support.harness import ServerThread
+from tests.support.replica import (
     KV_TOKENS,
     backend_stats,
     sample,

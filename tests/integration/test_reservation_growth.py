@@ -16,8 +16,9 @@ import orjson
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from loadtest.fleet import Fleet, run_fleet
-from loadtest.harness import RedisProcess, ServerThread
+from loadtest.procs import RedisProcess
+from tests.support.fleet import Fleet, run_fleet
+from tests.support.harness import ServerThread
 
 TOKENS = 100  # events the backend streams before it waits
 PRIOR = 16  # the expected output before any answer was seen

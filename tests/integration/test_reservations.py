@@ -10,9 +10,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import Receive, Scope, Send
 
-from loadtest.fleet import Fleet, run_fleet
-from loadtest.harness import ServerThread, free_port
+from loadtest.procs import free_port
 from loadtest.sim.config import SimConfig
+from tests.support.fleet import Fleet, run_fleet
+from tests.support.harness import ServerThread
 
 CHAT = {"messages": [{"role": "user", "content": "Tell me a story"}]}
 

@@ -10,10 +10,11 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import parse_settings
-from loadtest.fleet import ADMIN_TOKEN, admin_status, tenant
-from loadtest.harness import RedisProcess, ServerThread
+from loadtest.procs import RedisProcess
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
+from tests.support.fleet import ADMIN_TOKEN, admin_status, tenant
+from tests.support.harness import ServerThread
 
 KEY = "sk-shared-responses"
 

@@ -14,8 +14,8 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from loadtest.fleet import Fleet, run_fleet
 from loadtest.sim.config import SimConfig
+from tests.support.fleet import Fleet, run_fleet
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 251}
 SPEED = 0.8  # ~8 ms a decode step at speed 1: 251 tokens in about 2.5 s

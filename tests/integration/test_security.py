@@ -25,19 +25,19 @@ from gateway.app import create_app
 from gateway.config import parse_settings
 from gateway.errors import Unauthenticated
 from gateway.front.auth import Authenticator
-from loadtest.fleet import ADMIN_TOKEN, Fleet, tenant
-from loadtest.harness import ServerThread
 from loadtest.sim.config import SimConfig
 from loadtest.sim.provider import ProviderConfig, create_provider_app
 from loadtest.sim.wire import Kind, full_response
-from tests.integration.fault_support import (
+from tests.support.fault import (
     async_client,
     backend_requests,
     chat,
     holding,
     provider_stats,
 )
-from tests.integration.overflow_support import STATIC_RESERVATION
+from tests.support.fleet import ADMIN_TOKEN, Fleet, tenant
+from tests.support.harness import ServerThread
+from tests.support.overflow import STATIC_RESERVATION
 
 PROVIDER_KEY_ENV = "HOSTED_API_KEY"
 ROOM = 100_000  # tokens the recording backend holds

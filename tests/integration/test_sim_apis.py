@@ -8,10 +8,10 @@ import httpx
 import openai
 import pytest
 
-from loadtest.harness import ServerThread
 from loadtest.sim.apis import unit_vector
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
+from tests.support.harness import ServerThread
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.harness import ServerThread
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from loadtest.sim.tokens import FillerText, chat_prompt_tokens
+from tests.support.harness import ServerThread
 
 MODEL = "sim"
 LABELS = {"engine": "0", "model_name": MODEL}

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import httpx
 
-from loadtest.harness import free_port, wait_for_port
+from loadtest.procs import free_port, wait_for_port
 
 
 @contextmanager

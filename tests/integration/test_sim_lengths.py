@@ -14,11 +14,11 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.harness import ServerThread
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from loadtest.sim.lengths import Answer, AnswerLengths, Finish, LengthSampler, StopRule
 from loadtest.sim.tokens import FillerText, chat_prompt_tokens
+from tests.support.harness import ServerThread
 
 MODEL = "sim"
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "vllm-0.32-metrics.txt"

@@ -6,10 +6,10 @@ import httpx
 import openai
 import pytest
 
-from loadtest.harness import ServerThread
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from loadtest.sim.tokens import chat_prompt_tokens
+from tests.support.harness import ServerThread
 
 MODEL = "sim-8b"
 MESSAGES = [

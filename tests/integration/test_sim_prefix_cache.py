@@ -4,9 +4,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.harness import ServerThread
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
+from tests.support.harness import ServerThread
 
 MODEL = "sim"
 SYSTEM = {"role": "system", "content": "Answer as briefly as you can. " * 13 + "Be kind."}

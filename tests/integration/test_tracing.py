@@ -26,11 +26,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.app import create_app
 from gateway.config import parse_settings
 from gateway.front.request import Endpoint, parse_request
-from loadtest.fleet import ADMIN_TOKEN, tenant
-from loadtest.harness import ServerThread
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from loadtest.sim.provider import ProviderConfig, create_provider_app
+from tests.support.fleet import ADMIN_TOKEN, tenant
+from tests.support.harness import ServerThread
 
 PROVIDER_KEY = "sk-hosted"
 

@@ -13,10 +13,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.app import create_app
 from gateway.config import parse_settings
-from loadtest.fleet import tenant
-from loadtest.harness import ServerThread
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
+from tests.support.fleet import tenant
+from tests.support.harness import ServerThread
 
 KEY = "sk-encoding-test-key"
 

@@ -24,10 +24,10 @@ import yaml
 from gateway.config import parse_settings
 from loadtest.bench.admission_fleet import process, wait_ready
 from loadtest.bench.overhead import serve_command
-from loadtest.fleet import ADMIN_TOKEN, admin_status, tenant
-from loadtest.harness import free_port
 from loadtest.loadgen.scrape import backend_state, metric_sum, parse_metrics
+from loadtest.procs import free_port
 from loadtest.real_vllm import MODEL, RealVllm
+from tests.support.fleet import ADMIN_TOKEN, admin_status, tenant
 
 SERVER = RealVllm()  # what `make test-vllm` starts
 URL_ENV = "SPILLGATE_VLLM_URL"

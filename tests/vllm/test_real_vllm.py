@@ -13,7 +13,7 @@ from loadtest.loadgen.client import Result
 from loadtest.loadgen.run import Target, run_schedule
 from loadtest.loadgen.workload import LengthDist, TenantKey, Workload, plan_requests
 from loadtest.real_vllm import MODEL, STOP_TOKEN_IDS
-from tests.integration.overflow_support import eventually
+from tests.support.overflow import eventually
 from tests.vllm.conftest import SERVER, gateway, vllm_metrics
 
 BLOCK_SIZE = 128  # vLLM's CPU backend allocates KV in blocks of 128 tokens

@@ -16,7 +16,7 @@ from gateway.admission.router import Router
 from gateway.clock import ManualClock
 from gateway.config import ConfigError, hash_key, parse_settings
 from gateway.workers import WorkerSpec, refusal
-from loadtest.harness import free_port
+from loadtest.procs import free_port
 
 
 def _settings(**extra: object) -> dict[str, object]:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from loadtest.harness import redis_server_binary, wait_for_port
+from loadtest.procs import redis_server_binary, wait_for_port
 
 
 def _free_pair() -> int:

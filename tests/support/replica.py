@@ -24,10 +24,11 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.fleet import ADMIN_TOKEN, admin_status, tenant
-from loadtest.harness import ServerThread, free_port
+from loadtest.procs import free_port
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
+from tests.support.fleet import ADMIN_TOKEN, admin_status, tenant
+from tests.support.harness import ServerThread
 
 KV_TOKENS = 1024
 TARGET_FILL = 0.85

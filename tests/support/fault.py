@@ -19,9 +19,9 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import Receive, Scope, Send
 
-from loadtest.fleet import Fleet
-from loadtest.harness import free_port, wait_for_port
-from tests.integration.overflow_support import backend_requests, chat, holding, provider_stats
+from loadtest.procs import free_port, wait_for_port
+from tests.support.fleet import Fleet
+from tests.support.overflow import backend_requests, chat, holding, provider_stats
 
 __all__ = ["backend_requests", "chat", "holding", "provider_stats"]  # shared with overflow tests
 

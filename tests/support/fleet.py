@@ -1,9 +1,8 @@
-"""A gateway in front of simulated backends on loopback, for tests, the demo and drills."""
+"""A gateway in front of simulated backends on loopback, in threads of the test process."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import secrets
 import tempfile
 from collections.abc import Iterator
@@ -13,20 +12,16 @@ from typing import Any
 import httpx
 
 from gateway.app import create_app
-from gateway.config import Settings, parse_settings
-from loadtest.harness import ServerThread
+from gateway.config import Settings, hash_key, parse_settings
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
+from tests.support.harness import ServerThread
 
 ADMIN_TOKEN = "test-admin-token"
 
 
-def key_hash(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
 def tenant(name: str, key: str, **limits: Any) -> dict[str, Any]:
-    return {"name": name, "key_sha256": key_hash(key), **limits}
+    return {"name": name, "key_sha256": hash_key(key), **limits}
 
 
 @dataclass

@@ -19,11 +19,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
 from gateway.config import parse_settings
-from loadtest.fleet import ADMIN_TOKEN, Fleet, tenant
-from loadtest.harness import ServerThread
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from loadtest.sim.provider import ProviderConfig, create_provider_app
+from tests.support.fleet import ADMIN_TOKEN, Fleet, tenant
+from tests.support.harness import ServerThread
 
 PROVIDER_KEY_ENV = "HOSTED_API_KEY"
 # with a short prompt, fills a backend of 1000 tokens: 992 in blocks of 16, room for no other

@@ -14,9 +14,9 @@ import openai
 import orjson
 
 from gateway.app import create_app
-from loadtest.fleet import ADMIN_TOKEN, Fleet, run_fleet
-from loadtest.harness import ServerThread
 from loadtest.sim.config import SimConfig
+from tests.support.fleet import ADMIN_TOKEN, Fleet, run_fleet
+from tests.support.harness import ServerThread
 
 POOL = "chat"
 TERMINAL = ("completed", "cancelled", "expired", "failed")
