@@ -39,7 +39,7 @@ from gateway.front.guard import head_bytes, head_too_large
 from gateway.front.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.front.request import Endpoint
 from gateway.front.response_homes import ResponseHomes
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import MULTIPROC_ENV, GatewayMetrics, publish_metrics
 from gateway.ops.admin import AdminEndpoints
 from gateway.ops.dashboard import Dashboard, OutcomeHistory
 from gateway.ops.openapi import openapi_route
@@ -48,7 +48,6 @@ from gateway.redis_batch import RedisBatcher
 from gateway.tracing import build_tracing
 from gateway.upstream.forward import Forwarder
 from gateway.upstream.session import UpstreamPool
-from gateway.workers import MULTIPROC_ENV, publish_metrics
 from policies.deps import PolicyDeps
 from policies.provider.gate import build_gates
 from policies.registry import admission_gates, answer_taps, build_chain

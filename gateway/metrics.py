@@ -11,15 +11,20 @@ once a second and before every scrape the worker itself answers (RequestTally).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import re
 from bisect import bisect_left
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # where the workers' values live, when set
+PUBLISH_S = 1.0  # how often a worker writes its gauges and counts there
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 # a batch's creation to its completion: seconds (a valley now) to its 24 h window
 BATCH_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 86400.0)
@@ -268,3 +273,14 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+async def publish_metrics(publish: Callable[[], None], *, every_s: float = PUBLISH_S) -> None:
+    """Keep a worker's gauges and counts current between the scrapes other workers answer."""
+    log = logging.getLogger("spillgate.metrics")
+    while True:
+        try:
+            publish()
+        except Exception:
+            log.exception("publishing metrics failed")
+        await asyncio.sleep(every_s)

@@ -13,26 +13,24 @@ every second so a scrape answered by any worker sees them all.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import uvicorn
 from starlette.types import ASGIApp
 
+from gateway.app import create_app
 from gateway.config import Settings, load_settings
-from gateway.metrics import forget_dead_workers
+from gateway.metrics import MULTIPROC_ENV, forget_dead_workers
 
 SPEC_ENV = "SPILLGATE_WORKER_SPEC"
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-PUBLISH_S = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,8 +61,6 @@ def configure_logging(level: str) -> None:
 
 def worker_app() -> ASGIApp:
     """The app factory uvicorn calls in each worker process."""
-    from gateway.app import create_app
-
     spec = WorkerSpec.from_env(os.environ[SPEC_ENV])
     configure_logging(spec.log_level)
     return create_app(load_settings(spec.config), redis_url=spec.redis_url, workers=spec.workers)
@@ -132,14 +128,3 @@ def metrics_dir() -> Iterator[str]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-async def publish_metrics(publish: Callable[[], None], *, every_s: float = PUBLISH_S) -> None:
-    """Keep a worker's gauges and counts current between the scrapes other workers answer."""
-    log = logging.getLogger("spillgate.metrics")
-    while True:
-        try:
-            publish()
-        except Exception:
-            log.exception("publishing metrics failed")
-        await asyncio.sleep(every_s)

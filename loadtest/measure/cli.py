@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import json
 import math
-import re
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -39,6 +38,15 @@ from loadtest.measure.report import (
     report_json,
     report_table,
     write_chart,
+)
+from loadtest.measure.results import (
+    EndpointKv,
+    Level,
+    Measurement,
+    endpoint_kv,
+    percentile,
+    running_now,
+    steady_tokens_per_s,
 )
 from loadtest.measure.stream import (
     MeasureError,
@@ -61,66 +69,6 @@ class MeasureConfig:
     api_key: str | None = None
     timeout_s: float = 120.0
     poll_s: float = 0.05
-
-
-@dataclass(frozen=True, kw_only=True)
-class Level:
-    concurrency: int
-    requests: int
-    errors: int
-    ttft_p50_ms: float
-    ttft_p99_ms: float
-    itl_p50_ms: float
-    itl_p99_ms: float
-    tokens_per_s: float
-    peak_running: int | None
-    prompt_tokens: float  # the endpoint's own count, the mean of the level's requests
-    first_error: str | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class EndpointKv:
-    num_gpu_blocks: int
-    block_size: int
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks; q in [0, 100]."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{.*\})?\s+(\S+)$")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
-    out = []
-    for line in text.splitlines():
-        match = _SAMPLE.match(line.strip())
-        if match:
-            labels = dict(_LABEL.findall(match.group(2) or ""))
-            out.append((match.group(1), labels, float(match.group(3))))
-    return out
-
-
-def endpoint_kv(text: str) -> EndpointKv | None:
-    for name, labels, _ in parse_metrics(text):
-        if name == "vllm:cache_config_info" and labels.get("num_gpu_blocks", "").isdigit():
-            return EndpointKv(
-                num_gpu_blocks=int(labels["num_gpu_blocks"]), block_size=int(labels["block_size"])
-            )
-    return None
-
-
-def running_now(text: str) -> int | None:
-    values = [v for n, _, v in parse_metrics(text) if n == "vllm:num_requests_running"]
-    return round(sum(values)) if values else None
 
 
 def _completion_body(cfg: MeasureConfig, prompt: str | list[int]) -> bytes:
@@ -179,19 +127,6 @@ def _http_error(status: int, body: bytes) -> str:
     except orjson.JSONDecodeError:
         message = None
     return f"HTTP {status}: {message or body[:300].decode('utf-8', 'replace')}"
-
-
-def steady_tokens_per_s(workers: list[list[Sample]]) -> float:
-    """Tokens streamed while every client was busy, over that window."""
-    busy = [w for w in workers if w]
-    start = max(w[0].started for w in busy)
-    end = min(w[-1].ended for w in busy)
-    samples = [s for w in busy for s in w]
-    if end - start <= 0 or len(busy[0]) < 2:
-        wall = max(s.ended for s in samples) - min(s.started for s in samples)
-        return sum(s.completion_tokens for s in samples) / wall
-    tokens = sum(s.tokens_in(a) for s in samples for a in s.arrivals if start <= a.at <= end)
-    return tokens / (end - start)
 
 
 async def _poll_running(client: httpx.AsyncClient, every_s: float, peak: list[int]) -> None:
@@ -301,13 +236,6 @@ async def run_level(
         first_error=errors[0] if errors else None,
     )
     return level, samples
-
-
-@dataclass(frozen=True, kw_only=True)
-class Measurement:
-    levels: list[Level]
-    kv: EndpointKv | None
-    max_model_len: int | None
 
 
 async def _endpoint_info(client: httpx.AsyncClient) -> tuple[EndpointKv | None, int | None]:

@@ -6,16 +6,13 @@ import argparse
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gateway.capacity import throughput
 from gateway.capacity.catalog import load_catalog
 from gateway.capacity.cli import replica_options
 from gateway.capacity.perf import ReplicaProfile
 from gateway.capacity.profile import build_profile
-
-if TYPE_CHECKING:
-    from loadtest.measure.cli import EndpointKv, Level, Measurement
+from loadtest.measure.results import EndpointKv, Level, Measurement
 
 
 @dataclass(frozen=True, kw_only=True)

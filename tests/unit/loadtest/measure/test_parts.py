@@ -6,14 +6,14 @@ import orjson
 import pytest
 
 from gateway.capacity import replica_profile, throughput
-from loadtest.measure.cli import (
+from loadtest.measure.report import Prediction, endpoint_sessions
+from loadtest.measure.results import (
     EndpointKv,
     endpoint_kv,
     percentile,
     running_now,
     steady_tokens_per_s,
 )
-from loadtest.measure.report import Prediction, endpoint_sessions
 from loadtest.measure.stream import (
     Arrival,
     MeasureError,
