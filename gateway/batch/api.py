@@ -83,18 +83,18 @@ class BatchEndpoints:
         # a multipart body is the file and a little framing
         body = await self._body(request, self._max_upload + 64 * 1024)
         upload = parse_upload(request.headers.get("content-type", ""), body)
-        return _json(public(await self._batches.upload(tenant, upload)))
+        return _json(public(await self._batches.files.upload(tenant, upload)))
 
     async def file(self, request: Request, tenant: Tenant) -> Response:
-        record = await self._batches.file(tenant, request.path_params["file_id"])
+        record = await self._batches.files.file(tenant, request.path_params["file_id"])
         assert record is not None
         return _json(public(record))
 
     async def delete(self, request: Request, tenant: Tenant) -> Response:
-        return _json(await self._batches.delete_file(tenant, request.path_params["file_id"]))
+        return _json(await self._batches.files.delete(tenant, request.path_params["file_id"]))
 
     async def content(self, request: Request, tenant: Tenant) -> Response:
-        data = await self._batches.content(tenant, request.path_params["file_id"])
+        data = await self._batches.files.content(tenant, request.path_params["file_id"])
         return Response(data, media_type="application/jsonl")
 
     async def create(self, request: Request, tenant: Tenant) -> Response:

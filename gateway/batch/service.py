@@ -1,4 +1,5 @@
-"""Files and batches, as OpenAI's API shapes them, each seen only by the tenant that made it.
+"""Batches, as OpenAI's API shapes them, each seen only by the tenant that made it (its
+files and their records: gateway/batch/files.py).
 
 A record's fields that start with `_` are the gateway's own (its tenant, its size in
 tokens) and never leave it. An item's result is its own record (`res-<batch>`, keyed by the
@@ -16,23 +17,19 @@ from typing import Any
 import orjson
 
 from gateway.admission.backends import Pool
-from gateway.batch.files import Upload, batch_lines
+from gateway.batch.files import Files, NotFound, batch_lines, id_like
 from gateway.batch.store import BatchStore, Record
 from gateway.clock import Clock
 from gateway.config import BatchSettings
 from gateway.errors import InvalidRequest, Throttled
 from gateway.front.auth import Tenant
-from gateway.front.request import Endpoint, InferenceRequest, check_pool_kind, parse_request
+from gateway.front.parse import parse_request
+from gateway.front.request import Endpoint, InferenceRequest, check_pool_kind
 
 WINDOWS = {"24h"}
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
-FILE, BATCH = "file", "batch"
+BATCH = "batch"
 ACTIVE_INDEX = "active"  # the ids of the batches not yet ended: what the runner reads
-
-
-class NotFound(InvalidRequest):
-    status = 404
-    code = "not_found"
 
 
 def public(record: Record) -> Record:
@@ -53,6 +50,7 @@ class Batches:
         clock: Clock,
     ) -> None:
         self.store = store
+        self.files = Files(store, settings=settings, clock=clock)
         # one change of a batch record at a time in this process: a cancel and the runner's
         # start each load, change and save the record, and must not overwrite each other
         self._changing = asyncio.Lock()
@@ -62,98 +60,6 @@ class Batches:
 
     def now(self) -> int:
         return int(self._clock.wall())
-
-    # files
-
-    async def upload(self, tenant: Tenant, upload: Upload) -> Record:
-        s = self.settings
-        if len(upload.content) > s.max_file_bytes:
-            raise InvalidRequest(
-                f"The file is {len(upload.content)} bytes; at most {s.max_file_bytes} allowed.",
-                param="file",
-                code="file_too_large",
-            )
-        batch_lines(upload.content, max_items=s.max_items)
-        mine = await self._files_of(tenant)
-        if len(mine) >= s.max_files:
-            raise Throttled(
-                f"Tenant {tenant.name!r} already holds {len(mine)} files; at most "
-                f"{s.max_files}. Delete some, or wait for results to expire.",
-                code="file_limit_exceeded",
-            )
-        held = sum(int(f["bytes"]) for f in mine)
-        if held + len(upload.content) > s.max_total_bytes:
-            raise Throttled(
-                f"Tenant {tenant.name!r} holds {held} bytes of files; this one would pass "
-                f"the limit of {s.max_total_bytes}.",
-                code="file_limit_exceeded",
-            )
-        return await self._save_file(
-            tenant.name, upload.content, filename=upload.filename, purpose="batch"
-        )
-
-    async def _save_file(
-        self,
-        tenant: str,
-        content: bytes,
-        *,
-        filename: str,
-        purpose: str,
-        ttl_s: float | None = None,
-    ) -> Record:
-        now = self.now()
-        record: Record = {
-            "id": f"file-{secrets.token_hex(12)}",
-            "object": "file",
-            "bytes": len(content),
-            "created_at": now,
-            "expires_at": None if ttl_s is None else now + int(ttl_s),
-            "filename": filename,
-            "purpose": purpose,
-            "status": "processed",
-            "status_details": None,
-            "_tenant": tenant,
-        }
-        await self.store.save_blob(record["id"], content)
-        await self.store.save(FILE, record["id"], record)
-        return record
-
-    async def _files_of(self, tenant: Tenant) -> list[Record]:
-        found = []
-        for key in await self.store.keys(FILE):
-            record = await self.file(tenant, key, missing_ok=True)
-            if record is not None:
-                found.append(record)
-        return found
-
-    async def file(
-        self, tenant: Tenant, file_id: str, *, missing_ok: bool = False
-    ) -> Record | None:
-        record = None if not _id_like(file_id) else await self.store.load(FILE, file_id)
-        if record is not None and record["_tenant"] == tenant.name:
-            expires = record.get("expires_at")
-            if expires is None or expires > self.now():
-                return record
-            await self.store.delete_blob(file_id)
-            await self.store.delete(FILE, file_id)
-        if missing_ok:
-            return None
-        raise NotFound(f"No such File object: {file_id}", param="id")
-
-    async def delete_file(self, tenant: Tenant, file_id: str) -> Record:
-        await self.file(tenant, file_id)
-        await self.store.delete_blob(file_id)
-        await self.store.delete(FILE, file_id)
-        return {"id": file_id, "object": "file", "deleted": True}
-
-    async def content(self, tenant: Tenant, file_id: str) -> bytes:
-        await self.file(tenant, file_id)
-        data = await self.store.load_blob(file_id)
-        if data is None:
-            raise NotFound(f"No such File object: {file_id}", param="id")
-        return data
-
-    # batches
 
     async def create(self, tenant: Tenant, body: Mapping[str, Any]) -> Record:
         file_id = body.get("input_file_id")
@@ -178,7 +84,7 @@ class Batches:
                 "string values (512 characters at most).",
                 param="metadata",
             )
-        content = await self.content(tenant, file_id)
+        content = await self.files.content(tenant, file_id)
         items = batch_lines(content, max_items=self.settings.max_items)
         tokens = sum(self._estimate(tenant, endpoint, item, i) for i, item in enumerate(items, 1))
         await self._check_queued(tenant.name, tokens)
@@ -197,7 +103,7 @@ class Batches:
         await self._check_queued(tenant, request.reserved_tokens)
         line = {"custom_id": "request-1", "method": "POST", "url": str(request.endpoint)}
         content = orjson.dumps({**line, "body": request.body}) + b"\n"
-        upload = await self._save_file(tenant, content, filename="request.jsonl", purpose="batch")
+        upload = await self.files.save(tenant, content, filename="request.jsonl", purpose="batch")
         return await self._save_batch(
             tenant,
             input_file_id=upload["id"],
@@ -283,7 +189,7 @@ class Batches:
         return record
 
     async def batch(self, tenant: Tenant, batch_id: str) -> Record:
-        record = None if not _id_like(batch_id) else await self.store.load(BATCH, batch_id)
+        record = None if not id_like(batch_id) else await self.store.load(BATCH, batch_id)
         if record is None or record["_tenant"] != tenant.name:
             raise NotFound(f"No such Batch object: {batch_id}", param="batch_id")
         return await self.counted(record)
@@ -396,7 +302,7 @@ class Batches:
         ):
             if lines:
                 content = b"".join(orjson.dumps(line) + b"\n" for line in lines)
-                saved = await self._save_file(
+                saved = await self.files.save(
                     tenant, content, filename=f"{record['id']}_{name}.jsonl",
                     purpose="batch_output", ttl_s=ttl,
                 )  # fmt: skip
@@ -432,10 +338,6 @@ def _unrun(batch_id: str, item: Mapping[str, Any], status: str) -> Record:
         "response": None,
         "error": {"code": code, "message": message},
     }
-
-
-def _id_like(value: str) -> bool:
-    return 0 < len(value) <= 64 and all(c.isalnum() or c in "_-" for c in value)
 
 
 def _metadata_ok(metadata: Any) -> bool:

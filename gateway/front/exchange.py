@@ -27,7 +27,7 @@ from gateway.upstream.forward import Forwards, Target, UpstreamUnavailable
 from gateway.upstream.relay import Relayed, ResponseTap
 
 if TYPE_CHECKING:
-    from gateway.tracing import RequestTrace
+    from gateway.front.trace import RequestTrace
 
 ATTEMPTS = 3
 

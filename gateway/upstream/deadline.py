@@ -8,7 +8,7 @@ cancellation from elsewhere passes through untouched. The request path uses it b
   non-streaming request costs about 6.8k fewer instructions than under asyncio.timeout_at
   (BENCHMARKS.md, fifth round);
 - it makes no timer of its own. Every deadline on a loop, and every request's watch
-  (pipeline.RequestWatch), is held in a set by the loop's one `Sweep`, whose timer is set
+  (watch.RequestWatch), is held in a set by the loop's one `Sweep`, whose timer is set
   for the soonest of them. A uvloop timer handle made and cancelled costs ~5,300
   instructions, a set entry added and removed ~1,200; a request held two timers, and
   most requests end long before either is due (BENCHMARKS.md, sixth round).

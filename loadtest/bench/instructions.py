@@ -38,11 +38,11 @@ def _child(arm: str, requests: int, backend: str) -> None:
     """Runs in the process valgrind watches: `requests` bench requests through `arm`."""
     import uvloop
 
-    from gateway.front import pipeline
+    from gateway.front import watch
     from loadtest.bench.ops import _app, drive
 
     # the default itself, so that no wrapper adds its own cost to every request
-    pipeline.RequestWatch.__init__.__kwdefaults__["after_s"] = TICK_PAST_RUN_S
+    watch.RequestWatch.__init__.__kwdefaults__["after_s"] = TICK_PAST_RUN_S
     with tempfile.TemporaryDirectory() as tmp:
         uvloop.run(drive(_app(arm, backend, Path(tmp)), requests))
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench.admission import main, streaming_at_once
+from loadtest.bench.admission import main
+from loadtest.bench.admission_watch import streaming_at_once
 from loadtest.loadgen.client import Result
 
 ARMS = ["static", "per answer", "learned", "direct"]

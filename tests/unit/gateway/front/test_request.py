@@ -1,13 +1,8 @@
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.front.request import (
-    Endpoint,
-    PromptEstimator,
-    decode_body,
-    effective_priority,
-    parse_request,
-)
+from gateway.front.parse import decode_body, parse_request
+from gateway.front.request import Endpoint, PromptEstimator, effective_priority
 
 
 def _parse(body: dict[str, object], **kw: object) -> object:

@@ -5,7 +5,8 @@ from typing import Any
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.front.request import Endpoint, check_pool_kind, parse_request
+from gateway.front.parse import parse_request
+from gateway.front.request import Endpoint, check_pool_kind
 
 
 def _parse(endpoint: Endpoint, body: dict[str, Any]) -> Any:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.config import CacheSettings
-from gateway.front.request import Endpoint, parse_request
+from gateway.front.parse import parse_request
+from gateway.front.request import Endpoint
 from policies.cache.policy import cache_key, is_deterministic, storable
 
 
