@@ -1,0 +1,180 @@
+"""The layout's rules, read from the source (README "Layout"): no import cycles, the running
+gateway imports nothing from loadtest/, the shipped packages import nothing from tests/,
+and the policies reach into the gateway only where this file says they still do."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("gateway", "policies", "loadtest")
+# What a policy may import from the gateway besides gateway/overflow.py and the modules
+# whose types it names: the config, errors, outcomes and clock every part shares.
+VOCABULARY = {"gateway.config", "gateway.errors", "gateway.outcome", "gateway.clock"}
+# Where policies still reach past that, module by module; a policy given a narrower
+# context drops its line here.
+REACHES = {
+    "policies.batch": {"gateway.batch.service"},
+    "policies.degrade": {"gateway.admission.router"},
+    "policies.deps": {"gateway.admission.router", "gateway.batch.service", "gateway.metrics"},
+    "policies.provider.gate": {
+        "gateway.admission.ledger",
+        "gateway.metrics",
+        "gateway.ratelimit",
+        "gateway.upstream.forward",
+    },
+    "policies.provider.policy": {"gateway.metrics", "gateway.upstream.forward"},
+    "policies.queue.policy": {
+        "gateway.admission.router",
+        "gateway.metrics",
+        "gateway.upstream.deadline",
+    },
+    "policies.reject": {"gateway.admission.router"},
+}
+
+
+def module_files() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import a module runs, at its top or inside its functions; not those under
+    `if TYPE_CHECKING:`, which only name types for the checker."""
+    for child in ast.iter_child_nodes(tree):
+        if isinstance(child, ast.If) and _is_type_checking(child):
+            for node in child.orelse:
+                yield from imports(ast.Module(body=[node], type_ignores=[]))
+        elif isinstance(child, ast.Import | ast.ImportFrom):
+            yield child
+        else:
+            yield from imports(child)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module → the modules of gateway, policies and loadtest it imports."""
+    files = module_files()
+
+    def known(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        targets: set[str | None] = set()
+        for node in imports(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {known(alias.name) for alias in node.names}
+                continue
+            assert node.level == 0, f"{module}: relative import (the graph reads absolute ones)"
+            base = node.module or ""
+            for alias in node.names:
+                name = f"{base}.{alias.name}"  # a module imported from its package
+                targets.add(name if name in files else known(base))
+        graph[module] = {t for t in targets if t is not None and t != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_sees_the_imports_that_matter() -> None:
+    graph = import_graph()
+    assert "gateway.front.pipeline" in graph["gateway.app"]
+    assert "gateway.app" in graph["gateway.workers"]
+    assert "gateway.capacity.charts" in graph["gateway.capacity.render"], "a function's import"
+    assert "policies.queue.fair_queue" in graph["policies.queue.policy"]
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_cycles_are_found() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_running_gateway_imports_nothing_from_loadtest() -> None:
+    code = (
+        "import sys, gateway.app, gateway.serve, gateway.workers; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('loadtest', 'tests')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_shipped_packages_import_nothing_from_tests() -> None:
+    for module, path in module_files().items():
+        for node in imports(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            assert all((name or "").split(".")[0] != "tests" for name in names), module
+
+
+def test_gateway_modules_import_nothing_from_loadtest() -> None:
+    graph = import_graph()
+    reaching = {m: ts for m, ts in graph.items() if m.startswith("gateway")}
+    assert not {m for m, ts in reaching.items() if any(t.startswith("loadtest") for t in ts)}
+
+
+def test_policies_see_the_gateway_through_overflow() -> None:
+    graph = import_graph()
+    allowed = {"gateway.overflow", *graph["gateway.overflow"], *VOCABULARY}
+    reaches = {
+        module: outside
+        for module, targets in graph.items()
+        if module.startswith("policies")
+        and (outside := {t for t in targets if t.startswith("gateway")} - allowed)
+    }
+    assert reaches == REACHES
