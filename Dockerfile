@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# The production image: the spillgate wheel in a venv on slim Python, run as a non-root user.
+# The production image: the spillgate wheel (the gateway, its policies, the planner and the
+# simulator; no benchmarks, no test support) in a venv on slim Python, run as a non-root user.
 # Config is mounted at /etc/spillgate/gateway.yaml; secrets come from the environment.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 

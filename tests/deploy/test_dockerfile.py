@@ -175,3 +175,31 @@ def test_context_holds_every_package_the_wheel_needs(dockerfile: list[Instructio
     assert not dockerignore_allows("gateway/__pycache__/app.cpython-311.pyc")
     assert not dockerignore_allows(".venv/bin/python")
     assert not dockerignore_allows("tests/conftest.py")
+    assert dockerignore_allows("loadtest/sim/app.py")
+    assert not dockerignore_allows("loadtest/bench/overhead.py")
+
+
+def wheel_packages() -> set[str]:
+    """The packages pyproject.toml's find section picks, as setuptools matches them."""
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    include, exclude = find["find"]["include"], find["find"].get("exclude", [])
+    found = set()
+    tops = [d for d in ROOT.iterdir() if d.is_dir() and not d.name.startswith(".")]
+    for init in (i for top in tops for i in top.glob("**/__init__.py")):
+        name = ".".join(init.parent.relative_to(ROOT).parts)
+        picked = any(fnmatch.fnmatchcase(name, p) for p in include)
+        if picked and not any(fnmatch.fnmatchcase(name, p) for p in exclude):
+            found.add(name)
+    return found
+
+
+def test_wheel_ships_gateway_policies_planner_and_simulator_not_bench_or_tests() -> None:
+    packages = wheel_packages()
+    shipped = {"gateway.front", "gateway.admission", "gateway.ops", "gateway.capacity"}
+    assert shipped | {"policies.cache", "loadtest.sim", "loadtest.drill"} <= packages
+    assert not {p for p in packages if p.startswith(("loadtest.bench", "tests"))}
+    for data in ("ops/dashboard.html", "ops/openapi.yaml", "admission/ledger.lua",
+                 "ratelimit/bucket.lua", "capacity/catalog.yaml"):  # fmt: skip
+        path = ROOT / "gateway" / data
+        assert path.exists(), data
+        assert ".".join(path.parent.relative_to(ROOT).parts) in packages, data
