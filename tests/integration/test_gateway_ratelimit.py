@@ -8,15 +8,9 @@ has its own tenant, so buckets never carry over between tests.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import email.utils
-import glob
-import os
-import secrets
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,36 +19,11 @@ import openai
 import orjson
 import pytest
 import redis
-import yaml
-from prometheus_client.parser import text_string_to_metric_families
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
-from gateway.config import hash_key
-from loadtest.procs import RedisProcess, free_port
-from loadtest.sim.app import create_sim_app
-from loadtest.sim.config import SimConfig
-from tests.support.harness import ServerThread
+from loadtest.procs import RedisProcess
+from tests.support.fault import metric_sum
+from tests.support.ratelimit import HANG, LIBFAKETIME, Fleet, gateways, ratelimit_fleet
 
-ROOT = Path(__file__).resolve().parents[2]
-LIBFAKETIME = next(iter(sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))), None)
-CLOCK_OFFSETS = ["-30s", "+0s", "+30s"]  # the three gateways' clocks, as FAKETIME offsets
-USED = 50  # completion tokens the short backend reports, whatever max_tokens says
-HANG = "hang"  # this prompt makes the short backend stall its stream after one chunk
-TENANTS: dict[str, dict[str, Any]] = {
-    "burst": {"requests_per_minute": 10},
-    "burst1": {"requests_per_minute": 10},
-    "tokens": {"requests_per_minute": 10_000, "tokens_per_minute": 1, "token_burst": 1500},
-    "clock": {"requests_per_minute": 6},
-    "refund": {"tokens_per_minute": 1, "token_burst": 20_000},
-    "stream": {"tokens_per_minute": 1, "token_burst": 20_000},
-    "cut": {"tokens_per_minute": 1, "token_burst": 20_000},
-    "small": {"tokens_per_minute": 1000},
-    # one request a minute refills, so levels stay whole numbers for the whole test
-    "ops": {"requests_per_minute": 1, "request_burst": 20},
-}
 RATELIMIT_HEADERS = {
     f"x-ratelimit-{what}-{bucket}"
     for what in ("limit", "remaining", "reset")
@@ -62,141 +31,10 @@ RATELIMIT_HEADERS = {
 }
 
 
-# --- gateway processes -------------------------------------------------------------------
-
-
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"gateway exited: {log.read_text()}"
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"gateway at {url} not ready: {log.read_text()}")
-
-
-@contextlib.contextmanager
-def gateways(
-    specs: Sequence[tuple[dict[str, Any], str | None]], *, redis_url: str, workdir: Path
-) -> Iterator[list[str]]:
-    """`spillgate serve` per (config, clock offset); yields their base URLs."""
-    started: list[tuple[str, subprocess.Popen[bytes], Path]] = []
-    try:
-        for i, (config, offset) in enumerate(specs):
-            path = workdir / f"gateway{i}.yaml"
-            path.write_text(yaml.safe_dump(config))
-            port = free_port()
-            env = dict(os.environ)
-            if offset is not None and LIBFAKETIME is not None:
-                env |= {"LD_PRELOAD": LIBFAKETIME, "FAKETIME": offset}
-            cmd = [sys.executable, "-m", "gateway.cli", "serve", "-c", str(path)]
-            cmd += ["--port", str(port), "--redis", redis_url, "--log-level", "warning"]
-            log = workdir / f"gateway{i}.log"
-            with log.open("wb") as out:
-                proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=out)
-            started.append((f"http://127.0.0.1:{port}", proc, log))
-        for url, proc, log in started:
-            _wait_ready(url, proc, log)
-        yield [url for url, _, _ in started]
-    finally:
-        for _, proc, _ in started:
-            proc.terminate()
-        for _, proc, _ in started:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """The sum of a gateway's samples of `name` that carry `labels`."""
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
-
-
-# --- backends ----------------------------------------------------------------------------
-
-
-def short_backend() -> Starlette:
-    """Answers every chat request with `USED` completion tokens, streamed or not.
-
-    Its tokenizer counts four characters a token, as the gateway's estimate starts out,
-    so a request's reservation stays the same from one request to the next.
-    """
-
-    async def chat(request: Request) -> Response:
-        body = await request.json()
-        prompt = sum(len(m["content"]) + 16 for m in body["messages"]) // 4
-        usage = {"prompt_tokens": prompt, "completion_tokens": USED, "total_tokens": prompt + USED}
-        base = {"id": "cmpl-1", "created": 1, "model": body["model"]}
-        if not body.get("stream"):
-            choice = {"index": 0, "message": {"role": "assistant", "content": "ok"}}
-            answer = {**base, "object": "chat.completion", "usage": usage}
-            return JSONResponse({**answer, "choices": [{**choice, "finish_reason": "stop"}]})
-        hang = body["messages"][-1]["content"] == HANG
-        return StreamingResponse(_events(base, usage, hang=hang), media_type="text/event-stream")
-
-    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
-
-
-async def _events(
-    base: dict[str, Any], usage: dict[str, int], *, hang: bool
-) -> AsyncIterator[bytes]:
-    chunk = {**base, "object": "chat.completion.chunk"}
-    delta = {"index": 0, "delta": {"content": "ok"}, "finish_reason": None}
-    yield b"data: " + orjson.dumps({**chunk, "choices": [delta]}) + b"\n\n"
-    if hang:
-        await asyncio.sleep(30)  # until the gateway hangs up
-    end = {"index": 0, "delta": {}, "finish_reason": "stop"}
-    yield b"data: " + orjson.dumps({**chunk, "choices": [end]}) + b"\n\n"
-    yield b"data: " + orjson.dumps({**chunk, "choices": [], "usage": usage}) + b"\n\n"
-    yield b"data: [DONE]\n\n"
-
-
-class Fleet:
-    def __init__(self, urls: list[str], keys: dict[str, str], config: dict[str, Any]) -> None:
-        self.urls = urls
-        self.keys = keys
-        self.config = config
-
-    def headers(self, tenant: str) -> dict[str, str]:
-        return {"authorization": f"Bearer {self.keys[tenant]}"}
-
-    def client(self, tenant: str, index: int = 0) -> httpx.Client:
-        return httpx.Client(base_url=self.urls[index], headers=self.headers(tenant), timeout=15)
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    keys = {name: f"sk-{name}-{secrets.token_hex(8)}" for name in TENANTS}
-    sim = ServerThread(create_sim_app(SimConfig(model="sim", kv_tokens=400_000, speed=50)))
-    short = ServerThread(short_backend())
-    with RedisProcess() as store, sim, short:
-        config = {
-            "tenants": [
-                {"name": name, "key_sha256": hash_key(keys[name]), **limits}
-                for name, limits in TENANTS.items()
-            ],
-            "pools": [
-                {"name": "sim", "backends": [{"url": sim.url, "capacity": 400_000}]},
-                {"name": "short", "backends": [{"url": short.url, "capacity": 400_000}]},
-            ],
-            # 200 requests at once keep each process's event loop busy for longer than the
-            # default 50 ms (BENCHMARKS.md): a budget above that keeps these tests shared
-            "redis": {"timeout_ms": 2000},
-            "ratelimit": {"replicas": 3},
-        }
-        specs = [(config, offset) for offset in CLOCK_OFFSETS]
-        workdir = tmp_path_factory.mktemp("gateways")
-        with gateways(specs, redis_url=store.url, workdir=workdir) as urls:
-            yield Fleet(urls, keys, config)
+    with ratelimit_fleet(tmp_path_factory.mktemp("gateways")) as fleet:
+        yield fleet
 
 
 def chat(content: str, *, model: str = "sim", max_tokens: int = 3, **extra: Any) -> dict[str, Any]:
@@ -262,7 +100,7 @@ def test_200_at_once_admit_exactly_the_tenants_requests_per_minute(
             assert r.headers["x-ratelimit-remaining-requests"] == "0"
             assert "requests per minute" in r.json()["error"]["message"]
     for url in fleet.urls:  # every decision was a shared one
-        assert metric(url, "spillgate_ratelimit_store_errors_total") == 0
+        assert metric_sum(url, "spillgate_ratelimit_store_errors_total") == 0
 
 
 def test_admitted_tokens_stay_within_the_limit_plus_one_request(fleet: Fleet) -> None:
@@ -336,7 +174,7 @@ def test_a_stream_cut_by_its_client_is_charged_its_reservation(fleet: Fleet) -> 
             reserved = 20_000 - int(response.headers["x-ratelimit-remaining-tokens"])
             next(response.iter_raw())
         deadline = time.monotonic() + 5  # settled once the gateway has counted the request
-        while metric(fleet.urls[2], "spillgate_requests_total", tenant="cut") < 1:
+        while metric_sum(fleet.urls[2], "spillgate_requests_total", tenant="cut") < 1:
             assert time.monotonic() < deadline, "the cut stream was never counted"
             time.sleep(0.02)
         same_size = {**body, "messages": [{"role": "user", "content": "fine"}]}
@@ -357,7 +195,7 @@ def test_a_request_larger_than_the_whole_bucket_is_refused_at_once(fleet: Fleet)
     assert refused.value.code == "request_too_large"
     assert "holds at most 1000" in refused.value.message
     # the official client took the hint and did not retry
-    assert metric(fleet.urls[0], "spillgate_requests_total", tenant="small") == 1
+    assert metric_sum(fleet.urls[0], "spillgate_requests_total", tenant="small") == 1
     with fleet.client("small") as http:
         fits = http.post("/v1/chat/completions", json=chat("hi"))
     assert fits.status_code == 200
@@ -422,11 +260,11 @@ def check_outage(local: str, deny: str, answers: list[tuple[httpx.Response, floa
         assert r.headers["x-spillgate-outcome"] == "rejected"
         assert r.json()["error"]["code"] == "ratelimit_store_unavailable"
         assert r.headers["retry-after"] == "1"  # what is left of the 0.3 s cooldown, rounded up
-    assert metric(local, "spillgate_ratelimit_mode", mode="local") == 1
-    assert metric(deny, "spillgate_ratelimit_mode", mode="deny") == 1
-    assert metric(local, "spillgate_ratelimit_store_errors_total") >= 2
+    assert metric_sum(local, "spillgate_ratelimit_mode", mode="local") == 1
+    assert metric_sum(deny, "spillgate_ratelimit_mode", mode="deny") == 1
+    assert metric_sum(local, "spillgate_ratelimit_store_errors_total") >= 2
     counted = {
-        outcome: metric(deny, "spillgate_requests_total", tenant="ops", outcome=outcome)
+        outcome: metric_sum(deny, "spillgate_requests_total", tenant="ops", outcome=outcome)
         for outcome in ("rejected", "throttled")
     }
     assert counted == {"rejected": 5, "throttled": 0}  # as its responses said
@@ -457,4 +295,4 @@ def test_redis_paused_killed_and_restarted(
         first = levels(back)[0]
         assert levels(back) == [first, first - 1, first - 2]  # one bucket again
         for url in (local, deny):
-            assert metric(url, "spillgate_ratelimit_mode", mode="shared") == 1
+            assert metric_sum(url, "spillgate_ratelimit_mode", mode="shared") == 1
