@@ -41,6 +41,7 @@ from gateway.ledger_redis import RedisLedger
 from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_route
 from gateway.pipeline import CompletionsEndpoint, PipelineDeps
+from gateway.prefix_feed import PrefixFeed
 from gateway.providers import build_gates
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
 from gateway.redis_batch import RedisBatcher
@@ -210,6 +211,16 @@ def create_app(
         feed = ReleaseFeed(
             redis, ledger=shared, waker=router, timeout_s=settings.redis.timeout_ms / 1000
         )
+    prefix_feed = None
+    by_prefix = any(pool.settings.routing == "prefix" for pool in pools.values())
+    if redis is not None and shared is not None and by_prefix:
+        prefix_feed = PrefixFeed(
+            redis,
+            learner=router,
+            replica_id=shared.replica_id,
+            timeout_s=settings.redis.timeout_ms / 1000,
+        )
+        router.on_prefix_routed = prefix_feed.routed
     provider_slots = None
     if batcher is not None and settings.providers:
         provider_slots = _provider_slots(settings, batcher, metrics, clock, workers=workers)
@@ -306,9 +317,10 @@ def create_app(
                 await shared.start()
             if provider_slots is not None:
                 await provider_slots.start()
-            if feed is not None:
-                feed.start()
-                stack.push_async_callback(feed.stop)
+            for background in (feed, prefix_feed):
+                if background is not None:
+                    background.start()
+                    stack.push_async_callback(background.stop)
             stack.push_async_callback(store.close)
             runner.start()
             stack.push_async_callback(runner.stop)
