@@ -25,6 +25,7 @@ from gateway.admission.backends import FleetWatcher, Pool, build_pools
 from gateway.admission.ledger import LocalLedger
 from gateway.admission.ledger_feed import ReleaseFeed
 from gateway.admission.ledger_redis import RedisLedger
+from gateway.admission.prefix_feed import PrefixFeed
 from gateway.admission.router import Router
 from gateway.batch.api import BatchEndpoints
 from gateway.batch.runner import BatchRunner
@@ -209,6 +210,16 @@ def create_app(
         feed = ReleaseFeed(
             redis, ledger=shared, waker=router, timeout_s=settings.redis.timeout_ms / 1000
         )
+    prefix_feed = None
+    by_prefix = any(pool.settings.routing == "prefix" for pool in pools.values())
+    if redis is not None and shared is not None and by_prefix:
+        prefix_feed = PrefixFeed(
+            redis,
+            learner=router,
+            replica_id=shared.replica_id,
+            timeout_s=settings.redis.timeout_ms / 1000,
+        )
+        router.on_prefix_routed = prefix_feed.routed
     provider_slots = None
     if batcher is not None and settings.providers:
         provider_slots = _provider_slots(settings, batcher, metrics, clock, workers=workers)
@@ -305,9 +316,10 @@ def create_app(
                 await shared.start()
             if provider_slots is not None:
                 await provider_slots.start()
-            if feed is not None:
-                feed.start()
-                stack.push_async_callback(feed.stop)
+            for background in (feed, prefix_feed):
+                if background is not None:
+                    background.start()
+                    stack.push_async_callback(background.stop)
             stack.push_async_callback(store.close)
             runner.start()
             stack.push_async_callback(runner.stop)

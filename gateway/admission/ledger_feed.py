@@ -11,7 +11,6 @@ of every pool are woken every `poll_s` instead: a release elsewhere may have gon
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any, Protocol
 
@@ -20,6 +19,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from gateway.admission.ledger_redis import RedisLedger, Seen
+from gateway.admission.pubsub import subscription
 from gateway.tasks import stop_task
 
 log = logging.getLogger("spillgate.ledger")
@@ -103,26 +103,21 @@ class ReleaseFeed:
             await self._poll(self._retry_s)
 
     async def _listen(self) -> None:
-        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        channel = self._ledger.channel
         try:
-            async with asyncio.timeout(self._timeout_s):
-                await pubsub.subscribe(self._ledger.channel)
-            self.subscribed = True
-            self._waker.wake_all()  # releases while it was not listening went unheard
-            while not self._stopping:
-                message = await pubsub.get_message(
-                    ignore_subscribe_messages=True, timeout=self._poll_s
-                )
-                if message is not None:
-                    self.deliver(message["data"])
-                elif self._ledger.mode != "shared":
-                    self._waker.wake_all()
+            async with subscription(self._redis, channel, timeout_s=self._timeout_s) as pubsub:
+                self.subscribed = True
+                self._waker.wake_all()  # releases while it was not listening went unheard
+                while not self._stopping:
+                    message = await pubsub.get_message(
+                        ignore_subscribe_messages=True, timeout=self._poll_s
+                    )
+                    if message is not None:
+                        self.deliver(message["data"])
+                    elif self._ledger.mode != "shared":
+                        self._waker.wake_all()
         finally:
             self.subscribed = False
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
-                async with asyncio.timeout(self._timeout_s):
-                    # redis-py types PubSub.aclose only from 8.x on.
-                    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
 
     async def _poll(self, seconds: float) -> None:
         """Wake every pool's waiters every `poll_s` for `seconds`."""

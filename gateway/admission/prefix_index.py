@@ -88,17 +88,26 @@ class PrefixIndex:
 
     def routed(
         self, backend: str, keys: Sequence[bytes], *, session: str | None, blocks: int = 0
-    ) -> None:
+    ) -> Sequence[bytes]:
         """A request with prompt blocks `keys` went to `backend`, whose KV cache holds
         `blocks` blocks (0: unknown): from now on it holds them all, most recently used
-        last, and the session's next turn looks for it there."""
+        last, and the session's next turn looks for it there. Returns the keys the index
+        did not expect the backend to hold (what other replicas have yet to hear of)."""
         if session is not None:
             self._sessions[session] = backend
             self._sessions.move_to_end(session)
             if len(self._sessions) > MAX_SESSIONS:
                 self._sessions.popitem(last=False)
+        found = self.matched(backend, keys)
         self.queried[backend] = self.queried.get(backend, 0) + len(keys)
-        self.found[backend] = self.found.get(backend, 0) + self.matched(backend, keys)
+        self.found[backend] = self.found.get(backend, 0) + found
+        self.learn(backend, keys, blocks=blocks)
+        return keys[found:]
+
+    def learn(self, backend: str, keys: Sequence[bytes], *, blocks: int = 0) -> None:
+        """`backend` holds the blocks `keys` (a leading run of a prompt's blocks, or its
+        continuation), most recently used last; counted in no hit rate: another replica
+        routed them."""
         held = self._held.setdefault(backend, OrderedDict())
         # last block first, so a prompt's tail is evicted before its head, as vLLM frees a
         # sequence's blocks, and what is held of a prompt stays a leading run

@@ -45,6 +45,9 @@ class Router:
         self._waiting: dict[str, WaitingTokens] = {}
         self._targets: dict[str, Target] = {}
         self._rooms: dict[str, tuple[float, int]] = {}  # pool → (worked out at, room)
+        # told of prompt blocks the prefix index learned by routing (shared mode: the
+        # replicas' PrefixFeed), as (pool, backend, keys)
+        self.on_prefix_routed: Callable[[str, str, Sequence[bytes]], None] | None = None
 
     def backend(self, name: str) -> Backend:
         return self._backends[name]
@@ -261,13 +264,23 @@ class Router:
         self._held[pool][reservation.lease] = (self.clock.monotonic(), reservation)
         if prefix or session:
             backend = self._backends[reservation.backend]
-            self.pools[pool].prefixes.routed(
+            fresh = self.pools[pool].prefixes.routed(
                 backend.name,
                 prefix,
                 session=session,
                 blocks=self.capacity(backend) // backend.block_size,
             )
+            if fresh and self.on_prefix_routed is not None:
+                self.on_prefix_routed(pool, backend.name, fresh)
         return reservation
+
+    def prefix_routed_elsewhere(self, pool: str, backend: str, keys: Sequence[bytes]) -> None:
+        """Another replica routed the prompt blocks `keys` of `pool` to `backend`."""
+        found = self._backends.get(backend)
+        if found is None or found.pool != pool:
+            return
+        blocks = self.capacity(found) // found.block_size
+        self.pools[pool].prefixes.learn(backend, keys, blocks=blocks)
 
     def has_room(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
         """Whether `admit` would find room now (from the last known tokens in flight)."""

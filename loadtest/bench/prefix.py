@@ -74,7 +74,7 @@ class Plan:
     backends: int = 4
     tenants: int = 64
     system_tokens: int = 4096  # each tenant's system prompt, about
-    chats: int = 3  # per tenant
+    chats: int = 6  # per tenant
     turns: int = 4  # per chat
     turn_tokens: int = 64  # each user turn and each (made-up) answer, about
     rate: float = 24.0  # requests per second

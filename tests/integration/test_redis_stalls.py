@@ -31,9 +31,10 @@ STALLS = 60
 STALL_S = 0.45
 LOAD_THREADS = 4  # each sends its next request once the last is answered
 COOLDOWN_S = 5.0  # ratelimit.cooldown_s's default
-# the gateway's steady connections: two pipelines on the wire at most, one subscription,
-# and the batch store's own client (its calls move whole files, on a budget of their own)
-STEADY_CONNECTIONS = 4
+# the gateway's steady connections: two pipelines on the wire at most, two subscriptions
+# (ledger releases, prefix blocks), and the batch store's own client (its calls move whole
+# files, on a budget of their own)
+STEADY_CONNECTIONS = 5
 
 
 @pytest.fixture

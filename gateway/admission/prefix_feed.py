@@ -1,0 +1,148 @@
+"""The prefix index shared by the replicas of a shared-mode gateway, through Redis pub/sub.
+
+Each replica routes by its own index (gateway/prefix_index.py); a prefix another replica
+sent to a backend would look cold to it and could go elsewhere. So every replica publishes
+the blocks its routing taught its index that it did not know yet (a prompt's new tail, not
+the system prompt it has sent there a thousand times), a batch every `flush_s`, and adds
+what the others publish to its own index. Nothing waits on Redis on the request path, and
+a batch lost to a slow or absent Redis only makes the guess rougher: the rendezvous homes
+of a new prefix (Router._by_prefix) still keep the replicas' choices together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import orjson
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from gateway.admission.pubsub import subscription
+from gateway.tasks import Periodic, stop_task
+
+log = logging.getLogger("spillgate.prefix")
+
+KEY_BYTES = 8  # gateway/prefix_index.py's digest size
+MAX_PENDING = 65_536  # keys held for the next batch; more are dropped while Redis lags
+
+
+class Learner(Protocol):
+    def prefix_routed_elsewhere(self, pool: str, backend: str, keys: Sequence[bytes]) -> None:
+        """Another replica routed the prompt blocks `keys` of `pool` to `backend`."""
+        ...
+
+
+def encode(replica: str, batch: dict[tuple[str, str], list[bytes]]) -> bytes:
+    groups = [[pool, backend, b"".join(keys).hex()] for (pool, backend), keys in batch.items()]
+    return orjson.dumps({"replica": replica, "groups": groups})
+
+
+def decode(data: Any) -> tuple[str, list[tuple[str, str, list[bytes]]]] | None:
+    """(replica, [(pool, backend, keys)]) from a published batch, else None."""
+    try:
+        message = orjson.loads(data)
+        groups = []
+        for pool, backend, hexed in message["groups"]:
+            raw = bytes.fromhex(hexed)
+            if len(raw) % KEY_BYTES:
+                return None
+            keys = [raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
+            groups.append((str(pool), str(backend), keys))
+        return str(message["replica"]), groups
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+
+
+class PrefixFeed:
+    def __init__(
+        self,
+        redis: aioredis.Redis | RedisCluster,
+        *,
+        learner: Learner,
+        replica_id: str,
+        channel: str = "spillgate:prefix:routed",
+        timeout_s: float,
+        flush_s: float = 0.05,
+        retry_s: float = 1.0,
+    ) -> None:
+        self._redis = redis
+        self._learner = learner
+        self.replica_id = replica_id
+        self.channel = channel
+        self._timeout_s = timeout_s
+        self._retry_s = retry_s
+        self._pending: dict[tuple[str, str], list[bytes]] = {}
+        self._pending_keys = 0
+        self._flusher = Periodic(self.flush, every_s=flush_s, name="prefix-feed-flush")
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.subscribed = False
+
+    def start(self) -> None:
+        self._flusher.start()
+        self._task = asyncio.create_task(self._run(), name="prefix-feed")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        await self._flusher.stop()
+        if self._task is not None:
+            await stop_task(self._task)
+            self._task = None
+
+    def routed(self, pool: str, backend: str, keys: Sequence[bytes]) -> None:
+        """This replica sent prompt blocks `keys`, new to its index, to `backend`."""
+        if not keys or self._pending_keys + len(keys) > MAX_PENDING:
+            return
+        self._pending.setdefault((pool, backend), []).extend(keys)
+        self._pending_keys += len(keys)
+
+    async def flush(self) -> None:
+        """Publish what was routed since the last batch (dropped if Redis does not take it)."""
+        if not self._pending:
+            return
+        batch, self._pending, self._pending_keys = self._pending, {}, 0
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._redis.publish(self.channel, encode(self.replica_id, batch))
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.debug("prefix feed dropped a batch: %r", exc)
+
+    def deliver(self, data: Any) -> None:
+        """Add one published batch of another replica to this one's index."""
+        decoded = decode(data)
+        if decoded is None:
+            log.debug("ignoring a malformed prefix message: %r", data)
+            return
+        replica, groups = decoded
+        if replica == self.replica_id:
+            return
+        for pool, backend, keys in groups:
+            self._learner.prefix_routed_elsewhere(pool, backend, keys)
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            try:
+                await self._listen()
+            except (RedisError, OSError, TimeoutError) as exc:
+                log.debug("prefix feed lost its subscription: %r", exc)
+            except Exception:
+                log.exception("prefix feed failed")
+            self.subscribed = False
+            if not self._stopping:
+                await asyncio.sleep(self._retry_s)
+
+    async def _listen(self) -> None:
+        channel = self.channel
+        try:
+            async with subscription(self._redis, channel, timeout_s=self._timeout_s) as pubsub:
+                self.subscribed = True
+                while not self._stopping:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
+                    if message is not None:
+                        self.deliver(message["data"])
+        finally:
+            self.subscribed = False
