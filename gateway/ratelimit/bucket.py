@@ -2,7 +2,7 @@
 
 Pure functions of levels and time, so both implementations report the same numbers.
 The refill itself is written out in LocalRateLimiter._levels and in bucket.lua, and
-bucket.lua repeats `refusal` inside Redis; keep them in step.
+bucket.lua repeats `refusal_reason` inside Redis; keep them in step.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def check_tokens(**counts: int) -> None:
             raise ValueError(f"{name} must not be negative, got {value}")
 
 
-def refusal(limits: TenantLimits, *, requests: float, tokens: float, cost: int) -> Reason:
+def refusal_reason(limits: TenantLimits, *, requests: float, tokens: float, cost: int) -> Reason:
     """Why a request of `cost` tokens cannot be admitted now, or "" when it can."""
     if cost > limits.token_capacity:
         return "too_large"
@@ -64,7 +64,7 @@ def decision(
 
 def judged(limits: TenantLimits, *, requests: float, tokens: float, cost: int) -> Decision:
     """The decision for levels as they stand (no debit): refused with its wait, or allowed."""
-    reason = refusal(limits, requests=requests, tokens=tokens, cost=cost)
+    reason = refusal_reason(limits, requests=requests, tokens=tokens, cost=cost)
     retry = 0.0
     if reason in ("requests", "tokens"):
         retry = retry_after_s(limits, requests=requests, tokens=tokens, cost=cost)
