@@ -1,5 +1,5 @@
 """The overflow policy role: what runs when no backend of a pool has room, and the hooks a
-policy may offer the request path (watching answers, holding new arrivals back).
+policy may offer the request path (recording answers, holding new arrivals back).
 
 The gateway sees the policies only through these; `gateway/app.py` builds the chains.
 """
@@ -11,7 +11,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 from gateway.front.exchange import Exchange, Served
 from gateway.front.request import InferenceRequest
-from gateway.upstream.relay import ResponseTap
+from gateway.upstream.relay import AnswerRecorder
 
 
 class OverflowPolicy(Protocol):
@@ -28,21 +28,21 @@ class OverflowPolicy(Protocol):
 
 
 @runtime_checkable
-class AnswerObserver(Protocol):
-    """A policy that also watches its pool's successful answers (the cache fills this way)."""
+class RecordsAnswers(Protocol):
+    """A policy that also records its pool's successful answers (the cache fills this way)."""
 
-    def tap_for(self, request: InferenceRequest) -> ResponseTap | None: ...
+    def recorder_for(self, request: InferenceRequest) -> AnswerRecorder | None: ...
 
 
-TapFactory = Callable[[InferenceRequest], ResponseTap | None]
+RecorderFor = Callable[[InferenceRequest], AnswerRecorder | None]
 
 
 @runtime_checkable
-class AdmissionGate(Protocol):
+class ArrivalCheck(Protocol):
     """A policy that decides whether new arrivals may take free room directly (the queue:
     not while others wait ahead of them)."""
 
     def lets_in(self, request: InferenceRequest) -> bool: ...
 
 
-Gate = Callable[[InferenceRequest], bool]
+LetsIn = Callable[[InferenceRequest], bool]

@@ -32,7 +32,7 @@ class DegradePolicy:
             return None
         if not await exchange.admit(smaller):
             return None
-        exchange.tap = None  # the smaller model's answer must not be cached as this pool's
+        exchange.recorder = None  # the smaller model's answer must not be cached as this pool's
         try:
             # public model = the smaller pool's name: the client learns which model answered
             return await exchange.serve_local(smaller, Outcome.DEGRADED)

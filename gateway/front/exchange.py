@@ -24,7 +24,7 @@ from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
 from gateway.upstream.forward import Forwards, Target, UpstreamUnavailable
-from gateway.upstream.relay import Relayed, ResponseTap
+from gateway.upstream.relay import AnswerRecorder, Relayed
 
 if TYPE_CHECKING:
     from gateway.front.trace import RequestTrace
@@ -69,9 +69,9 @@ class Exchange:
         "forwarder",
         "holding",
         "metrics",
+        "recorder",
         "router",
         "send",
-        "tap",
         "timings",
         "trace",
     )  # fmt: skip
@@ -85,7 +85,7 @@ class Exchange:
         metrics: GatewayMetrics,
         clock: Clock,
         holding: Holding,
-        tap: ResponseTap | None = None,
+        recorder: AnswerRecorder | None = None,
         trace: RequestTrace | None = None,
     ) -> None:
         self.send = send
@@ -97,7 +97,7 @@ class Exchange:
         self.metrics = metrics
         self.clock = clock
         self.holding = holding
-        self.tap = tap
+        self.recorder = recorder
         self.timings: dict[str, float] = {}  # phase → seconds, told as `server-timing`
 
     def headers(self, outcome: Outcome) -> list[tuple[bytes, bytes]]:
@@ -127,7 +127,7 @@ class Exchange:
             self.router.pool_fill(request.pool) >= pool.sheddable_max_fill
         ):
             return _nothing()
-        return self.router.admit(
+        return self.router.reserve(
             request.pool,
             request.sequence_tokens,
             sequences=request.n,
@@ -191,7 +191,7 @@ class Exchange:
                 public_model=request.pool,
                 send=self.send,
                 headers=self.headers(outcome),
-                tap=self.tap,
+                recorder=self.recorder,
                 deadline=deadline,
                 growth=self._growth(request, backend.block_size),
             )
@@ -230,7 +230,7 @@ class Exchange:
             public_model=public_model,
             send=self.send,
             headers=self.headers(outcome),
-            tap=self.tap,
+            recorder=self.recorder,
         )
         return Served(outcome=outcome, target=target.name, pool=request.pool, relayed=relayed)
 
