@@ -23,7 +23,7 @@ from gateway.errors import SpillgateError
 from gateway.front.exchange import Exchange, Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
-from gateway.upstream.relay import JSON_HEADERS, Relayed, Usage
+from gateway.upstream.relay import Relayed, Usage
 from policies.deps import PolicyDeps
 
 BATCH_TARGET = "batch"  # the `target` a request accepted into the batch tier is served by
@@ -46,14 +46,7 @@ class BatchPolicy:
             record = await self._batches.create_one(request)
         except SpillgateError:
             return None  # over the tenant's batch limits: the next step decides
-        body = orjson.dumps(public(record))
-        headers = [
-            *exchange.headers(Outcome.QUEUED),
-            *JSON_HEADERS,
-            (b"content-length", b"%d" % len(body)),
-        ]
-        await exchange.send({"type": "http.response.start", "status": 202, "headers": headers})
-        await exchange.send({"type": "http.response.body", "body": body})
+        await exchange.send_json(orjson.dumps(public(record)), status=202, outcome=Outcome.QUEUED)
         # nothing was generated for it yet: the tenant's bucket gets the reservation back
         relayed = Relayed(usage=Usage(0, 0, True), first_byte_at=None, completed=True)
         return Served(

@@ -24,7 +24,7 @@ from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
 from gateway.upstream.forward import Forwards, Target, UpstreamUnavailable
-from gateway.upstream.relay import AnswerRecorder, Relayed
+from gateway.upstream.relay import JSON_HEADERS, AnswerRecorder, Relayed
 
 if TYPE_CHECKING:
     from gateway.front.trace import RequestTrace
@@ -107,6 +107,29 @@ class Exchange:
             phases = (f"{name};dur={sec * 1000:.1f}" for name, sec in self.timings.items())
             headers.append((b"server-timing", ", ".join(phases).encode()))
         return headers
+
+    def hold(self, reservation: Reservation) -> None:
+        """Take `reservation`, made for this request by someone else (the queue's drain),
+        as the one the request holds and releases."""
+        self.holding.reservation = reservation
+
+    def release(self) -> Awaitable[None]:
+        """Give back the reservation the request holds, if any (no-op otherwise)."""
+        return self.holding.release()
+
+    def stop_recording(self) -> None:
+        """Leave this request's answer unrecorded (an answer the cache must not keep)."""
+        self.recorder = None
+
+    def note_time(self, phase: str, seconds: float) -> None:
+        """Tell the client how long `phase` took, in the `server-timing` header."""
+        self.timings[phase] = seconds
+
+    async def send_json(self, body: bytes, *, status: int, outcome: Outcome) -> None:
+        """Answer the client with the JSON document `body`, told as `outcome`."""
+        headers = [*self.headers(outcome), *JSON_HEADERS, (b"content-length", b"%d" % len(body))]
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body})
 
     async def admit(self, request: InferenceRequest) -> bool:
         """Reserve room for `request` in its pool; True if it now holds a reservation."""
@@ -234,5 +257,8 @@ class Exchange:
         )
         return Served(outcome=outcome, target=target.name, pool=request.pool, relayed=relayed)
 
-    def degraded(self, request: InferenceRequest, pool: str) -> InferenceRequest:
+    def degraded(self, request: InferenceRequest, pool: str) -> InferenceRequest | None:
+        """`request` sent to `pool` instead, or None if that pool's model cannot hold it."""
+        if request.context_tokens > self.router.pools[pool].max_model_len:
+            return None
         return request._replace(pool=pool)

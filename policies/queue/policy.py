@@ -89,7 +89,7 @@ class QueuePolicy:
         if result is not QueueResult.ADMITTED:
             log.debug("%s/%s left the queue: %s", request.pool, request.tenant, result)
             return None
-        exchange.timings["queue"] = self._clock.monotonic() - started
+        exchange.note_time("queue", self._clock.monotonic() - started)
         return await exchange.serve_local(request, Outcome.QUEUED)
 
     async def wait(self, request: InferenceRequest, exchange: Exchange) -> QueueResult:
@@ -178,7 +178,7 @@ class QueuePolicy:
                     self._queue.remove(waiter)
                     await self._router.release(reservation)  # it left while we reserved
                     continue
-                entry.exchange.holding.reservation = reservation
+                entry.exchange.hold(reservation)
                 entry.decided.set_result(QueueResult.ADMITTED)
                 self._depth_changed()
         except Exception:
