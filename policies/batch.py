@@ -48,7 +48,11 @@ class BatchPolicy:
             return None  # over the tenant's batch limits: the next step decides
         await exchange.send_json(orjson.dumps(public(record)), status=202, outcome=Outcome.QUEUED)
         # nothing was generated for it yet: the tenant's bucket gets the reservation back
-        relayed = Relayed(usage=Usage(0, 0, True), first_byte_at=None, completed=True)
+        relayed = Relayed(
+            usage=Usage(prompt_tokens=0, completion_tokens=0, known=True),
+            first_byte_at=None,
+            completed=True,
+        )
         return Served(
             outcome=Outcome.QUEUED, target=BATCH_TARGET, pool=request.pool, relayed=relayed
         )

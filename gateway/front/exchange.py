@@ -76,8 +76,9 @@ class Exchange:
         "trace",
     )  # fmt: skip
 
-    def __init__(  # positional or keyword: the pipeline builds one per request positionally
+    def __init__(
         self,
+        *,
         send: Send,
         headers: Sequence[tuple[bytes, bytes]],
         router: Router,
@@ -227,7 +228,7 @@ class Exchange:
             await self.holding.release()
             raise
         backend.record_success()
-        return Served(outcome, backend.name, request.pool, relayed)  # target, then pool
+        return Served(outcome=outcome, target=backend.name, pool=request.pool, relayed=relayed)
 
     def _growth(self, request: InferenceRequest, block_size: int) -> Growth | None:
         """What grows a streaming request's reservation with its answer (in `learned`

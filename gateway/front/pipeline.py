@@ -188,10 +188,17 @@ class CompletionsEndpoint:
         outcome = Outcome.ERROR
         began = pool.demand.begin(reserved)
         try:
-            exchange = Exchange(  # positional: a class called with keywords costs more
-                watch.send, headers, d.router, d.forwarder, d.metrics, d.clock, holding,
-                self._recorder(request), trace,
-            )  # fmt: skip
+            exchange = Exchange(
+                send=watch.send,
+                headers=headers,
+                router=d.router,
+                forwarder=d.forwarder,
+                metrics=d.metrics,
+                clock=d.clock,
+                holding=holding,
+                recorder=self._recorder(request),
+                trace=trace,
+            )
             served = await self._dispatch(request, exchange)
             outcome = served.outcome
         except Rejected:

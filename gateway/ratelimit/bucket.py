@@ -47,18 +47,20 @@ def decision(
     limits: TenantLimits, *, requests: float, tokens: float, reason: Reason, retry_after: float
 ) -> Decision:
     """A Decision reporting the levels left after it (debited or not)."""
-    # positional, in the fields' order: one is made per request, and a class called with
-    # keywords costs about three times as much to build
     return Decision(
-        not reason,  # allowed
-        reason,
-        retry_after,  # retry_after_s
-        limits.request_capacity,  # limit_requests
-        limits.token_capacity,  # limit_tokens
-        math.floor(requests) if requests > 0 else 0,  # remaining_requests
-        math.floor(tokens) if tokens > 0 else 0,  # remaining_tokens
-        wait_s(requests, need=limits.request_capacity, per_minute=limits.requests_per_minute),
-        wait_s(tokens, need=limits.token_capacity, per_minute=limits.tokens_per_minute),
+        allowed=not reason,
+        reason=reason,
+        retry_after_s=retry_after,
+        limit_requests=limits.request_capacity,
+        limit_tokens=limits.token_capacity,
+        remaining_requests=math.floor(requests) if requests > 0 else 0,
+        remaining_tokens=math.floor(tokens) if tokens > 0 else 0,
+        reset_requests_s=wait_s(
+            requests, need=limits.request_capacity, per_minute=limits.requests_per_minute
+        ),
+        reset_tokens_s=wait_s(
+            tokens, need=limits.token_capacity, per_minute=limits.tokens_per_minute
+        ),
     )
 
 

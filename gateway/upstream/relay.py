@@ -47,10 +47,15 @@ class Usage:
         if not isinstance(usage, dict):
             return cls()
         if "input_tokens" in usage:  # the Responses API's names
-            return cls(int(usage["input_tokens"] or 0), int(usage.get("output_tokens") or 0), True)
-        # positional (prompt, completion, known): built once per answer
+            return cls(
+                prompt_tokens=int(usage["input_tokens"] or 0),
+                completion_tokens=int(usage.get("output_tokens") or 0),
+                known=True,
+            )
         return cls(
-            int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), True
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=int(usage.get("completion_tokens") or 0),
+            known=True,
         )
 
     @property
