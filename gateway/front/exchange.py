@@ -160,6 +160,11 @@ class Exchange:
             session=request.session,
         )
 
+    def retry_after(self, request: InferenceRequest) -> float:
+        """Seconds until `request`'s pool is likely to have room for it: a refusal's
+        `Retry-After`."""
+        return self.router.retry_after(request.pool, request.sequence_tokens, sequences=request.n)
+
     async def serve_local(self, request: InferenceRequest, outcome: Outcome) -> Served:
         """Forward to the backend the request holds a reservation on.
 

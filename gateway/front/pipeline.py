@@ -332,10 +332,7 @@ class CompletionsEndpoint:
         except Rejected as refused:
             raise outage() or refused from None  # a pool with no backend up is not full
         raise outage() or Rejected(
-            f"Pool {request.pool!r} is at capacity.",
-            retry_after=self._d.router.retry_after(
-                request.pool, request.sequence_tokens, sequences=request.n
-            ),
+            f"Pool {request.pool!r} is at capacity.", retry_after=exchange.retry_after(request)
         )
 
     def _check_fits(self, request: InferenceRequest, chain: list[OverflowPolicy]) -> None:

@@ -32,7 +32,6 @@ REACHES = {
         "gateway.metrics",
         "gateway.upstream.deadline",
     },
-    "policies.reject": {"gateway.admission.router"},
 }
 
 
