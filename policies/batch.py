@@ -20,9 +20,10 @@ import orjson
 from gateway.batch.service import Batches, public
 from gateway.config import PoolSettings
 from gateway.errors import SpillgateError
-from gateway.front.exchange import Exchange, Served
+from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
+from gateway.overflow import OverflowContext
 from gateway.upstream.relay import Relayed, Usage
 from policies.deps import PolicyDeps
 
@@ -39,7 +40,7 @@ class BatchPolicy:
     def build(cls, pool: PoolSettings, deps: PolicyDeps) -> BatchPolicy:
         return cls(deps.batches)
 
-    async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
+    async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         if not request.batchable or self._batches is None:
             return None
         try:

@@ -6,9 +6,10 @@ from typing import ClassVar
 
 from gateway.config import PoolSettings
 from gateway.errors import UpstreamError
-from gateway.front.exchange import Exchange, Served
+from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
+from gateway.overflow import OverflowContext
 from policies.deps import PolicyDeps
 
 
@@ -24,7 +25,7 @@ class DegradePolicy:
             raise ValueError(f"pool {pool.name!r}: the degrade policy needs degrade_to")
         return cls(to_pool=pool.degrade_to)
 
-    async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
+    async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         smaller = exchange.degraded(request, self._to)
         if smaller is None or not await exchange.admit(smaller):
             return None

@@ -6,15 +6,16 @@ from typing import ClassVar
 
 from gateway.config import PoolSettings
 from gateway.errors import Rejected
-from gateway.front.exchange import Exchange, Served
+from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
+from gateway.overflow import OverflowContext
 from policies.deps import PolicyDeps
 
 
 class RejectPolicy:
     name: ClassVar[str] = "reject"
 
-    async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
+    async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         raise Rejected(
             f"Pool {request.pool!r} is at capacity and every overflow path is spent; "
             "retry after the indicated delay.",

@@ -23,9 +23,10 @@ from typing import Any, ClassVar
 import orjson
 
 from gateway.config import CacheSettings, PoolSettings
-from gateway.front.exchange import Exchange, Served
+from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
+from gateway.overflow import OverflowContext
 from gateway.upstream.relay import JSON_HEADERS, send_json_body
 from policies.cache.recorder import CompletionRecorder, send_replay
 from policies.cache.store import LocalResponseCache, RedisResponseCache, ResponseCache
@@ -125,7 +126,7 @@ class CachePolicy:
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
+    async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         if not storable(request, self._settings):
             return None
         raw = await self._store.get(self.key(request))

@@ -15,10 +15,11 @@ import logging
 from typing import ClassVar
 
 from gateway.config import PoolSettings
-from gateway.front.exchange import Exchange, Served
+from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
+from gateway.overflow import OverflowContext
 from gateway.upstream.forward import UpstreamUnavailable
 from policies.deps import PolicyDeps
 from policies.provider.gate import ProviderGate, Refusal
@@ -44,7 +45,7 @@ class ProviderPolicy:
             raise ValueError(f"pool {pool.name!r}: the provider policy needs a configured provider")
         return cls(gate=deps.providers[pool.provider], metrics=deps.metrics)
 
-    async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
+    async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         gate = self._gate
         claim = await gate.acquire(request.reserved_tokens)
         if isinstance(claim, Refusal):

@@ -19,10 +19,11 @@ from typing import ClassVar
 from gateway.admission.router import Router
 from gateway.clock import Clock
 from gateway.config import PoolSettings
-from gateway.front.exchange import Exchange, Served
+from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
+from gateway.overflow import OverflowContext
 from gateway.upstream.deadline import Deadline
 from policies.deps import PolicyDeps
 from policies.queue.fair_queue import FairQueue, QueueResult, Waiter
@@ -33,7 +34,7 @@ log = logging.getLogger("spillgate.queue")
 @dataclass(eq=False, kw_only=True)
 class QueueEntry:
     request: InferenceRequest
-    exchange: Exchange
+    exchange: OverflowContext
     decided: asyncio.Future[QueueResult]
     enqueued_at: float
 
@@ -83,7 +84,7 @@ class QueuePolicy:
     def max_wait_s(self, request: InferenceRequest) -> float:
         return min(self._max_wait_s, self._budgets.get(request.tenant, math.inf))
 
-    async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
+    async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         started = self._clock.monotonic()
         result = await self.wait(request, exchange)
         if result is not QueueResult.ADMITTED:
@@ -92,7 +93,7 @@ class QueuePolicy:
         exchange.note_time("queue", self._clock.monotonic() - started)
         return await exchange.serve_local(request, Outcome.QUEUED)
 
-    async def wait(self, request: InferenceRequest, exchange: Exchange) -> QueueResult:
+    async def wait(self, request: InferenceRequest, exchange: OverflowContext) -> QueueResult:
         """Wait until the request holds a reservation in its pool (ADMITTED), or say why not."""
         if not self._router.fits_ever(request.pool, request.sequence_tokens, sequences=request.n):
             return QueueResult.REJECTED_NEVER_FITS
