@@ -211,7 +211,7 @@ def _answer_attributes(
 
 
 class _FinishReasons:
-    """A AnswerRecorder that notes each choice's finish reason, and passes the bytes on."""
+    """An AnswerRecorder that notes each choice's finish reason, and passes the bytes on."""
 
     __slots__ = ("inner", "reasons")
 

@@ -72,7 +72,8 @@ class StreamWatch(Protocol):
 
 
 class AnswerRecorder(Protocol):
-    """Sees the bytes of one successful response (e.g. to fill the response cache)."""
+    """Sees the bytes of one successful response as the client gets them, and its usage at
+    the end (the response cache fills this way)."""
 
     def feed(self, data: bytes) -> None: ...
 
