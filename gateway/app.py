@@ -51,7 +51,7 @@ from gateway.upstream.forward import Forwarder
 from gateway.upstream.session import UpstreamPool
 from policies.deps import PolicyDeps
 from policies.provider.gate import build_gates
-from policies.registry import admission_gates, answer_taps, build_chain
+from policies.registry import answer_recorders, arrival_checks, build_chain
 
 REDIS_POOL_SIZE = 64  # connections per process
 
@@ -253,8 +253,8 @@ def create_app(
         limiter=limiter,
         router=router,
         chains=chains,
-        taps=answer_taps(chains),
-        gates=admission_gates(chains),
+        recorders=answer_recorders(chains),
+        arrival_checks=arrival_checks(chains),
         forwarder=Forwarder(upstream),
         metrics=metrics,
         clock=clock,

@@ -22,7 +22,7 @@ from gateway.config import (
     redis_url_problem,
 )
 from gateway.config_problems import Problem
-from gateway.workers import configure_logging, refusal, serve_workers
+from gateway.workers import configure_logging, serve_workers, workers_problem
 
 
 def _workers(value: str) -> int:
@@ -124,5 +124,5 @@ def _redis_problems(loaded: LoadedConfig, *, redis_url: str | None, from_args: b
 
 
 def _worker_problems(settings: Settings, *, workers: int, redis_url: str | None) -> list[str]:
-    problem = refusal(settings, workers=workers, redis_url=redis_url)
+    problem = workers_problem(settings, workers=workers, redis_url=redis_url)
     return [] if problem is None else [f"spillgate: {problem}"]

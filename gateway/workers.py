@@ -66,7 +66,7 @@ def worker_app() -> ASGIApp:
     return create_app(load_settings(spec.config), redis_url=spec.redis_url, workers=spec.workers)
 
 
-def refusal(settings: Settings, *, workers: int, redis_url: str | None) -> str | None:
+def workers_problem(settings: Settings, *, workers: int, redis_url: str | None) -> str | None:
     """Why these workers cannot run, or None."""
     if workers > 1 and not redis_url:
         return (

@@ -20,10 +20,11 @@ import orjson
 from gateway.batch.service import Batches, public
 from gateway.config import PoolSettings
 from gateway.errors import SpillgateError
-from gateway.front.exchange import Exchange, Served
+from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
-from gateway.upstream.relay import JSON_HEADERS, Relayed, Usage
+from gateway.overflow import OverflowContext
+from gateway.upstream.relay import Relayed, Usage
 from policies.deps import PolicyDeps
 
 BATCH_TARGET = "batch"  # the `target` a request accepted into the batch tier is served by
@@ -39,23 +40,20 @@ class BatchPolicy:
     def build(cls, pool: PoolSettings, deps: PolicyDeps) -> BatchPolicy:
         return cls(deps.batches)
 
-    async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
+    async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         if not request.batchable or self._batches is None:
             return None
         try:
             record = await self._batches.create_one(request)
         except SpillgateError:
             return None  # over the tenant's batch limits: the next step decides
-        body = orjson.dumps(public(record))
-        headers = [
-            *exchange.headers(Outcome.QUEUED),
-            *JSON_HEADERS,
-            (b"content-length", b"%d" % len(body)),
-        ]
-        await exchange.send({"type": "http.response.start", "status": 202, "headers": headers})
-        await exchange.send({"type": "http.response.body", "body": body})
+        await exchange.send_json(orjson.dumps(public(record)), status=202, outcome=Outcome.QUEUED)
         # nothing was generated for it yet: the tenant's bucket gets the reservation back
-        relayed = Relayed(usage=Usage(0, 0, True), first_byte_at=None, completed=True)
+        relayed = Relayed(
+            usage=Usage(prompt_tokens=0, completion_tokens=0, known=True),
+            first_byte_at=None,
+            completed=True,
+        )
         return Served(
             outcome=Outcome.QUEUED, target=BATCH_TARGET, pool=request.pool, relayed=relayed
         )

@@ -4,38 +4,35 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from gateway.admission.router import Router
 from gateway.config import PoolSettings
 from gateway.errors import UpstreamError
-from gateway.front.exchange import Exchange, Served
+from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
+from gateway.overflow import OverflowContext
 from policies.deps import PolicyDeps
 
 
 class DegradePolicy:
     name: ClassVar[str] = "degrade"
 
-    def __init__(self, *, to_pool: str, router: Router) -> None:
+    def __init__(self, *, to_pool: str) -> None:
         self._to = to_pool
-        self._router = router
 
     @classmethod
     def build(cls, pool: PoolSettings, deps: PolicyDeps) -> DegradePolicy:
         if pool.degrade_to is None:
             raise ValueError(f"pool {pool.name!r}: the degrade policy needs degrade_to")
-        return cls(to_pool=pool.degrade_to, router=deps.router)
+        return cls(to_pool=pool.degrade_to)
 
-    async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
+    async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         smaller = exchange.degraded(request, self._to)
-        if smaller.context_tokens > self._router.pools[self._to].max_model_len:
+        if smaller is None or not await exchange.admit(smaller):
             return None
-        if not await exchange.admit(smaller):
-            return None
-        exchange.tap = None  # the smaller model's answer must not be cached as this pool's
+        exchange.stop_recording()  # the smaller model's answer must not be cached as this pool's
         try:
             # public model = the smaller pool's name: the client learns which model answered
             return await exchange.serve_local(smaller, Outcome.DEGRADED)
         except UpstreamError:
-            await exchange.holding.release()  # nothing was sent: the next policy may answer
+            await exchange.release()  # nothing was sent: the next policy may answer
             return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from gateway.config import PoolSettings
-from gateway.overflow import AdmissionGate, AnswerObserver, Gate, OverflowPolicy, TapFactory
+from gateway.overflow import ArrivalCheck, LetsIn, OverflowPolicy, RecorderFor, RecordsAnswers
 from policies.batch import BatchPolicy
 from policies.cache.policy import CachePolicy
 from policies.degrade import DegradePolicy
@@ -33,21 +33,22 @@ def build_chain(pool: PoolSettings, deps: PolicyDeps) -> list[OverflowPolicy]:
     return [known[name](pool, deps) for name in pool.overflow]
 
 
-def answer_taps(chains: Mapping[str, list[OverflowPolicy]]) -> dict[str, TapFactory]:
-    """Per pool, what watches its successful answers: the first observer in its chain."""
-    taps: dict[str, TapFactory] = {}
+def answer_recorders(chains: Mapping[str, list[OverflowPolicy]]) -> dict[str, RecorderFor]:
+    """Per pool, what records its successful answers: the first recording policy in its chain."""
+    recorders: dict[str, RecorderFor] = {}
     for pool, chain in chains.items():
-        observers = [p for p in chain if isinstance(p, AnswerObserver)]
-        if observers:
-            taps[pool] = observers[0].tap_for
-    return taps
-
-
-def admission_gates(chains: Mapping[str, list[OverflowPolicy]]) -> dict[str, Gate]:
-    """Per pool, what may hold new arrivals back from free room: the first gate in its chain."""
-    gates: dict[str, Gate] = {}
-    for pool, chain in chains.items():
-        found = [p for p in chain if isinstance(p, AdmissionGate)]
+        found = [p for p in chain if isinstance(p, RecordsAnswers)]
         if found:
-            gates[pool] = found[0].lets_in
-    return gates
+            recorders[pool] = found[0].recorder_for
+    return recorders
+
+
+def arrival_checks(chains: Mapping[str, list[OverflowPolicy]]) -> dict[str, LetsIn]:
+    """Per pool, what may hold new arrivals back from free room: the first arrival check
+    in its chain."""
+    checks: dict[str, LetsIn] = {}
+    for pool, chain in chains.items():
+        found = [p for p in chain if isinstance(p, ArrivalCheck)]
+        if found:
+            checks[pool] = found[0].lets_in
+    return checks

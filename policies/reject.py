@@ -4,29 +4,24 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from gateway.admission.router import Router
 from gateway.config import PoolSettings
 from gateway.errors import Rejected
-from gateway.front.exchange import Exchange, Served
+from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
+from gateway.overflow import OverflowContext
 from policies.deps import PolicyDeps
 
 
 class RejectPolicy:
     name: ClassVar[str] = "reject"
 
-    def __init__(self, router: Router) -> None:
-        self._router = router
-
-    async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
+    async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         raise Rejected(
             f"Pool {request.pool!r} is at capacity and every overflow path is spent; "
             "retry after the indicated delay.",
-            retry_after=self._router.retry_after(
-                request.pool, request.sequence_tokens, sequences=request.n
-            ),
+            retry_after=exchange.retry_after(request),
         )
 
     @classmethod
     def build(cls, pool: PoolSettings, deps: PolicyDeps) -> RejectPolicy:
-        return cls(deps.router)
+        return cls()

@@ -168,7 +168,7 @@ class Router:
             ranked.sort()
         return ranked
 
-    async def admit(
+    async def reserve(
         self,
         pool: str,
         tokens: int,

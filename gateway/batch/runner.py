@@ -32,7 +32,7 @@ from gateway.front.exchange import Served
 from gateway.front.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.front.request import Endpoint, InferenceRequest
 from gateway.outcome import Outcome
-from gateway.overflow import Gate
+from gateway.overflow import LetsIn
 from gateway.tasks import Periodic, stop_task
 
 log = logging.getLogger("spillgate.batch")
@@ -313,15 +313,17 @@ class BatchRunner:
 
     def _item_deps(self, tenant: Tenant) -> PipelineDeps:
         """The pipeline's deps for a batch item: its tenant, no overflow step (no room is a
-        retry later, not a wait or a spill), and a gate that lets the item take free room
+        retry later, not a wait or a spill), and an arrival check that lets the item take free room
         only while the pool, with it, stays within `batch.max_fill`."""
         d = self._deps
-        gates = {pool: self._gate(pool) for pool in d.router.pools}
+        arrival_checks = {pool: self._arrival_check(pool) for pool in d.router.pools}
         chains: dict[str, list[Any]] = {pool: [] for pool in d.chains}
-        return dataclasses.replace(d, auth=_OneTenant(tenant), chains=chains, taps={}, gates=gates)
+        return dataclasses.replace(
+            d, auth=_OneTenant(tenant), chains=chains, recorders={}, arrival_checks=arrival_checks
+        )
 
-    def _gate(self, pool: str) -> Gate:
-        outer = self._deps.gates.get(pool)
+    def _arrival_check(self, pool: str) -> LetsIn:
+        outer = self._deps.arrival_checks.get(pool)
 
         def lets_in(request: InferenceRequest) -> bool:
             if outer is not None and not outer(request):

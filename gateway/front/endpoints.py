@@ -27,7 +27,7 @@ from gateway.errors import BackendUnavailable, InvalidRequest
 from gateway.front.exchange import Exchange, Served
 from gateway.front.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.front.request import Endpoint, InferenceRequest
-from gateway.front.response_homes import ResponseHomes, ResponseIdTap
+from gateway.front.response_homes import ResponseHomes, ResponseIdRecorder
 
 # the overflow steps that can serve an embedding, and a response
 EMBEDDING_POLICIES = frozenset({"queue", "provider", "reject"})
@@ -42,9 +42,9 @@ class ResponseNotFound(InvalidRequest):
 
 
 def _only(deps: PipelineDeps, policies: frozenset[str]) -> PipelineDeps:
-    """`deps` with each pool's chain cut to `policies`, and no answer taps (the cache's)."""
+    """`deps` with each pool's chain cut to `policies`, and no answer recorders (the cache's)."""
     chains = {pool: [p for p in chain if p.name in policies] for pool, chain in deps.chains.items()}
-    return dataclasses.replace(deps, chains=chains, taps={})
+    return dataclasses.replace(deps, chains=chains, recorders={})
 
 
 class EmbeddingsEndpoint(CompletionsEndpoint):
@@ -60,7 +60,9 @@ class PinnedExchange(Exchange):
 
     __slots__ = ("others",)
 
-    def __init__(self, exchange: Exchange, *, tap: ResponseIdTap, others: frozenset[str]) -> None:
+    def __init__(
+        self, exchange: Exchange, *, recorder: ResponseIdRecorder, others: frozenset[str]
+    ) -> None:
         super().__init__(
             send=exchange.send,
             headers=exchange.base_headers,
@@ -69,7 +71,7 @@ class PinnedExchange(Exchange):
             metrics=exchange.metrics,
             clock=exchange.clock,
             holding=exchange.holding,
-            tap=tap,
+            recorder=recorder,
         )
         # the forwarder is the exchange's own, already traced when the request is
         self.trace = exchange.trace
@@ -94,9 +96,11 @@ class ResponsesEndpoint(CompletionsEndpoint):
         others = frozenset[str]()
         if isinstance(previous, str):
             others = await self._elsewhere(request.pool, previous)
-        tap = ResponseIdTap(self._homes, exchange.holding)
-        served = await super()._dispatch(request, PinnedExchange(exchange, tap=tap, others=others))
-        await tap.shared()
+        recorder = ResponseIdRecorder(self._homes, exchange.holding)
+        served = await super()._dispatch(
+            request, PinnedExchange(exchange, recorder=recorder, others=others)
+        )
+        await recorder.shared()
         return served
 
     async def _elsewhere(self, pool: str, previous: str) -> frozenset[str]:

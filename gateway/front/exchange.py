@@ -24,7 +24,7 @@ from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
 from gateway.upstream.forward import Forwards, Target, UpstreamUnavailable
-from gateway.upstream.relay import Relayed, ResponseTap
+from gateway.upstream.relay import JSON_HEADERS, AnswerRecorder, Relayed
 
 if TYPE_CHECKING:
     from gateway.front.trace import RequestTrace
@@ -69,15 +69,16 @@ class Exchange:
         "forwarder",
         "holding",
         "metrics",
+        "recorder",
         "router",
         "send",
-        "tap",
         "timings",
         "trace",
     )  # fmt: skip
 
-    def __init__(  # positional or keyword: the pipeline builds one per request positionally
+    def __init__(
         self,
+        *,
         send: Send,
         headers: Sequence[tuple[bytes, bytes]],
         router: Router,
@@ -85,7 +86,7 @@ class Exchange:
         metrics: GatewayMetrics,
         clock: Clock,
         holding: Holding,
-        tap: ResponseTap | None = None,
+        recorder: AnswerRecorder | None = None,
         trace: RequestTrace | None = None,
     ) -> None:
         self.send = send
@@ -97,7 +98,7 @@ class Exchange:
         self.metrics = metrics
         self.clock = clock
         self.holding = holding
-        self.tap = tap
+        self.recorder = recorder
         self.timings: dict[str, float] = {}  # phase → seconds, told as `server-timing`
 
     def headers(self, outcome: Outcome) -> list[tuple[bytes, bytes]]:
@@ -107,6 +108,29 @@ class Exchange:
             phases = (f"{name};dur={sec * 1000:.1f}" for name, sec in self.timings.items())
             headers.append((b"server-timing", ", ".join(phases).encode()))
         return headers
+
+    def hold(self, reservation: Reservation) -> None:
+        """Take `reservation`, made for this request by someone else (the queue's drain),
+        as the one the request holds and releases."""
+        self.holding.reservation = reservation
+
+    def release(self) -> Awaitable[None]:
+        """Give back the reservation the request holds, if any (no-op otherwise)."""
+        return self.holding.release()
+
+    def stop_recording(self) -> None:
+        """Leave this request's answer unrecorded (an answer the cache must not keep)."""
+        self.recorder = None
+
+    def note_time(self, phase: str, seconds: float) -> None:
+        """Tell the client how long `phase` took, in the `server-timing` header."""
+        self.timings[phase] = seconds
+
+    async def send_json(self, body: bytes, *, status: int, outcome: Outcome) -> None:
+        """Answer the client with the JSON document `body`, told as `outcome`."""
+        headers = [*self.headers(outcome), *JSON_HEADERS, (b"content-length", b"%d" % len(body))]
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body})
 
     async def admit(self, request: InferenceRequest) -> bool:
         """Reserve room for `request` in its pool; True if it now holds a reservation."""
@@ -127,7 +151,7 @@ class Exchange:
             self.router.pool_fill(request.pool) >= pool.sheddable_max_fill
         ):
             return _nothing()
-        return self.router.admit(
+        return self.router.reserve(
             request.pool,
             request.sequence_tokens,
             sequences=request.n,
@@ -135,6 +159,11 @@ class Exchange:
             prefix=request.prefix,
             session=request.session,
         )
+
+    def retry_after(self, request: InferenceRequest) -> float:
+        """Seconds until `request`'s pool is likely to have room for it: a refusal's
+        `Retry-After`."""
+        return self.router.retry_after(request.pool, request.sequence_tokens, sequences=request.n)
 
     async def serve_local(self, request: InferenceRequest, outcome: Outcome) -> Served:
         """Forward to the backend the request holds a reservation on.
@@ -191,7 +220,7 @@ class Exchange:
                 public_model=request.pool,
                 send=self.send,
                 headers=self.headers(outcome),
-                tap=self.tap,
+                recorder=self.recorder,
                 deadline=deadline,
                 growth=self._growth(request, backend.block_size),
             )
@@ -204,7 +233,7 @@ class Exchange:
             await self.holding.release()
             raise
         backend.record_success()
-        return Served(outcome, backend.name, request.pool, relayed)  # target, then pool
+        return Served(outcome=outcome, target=backend.name, pool=request.pool, relayed=relayed)
 
     def _growth(self, request: InferenceRequest, block_size: int) -> Growth | None:
         """What grows a streaming request's reservation with its answer (in `learned`
@@ -230,9 +259,12 @@ class Exchange:
             public_model=public_model,
             send=self.send,
             headers=self.headers(outcome),
-            tap=self.tap,
+            recorder=self.recorder,
         )
         return Served(outcome=outcome, target=target.name, pool=request.pool, relayed=relayed)
 
-    def degraded(self, request: InferenceRequest, pool: str) -> InferenceRequest:
+    def degraded(self, request: InferenceRequest, pool: str) -> InferenceRequest | None:
+        """`request` sent to `pool` instead, or None if that pool's model cannot hold it."""
+        if request.context_tokens > self.router.pools[pool].max_model_len:
+            return None
         return request._replace(pool=pool)

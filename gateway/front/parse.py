@@ -192,19 +192,18 @@ def parse_request(
             if value is not None and (isinstance(value, bool) or not isinstance(value, NUMBER)):
                 raise InvalidRequest(f"'{key}' must be a number.", param=key)
     n = _choices(body)
-    # positional, in the fields' order: a NamedTuple built with keywords costs twice as much
     return InferenceRequest(
-        endpoint,
-        tenant,
-        pool,
-        priority,
-        stream,
-        wants_usage,  # client_wants_usage
-        chars,  # prompt_chars
-        prompt_tokens,
-        max_output,  # max_output_tokens
-        body,
-        n,
+        endpoint=endpoint,
+        tenant=tenant,
+        pool=pool,
+        priority=priority,
+        stream=stream,
+        client_wants_usage=wants_usage,
+        prompt_chars=chars,
+        prompt_tokens=prompt_tokens,
+        max_output_tokens=max_output,
+        body=body,
+        n=n,
     )
 
 
@@ -272,7 +271,16 @@ def parse_embeddings(
         raise InvalidRequest("'dimensions' must be a positive integer.", param="dimensions")
     # token-id inputs have no characters: they teach the estimator nothing (prompt_chars 0)
     return InferenceRequest(
-        Endpoint.EMBEDDINGS, tenant, pool, priority, False, True, chars, sum(tokens), 0, body
+        endpoint=Endpoint.EMBEDDINGS,
+        tenant=tenant,
+        pool=pool,
+        priority=priority,
+        stream=False,
+        client_wants_usage=True,
+        prompt_chars=chars,
+        prompt_tokens=sum(tokens),
+        max_output_tokens=0,
+        body=body,
     )
 
 
@@ -334,9 +342,17 @@ def parse_responses(
     # characters would mislead the pool's estimator (prompt_chars 0 teaches it nothing)
     prompt_chars = 0 if previous is not None else chars
     return InferenceRequest(
-        Endpoint.RESPONSES, tenant, pool, priority, stream, True, prompt_chars, prompt_tokens,
-        max_output, body,
-    )  # fmt: skip
+        endpoint=Endpoint.RESPONSES,
+        tenant=tenant,
+        pool=pool,
+        priority=priority,
+        stream=stream,
+        client_wants_usage=True,
+        prompt_chars=prompt_chars,
+        prompt_tokens=prompt_tokens,
+        max_output_tokens=max_output,
+        body=body,
+    )
 
 
 def _max_output_tokens(body: dict[str, Any], default: int) -> int:

@@ -46,10 +46,10 @@ from gateway.front.request import (
 from gateway.front.watch import ClientGone, RequestWatch, read_body
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
-from gateway.overflow import Gate, OverflowPolicy, TapFactory
+from gateway.overflow import LetsIn, OverflowPolicy, RecorderFor
 from gateway.ratelimit import Decision, RateLimiter
 from gateway.upstream.forward import Forwarder
-from gateway.upstream.relay import ResponseTap
+from gateway.upstream.relay import AnswerRecorder
 
 if TYPE_CHECKING:
     from gateway.front.trace import RequestTrace
@@ -73,8 +73,10 @@ class PipelineDeps:
     clock: Clock
     max_body_bytes: int
     request_read_timeout_s: float = 30.0
-    taps: Mapping[str, TapFactory] = field(default_factory=dict)  # pool → answer watcher
-    gates: Mapping[str, Gate] = field(default_factory=dict)  # pool → may arrivals go first
+    recorders: Mapping[str, RecorderFor] = field(default_factory=dict)  # pool → its answer recorder
+    arrival_checks: Mapping[str, LetsIn] = field(
+        default_factory=dict
+    )  # pool → may arrivals go first
     tracing: Tracing | None = None  # None: tracing is off, and costs one check per request
     # settle the bucket and release the reservation at once: with Redis, the two calls then
     # leave in one batch, one round trip (gateway/redis_batch.py); in-process each finishes
@@ -186,10 +188,17 @@ class CompletionsEndpoint:
         outcome = Outcome.ERROR
         began = pool.demand.begin(reserved)
         try:
-            exchange = Exchange(  # positional: a class called with keywords costs more
-                watch.send, headers, d.router, d.forwarder, d.metrics, d.clock, holding,
-                self._tap(request), trace,
-            )  # fmt: skip
+            exchange = Exchange(
+                send=watch.send,
+                headers=headers,
+                router=d.router,
+                forwarder=d.forwarder,
+                metrics=d.metrics,
+                clock=d.clock,
+                holding=holding,
+                recorder=self._recorder(request),
+                trace=trace,
+            )
             served = await self._dispatch(request, exchange)
             outcome = served.outcome
         except Rejected:
@@ -258,9 +267,9 @@ class CompletionsEndpoint:
             prefix=keys, session=None if session is None else f"{request.tenant}\0{session}"
         )
 
-    def _tap(self, request: InferenceRequest) -> ResponseTap | None:
-        observe = self._d.taps.get(request.pool)
-        return None if observe is None else observe(request)
+    def _recorder(self, request: InferenceRequest) -> AnswerRecorder | None:
+        recorder_for = self._d.recorders.get(request.pool)
+        return None if recorder_for is None else recorder_for(request)
 
     def _pool(self, tenant: Tenant, model: str) -> Pool:
         pool = self._d.router.pools.get(model)
@@ -305,8 +314,8 @@ class CompletionsEndpoint:
         raise error
 
     async def _dispatch(self, request: InferenceRequest, exchange: Exchange) -> Served:
-        gate = self._d.gates.get(request.pool)
-        if (gate is None or gate(request)) and await exchange.admit(request):
+        check = self._d.arrival_checks.get(request.pool)
+        if (check is None or check(request)) and await exchange.admit(request):
             return await exchange.serve_local(request, Outcome.LOCAL)
         chain = self._d.chains[request.pool]
         self._check_fits(request, chain)
@@ -323,10 +332,7 @@ class CompletionsEndpoint:
         except Rejected as refused:
             raise outage() or refused from None  # a pool with no backend up is not full
         raise outage() or Rejected(
-            f"Pool {request.pool!r} is at capacity.",
-            retry_after=self._d.router.retry_after(
-                request.pool, request.sequence_tokens, sequences=request.n
-            ),
+            f"Pool {request.pool!r} is at capacity.", retry_after=exchange.retry_after(request)
         )
 
     def _check_fits(self, request: InferenceRequest, chain: list[OverflowPolicy]) -> None:

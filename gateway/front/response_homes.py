@@ -81,7 +81,7 @@ class ResponseHomes:
         return value.decode() if isinstance(value, bytes) else str(value)
 
 
-class ResponseIdTap:
+class ResponseIdRecorder:
     """Watches one answer for its response id and remembers the backend it came from: the
     backend the request holds its reservation on when the answer's first bytes arrive (a
     retry elsewhere happens only before them). An answer from outside the pool (a

@@ -20,7 +20,7 @@ from starlette.types import Message, Send
 from gateway.errors import SpillgateError
 from gateway.outcome import Outcome
 from gateway.upstream.forward import Forwards, UpstreamUnavailable
-from gateway.upstream.relay import Relayed, ResponseTap, StreamWatch, Usage
+from gateway.upstream.relay import AnswerRecorder, Relayed, StreamWatch, Usage
 
 if TYPE_CHECKING:
     from gateway.front.exchange import Exchange, Served
@@ -211,11 +211,11 @@ def _answer_attributes(
 
 
 class _FinishReasons:
-    """A ResponseTap that notes each choice's finish reason, and passes the bytes on."""
+    """An AnswerRecorder that notes each choice's finish reason, and passes the bytes on."""
 
     __slots__ = ("inner", "reasons")
 
-    def __init__(self, inner: ResponseTap | None) -> None:
+    def __init__(self, inner: AnswerRecorder | None) -> None:
         self.inner = inner
         self.reasons: list[str] = []
 
@@ -246,7 +246,7 @@ class _TracedForwarder:
         public_model: str,
         send: Send,
         headers: Sequence[tuple[bytes, bytes]],
-        tap: ResponseTap | None = None,
+        recorder: AnswerRecorder | None = None,
         deadline: float | None = None,
         trace_headers: Mapping[str, str] | None = None,
         growth: StreamWatch | None = None,
@@ -259,7 +259,7 @@ class _TracedForwarder:
                 public_model=public_model,
                 send=send,
                 headers=headers,
-                tap=tap,
+                recorder=recorder,
                 deadline=deadline,
                 trace_headers=trace.unsampled_headers(),
                 growth=growth,
@@ -272,7 +272,7 @@ class _TracedForwarder:
                 status.append(message["status"])
             await send(message)
 
-        reasons = _FinishReasons(tap)
+        reasons = _FinishReasons(recorder)
         try:
             relayed = await self._inner.forward(
                 target,
@@ -280,7 +280,7 @@ class _TracedForwarder:
                 public_model=public_model,
                 send=seen,
                 headers=headers,
-                tap=reasons,
+                recorder=reasons,
                 deadline=deadline,
                 trace_headers=carrier,
                 growth=growth,

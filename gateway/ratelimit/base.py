@@ -87,7 +87,8 @@ def format_duration(seconds: float) -> str:
 
     Rounded up to the millisecond, so a client that waits this long finds the bucket ready;
     a nanosecond's float noise (8.64 s is 8640.000000000001 ms) is not rounded up. This
-    runs twice per request: the subtraction costs a seventh of `round(x, 6)`.
+    runs twice per request, so the noise is taken off by a subtraction rather than by
+    `round`, which goes through the float-to-string code.
     """
     ms = math.ceil(seconds * 1000 - 1e-6)
     if ms <= 0:

@@ -2,7 +2,7 @@
 
 Pure functions of levels and time, so both implementations report the same numbers.
 The refill itself is written out in LocalRateLimiter._levels and in bucket.lua, and
-bucket.lua repeats `refusal` inside Redis; keep them in step.
+bucket.lua repeats `refusal_reason` inside Redis; keep them in step.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def check_tokens(**counts: int) -> None:
             raise ValueError(f"{name} must not be negative, got {value}")
 
 
-def refusal(limits: TenantLimits, *, requests: float, tokens: float, cost: int) -> Reason:
+def refusal_reason(limits: TenantLimits, *, requests: float, tokens: float, cost: int) -> Reason:
     """Why a request of `cost` tokens cannot be admitted now, or "" when it can."""
     if cost > limits.token_capacity:
         return "too_large"
@@ -47,24 +47,26 @@ def decision(
     limits: TenantLimits, *, requests: float, tokens: float, reason: Reason, retry_after: float
 ) -> Decision:
     """A Decision reporting the levels left after it (debited or not)."""
-    # positional, in the fields' order: one is made per request, and a class called with
-    # keywords costs about three times as much to build
     return Decision(
-        not reason,  # allowed
-        reason,
-        retry_after,  # retry_after_s
-        limits.request_capacity,  # limit_requests
-        limits.token_capacity,  # limit_tokens
-        math.floor(requests) if requests > 0 else 0,  # remaining_requests
-        math.floor(tokens) if tokens > 0 else 0,  # remaining_tokens
-        wait_s(requests, need=limits.request_capacity, per_minute=limits.requests_per_minute),
-        wait_s(tokens, need=limits.token_capacity, per_minute=limits.tokens_per_minute),
+        allowed=not reason,
+        reason=reason,
+        retry_after_s=retry_after,
+        limit_requests=limits.request_capacity,
+        limit_tokens=limits.token_capacity,
+        remaining_requests=math.floor(requests) if requests > 0 else 0,
+        remaining_tokens=math.floor(tokens) if tokens > 0 else 0,
+        reset_requests_s=wait_s(
+            requests, need=limits.request_capacity, per_minute=limits.requests_per_minute
+        ),
+        reset_tokens_s=wait_s(
+            tokens, need=limits.token_capacity, per_minute=limits.tokens_per_minute
+        ),
     )
 
 
 def judged(limits: TenantLimits, *, requests: float, tokens: float, cost: int) -> Decision:
     """The decision for levels as they stand (no debit): refused with its wait, or allowed."""
-    reason = refusal(limits, requests=requests, tokens=tokens, cost=cost)
+    reason = refusal_reason(limits, requests=requests, tokens=tokens, cost=cost)
     retry = 0.0
     if reason in ("requests", "tokens"):
         retry = retry_after_s(limits, requests=requests, tokens=tokens, cost=cost)

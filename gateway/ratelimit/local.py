@@ -50,7 +50,7 @@ class LocalRateLimiter:
             bucket.check_tokens(tokens=tokens)
         levels = self._levels(limits)
         requests, level = levels.requests, levels.tokens
-        if bucket.refusal(limits, requests=requests, tokens=level, cost=tokens):
+        if bucket.refusal_reason(limits, requests=requests, tokens=level, cost=tokens):
             return bucket.judged(limits, requests=requests, tokens=level, cost=tokens)
         levels.requests = requests = requests - 1
         levels.tokens = level = level - tokens

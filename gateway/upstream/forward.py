@@ -19,8 +19,8 @@ from gateway.upstream.deadline import Deadline
 from gateway.upstream.relay import (
     JSON_HEADERS,
     SSE_HEADERS,
+    AnswerRecorder,
     Relayed,
-    ResponseTap,
     StreamWatch,
     model_swap,
     relay_stream,
@@ -122,7 +122,7 @@ class Forwards(Protocol):
         public_model: str,
         send: Send,
         headers: Sequence[tuple[bytes, bytes]],
-        tap: ResponseTap | None = None,
+        recorder: AnswerRecorder | None = None,
         deadline: float | None = None,
         trace_headers: Mapping[str, str] | None = None,
         growth: StreamWatch | None = None,
@@ -168,7 +168,7 @@ class Forwarder:
         public_model: str,
         send: Send,
         headers: Sequence[tuple[bytes, bytes]],
-        tap: ResponseTap | None = None,
+        recorder: AnswerRecorder | None = None,
         deadline: float | None = None,
         trace_headers: Mapping[str, str] | None = None,
         growth: StreamWatch | None = None,
@@ -196,7 +196,7 @@ class Forwarder:
                 status=status,
                 headers=[*JSON_HEADERS, *headers],
                 swap=swap,
-                tap=tap if status == 200 else None,
+                recorder=recorder if status == 200 else None,
             )
         try:
             with Deadline(min(loop.time() + t.first_token, deadline)):
@@ -217,7 +217,7 @@ class Forwarder:
                     status=response.status,
                     headers=[*JSON_HEADERS, *headers],
                     swap=swap,
-                    tap=None,
+                    recorder=None,
                 )
             chunks = response.content.iter_any()
             try:
@@ -239,7 +239,7 @@ class Forwarder:
                 keep_usage=request.client_wants_usage,
                 idle_s=t.idle,
                 deadline=deadline,
-                tap=tap,
+                recorder=recorder,
                 hide_errors=target.external,
                 growth=growth,
             )

@@ -47,10 +47,15 @@ class Usage:
         if not isinstance(usage, dict):
             return cls()
         if "input_tokens" in usage:  # the Responses API's names
-            return cls(int(usage["input_tokens"] or 0), int(usage.get("output_tokens") or 0), True)
-        # positional (prompt, completion, known): built once per answer
+            return cls(
+                prompt_tokens=int(usage["input_tokens"] or 0),
+                completion_tokens=int(usage.get("output_tokens") or 0),
+                known=True,
+            )
         return cls(
-            int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), True
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=int(usage.get("completion_tokens") or 0),
+            known=True,
         )
 
     @property
@@ -66,8 +71,9 @@ class StreamWatch(Protocol):
     async def grow(self) -> None: ...
 
 
-class ResponseTap(Protocol):
-    """Sees the bytes of one successful response (e.g. to fill the response cache)."""
+class AnswerRecorder(Protocol):
+    """Sees the bytes of one successful response as the client gets them, and its usage at
+    the end (the response cache fills this way)."""
 
     def feed(self, data: bytes) -> None: ...
 
@@ -145,7 +151,7 @@ class StreamRelay:
         send: Send,
         swap: ModelSwap | None,
         keep_usage: bool,
-        tap: ResponseTap | None,
+        recorder: AnswerRecorder | None,
         hide_errors: bool = False,
         growth: StreamWatch | None = None,
     ) -> None:
@@ -156,7 +162,7 @@ class StreamRelay:
         self._growth = growth
         self._swap = swap
         self._keep_usage = keep_usage
-        self._tap = tap
+        self._recorder = recorder
         self._hide_errors = hide_errors
         self._pending = b""
         self._notable = _NOTABLE[(keep_usage, hide_errors)]
@@ -193,11 +199,11 @@ class StreamRelay:
             await self._send({"type": "http.response.body", "body": out, "more_body": True})
 
     def _outgoing(self, out: bytes) -> bytes:
-        """`out` as the client gets it (the model name swapped back), shown to the tap."""
+        """`out` as the client gets it (the model name swapped back), shown to the recorder."""
         if self._swap is not None:
             out = self._swap(out)
-        if self._tap is not None:
-            self._tap.feed(out)
+        if self._recorder is not None:
+            self._recorder.feed(out)
         return out
 
     def _rewrite(self, out: bytes) -> bytes:
@@ -281,12 +287,12 @@ async def relay_stream(
     keep_usage: bool,
     idle_s: float,
     deadline: float,
-    tap: ResponseTap | None,
+    recorder: AnswerRecorder | None,
     hide_errors: bool = False,
     growth: StreamWatch | None = None,
 ) -> Relayed:
     relay = StreamRelay(
-        send=send, swap=swap, keep_usage=keep_usage, tap=tap, hide_errors=hide_errors,
+        send=send, swap=swap, keep_usage=keep_usage, recorder=recorder, hide_errors=hide_errors,
         growth=growth,
     )  # fmt: skip
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -308,8 +314,8 @@ async def relay_stream(
         return Relayed(relay.usage, first_byte_at, False)  # not completed
     await relay.flush()
     failed = bool(relay.upstream_error)
-    if tap is not None and not failed:
-        tap.finish(relay.usage)
+    if recorder is not None and not failed:
+        recorder.finish(relay.usage)
     await send({"type": "http.response.body", "body": b"", "more_body": False})
     return Relayed(relay.usage, first_byte_at, not failed, upstream_error=relay.upstream_error)
 
@@ -321,7 +327,7 @@ async def send_json_body(
     status: int,
     headers: list[tuple[bytes, bytes]],
     swap: ModelSwap | None,
-    tap: ResponseTap | None,
+    recorder: AnswerRecorder | None,
 ) -> Relayed:
     try:
         parsed = orjson.loads(body)
@@ -332,8 +338,8 @@ async def send_json_body(
         body = swap(body)
     all_headers = [*headers, (b"content-length", b"%d" % len(body))]
     await send({"type": "http.response.start", "status": status, "headers": all_headers})
-    if tap is not None:
-        tap.feed(body)
-        tap.finish(usage)
+    if recorder is not None:
+        recorder.feed(body)
+        recorder.finish(usage)
     await send({"type": "http.response.body", "body": body, "more_body": False})
     return Relayed(usage, time.perf_counter(), True)

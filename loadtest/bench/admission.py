@@ -45,7 +45,7 @@ from loadtest.bench import admission_fleet as fleet
 from loadtest.bench.admission_fleet import ADMIN_TOKEN
 from loadtest.bench.admission_report import report, targets
 from loadtest.bench.admission_watch import Watch, summarize
-from loadtest.loadgen.run import Target, run_schedule
+from loadtest.loadgen.run import RunTarget, run_schedule
 from loadtest.loadgen.scrape import Scraper
 from loadtest.loadgen.workload import LengthDist, PlannedRequest, TenantKey, Workload, plan_requests
 from loadtest.real_vllm import RealVllm, install, reset_prefix_cache
@@ -106,14 +106,14 @@ class Bench:
             with_queue_depth=False,
         )
 
-    def target(self, arm: str, *, spike: bool) -> Target:
+    def target(self, arm: str, *, spike: bool) -> RunTarget:
         gateway = self.gateways.get(arm)
         model = self.backend.model
         if gateway is not None and spike:
             model += fleet.SPIKE_SUFFIX
         shape = fleet.BenchShape(model=model, extra=self.backend.extra)
         keys = {fleet.TENANT: fleet.KEY} if gateway else {}
-        return Target(label=arm, urls=[gateway or self.backend.url], keys=keys, shape=shape)
+        return RunTarget(label=arm, urls=[gateway or self.backend.url], keys=keys, shape=shape)
 
     async def idle(self) -> None:
         """Until the backend runs nothing: a run starts from an empty engine."""

@@ -31,7 +31,7 @@ from loadtest.drill.checks import Check, evaluate, shared_prefix_cached
 from loadtest.drill.demo import DemoProcess
 from loadtest.loadgen.cli import run_loop
 from loadtest.loadgen.client import RequestShape
-from loadtest.loadgen.run import RunData, Target, run_schedule
+from loadtest.loadgen.run import RunData, RunTarget, run_schedule
 from loadtest.loadgen.schedule import ArrivalProfile, arrival_times
 from loadtest.loadgen.scrape import Scraper, parse_metrics
 from loadtest.loadgen.stats import LagVerdict, prefix_cache
@@ -180,7 +180,7 @@ async def drill(target: DrillTarget, script: DrillScript) -> tuple[list[Check], 
     )
     profile = script.profile
     plans = plan_requests(arrival_times(profile, seed=script.seed), workload, seed=script.seed)
-    run_target = Target(
+    run_target = RunTarget(
         label="drill", urls=[target.url], keys={"drill": target.key},
         shape=RequestShape(model=target.model, timeout_s=60.0), admin_token=target.admin_token,
         backend_urls=backends, sample_queue_depth=False,

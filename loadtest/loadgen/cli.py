@@ -28,7 +28,7 @@ import httpx
 from loadtest.loadgen.client import RequestShape
 from loadtest.loadgen.html import write_html
 from loadtest.loadgen.progress import Progress
-from loadtest.loadgen.run import RunData, Target, run_schedule
+from loadtest.loadgen.run import RunData, RunTarget, run_schedule
 from loadtest.loadgen.schedule import PROFILES, ArrivalProfile, arrival_times
 from loadtest.loadgen.scrape import Scraper
 from loadtest.loadgen.stats import LagVerdict, Slo, report
@@ -218,7 +218,7 @@ async def wait_idle(urls: Sequence[str], *, timeout_s: float = DRAIN_TIMEOUT_S) 
 
 
 async def _replay(
-    args: argparse.Namespace, plans: list[PlannedRequest], target: Target, duration_s: float
+    args: argparse.Namespace, plans: list[PlannedRequest], target: RunTarget, duration_s: float
 ) -> RunData:
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     progress = Progress(total=len(plans), duration_s=duration_s, label=target.label)
@@ -233,7 +233,7 @@ async def _replay(
 
 async def _direct_target(
     args: argparse.Namespace, keys: dict[str, str], pool_backends: list[str]
-) -> Target:
+) -> RunTarget:
     urls = [u for u in args.compare_direct if u != "auto"]
     if "auto" in args.compare_direct:
         if not pool_backends:
@@ -242,7 +242,7 @@ async def _direct_target(
     model = args.direct_model or await served_model(urls[0], args.direct_key)
     shape = RequestShape(model=model, endpoint=args.endpoint, timeout_s=args.timeout)
     direct_keys = {t: args.direct_key for t in keys} if args.direct_key else {}
-    return Target(label="direct", urls=urls, keys=direct_keys, shape=shape, backend_urls=urls)
+    return RunTarget(label="direct", urls=urls, keys=direct_keys, shape=shape, backend_urls=urls)
 
 
 async def run_all(args: argparse.Namespace) -> tuple[ArrivalProfile, list[RunData]]:
@@ -253,7 +253,7 @@ async def run_all(args: argparse.Namespace) -> tuple[ArrivalProfile, list[RunDat
         pool_backends = await gateway_backends(args.url, args.admin_token, args.model)
     backends = list(args.backend) or pool_backends
     shape = RequestShape(model=args.model, endpoint=args.endpoint, timeout_s=args.timeout)
-    gateway = Target(label="gateway", urls=[args.url], keys=keys, shape=shape,
+    gateway = RunTarget(label="gateway", urls=[args.url], keys=keys, shape=shape,
                      admin_token=args.admin_token, backend_urls=backends)  # fmt: skip
     runs = [await _replay(args, plans, gateway, profile.duration_s)]
     if args.compare_direct:

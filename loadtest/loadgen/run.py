@@ -29,7 +29,7 @@ ENGINE_SAMPLE_MAX_S = 1.0  # backends' engine state is read at least this often
 
 
 @dataclass(frozen=True, kw_only=True)
-class Target:
+class RunTarget:
     """Where a run goes: the gateway, or (for `--compare-direct`) backends with no gateway."""
 
     label: str
@@ -87,7 +87,7 @@ def _prefix_part(state: dict[str, float] | None) -> dict[str, float] | None:
 
 async def _dispatch(
     plans: Sequence[PlannedRequest],
-    target: Target,
+    target: RunTarget,
     pools: Sequence[ConnectionPool],
     *,
     t0: float,
@@ -116,7 +116,7 @@ async def _dispatch(
 async def run_schedule(
     plans: Sequence[PlannedRequest],
     *,
-    target: Target,
+    target: RunTarget,
     duration_s: float,
     progress: Progress | None = None,
     sample_interval_s: float = 0.5,

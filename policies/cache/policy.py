@@ -23,11 +23,12 @@ from typing import Any, ClassVar
 import orjson
 
 from gateway.config import CacheSettings, PoolSettings
-from gateway.front.exchange import Exchange, Served
+from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
+from gateway.overflow import OverflowContext
 from gateway.upstream.relay import JSON_HEADERS, send_json_body
-from policies.cache.recorder import AnswerRecorder, send_replay
+from policies.cache.recorder import CompletionRecorder, send_replay
 from policies.cache.store import LocalResponseCache, RedisResponseCache, ResponseCache
 from policies.deps import PolicyDeps
 
@@ -106,13 +107,13 @@ class CachePolicy:
     def key(self, request: InferenceRequest) -> str:
         return cache_key(request, scope=self._settings.scope or "tenant:" + request.tenant)
 
-    def tap_for(self, request: InferenceRequest) -> AnswerRecorder | None:
+    def recorder_for(self, request: InferenceRequest) -> CompletionRecorder | None:
         """A recorder for the answer to `request`, if that answer may be stored."""
         if not storable(request, self._settings):
             return None
         # the key and the document are worked out only once an answer is complete, after
         # the response has been handed on: the client does not wait for the cache
-        return AnswerRecorder(
+        return CompletionRecorder(
             endpoint=request.endpoint,
             stream=request.stream,
             max_bytes=self._settings.max_entry_bytes,
@@ -125,7 +126,7 @@ class CachePolicy:
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
+    async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         if not storable(request, self._settings):
             return None
         raw = await self._store.get(self.key(request))
@@ -144,7 +145,7 @@ class CachePolicy:
                 status=200,
                 headers=[*JSON_HEADERS, *headers],
                 swap=None,
-                tap=None,
+                recorder=None,
             )
         return Served(
             outcome=Outcome.CACHED, target=CACHE_TARGET, pool=request.pool, relayed=relayed

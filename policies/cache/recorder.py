@@ -1,10 +1,10 @@
 """Answers as documents: assemble a relayed response into one completion, replay it as SSE.
 
-`AnswerRecorder` is a ResponseTap: it sees the bytes the client got (JSON, or SSE events)
-and, when the response completed, hands over one `chat.completion` or `text_completion`
-JSON document. Answers it cannot represent faithfully (tool-call deltas, several choices,
-error events, more than `max_bytes`) are not recorded. `replay_sse` turns such a document
-back into the event stream a streaming client expects.
+`CompletionRecorder` is an AnswerRecorder: it sees the bytes the client got (JSON, or SSE
+events) and, when the response completed, hands over one `chat.completion` or
+`text_completion` JSON document. Answers it cannot represent faithfully (tool-call deltas,
+several choices, error events, more than `max_bytes`) are not recorded. `replay_sse` turns
+such a document back into the event stream a streaming client expects.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from gateway.upstream.relay import DONE, SSE_HEADERS, Relayed, Usage
 Document = dict[str, Any]
 
 
-class AnswerRecorder:
+class CompletionRecorder:
     def __init__(
         self,
         *,

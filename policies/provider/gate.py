@@ -106,7 +106,7 @@ class Refusal(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class Ticket:
+class Claim:
     """A request's claim on a provider: a concurrency slot and `tokens` of budget."""
 
     tokens: int
@@ -161,7 +161,7 @@ class ProviderGate:
         """`text` without the provider's key: its errors may echo what they were sent."""
         return text.replace(self._api_key, "***") if self._api_key else text
 
-    async def acquire(self, tokens: int) -> Ticket | Refusal:
+    async def acquire(self, tokens: int) -> Claim | Refusal:
         """Claim a slot and budget for one request, or say why not (claiming nothing).
 
         The slot is a lease of one in the slots ledger, capped at `max_concurrency`: with
@@ -187,18 +187,18 @@ class ProviderGate:
         if not decision.allowed:
             await self._unclaim(slot)
             return Refusal.BUDGET
-        return Ticket(tokens, slot)
+        return Claim(tokens, slot)
 
     async def _unclaim(self, slot: Reservation) -> None:
         self.breaker.release_trial()
         await self.slots.release(slot)
 
-    async def release(self, ticket: Ticket, *, used: int | None) -> None:
+    async def release(self, claim: Claim, *, used: int | None) -> None:
         """Give the slot back, and the budget the answer did not use (none if unknown)."""
-        await self.slots.release(ticket.slot)
-        spent = ticket.tokens if used is None else used
-        if spent != ticket.tokens:
-            await self.budget.reconcile(self.limits, reserved=ticket.tokens, used=spent)
+        await self.slots.release(claim.slot)
+        spent = claim.tokens if used is None else used
+        if spent != claim.tokens:
+            await self.budget.reconcile(self.limits, reserved=claim.tokens, used=spent)
 
     def cost(self, *, prompt_tokens: int, completion_tokens: int) -> float:
         s = self.settings

@@ -15,10 +15,11 @@ import logging
 from typing import ClassVar
 
 from gateway.config import PoolSettings
-from gateway.front.exchange import Exchange, Served
+from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
+from gateway.overflow import OverflowContext
 from gateway.upstream.forward import UpstreamUnavailable
 from policies.deps import PolicyDeps
 from policies.provider.gate import ProviderGate, Refusal
@@ -44,11 +45,11 @@ class ProviderPolicy:
             raise ValueError(f"pool {pool.name!r}: the provider policy needs a configured provider")
         return cls(gate=deps.providers[pool.provider], metrics=deps.metrics)
 
-    async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
+    async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         gate = self._gate
-        ticket = await gate.acquire(request.reserved_tokens)
-        if isinstance(ticket, Refusal):
-            log.debug("provider %s passes %s: %s", gate.name, request.pool, ticket)
+        claim = await gate.acquire(request.reserved_tokens)
+        if isinstance(claim, Refusal):
+            log.debug("provider %s passes %s: %s", gate.name, request.pool, claim)
             return None
         try:
             served = await exchange.serve_target(
@@ -71,15 +72,15 @@ class ProviderPolicy:
                 exc.reason,
                 gate.redact(exc.detail.decode("utf-8", "replace"))[:LOGGED_DETAIL_CHARS],
             )
-            await gate.release(ticket, used=0)  # refused before generating: budget comes back
+            await gate.release(claim, used=0)  # refused before generating: budget comes back
             return None
         except BaseException:  # cancelled mid-answer: keep the budget spent, free the slot
             gate.breaker.release_trial()
-            await gate.release(ticket, used=None)
+            await gate.release(claim, used=None)
             raise
         self._settle(served)
         usage = served.relayed.usage
-        await gate.release(ticket, used=usage.total if usage.known else None)
+        await gate.release(claim, used=usage.total if usage.known else None)
         return served
 
     def _settle(self, served: Served) -> None:

@@ -19,10 +19,11 @@ from typing import ClassVar
 from gateway.admission.router import Router
 from gateway.clock import Clock
 from gateway.config import PoolSettings
-from gateway.front.exchange import Exchange, Served
+from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
+from gateway.overflow import OverflowContext
 from gateway.upstream.deadline import Deadline
 from policies.deps import PolicyDeps
 from policies.queue.fair_queue import FairQueue, QueueResult, Waiter
@@ -31,9 +32,9 @@ log = logging.getLogger("spillgate.queue")
 
 
 @dataclass(eq=False, kw_only=True)
-class Ticket:
+class QueueEntry:
     request: InferenceRequest
-    exchange: Exchange
+    exchange: OverflowContext
     decided: asyncio.Future[QueueResult]
     enqueued_at: float
 
@@ -56,7 +57,7 @@ class QueuePolicy:
         self._metrics = metrics
         self._clock = clock
         self._budgets = ttft_budgets_s
-        self._queue: FairQueue[Ticket] = FairQueue(max_depth=pool.queue.max_depth)
+        self._queue: FairQueue[QueueEntry] = FairQueue(max_depth=pool.queue.max_depth)
         self._drainer: asyncio.Task[None] | None = None
         router.on_release(self._on_release)
         router.on_waiting(pool.name, self._queue.tokens)
@@ -83,20 +84,20 @@ class QueuePolicy:
     def max_wait_s(self, request: InferenceRequest) -> float:
         return min(self._max_wait_s, self._budgets.get(request.tenant, math.inf))
 
-    async def serve(self, request: InferenceRequest, exchange: Exchange) -> Served | None:
+    async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         started = self._clock.monotonic()
         result = await self.wait(request, exchange)
         if result is not QueueResult.ADMITTED:
             log.debug("%s/%s left the queue: %s", request.pool, request.tenant, result)
             return None
-        exchange.timings["queue"] = self._clock.monotonic() - started
+        exchange.note_time("queue", self._clock.monotonic() - started)
         return await exchange.serve_local(request, Outcome.QUEUED)
 
-    async def wait(self, request: InferenceRequest, exchange: Exchange) -> QueueResult:
+    async def wait(self, request: InferenceRequest, exchange: OverflowContext) -> QueueResult:
         """Wait until the request holds a reservation in its pool (ADMITTED), or say why not."""
         if not self._router.fits_ever(request.pool, request.sequence_tokens, sequences=request.n):
             return QueueResult.REJECTED_NEVER_FITS
-        ticket = Ticket(
+        entry = QueueEntry(
             request=request,
             exchange=exchange,
             decided=asyncio.get_running_loop().create_future(),
@@ -108,13 +109,13 @@ class QueuePolicy:
             tokens=self._router.pool_kv_tokens(
                 request.pool, request.sequence_tokens, sequences=request.n
             ),
-            item=ticket,
+            item=entry,
         )
         if not self._enqueue(waiter):
             return QueueResult.REJECTED_FULL
         try:
             with Deadline.after(self.max_wait_s(request)):
-                await ticket.decided
+                await entry.decided
         except TimeoutError:
             pass
         except asyncio.CancelledError:
@@ -122,11 +123,11 @@ class QueuePolicy:
             raise
         finally:
             self._leave(waiter)
-        if ticket.decided.done() and not ticket.decided.cancelled():
-            return ticket.decided.result()  # decided even if the deadline fired meanwhile
+        if entry.decided.done() and not entry.decided.cancelled():
+            return entry.decided.result()  # decided even if the deadline fired meanwhile
         return QueueResult.EVICTED_DEADLINE
 
-    def _enqueue(self, waiter: Waiter[Ticket]) -> bool:
+    def _enqueue(self, waiter: Waiter[QueueEntry]) -> bool:
         if not self._queue.push(waiter):
             victim = self._queue.victim_for(waiter.priority)
             if victim is None:
@@ -138,13 +139,13 @@ class QueuePolicy:
         self._kick()
         return True
 
-    def _leave(self, waiter: Waiter[Ticket]) -> None:
-        ticket = waiter.item
-        if self._queue.remove(waiter) and not ticket.decided.done():
-            ticket.decided.cancel()
+    def _leave(self, waiter: Waiter[QueueEntry]) -> None:
+        entry = waiter.item
+        if self._queue.remove(waiter) and not entry.decided.done():
+            entry.decided.cancel()
         self._depth_changed()
         self._metrics.queue_wait.labels(self._pool, waiter.priority).observe(
-            self._clock.monotonic() - ticket.enqueued_at
+            self._clock.monotonic() - entry.enqueued_at
         )
         self._kick()  # a waiter that blocked the head may have let others fit
 
@@ -162,24 +163,24 @@ class QueuePolicy:
     async def _drain(self) -> None:
         try:
             while (waiter := self._queue.best()) is not None:
-                ticket = waiter.item
-                if ticket.decided.done():  # cancelled; its own task has not run yet
+                entry = waiter.item
+                if entry.decided.done():  # cancelled; its own task has not run yet
                     self._queue.remove(waiter)
                     continue
-                request = ticket.request
+                request = entry.request
                 if not self._router.has_room(
                     self._pool, request.sequence_tokens, sequences=request.n
                 ):
                     return  # the next release, or this waiter leaving, drains again
-                reservation = await ticket.exchange.reserve(ticket.request)
+                reservation = await entry.exchange.reserve(entry.request)
                 if reservation is None:
                     return  # the room went elsewhere; the next release drains again
-                if ticket.decided.done() or not self._queue.take(waiter):
+                if entry.decided.done() or not self._queue.take(waiter):
                     self._queue.remove(waiter)
                     await self._router.release(reservation)  # it left while we reserved
                     continue
-                ticket.exchange.holding.reservation = reservation
-                ticket.decided.set_result(QueueResult.ADMITTED)
+                entry.exchange.hold(reservation)
+                entry.decided.set_result(QueueResult.ADMITTED)
                 self._depth_changed()
         except Exception:
             log.exception("draining the queue of pool %s failed", self._pool)

@@ -50,7 +50,7 @@ class Replica:
     woken: list[tuple[str, int]] = field(default_factory=list)  # (pool, tokens in flight then)
 
     async def reserve(self, tokens: int) -> Any:
-        return await self.router.admit("p", tokens)
+        return await self.router.reserve("p", tokens)
 
 
 @asynccontextmanager

@@ -19,7 +19,6 @@ VOCABULARY = {"gateway.config", "gateway.errors", "gateway.outcome", "gateway.cl
 # context drops its line here.
 REACHES = {
     "policies.batch": {"gateway.batch.service"},
-    "policies.degrade": {"gateway.admission.router"},
     "policies.deps": {"gateway.admission.router", "gateway.batch.service", "gateway.metrics"},
     "policies.provider.gate": {
         "gateway.admission.ledger",
@@ -33,7 +32,6 @@ REACHES = {
         "gateway.metrics",
         "gateway.upstream.deadline",
     },
-    "policies.reject": {"gateway.admission.router"},
 }
 
 

@@ -10,7 +10,7 @@ import orjson
 
 from loadtest.bench.admission_fleet import BenchShape
 from loadtest.loadgen.client import Result
-from loadtest.loadgen.run import Target, run_schedule
+from loadtest.loadgen.run import RunTarget, run_schedule
 from loadtest.loadgen.workload import LengthDist, TenantKey, Workload, plan_requests
 from loadtest.real_vllm import MODEL, STOP_TOKEN_IDS
 from tests.support.overflow import eventually
@@ -75,7 +75,7 @@ def _burst(gateway_url: str, key: str, size: int, *, seed: int) -> list[Result]:
         tenants=[TenantKey(name="acme", key=key)],
     )
     plans = plan_requests([0.0] * size, workload, seed=seed)
-    target = Target(
+    target = RunTarget(
         label="gateway",
         urls=[gateway_url],
         keys={"acme": key},

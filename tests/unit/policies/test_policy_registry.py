@@ -1,5 +1,5 @@
 """The one registry: every policy by its config name, the chain in config order, and the
-hooks the pipeline takes from a chain (answer taps, admission gates)."""
+hooks the pipeline takes from a chain (answer recorders, arrival checks)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import LocalRateLimiter
 from policies.deps import PolicyDeps
 from policies.provider.gate import build_gates
-from policies.registry import admission_gates, answer_taps, build_chain, registry
+from policies.registry import answer_recorders, arrival_checks, build_chain, registry
 
 FULL = ["queue", "degrade", "provider", "cache", "batch", "reject"]
 
@@ -72,10 +72,10 @@ def test_the_full_chain_is_built_in_config_order_with_its_hooks() -> None:
     assert [p.name for p in chains["big"]] == FULL
     assert [p.name for p in chains["small"]] == ["reject"]
     assert set(registry()) == set(FULL)
-    taps, gates = answer_taps(chains), admission_gates(chains)
-    assert set(taps) == {"big"} and set(gates) == {"big"}
-    assert taps["big"](request()) is not None
-    assert gates["big"](request())  # nobody waits yet
+    recorders, checks = answer_recorders(chains), arrival_checks(chains)
+    assert set(recorders) == {"big"} and set(checks) == {"big"}
+    assert recorders["big"](request()) is not None
+    assert checks["big"](request())  # nobody waits yet
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ def event(index: int = 0) -> bytes:
 def test_grows_a_block_at_a_time_past_the_reservation_and_releases_it_all() -> None:
     async def scenario() -> None:
         router = _router([1000], 0.1, block_size=16)  # limit 100
-        reservation = await router.admit("p", 10 + 22)  # prompt 10 + 22 expected: 2 blocks
+        reservation = await router.reserve("p", 10 + 22)  # prompt 10 + 22 expected: 2 blocks
         assert reservation is not None and reservation.tokens == 32
         held = Held(reservation)
         growth = Growth(router=router, holding=held, prompt_tokens=10, sequences=1, block_size=16)
@@ -46,7 +46,7 @@ def test_grows_a_block_at_a_time_past_the_reservation_and_releases_it_all() -> N
 def test_choices_are_counted_each_and_every_sequence_grows_with_the_longest() -> None:
     async def scenario() -> None:
         router = _router([1000], 1.0, block_size=16)
-        reservation = await router.admit("p", 16, sequences=2)  # 2 x 1 block
+        reservation = await router.reserve("p", 16, sequences=2)  # 2 x 1 block
         assert reservation is not None and reservation.tokens == 32
         held = Held(reservation)
         growth = Growth(router=router, holding=held, prompt_tokens=4, sequences=2, block_size=16)

@@ -15,7 +15,7 @@ from gateway.admission.ledger_redis import RedisLedger, Seen, parse_reply
 from gateway.admission.router import Router
 from gateway.clock import ManualClock
 from gateway.config import ConfigError, hash_key, parse_settings
-from gateway.workers import WorkerSpec, refusal
+from gateway.workers import WorkerSpec, workers_problem
 from loadtest.procs import free_port
 
 
@@ -69,11 +69,11 @@ def test_lease_settings_are_validated() -> None:
 
 def test_more_than_one_worker_needs_redis() -> None:
     settings = parse_settings(_settings())
-    problem = refusal(settings, workers=4, redis_url=None)
+    problem = workers_problem(settings, workers=4, redis_url=None)
     assert problem is not None and "--workers 4 needs Redis" in problem
     assert "$SPILLGATE_REDIS_URL" in problem
-    assert refusal(settings, workers=4, redis_url="redis://r:6379/0") is None
-    assert refusal(settings, workers=1, redis_url=None) is None
+    assert workers_problem(settings, workers=4, redis_url="redis://r:6379/0") is None
+    assert workers_problem(settings, workers=1, redis_url=None) is None
     spec = WorkerSpec(config="/etc/sg.yaml", redis_url="redis://r/0", workers=4)
     assert WorkerSpec.from_env(spec.to_env()) == spec
 

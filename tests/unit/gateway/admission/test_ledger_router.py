@@ -17,7 +17,7 @@ def test_admits_on_least_filled_backend_and_never_past_target_fill() -> None:
     async def scenario() -> None:
         router = _router([1000, 2000])
         held = []
-        while (r := await router.admit("p", 100)) is not None:
+        while (r := await router.reserve("p", 100)) is not None:
             held.append(r)
         # 500 + 1000 tokens fit under 50% fill; nothing more
         assert sum(r.tokens for r in held) == 1500
@@ -35,7 +35,7 @@ def test_release_twice_is_a_no_op_and_wakes_listeners() -> None:
         router = _router([1000])
         woken: list[str] = []
         router.on_release(woken.append)
-        r = await router.admit("p", 10)
+        r = await router.reserve("p", 10)
         assert r is not None
         await router.release(r)
         await router.ledger.release(r)
@@ -61,7 +61,7 @@ def test_has_room_looks_at_every_usable_backends_share_under_target_fill() -> No
     async def scenario() -> None:
         router = _router([1000, 2000])  # limits 500 and 1000
         assert router.has_room("p", 1000) and not router.has_room("p", 2001)
-        held = await router.admit("p", 700)  # least filled first: p-0 cannot hold 700
+        held = await router.reserve("p", 700)  # least filled first: p-0 cannot hold 700
         assert held is not None and held.backend == "p-1"
         assert router.has_room("p", 500)
         assert router.has_room("p", 1000)  # alone on idle p-0, within its KV cache

@@ -24,7 +24,9 @@ def _run(
     async def send(message: Message) -> None:
         sent.append(message["body"])
 
-    relay = StreamRelay(send=send, swap=model_swap(served, "pool"), keep_usage=keep_usage, tap=None)
+    relay = StreamRelay(
+        send=send, swap=model_swap(served, "pool"), keep_usage=keep_usage, recorder=None
+    )
 
     async def go() -> None:
         for c in chunks:
@@ -104,7 +106,12 @@ def test_a_json_body_written_by_pythons_json_is_swapped() -> None:
     body = json.dumps({"model": "served", "choices": [], "usage": {"prompt_tokens": 3}}).encode()
     relayed = asyncio.run(
         send_json_body(
-            body, send=send, status=200, headers=[], swap=model_swap("served", "pool"), tap=None
+            body,
+            send=send,
+            status=200,
+            headers=[],
+            swap=model_swap("served", "pool"),
+            recorder=None,
         )
     )
     assert json.loads(sent[1]["body"])["model"] == "pool"
@@ -155,7 +162,7 @@ def test_a_finishing_chunk_is_held_only_until_the_next_event() -> None:
         sent.append(message["body"])
 
     async def go() -> None:
-        relay = StreamRelay(send=send, swap=None, keep_usage=False, tap=None)
+        relay = StreamRelay(send=send, swap=None, keep_usage=False, recorder=None)
         await relay.feed(finish)
         assert sent == []  # held: the usage chunk may follow
         await relay.feed(other)
@@ -179,7 +186,7 @@ def test_an_error_event_is_replaced_only_where_the_upstreams_errors_are_hidden(
     async def send(message: Message) -> None:
         sent.append(message["body"])
 
-    relay = StreamRelay(send=send, swap=None, keep_usage=True, tap=None, hide_errors=hide)
+    relay = StreamRelay(send=send, swap=None, keep_usage=True, recorder=None, hide_errors=hide)
 
     async def go() -> None:
         for chunk in _cuts(CHUNK + PROVIDER_ERROR + DONE, 9):

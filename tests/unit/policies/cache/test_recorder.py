@@ -6,7 +6,7 @@ import orjson
 
 from gateway.front.request import Endpoint
 from gateway.upstream.relay import Usage
-from policies.cache.recorder import AnswerRecorder, replay_sse
+from policies.cache.recorder import CompletionRecorder, replay_sse
 
 ID = '"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"big"'
 
@@ -30,7 +30,7 @@ def record(
     parts: list[bytes], *, stream: bool, max_bytes: int = 10_000, usage: Usage | None = None
 ) -> list[bytes]:
     got: list[bytes] = []
-    recorder = AnswerRecorder(
+    recorder = CompletionRecorder(
         endpoint=Endpoint.CHAT, stream=stream, max_bytes=max_bytes, on_answer=got.append
     )
     for part in parts:

@@ -14,9 +14,9 @@ from gateway.ratelimit import LocalRateLimiter
 from policies.provider.gate import (
     BreakerState,
     CircuitBreaker,
+    Claim,
     ProviderGate,
     Refusal,
-    Ticket,
     build_gates,
 )
 
@@ -78,7 +78,7 @@ def test_gate_refuses_without_claiming_and_settles_the_budget_with_real_usage() 
 
     async def scenario() -> None:
         a, b = await gate.acquire(1000), await gate.acquire(1000)
-        assert isinstance(a, Ticket) and isinstance(b, Ticket)
+        assert isinstance(a, Claim) and isinstance(b, Claim)
         assert await gate.acquire(1) is Refusal.CONCURRENCY
         await gate.release(a, used=200)  # 800 of 1000 come back
         await gate.release(b, used=None)  # usage unknown: the reservation stays spent
@@ -87,7 +87,7 @@ def test_gate_refuses_without_claiming_and_settles_the_budget_with_real_usage() 
         assert left == 6000 - 200 - 1000
         assert await gate.acquire(6000) is Refusal.BUDGET
         clock.advance(60)  # a minute refills the whole budget, never beyond it
-        assert isinstance(await gate.acquire(6000), Ticket)
+        assert isinstance(await gate.acquire(6000), Claim)
         assert await gate.acquire(1) is Refusal.BUDGET
         gate.breaker.record_failure(retry_after=5)
         assert await gate.acquire(10) is Refusal.BREAKER_OPEN

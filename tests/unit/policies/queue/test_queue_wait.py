@@ -100,7 +100,7 @@ async def settle() -> None:
 
 def test_a_release_hands_the_room_to_the_waiter() -> None:
     async def scenario(s: Setup) -> None:
-        full = await s.router.admit("p", CAPACITY)
+        full = await s.router.reserve("p", CAPACITY)
         assert full is not None
         ex = s.exchange()
         waiting = asyncio.create_task(s.queue.wait(request(tokens=300), ex))
@@ -118,7 +118,7 @@ def test_a_release_hands_the_room_to_the_waiter() -> None:
 
 def test_the_highest_class_gets_the_room_first() -> None:
     async def scenario(s: Setup) -> None:
-        full = await s.router.admit("p", CAPACITY)
+        full = await s.router.reserve("p", CAPACITY)
         assert full is not None
         tasks = {
             p: asyncio.create_task(s.queue.wait(request(priority=p, tokens=600), s.exchange()))
@@ -138,7 +138,7 @@ def test_the_highest_class_gets_the_room_first() -> None:
 
 def test_a_cancelled_waiter_leaves_at_once_and_gets_nothing() -> None:
     async def scenario(s: Setup) -> None:
-        full = await s.router.admit("p", CAPACITY)
+        full = await s.router.reserve("p", CAPACITY)
         assert full is not None
         ex = s.exchange()
         waiting = asyncio.create_task(s.queue.wait(request(), ex))
@@ -158,7 +158,7 @@ def test_a_waiter_moves_on_at_its_tenants_ttft_budget() -> None:
         s.budgets["hurried"] = 0.05
         assert s.queue.max_wait_s(request(tenant="hurried")) == 0.05
         assert s.queue.max_wait_s(request(tenant="patient")) == 5.0
-        full = await s.router.admit("p", CAPACITY)
+        full = await s.router.reserve("p", CAPACITY)
         assert full is not None
         started = time.monotonic()
         result = await s.queue.wait(request(tenant="hurried"), s.exchange())
@@ -171,7 +171,7 @@ def test_a_waiter_moves_on_at_its_tenants_ttft_budget() -> None:
 
 def test_a_full_queue_refuses_but_a_critical_request_displaces_a_sheddable_one() -> None:
     async def scenario(s: Setup) -> None:
-        full = await s.router.admit("p", CAPACITY)
+        full = await s.router.reserve("p", CAPACITY)
         assert full is not None
         shed = asyncio.create_task(s.queue.wait(request(priority="sheddable"), s.exchange()))
         std = asyncio.create_task(s.queue.wait(request(priority="standard"), s.exchange()))
@@ -198,8 +198,8 @@ def test_a_request_larger_than_any_backend_is_not_queued() -> None:
 
 def test_sheddable_waiters_stay_off_the_reserved_headroom() -> None:
     async def scenario(s: Setup) -> None:
-        first = await s.router.admit("p", 300)
-        second = await s.router.admit("p", 300)
+        first = await s.router.reserve("p", 300)
+        second = await s.router.reserve("p", 300)
         assert first is not None and second is not None
         ex = s.exchange()
         shed = asyncio.create_task(s.queue.wait(request(priority="sheddable"), ex))
@@ -219,7 +219,7 @@ def test_sheddable_waiters_stay_off_the_reserved_headroom() -> None:
 
 def test_a_waiter_cancelled_just_as_room_frees_gets_nothing() -> None:
     async def scenario(s: Setup) -> None:
-        full = await s.router.admit("p", CAPACITY)
+        full = await s.router.reserve("p", CAPACITY)
         assert full is not None
         ex = s.exchange()
         waiting = asyncio.create_task(s.queue.wait(request(), ex))
@@ -236,8 +236,8 @@ def test_a_waiter_cancelled_just_as_room_frees_gets_nothing() -> None:
 
 def test_the_head_of_the_queue_is_not_overtaken_by_a_smaller_request() -> None:
     async def scenario(s: Setup) -> None:
-        first = await s.router.admit("p", 500)
-        second = await s.router.admit("p", 500)
+        first = await s.router.reserve("p", 500)
+        second = await s.router.reserve("p", 500)
         assert first is not None and second is not None
         big = asyncio.create_task(s.queue.wait(request(tenant="a", tokens=800), s.exchange()))
         await settle()
