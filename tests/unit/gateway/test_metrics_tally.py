@@ -3,7 +3,7 @@
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import TTFT_BUCKETS, GatewayMetrics
+from gateway.metrics import TTFT_BUCKETS, TTFT_HELD, GatewayMetrics
 from gateway.outcome import Outcome
 
 
@@ -53,3 +53,12 @@ def test_tallied_requests_and_tokens_add_up_across_flushes() -> None:
         ("spillgate_tokens_total", "completion", "b1"): 35,
         ("spillgate_tokens_total", "prompt", "b1"): 12,
     }
+
+
+def test_a_series_unscraped_observes_its_held_ttfts_once_it_has_enough() -> None:
+    metrics = GatewayMetrics()
+    for _ in range(TTFT_HELD):
+        metrics.tally.ttft("big", Outcome.LOCAL, 0.2)
+    child = metrics.ttft.labels("big", "local")
+    counts = {s.name: s.value for s in child.collect()[0].samples if s.name.endswith("_count")}
+    assert counts == {"spillgate_ttft_seconds_count": TTFT_HELD}
