@@ -3,7 +3,6 @@ metrics text, and the run as a whole (what the report prints and charts)."""
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
@@ -29,17 +28,6 @@ class Level:
 class EndpointKv:
     num_gpu_blocks: int
     block_size: int
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks; q in [0, 100]."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{.*\})?\s+(\S+)$")
