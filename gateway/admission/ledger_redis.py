@@ -38,7 +38,6 @@ from gateway.admission.ledger import Reservation
 from gateway.clock import Clock
 from gateway.redis_batch import BatchScript, RedisBatcher, batcher_of
 from gateway.tasks import stop_task
-from gateway.upstream.deadline import Deadline
 
 log = logging.getLogger("spillgate.ledger")
 
@@ -341,7 +340,7 @@ class RedisLedger:
         if self._mode == "local":
             return None
         try:
-            with Deadline.after(self._timeout_max_s):  # the call keeps its own budget
+            async with asyncio.timeout(self._timeout_max_s):  # the call keeps its own budget
                 return await call()
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed(exc)

@@ -15,7 +15,6 @@ from yarl import URL
 
 from gateway.config import Timeouts
 from gateway.front.request import Endpoint, InferenceRequest
-from gateway.upstream.deadline import Deadline
 from gateway.upstream.relay import (
     JSON_HEADERS,
     SSE_HEADERS,
@@ -199,7 +198,7 @@ class Forwarder:
                 tap=tap if status == 200 else None,
             )
         try:
-            with Deadline(min(loop.time() + t.first_token, deadline)):
+            async with asyncio.timeout_at(min(loop.time() + t.first_token, deadline)):
                 response = await self._post(target, request, trace_headers)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _unavailable(exc, answered=False, target=target) from None
@@ -221,7 +220,7 @@ class Forwarder:
                 )
             chunks = response.content.iter_any()
             try:
-                with Deadline(min(loop.time() + t.first_token, deadline)):
+                async with asyncio.timeout_at(min(loop.time() + t.first_token, deadline)):
                     first = await anext(chunks)
             except (TimeoutError, StopAsyncIteration, aiohttp.ClientError) as exc:
                 raise UpstreamUnavailable(
@@ -270,14 +269,14 @@ class Forwarder:
         response: aiohttp.ClientResponse | None = None
         read = False
         try:
-            with Deadline(min(loop.time() + t.first_token, deadline)) as budget:
+            async with asyncio.timeout_at(min(loop.time() + t.first_token, deadline)) as budget:
                 response = await self._post(target, request, trace_headers)
                 _check_status(response)
                 chunks: list[bytes] = []
-                budget.extend(min(loop.time() + t.idle, deadline))
+                budget.reschedule(min(loop.time() + t.idle, deadline))
                 async for chunk in response.content.iter_any():
                     chunks.append(chunk)
-                    budget.extend(min(loop.time() + t.idle, deadline))
+                    budget.reschedule(min(loop.time() + t.idle, deadline))
                 read = True
                 return response.status, b"".join(chunks)
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -288,7 +287,7 @@ class Forwarder:
 
     async def _read_body(self, response: aiohttp.ClientResponse, deadline: float) -> bytes:
         try:
-            with Deadline(deadline):
+            async with asyncio.timeout_at(deadline):
                 return await response.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _unavailable(exc, answered=True, target=None) from None

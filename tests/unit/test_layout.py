@@ -31,7 +31,6 @@ REACHES = {
     "policies.queue.policy": {
         "gateway.admission.router",
         "gateway.metrics",
-        "gateway.upstream.deadline",
     },
     "policies.reject": {"gateway.admission.router"},
 }
