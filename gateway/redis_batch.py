@@ -41,6 +41,8 @@ from redis.exceptions import (
     ResponseError,
 )
 
+from gateway.upstream.deadline import Sweep
+
 log = logging.getLogger("spillgate.redis")
 
 Arg = str | int | float | bytes
@@ -59,7 +61,7 @@ class BatchScript:
 
 @dataclass(slots=True, eq=False)
 class _Call:
-    """One queued EVALSHA; with a budget, a loop timer set for when it is due."""
+    """One queued EVALSHA; with a budget, a Timed the loop's Sweep holds until it is due."""
 
     batcher: RedisBatcher
     script: BatchScript
@@ -75,15 +77,6 @@ class _Call:
     rechecks: int = 0
     pass_started: float = 0.0
     fired_late: bool = False
-    timer: asyncio.TimerHandle | None = None
-
-    def hold(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Look at this call again once it is `due`."""
-        self.timer = loop.call_at(self.due, self._fire, loop)
-
-    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.timer = None
-        self.on_due(loop.time())
 
     def on_due(self, now: float) -> None:
         """Out of time: fail the call, unless the store is not the one being slow.
@@ -111,7 +104,7 @@ class _Call:
         later = now + self.budget_s if busy else self.batcher.waiting_on_store(self, now)
         if later is not None and now < self.until:
             self.due = min(later, self.until)
-            self.hold(loop)
+            Sweep.of(loop).hold(self)
             return
         self.future.set_exception(TimeoutError("Redis did not answer within the time budget"))
 
@@ -191,7 +184,7 @@ class RedisBatcher:
             call.budget_s = budget_s
             call.due = call.submitted + budget_s
             call.until = call.submitted + max(budget_s, ceiling_s or budget_s)
-            call.hold(loop)
+            Sweep.of(loop).hold(call)
         self._pending.append(call)
         if not self._scheduled:
             self._scheduled = True
@@ -334,9 +327,8 @@ class RedisBatcher:
 
 def _settle(call: _Call, reply: Any) -> None:
     future = call.future
-    if call.timer is not None:
-        call.timer.cancel()
-        call.timer = None
+    if call.due != math.inf:
+        Sweep.of(future.get_loop()).held.discard(call)
     if future.done():  # cancelled, or timed out: nobody is waiting for this reply
         if call.on_late is not None and not isinstance(reply, Exception):
             try:

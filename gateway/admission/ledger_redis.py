@@ -38,6 +38,7 @@ from gateway.admission.ledger import Reservation
 from gateway.clock import Clock
 from gateway.redis_batch import BatchScript, RedisBatcher, batcher_of
 from gateway.tasks import stop_task
+from gateway.upstream.deadline import Deadline
 
 log = logging.getLogger("spillgate.ledger")
 
@@ -340,7 +341,7 @@ class RedisLedger:
         if self._mode == "local":
             return None
         try:
-            async with asyncio.timeout(self._timeout_max_s):  # the call keeps its own budget
+            with Deadline.after(self._timeout_max_s):  # the call keeps its own budget
                 return await call()
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed(exc)

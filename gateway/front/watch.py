@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from starlette.types import Message, Receive, Send
 
 from gateway.front.guard import body_too_large
+from gateway.upstream.deadline import Sweep
 
 
 class ClientGone(Exception):
@@ -41,13 +42,14 @@ class RequestWatch:
     """One per request: it bounds the body's arrival, then watches for a disconnect, and
     sees the response go out (`send`).
 
-    Its timer first fires `after_s` in. A body still arriving then has until `read_s`
-    after the start, or the handling task is cancelled (`read_timed_out`, answered 408).
-    Once the body has arrived (and no sooner, since the handler itself reads it), a task
-    waits for the client to leave and cancels the handling task if it does before the
-    response ends (`disconnected`). An answer ready within `after_s` (a cached one, a
-    refusal, an error) costs the timer and no task, and a client that left meanwhile is
-    still seen, since the server keeps its disconnect for the next `receive()`.
+    It is first due `after_s` in, on the loop's Sweep (gateway/upstream/deadline.py), which holds
+    it without a timer of its own. A body still arriving then has until `read_s` after
+    the start, or the handling task is cancelled (`read_timed_out`, answered 408). Once
+    the body has arrived (and no sooner, since the handler itself reads it), a task waits
+    for the client to leave and cancels the handling task if it does before the response
+    ends (`disconnected`). An answer ready within `after_s` (a cached one, a refusal, an
+    error) costs a set entry on the sweep, and a client that left meanwhile is still
+    seen, since the server keeps its disconnect for the next `receive()`.
 
     `send` passes the response on to the client, except its last message, which it holds
     (`last`) until the request is settled: only then may the client hold the whole answer.
@@ -55,15 +57,16 @@ class RequestWatch:
 
     # one per request
     __slots__ = (
+        "_read_by",
         "_reading",
-        "_reading_left_s",
         "_receive",
         "_send",
+        "_sweep",
         "_task",
         "_ticked",
-        "_timer",
         "_watch",
         "disconnected",
+        "due",
         "finished",
         "last",
         "read_timed_out",
@@ -83,9 +86,11 @@ class RequestWatch:
         self._watch: asyncio.Task[None] | None = None
         loop = asyncio.get_running_loop()
         self._task = asyncio.current_task(loop)
-        first_s = after_s if after_s < read_s else read_s
-        self._reading_left_s = read_s - first_s  # after the first tick
-        self._timer = loop.call_later(first_s, self._tick)
+        now = loop.time()
+        self._read_by = now + read_s
+        self.due = now + (after_s if after_s < read_s else read_s)
+        self._sweep = sweep = Sweep.of(loop)
+        sweep.hold(self)
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -99,20 +104,21 @@ class RequestWatch:
     def body_read(self) -> None:
         self._reading = False
         if self._ticked:  # the body took longer than the first tick: watch from now
-            self._timer.cancel()
+            self._sweep.held.discard(self)
             self._begin()
 
-    def _tick(self) -> None:
+    def on_due(self, now: float) -> None:
         if self.finished:
             return
         if not self._reading:
             self._begin()
-        elif self._ticked or self._reading_left_s <= 0:
+        elif now >= self._read_by:
             self.read_timed_out = True
             self._cancel()
         else:
             self._ticked = True
-            self._timer = asyncio.get_running_loop().call_later(self._reading_left_s, self._tick)
+            self.due = self._read_by
+            self._sweep.hold(self)
 
     def _begin(self) -> None:
         if not self.finished and self._watch is None:
@@ -131,6 +137,6 @@ class RequestWatch:
 
     def close(self) -> None:
         self.finished = True
-        self._timer.cancel()
+        self._sweep.held.discard(self)
         if self._watch is not None:
             self._watch.cancel()

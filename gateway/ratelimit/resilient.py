@@ -41,6 +41,7 @@ from gateway.ratelimit import bucket
 from gateway.ratelimit.base import Decision, StoreError, TenantLimits
 from gateway.ratelimit.local import LocalRateLimiter
 from gateway.ratelimit.redis_limiter import RedisRateLimiter
+from gateway.upstream.deadline import Deadline
 
 FailureMode = Literal["local", "allow", "deny"]
 Mode = Literal["shared", "local", "allow", "deny"]
@@ -207,7 +208,7 @@ class ResilientRateLimiter:
             return _STORE_DOWN
         self._probing = probe
         try:
-            async with asyncio.timeout(self._timeout_max_s):
+            with Deadline.after(self._timeout_max_s):
                 result = await call()
         except (TimeoutError, StoreError):
             self._failed()

@@ -15,6 +15,7 @@ from yarl import URL
 
 from gateway.config import Timeouts
 from gateway.front.request import Endpoint, InferenceRequest
+from gateway.upstream.deadline import Deadline
 from gateway.upstream.relay import (
     JSON_HEADERS,
     SSE_HEADERS,
@@ -198,7 +199,7 @@ class Forwarder:
                 tap=tap if status == 200 else None,
             )
         try:
-            async with asyncio.timeout_at(min(loop.time() + t.first_token, deadline)):
+            with Deadline(min(loop.time() + t.first_token, deadline)):
                 response = await self._post(target, request, trace_headers)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _unavailable(exc, answered=False, target=target) from None
@@ -220,7 +221,7 @@ class Forwarder:
                 )
             chunks = response.content.iter_any()
             try:
-                async with asyncio.timeout_at(min(loop.time() + t.first_token, deadline)):
+                with Deadline(min(loop.time() + t.first_token, deadline)):
                     first = await anext(chunks)
             except (TimeoutError, StopAsyncIteration, aiohttp.ClientError) as exc:
                 raise UpstreamUnavailable(
@@ -269,14 +270,14 @@ class Forwarder:
         response: aiohttp.ClientResponse | None = None
         read = False
         try:
-            async with asyncio.timeout_at(min(loop.time() + t.first_token, deadline)) as budget:
+            with Deadline(min(loop.time() + t.first_token, deadline)) as budget:
                 response = await self._post(target, request, trace_headers)
                 _check_status(response)
                 chunks: list[bytes] = []
-                budget.reschedule(min(loop.time() + t.idle, deadline))
+                budget.extend(min(loop.time() + t.idle, deadline))
                 async for chunk in response.content.iter_any():
                     chunks.append(chunk)
-                    budget.reschedule(min(loop.time() + t.idle, deadline))
+                    budget.extend(min(loop.time() + t.idle, deadline))
                 read = True
                 return response.status, b"".join(chunks)
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -287,7 +288,7 @@ class Forwarder:
 
     async def _read_body(self, response: aiohttp.ClientResponse, deadline: float) -> bytes:
         try:
-            async with asyncio.timeout_at(deadline):
+            with Deadline(deadline):
                 return await response.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _unavailable(exc, answered=True, target=None) from None

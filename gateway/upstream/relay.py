@@ -25,6 +25,8 @@ import aiohttp
 import orjson
 from starlette.types import Send
 
+from gateway.upstream.deadline import Deadline
+
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -292,10 +294,10 @@ async def relay_stream(
     first_byte_at = time.perf_counter()
     loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout_at(min(loop.time() + idle_s, deadline)) as budget:
+        with Deadline(min(loop.time() + idle_s, deadline)) as budget:
             async for chunk in chunks:
                 await relay.feed(chunk)
-                budget.reschedule(min(loop.time() + idle_s, deadline))
+                budget.extend(min(loop.time() + idle_s, deadline))
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         await relay.flush()
         message = "The upstream stopped responding mid-stream; the response is incomplete."

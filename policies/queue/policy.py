@@ -23,6 +23,7 @@ from gateway.front.exchange import Exchange, Served
 from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
+from gateway.upstream.deadline import Deadline
 from policies.deps import PolicyDeps
 from policies.queue.fair_queue import FairQueue, QueueResult, Waiter
 
@@ -112,7 +113,7 @@ class QueuePolicy:
         if not self._enqueue(waiter):
             return QueueResult.REJECTED_FULL
         try:
-            async with asyncio.timeout(self.max_wait_s(request)):
+            with Deadline.after(self.max_wait_s(request)):
                 await ticket.decided
         except TimeoutError:
             pass

@@ -31,6 +31,7 @@ REACHES = {
     "policies.queue.policy": {
         "gateway.admission.router",
         "gateway.metrics",
+        "gateway.upstream.deadline",
     },
     "policies.reject": {"gateway.admission.router"},
 }
