@@ -2,7 +2,9 @@
 
 `with Deadline(when):` behaves as `async with asyncio.timeout_at(when):`: at `when`
 (event-loop time) the task is cancelled and the block raises TimeoutError, while a
-cancellation from elsewhere passes through untouched. The request path uses it, not
+cancellation from elsewhere passes through untouched. The request path keeps its time by
+its Clock and gives deadlines as durations (`after`, `push`); the loop's own time, which
+its timers run on, is read only here. The request path uses it, not
 asyncio's, because asyncio's costs more than issue 8's CPU target leaves room for
 (BENCHMARKS.md, "asyncio.timeout against Deadline and Sweep"):
 
@@ -106,6 +108,10 @@ class Deadline:
     def after(cls, seconds: float) -> Deadline:
         """A deadline `seconds` from now, as asyncio.timeout(seconds)."""
         return cls(asyncio.get_running_loop().time() + seconds)
+
+    def push(self, seconds: float) -> None:
+        """Move the deadline to `seconds` from now (`extend`)."""
+        self.extend(asyncio.get_running_loop().time() + seconds)
 
     def __enter__(self) -> Deadline:
         loop = asyncio.get_running_loop()

@@ -135,7 +135,11 @@ class CachePolicy:
         if request.stream:
             include_usage = request.client_wants_usage
             relayed = await send_replay(
-                raw, send=exchange.send, headers=headers, include_usage=include_usage
+                raw,
+                send=exchange.send,
+                headers=headers,
+                include_usage=include_usage,
+                clock=exchange.clock,
             )
         else:
             relayed = await send_json_body(
@@ -145,6 +149,7 @@ class CachePolicy:
                 headers=[*JSON_HEADERS, *headers],
                 swap=None,
                 tap=None,
+                clock=exchange.clock,
             )
         return Served(
             outcome=Outcome.CACHED, target=CACHE_TARGET, pool=request.pool, relayed=relayed

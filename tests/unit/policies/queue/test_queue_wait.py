@@ -64,7 +64,7 @@ class Setup:
             send=no_send,
             headers={},
             router=self.router,
-            forwarder=Forwarder(self.upstream),
+            forwarder=Forwarder(self.upstream, clock=self.clock),
             metrics=self.metrics,
             clock=self.clock,
             holding=Holding(self.router),
