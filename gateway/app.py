@@ -255,7 +255,7 @@ def create_app(
         chains=chains,
         recorders=answer_recorders(chains),
         arrival_checks=arrival_checks(chains),
-        forwarder=Forwarder(upstream),
+        forwarder=Forwarder(upstream, clock=clock),
         metrics=metrics,
         clock=clock,
         max_body_bytes=settings.server.max_body_bytes,

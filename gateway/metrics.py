@@ -15,7 +15,6 @@ import asyncio
 import logging
 import os
 import re
-from bisect import bisect_left
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final, Literal
@@ -28,6 +27,7 @@ PUBLISH_S = 1.0  # how often a worker writes its gauges and counts there
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
 # a batch's creation to its completion: seconds (a valley now) to its 24 h window
 BATCH_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 86400.0)
+TTFT_HELD = 1024  # TTFTs a series keeps before observing them (RequestTally)
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
@@ -44,13 +44,17 @@ class RequestTally:
     the sums into the metrics. GatewayMetrics flushes before every scrape it answers and,
     with several workers, every second (another worker's scrape reads this one's files).
     Only for label values drawn from the config (pools, tenants, targets, outcomes).
+
+    Counters take a sum in one inc(); a histogram has no public bulk observe, so the TTFTs
+    are kept as they came and observed one by one at the flush, or once a series has
+    TTFT_HELD of them, which bounds what a gateway nobody scrapes holds.
     """
 
     def __init__(self, requests: Counter, tokens: Counter, ttft: Histogram) -> None:
         self._metrics = (requests, tokens, ttft)
         self._requests: dict[tuple[str, str, str], int] = {}
         self._tokens: dict[str, list[int]] = {}  # target → [prompt, completion]
-        self._ttft: dict[tuple[str, str], list[float]] = {}  # per bucket, then the sum
+        self._ttft: dict[tuple[str, str], list[float]] = {}
 
     def request(self, pool: str, tenant: str, outcome: str) -> None:
         key = (pool, tenant, outcome)
@@ -64,12 +68,14 @@ class RequestTally:
         counts[1] += completion
 
     def ttft(self, pool: str, outcome: str, seconds: float) -> None:
-        counts = self._ttft.get((pool, outcome))
-        if counts is None:
-            counts = self._ttft[(pool, outcome)] = [0.0] * (len(TTFT_BUCKETS) + 2)
-        # the bucket observe() would count it in: the first bound at or above it (+Inf last)
-        counts[bisect_left(TTFT_BUCKETS, seconds)] += 1
-        counts[-1] += seconds
+        key = (pool, outcome)
+        held = self._ttft.get(key)
+        if held is None:
+            held = self._ttft[key] = []
+        held.append(seconds)
+        if len(held) >= TTFT_HELD:
+            del self._ttft[key]
+            _observe_all(self._metrics[2].labels(*key), held)
 
     def flush(self) -> None:
         requests, tokens, ttft = self._metrics
@@ -83,20 +89,14 @@ class RequestTally:
             if completion:
                 tokens.labels(target, "completion").inc(completion)
         pending_ttft, self._ttft = self._ttft, {}
-        for ttft_labels, counts in pending_ttft.items():
-            _add_observations(ttft.labels(*ttft_labels), counts)
+        for ttft_labels, held in pending_ttft.items():
+            _observe_all(ttft.labels(*ttft_labels), held)
 
 
-def _add_observations(child: Histogram, counts: list[float]) -> None:
-    """Add per-bucket counts and their sum (last) to a histogram child, as that many
-    observe() calls would. prometheus-client has no bulk observe, so this writes the
-    child's bucket and sum values itself; tests/unit/gateway/test_metrics_tally.py checks
-    the result against observe()."""
-    *per_bucket, total = counts
-    child._sum.inc(total)
-    for value, n in zip(child._buckets, per_bucket, strict=True):
-        if n:
-            value.inc(n)
+def _observe_all(child: Histogram, values: list[float]) -> None:
+    observe = child.observe
+    for value in values:
+        observe(value)
 
 
 class GatewayMetrics:

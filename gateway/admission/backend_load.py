@@ -27,6 +27,7 @@ import httpx
 
 from gateway.admission.fill import FillReason
 from gateway.clock import Clock
+from gateway.metrics_text import samples
 
 log = logging.getLogger("spillgate.backends")
 
@@ -63,23 +64,15 @@ class ReportedLoad:
 
 
 def load_from_metrics(text: str) -> ReportedLoad | None:
-    """The load a vLLM or SGLang metrics page reports, or None when it reports no KV use.
-    Reads line by line: the page is mostly histograms, parsed here several times a second."""
+    """The load a vLLM or SGLang metrics page reports, or None when it reports no KV use
+    (or none that can be read)."""
     values: dict[str, list[float]] = {}
-    for line in text.splitlines():
-        if not line.startswith(("vllm:", "sglang:")):
-            continue
-        brace = line.find("{")
-        space = line.find(" ")
-        name = line[: brace if 0 <= brace < space or space < 0 else space]
-        if name not in _WANTED:
-            continue
-        rest = line[line.rfind("}") + 1 :] if brace >= 0 else line[space:]
-        try:
-            value = float(rest.split()[0])
-        except (IndexError, ValueError):
-            continue
-        values.setdefault(name, []).append(value)
+    try:
+        found = samples(text, _WANTED)
+    except ValueError:
+        return None
+    for sample in found:
+        values.setdefault(sample.name, []).append(sample.value)
     usage = next((values[n] for n in USAGE if n in values), None)
     if not usage:
         return None

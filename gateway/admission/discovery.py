@@ -6,7 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from prometheus_client.parser import text_string_to_metric_families
+from gateway.metrics_text import samples
+
+VLLM_CACHE = "vllm:cache_config_info"
+SGLANG_TOKENS = "sglang:max_total_num_tokens"
 
 
 class KvCache(NamedTuple):
@@ -26,20 +29,18 @@ def capacity_from_metrics(text: str) -> KvCache | None:
     total = 0
     block_size = 0
     found = False
-    for family in text_string_to_metric_families(text):
-        if family.name == "vllm:cache_config_info":
-            for sample in family.samples:
-                blocks = sample.labels.get("num_gpu_blocks", "")
-                size = sample.labels.get("block_size", "")
-                if blocks.isdigit() and size.isdigit() and int(blocks) > 1 and int(size) > 0:
-                    total += (int(blocks) - 1) * int(size)
-                    block_size = max(block_size, int(size))
-                    found = True
-        elif family.name == "sglang:max_total_num_tokens":
-            for sample in family.samples:
-                total += int(sample.value)
-                block_size = max(block_size, 1)
+    for sample in samples(text, (VLLM_CACHE, SGLANG_TOKENS)):
+        if sample.name == VLLM_CACHE:
+            blocks = sample.labels.get("num_gpu_blocks", "")
+            size = sample.labels.get("block_size", "")
+            if blocks.isdigit() and size.isdigit() and int(blocks) > 1 and int(size) > 0:
+                total += (int(blocks) - 1) * int(size)
+                block_size = max(block_size, int(size))
                 found = True
+        else:
+            total += int(sample.value)
+            block_size = max(block_size, 1)
+            found = True
     return KvCache(tokens=total, block_size=block_size) if found else None
 
 

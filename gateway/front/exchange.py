@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -173,15 +172,15 @@ class Exchange:
         """
         tried: set[str] = set()
         total_s = self.router.pools[request.pool].settings.timeouts.total
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + total_s
+        deadline = self.clock.monotonic() + total_s
         try:
             # the first attempt runs bare: a retry policy is only built once one is needed
             return await self._attempt(request, outcome, tried, deadline=deadline)
         except UpstreamUnavailable as exc:
             first = exc
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(ATTEMPTS - 1) | stop_after_delay(deadline - loop.time()),
+            stop=stop_after_attempt(ATTEMPTS - 1)
+            | stop_after_delay(deadline - self.clock.monotonic()),
             retry=retry_if_exception_type(UpstreamUnavailable),
             reraise=True,
         )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -159,7 +158,7 @@ class CompletionsEndpoint:
         trace: RequestTrace | None = None,
     ) -> None:
         d = self._d
-        t0 = time.perf_counter()
+        t0 = d.clock.monotonic()
         tenant = d.auth.tenant(_text(fields, b"authorization"))
         body = decode_body(raw)
         pool = self._pool(tenant, requested_model(body))

@@ -2,16 +2,17 @@
 
 `with Deadline(when):` behaves as `async with asyncio.timeout_at(when):`: at `when`
 (event-loop time) the task is cancelled and the block raises TimeoutError, while a
-cancellation from elsewhere passes through untouched. The request path uses it because:
+cancellation from elsewhere passes through untouched. The request path keeps its time by
+its Clock and gives deadlines as durations (`after`, `push`); the loop's own time, which
+its timers run on, is read only here. The request path uses it, not
+asyncio's, because asyncio's costs more than issue 8's CPU target leaves room for
+(BENCHMARKS.md, "asyncio.timeout against Deadline and Sweep"):
 
-- it is a plain context manager, so entering and leaving it runs no coroutine: a
-  non-streaming request costs about 6.8k fewer instructions than under asyncio.timeout_at
-  (BENCHMARKS.md, fifth round);
+- it is a plain context manager, so entering and leaving it runs no coroutine;
 - it makes no timer of its own. Every deadline on a loop, and every request's watch
   (watch.RequestWatch), is held in a set by the loop's one `Sweep`, whose timer is set
-  for the soonest of them. A uvloop timer handle made and cancelled costs ~5,300
-  instructions, a set entry added and removed ~1,200; a request held two timers, and
-  most requests end long before either is due (BENCHMARKS.md, sixth round).
+  for the soonest of them: a set entry costs far less than a timer handle made and
+  cancelled, and most requests end long before any of their deadlines is due;
 - `extend` only records a later time, which the sweep reads when it runs, so a stream
   that pushes its idle deadline on every chunk costs an attribute store per chunk.
 """
@@ -107,6 +108,10 @@ class Deadline:
     def after(cls, seconds: float) -> Deadline:
         """A deadline `seconds` from now, as asyncio.timeout(seconds)."""
         return cls(asyncio.get_running_loop().time() + seconds)
+
+    def push(self, seconds: float) -> None:
+        """Move the deadline to `seconds` from now (`extend`)."""
+        self.extend(asyncio.get_running_loop().time() + seconds)
 
     def __enter__(self) -> Deadline:
         loop = asyncio.get_running_loop()

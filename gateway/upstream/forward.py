@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ import orjson
 from starlette.types import Send
 from yarl import URL
 
+from gateway.clock import Clock
 from gateway.config import Timeouts
 from gateway.front.request import Endpoint, InferenceRequest
 from gateway.upstream.deadline import Deadline
@@ -130,8 +130,9 @@ class Forwards(Protocol):
 
 
 class Forwarder:
-    def __init__(self, pool: UpstreamPool) -> None:
+    def __init__(self, pool: UpstreamPool, *, clock: Clock) -> None:
         self._pool = pool
+        self._clock = clock
         # by target name, base and endpoint: a target's headers and timeouts never change
         self._routes: dict[tuple[str, str, str], _Route] = {}
 
@@ -175,12 +176,13 @@ class Forwarder:
     ) -> Relayed:
         """Relay `request` via `target` to the client; raise UpstreamUnavailable before any byte.
 
-        `deadline` (event-loop time) ends the whole exchange, earlier attempts included;
+        `deadline` (Clock time) ends the whole exchange, earlier attempts included;
         by default it is `timeouts.total` from now. `trace_headers` go to the upstream too.
         """
-        loop = asyncio.get_running_loop()
+        clock = self._clock
+        now = clock.monotonic()
         t = target.timeouts
-        end = loop.time() + t.total
+        end = now + t.total
         if deadline is None or deadline > end:
             deadline = end
         swap = model_swap(target.model, public_model)
@@ -197,9 +199,10 @@ class Forwarder:
                 headers=[*JSON_HEADERS, *headers],
                 swap=swap,
                 recorder=recorder if status == 200 else None,
+                clock=clock,
             )
         try:
-            with Deadline(min(loop.time() + t.first_token, deadline)):
+            with Deadline.after(min(t.first_token, deadline - now)):
                 response = await self._post(target, request, trace_headers)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _unavailable(exc, answered=False, target=target) from None
@@ -218,10 +221,11 @@ class Forwarder:
                     headers=[*JSON_HEADERS, *headers],
                     swap=swap,
                     recorder=None,
+                    clock=clock,
                 )
             chunks = response.content.iter_any()
             try:
-                with Deadline(min(loop.time() + t.first_token, deadline)):
+                with Deadline.after(min(t.first_token, deadline - clock.monotonic())):
                     first = await anext(chunks)
             except (TimeoutError, StopAsyncIteration, aiohttp.ClientError) as exc:
                 raise UpstreamUnavailable(
@@ -239,6 +243,7 @@ class Forwarder:
                 keep_usage=request.client_wants_usage,
                 idle_s=t.idle,
                 deadline=deadline,
+                clock=clock,
                 recorder=recorder,
                 hide_errors=target.external,
                 growth=growth,
@@ -265,19 +270,19 @@ class Forwarder:
         sends once the whole answer is generated: the head must come within `first_token`,
         and then no gap in the body may exceed `idle`. A backend that holds a request
         longer has hung, and the request may go elsewhere, as nothing reached the client."""
-        loop = asyncio.get_running_loop()
+        clock = self._clock
         t = target.timeouts
         response: aiohttp.ClientResponse | None = None
         read = False
         try:
-            with Deadline(min(loop.time() + t.first_token, deadline)) as budget:
+            with Deadline.after(min(t.first_token, deadline - clock.monotonic())) as budget:
                 response = await self._post(target, request, trace_headers)
                 _check_status(response)
                 chunks: list[bytes] = []
-                budget.extend(min(loop.time() + t.idle, deadline))
+                budget.push(min(t.idle, deadline - clock.monotonic()))
                 async for chunk in response.content.iter_any():
                     chunks.append(chunk)
-                    budget.extend(min(loop.time() + t.idle, deadline))
+                    budget.push(min(t.idle, deadline - clock.monotonic()))
                 read = True
                 return response.status, b"".join(chunks)
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -288,7 +293,7 @@ class Forwarder:
 
     async def _read_body(self, response: aiohttp.ClientResponse, deadline: float) -> bytes:
         try:
-            with Deadline(deadline):
+            with Deadline.after(deadline - self._clock.monotonic()):
                 return await response.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _unavailable(exc, answered=True, target=None) from None

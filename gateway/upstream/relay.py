@@ -12,11 +12,9 @@ follows, and gets the fingerprint back: the client's stream is the one it would 
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import re
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,6 +23,7 @@ import aiohttp
 import orjson
 from starlette.types import Send
 
+from gateway.clock import Clock
 from gateway.upstream.deadline import Deadline
 
 SSE_HEADERS = [
@@ -83,7 +82,7 @@ class AnswerRecorder(Protocol):
 @dataclass(slots=True)
 class Relayed:
     usage: Usage
-    first_byte_at: float | None  # perf_counter when the first byte reached the client
+    first_byte_at: float | None  # Clock time when the first byte reached the client
     completed: bool  # False when the upstream broke mid-stream
     upstream_error: bytes = b""  # an error event the upstream sent, hidden from the client
 
@@ -286,7 +285,8 @@ async def relay_stream(
     swap: ModelSwap | None,
     keep_usage: bool,
     idle_s: float,
-    deadline: float,
+    deadline: float,  # Clock time
+    clock: Clock,
     recorder: AnswerRecorder | None,
     hide_errors: bool = False,
     growth: StreamWatch | None = None,
@@ -297,13 +297,12 @@ async def relay_stream(
     )  # fmt: skip
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await relay.feed(first_chunk)
-    first_byte_at = time.perf_counter()
-    loop = asyncio.get_running_loop()
+    first_byte_at = clock.monotonic()
     try:
-        with Deadline(min(loop.time() + idle_s, deadline)) as budget:
+        with Deadline.after(min(idle_s, deadline - first_byte_at)) as budget:
             async for chunk in chunks:
                 await relay.feed(chunk)
-                budget.extend(min(loop.time() + idle_s, deadline))
+                budget.push(min(idle_s, deadline - clock.monotonic()))
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         await relay.flush()
         message = "The upstream stopped responding mid-stream; the response is incomplete."
@@ -328,6 +327,7 @@ async def send_json_body(
     headers: list[tuple[bytes, bytes]],
     swap: ModelSwap | None,
     recorder: AnswerRecorder | None,
+    clock: Clock,
 ) -> Relayed:
     try:
         parsed = orjson.loads(body)
@@ -342,4 +342,4 @@ async def send_json_body(
         recorder.feed(body)
         recorder.finish(usage)
     await send({"type": "http.response.body", "body": body, "more_body": False})
-    return Relayed(usage, time.perf_counter(), True)
+    return Relayed(usage, clock.monotonic(), True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from gateway.ratelimit import (
     TenantLimits,
 )
 from gateway.redis_batch import RedisBatcher
+from loadtest.percentile import percentile_or_nan
 from loadtest.procs import RedisProcess
 
 
@@ -84,14 +84,13 @@ async def row(
     started = time.perf_counter()
     latencies = await measure(name, limiter, tenants=tenants, decisions=decisions, tasks=tasks)
     wall = time.perf_counter() - started
-    cuts = statistics.quantiles(latencies, n=100)
     return Row(
         limiter=name,
         concurrency=tasks,
         decisions=len(latencies),
         decisions_per_s=len(latencies) / wall,
-        p50_ms=cuts[49] * 1000,
-        p99_ms=cuts[98] * 1000,
+        p50_ms=percentile_or_nan(latencies, 50) * 1000,
+        p99_ms=percentile_or_nan(latencies, 99) * 1000,
         store_errors=getattr(limiter, "store_errors", 0),
     )
 

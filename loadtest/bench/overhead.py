@@ -28,6 +28,7 @@ import orjson
 import yaml
 
 from loadtest.bench.litellm import litellm_arm
+from loadtest.percentile import percentile_or_nan
 from loadtest.procs import RedisProcess, free_port, wait_for_port
 
 KEY = "sk-bench-key"
@@ -197,13 +198,6 @@ def _stream(url: str, *, concurrency: int, seconds: float, gap_ms: float) -> dic
     return result
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 Step = Callable[[Arm], None]
 
 
@@ -235,8 +229,8 @@ def steps(*, seconds: float, plain: Path, paced: dict[int, Path]) -> list[tuple[
 
     def gapped(arm: Arm) -> None:
         run = _stream(arm.url, concurrency=8, seconds=seconds, gap_ms=2.0)
-        arm.add("stream_ttft_p50_ms", _pct(run["ttft"], 0.5) * 1000)
-        arm.add("stream_gap_p99_ms", _pct(run["gap"], 0.99) * 1000)
+        arm.add("stream_ttft_p50_ms", percentile_or_nan(run["ttft"], 50) * 1000)
+        arm.add("stream_gap_p99_ms", percentile_or_nan(run["gap"], 99) * 1000)
 
     def fast(arm: Arm) -> None:
         arm.add("stream_chunks_per_s", _stream(arm.url, concurrency=16, seconds=seconds,

@@ -45,8 +45,8 @@ from gateway.config import hash_key
 from loadtest import real_vllm
 from loadtest.bench import admission_fleet as fleet
 from loadtest.loadgen.scrape import backend_state
-from loadtest.loadgen.stats import percentile
 from loadtest.loadgen.text import table
+from loadtest.percentile import percentile
 from loadtest.sim.blocks import hash_blocks
 from loadtest.sim.tokens import chat_prompt_ids
 

@@ -9,8 +9,9 @@ from typing import Any
 
 from loadtest.loadgen.client import Result
 from loadtest.loadgen.run import RunData
-from loadtest.loadgen.stats import percentile, prefix_cache
+from loadtest.loadgen.stats import prefix_cache
 from loadtest.loadgen.workload import PlannedRequest, message_tokens
+from loadtest.percentile import percentile
 
 # the outcome each overflow policy records when it serves a request
 POLICY_OUTCOME = {

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import yaml
 
+from gateway.metrics_text import samples
 from loadtest.drill.batch import BatchProbe
 from loadtest.drill.checks import Check, evaluate, shared_prefix_cached
 from loadtest.drill.demo import DemoProcess
@@ -33,7 +34,7 @@ from loadtest.loadgen.cli import run_loop
 from loadtest.loadgen.client import RequestShape
 from loadtest.loadgen.run import RunData, RunTarget, run_schedule
 from loadtest.loadgen.schedule import ArrivalProfile, arrival_times
-from loadtest.loadgen.scrape import Scraper, parse_metrics
+from loadtest.loadgen.scrape import Scraper
 from loadtest.loadgen.stats import LagVerdict, prefix_cache
 from loadtest.loadgen.workload import LengthDist, TenantKey, Workload, plan_requests
 
@@ -123,9 +124,8 @@ async def upstream_errors(scraper: Scraper) -> dict[str, float]:
     response = await scraper.client.get(f"{scraper.gateway_url}/metrics")
     response.raise_for_status()
     return {
-        f"{labels.get('target')}/{labels.get('reason')}": value
-        for name, labels, value in parse_metrics(response.text)
-        if name == "spillgate_upstream_errors_total"
+        f"{s.labels.get('target')}/{s.labels.get('reason')}": s.value
+        for s in samples(response.text, ("spillgate_upstream_errors_total",))
     }
 
 

@@ -8,8 +8,6 @@ preemptions). Every call has a short timeout; a failed scrape is skipped, not fa
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,29 +15,10 @@ from typing import Any
 
 import httpx
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+from gateway.metrics_text import samples, total
+
 PREEMPTIONS = "vllm:num_preemptions_total"
-
-
-def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """Prometheus text format → (name, labels, value) for every sample line."""
-    out = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if match is None:
-            continue
-        name, labels, value = match.groups()
-        with contextlib.suppress(ValueError):
-            out.append((name, dict(_LABEL.findall(labels or "")), float(value)))
-    return out
-
-
-def metric_sum(samples: Sequence[tuple[str, dict[str, str], float]], name: str) -> float | None:
-    values = [v for n, _, v in samples if n == name]
-    return sum(values) if values else None
+QUEUE_DEPTH = ("spillgate_queue_depth",)
 
 
 def backend_state(text: str) -> dict[str, float]:
@@ -47,8 +26,8 @@ def backend_state(text: str) -> dict[str, float]:
 
     vLLM's usage counts the blocks sequences may hold, all but the null block, so tokens in
     use are usage x (blocks - 1) x block size; capacity is all blocks, as vLLM reports it."""
-    samples = parse_metrics(text)
-    info = [labels for n, labels, _ in samples if n == "vllm:cache_config_info"]
+    found = samples(text)
+    info = [s.labels for s in found if s.name == "vllm:cache_config_info"]
     capacity = usable = 0.0
     if info and info[0].get("num_gpu_blocks", "").isdigit():
         blocks, block_size = (
@@ -56,17 +35,17 @@ def backend_state(text: str) -> dict[str, float]:
             float(info[0].get("block_size", "16")),
         )
         capacity, usable = blocks * block_size, max(0.0, blocks - 1) * block_size
-    usage = metric_sum(samples, "vllm:kv_cache_usage_perc") or 0.0
+    usage = total(found, "vllm:kv_cache_usage_perc") or 0.0
     return {
         "capacity": capacity,
         "in_flight": usage * usable,
         "kv_usage": usage,
-        "running": metric_sum(samples, "vllm:num_requests_running") or 0.0,
-        "waiting": metric_sum(samples, "vllm:num_requests_waiting") or 0.0,
-        "preemptions": metric_sum(samples, PREEMPTIONS) or 0.0,
+        "running": total(found, "vllm:num_requests_running") or 0.0,
+        "waiting": total(found, "vllm:num_requests_waiting") or 0.0,
+        "preemptions": total(found, PREEMPTIONS) or 0.0,
         # prompt tokens looked up in the prefix cache, and found there (counters)
-        "prefix_queries": metric_sum(samples, "vllm:prefix_cache_queries_total") or 0.0,
-        "prefix_hits": metric_sum(samples, "vllm:prefix_cache_hits_total") or 0.0,
+        "prefix_queries": total(found, "vllm:prefix_cache_queries_total") or 0.0,
+        "prefix_hits": total(found, "vllm:prefix_cache_hits_total") or 0.0,
     }
 
 
@@ -92,11 +71,7 @@ class Scraper:
         assert self.gateway_url is not None
         response = await self.client.get(f"{self.gateway_url}/metrics")
         response.raise_for_status()
-        return {
-            labels.get("pool", ""): value
-            for name, labels, value in parse_metrics(response.text)
-            if name == "spillgate_queue_depth"
-        }
+        return {s.labels.get("pool", ""): s.value for s in samples(response.text, QUEUE_DEPTH)}
 
     async def backend(self, url: str) -> dict[str, float]:
         response = await self.client.get(f"{url.rstrip('/')}/metrics")

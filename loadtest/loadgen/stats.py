@@ -10,6 +10,7 @@ from typing import Any
 
 from loadtest.loadgen.client import ERROR_OUTCOME, Result
 from loadtest.loadgen.run import RunData
+from loadtest.percentile import percentile
 
 OUTCOME_ORDER = (
     "local", "served", "queued", "degraded", "provider", "cached", "throttled", "rejected",
@@ -46,15 +47,6 @@ class LagVerdict:
             "max_ms": _ms(max(lags, default=0.0)),
             "late_requests": late,
         }
-
-
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """Nearest-rank percentile; None for no values."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
 
 
 def _ms(value: float | None) -> float | None:

@@ -44,7 +44,6 @@ from loadtest.measure.results import (
     Level,
     Measurement,
     endpoint_kv,
-    percentile,
     running_now,
     steady_tokens_per_s,
 )
@@ -56,6 +55,7 @@ from loadtest.measure.stream import (
     error_message,
     prompt_text,
 )
+from loadtest.percentile import percentile_or_nan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,10 +226,10 @@ async def run_level(
         concurrency=concurrency,
         requests=len(samples),
         errors=len(errors),
-        ttft_p50_ms=percentile(ttfts, 50),
-        ttft_p99_ms=percentile(ttfts, 99),
-        itl_p50_ms=percentile(itls, 50),
-        itl_p99_ms=percentile(itls, 99),
+        ttft_p50_ms=percentile_or_nan(ttfts, 50),
+        ttft_p99_ms=percentile_or_nan(ttfts, 99),
+        itl_p50_ms=percentile_or_nan(itls, 50),
+        itl_p99_ms=percentile_or_nan(itls, 99),
         tokens_per_s=steady_tokens_per_s([w.samples for w in workers]),
         peak_running=max(peak) if peak else None,
         prompt_tokens=sum(s.prompt_tokens for s in samples) / len(samples),

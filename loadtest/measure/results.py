@@ -3,10 +3,9 @@ metrics text, and the run as a whole (what the report prints and charts)."""
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
 
+from gateway.metrics_text import samples, total
 from loadtest.measure.stream import Sample
 
 
@@ -31,43 +30,22 @@ class EndpointKv:
     block_size: int
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks; q in [0, 100]."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{.*\})?\s+(\S+)$")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
-    out = []
-    for line in text.splitlines():
-        match = _SAMPLE.match(line.strip())
-        if match:
-            labels = dict(_LABEL.findall(match.group(2) or ""))
-            out.append((match.group(1), labels, float(match.group(3))))
-    return out
-
-
 def endpoint_kv(text: str) -> EndpointKv | None:
-    for name, labels, _ in parse_metrics(text):
-        if name == "vllm:cache_config_info" and labels.get("num_gpu_blocks", "").isdigit():
+    for sample in samples(text, ("vllm:cache_config_info",)):
+        labels = sample.labels
+        if labels.get("num_gpu_blocks", "").isdigit():
             return EndpointKv(
                 num_gpu_blocks=int(labels["num_gpu_blocks"]), block_size=int(labels["block_size"])
             )
     return None
 
 
+RUNNING = "vllm:num_requests_running"
+
+
 def running_now(text: str) -> int | None:
-    values = [v for n, _, v in parse_metrics(text) if n == "vllm:num_requests_running"]
-    return round(sum(values)) if values else None
+    running = total(samples(text, (RUNNING,)), RUNNING)
+    return None if running is None else round(running)
 
 
 @dataclass(frozen=True, kw_only=True)

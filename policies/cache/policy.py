@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import orjson
 
+from gateway.clock import Clock
 from gateway.config import CacheSettings, PoolSettings
 from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
@@ -87,9 +88,10 @@ def storable(request: InferenceRequest, settings: CacheSettings) -> bool:
 class CachePolicy:
     name: ClassVar[str] = "cache"
 
-    def __init__(self, settings: CacheSettings, *, store: ResponseCache) -> None:
+    def __init__(self, settings: CacheSettings, *, store: ResponseCache, clock: Clock) -> None:
         self._settings = settings
         self._store = store
+        self._clock = clock  # times a replayed answer's first byte
         self._writes: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -102,7 +104,7 @@ class CachePolicy:
             )
         else:
             store = LocalResponseCache(max_entries=s.max_entries, ttl_s=s.ttl_s, clock=deps.clock)
-        return cls(s, store=store)
+        return cls(s, store=store, clock=deps.clock)
 
     def key(self, request: InferenceRequest) -> str:
         return cache_key(request, scope=self._settings.scope or "tenant:" + request.tenant)
@@ -136,7 +138,11 @@ class CachePolicy:
         if request.stream:
             include_usage = request.client_wants_usage
             relayed = await send_replay(
-                raw, send=exchange.send, headers=headers, include_usage=include_usage
+                raw,
+                send=exchange.send,
+                headers=headers,
+                include_usage=include_usage,
+                clock=self._clock,
             )
         else:
             relayed = await send_json_body(
@@ -146,6 +152,7 @@ class CachePolicy:
                 headers=[*JSON_HEADERS, *headers],
                 swap=None,
                 recorder=None,
+                clock=self._clock,
             )
         return Served(
             outcome=Outcome.CACHED, target=CACHE_TARGET, pool=request.pool, relayed=relayed

@@ -9,13 +9,13 @@ such a document back into the event stream a streaming client expects.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import orjson
 from starlette.types import Send
 
+from gateway.clock import Clock
 from gateway.front.request import Endpoint
 from gateway.upstream.relay import DONE, SSE_HEADERS, Relayed, Usage
 
@@ -181,12 +181,17 @@ def replay_sse(doc: Document, *, include_usage: bool) -> list[bytes]:
 
 
 async def send_replay(
-    raw: bytes, *, send: Send, headers: list[tuple[bytes, bytes]], include_usage: bool
+    raw: bytes,
+    *,
+    send: Send,
+    headers: list[tuple[bytes, bytes]],
+    include_usage: bool,
+    clock: Clock,
 ) -> Relayed:
     """Send the stored answer `raw` to a streaming client as server-sent events."""
     doc = orjson.loads(raw)
     await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, *headers]})
-    first_byte_at = time.perf_counter()
+    first_byte_at = clock.monotonic()
     for event in replay_sse(doc, include_usage=include_usage):
         await send({"type": "http.response.body", "body": event, "more_body": True})
     await send({"type": "http.response.body", "body": b"", "more_body": False})

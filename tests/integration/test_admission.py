@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.metrics_text import samples
 from loadtest.sim.config import SimConfig
 from tests.support.fleet import Fleet, run_fleet
 
@@ -88,7 +88,6 @@ def pool_gauges(response: httpx.Response) -> dict[str, float]:
     }
     return {
         sample.name: sample.value
-        for family in text_string_to_metric_families(response.text)
-        for sample in family.samples
-        if sample.name in wanted and sample.labels.get("pool") == "big"
+        for sample in samples(response.text, wanted)
+        if sample.labels.get("pool") == "big"
     }

@@ -10,6 +10,7 @@ import pytest
 
 from loadtest.sim.config import SimConfig
 from tests.support.fleet import ADMIN_TOKEN, Fleet, run_fleet
+from tests.support.metrics import text_sum
 from tests.support.overflow import sample
 
 MSG = [{"role": "user", "content": "Hi"}]  # the gateway estimates 5 prompt tokens
@@ -101,11 +102,7 @@ def test_n_choices_reserve_one_sequence_each_in_whole_blocks(fleet: Fleet) -> No
             )
             held = status.json()["pools"][1]["backends"][0]["tokens_in_flight"]
             text = (await client.get(f"{fleet.backends['s'][0].url}/metrics")).text
-            running = next(
-                float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines()
-                if line.startswith("vllm:num_requests_running")
-            )
+            running = text_sum(text, "vllm:num_requests_running")
         return held, running
 
     # 3 x (5 + 300 tokens, in blocks of 16: 320)

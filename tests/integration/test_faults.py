@@ -21,13 +21,13 @@ import pytest
 
 from tests.support.fault import (
     chat,
-    metric_sum,
     provider_stats,
     sse_events,
     usage_total,
     wait_for,
 )
 from tests.support.matrix import Matrix, fault_matrix, peek
+from tests.support.metrics import metric_sum
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,10 @@ from loadtest.fault_proxy import DelayProxy
 from loadtest.procs import RedisProcess, free_port
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
-from tests.support.fault import Book, chat, metric_sum, usage_total
+from tests.support.fault import Book, chat, usage_total
 from tests.support.fleet import ADMIN_TOKEN, Fleet, tenant
 from tests.support.harness import ServerThread
+from tests.support.metrics import metric_sum
 
 TIME_BUDGET_S = 0.25
 LIMITS = {"requests_per_minute": 1, "request_burst": 500,

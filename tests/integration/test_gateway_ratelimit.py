@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from loadtest.procs import RedisProcess
-from tests.support.fault import metric_sum
+from tests.support.metrics import metric_sum
 from tests.support.ratelimit import HANG, LIBFAKETIME, Fleet, gateways, ratelimit_fleet
 
 RATELIMIT_HEADERS = {

@@ -15,18 +15,18 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.metrics_text import samples, total
 from loadtest.sim.config import SimConfig
 from tests.support.fleet import Fleet, run_fleet
+from tests.support.metrics import metrics_text, text_sum
 
 MSG = [{"role": "user", "content": "Tell me a story"}]
 
 
 def preemptions(fleet: Fleet, pool: str) -> float:
-    text = httpx.get(f"{fleet.backends[pool][0].url}/metrics", timeout=5).text
-    for line in text.splitlines():
-        if line.startswith("vllm:num_preemptions_total"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError("no vllm:num_preemptions_total")
+    found = total(samples(metrics_text(fleet.backends[pool][0].url)), "vllm:num_preemptions_total")
+    assert found is not None, "no vllm:num_preemptions_total"
+    return found
 
 
 async def streams(fleet: Fleet, n: int, body: dict[str, Any]) -> list[tuple[int, str, int]]:
@@ -218,9 +218,5 @@ def test_a_backend_that_preempts_lowers_its_effective_fill_and_says_why(fleet: F
     text = fleet.metrics_text()
     backoffs = 'spillgate_fill_backoffs_total{backend="static-0",reason="preemption"} '
     assert backoffs in text
-    fill = next(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith('spillgate_effective_fill_ratio{backend="static-0"}')
-    )
+    fill = text_sum(text, "spillgate_effective_fill_ratio", backend="static-0")
     assert fill < 0.9 * 0.8

@@ -12,7 +12,6 @@ from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.admission.backends import build_pools
 from gateway.admission.ledger_feed import ReleaseFeed
@@ -26,6 +25,7 @@ from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from tests.support.fleet import tenant
 from tests.support.harness import ServerThread
+from tests.support.metrics import metric_sum
 
 TIMEOUT_S = 0.5
 POLL_S = 0.05
@@ -215,10 +215,4 @@ def chat(max_tokens: int) -> dict[str, Any]:
 
 
 def _sim_running(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "vllm:num_requests_running"
-    )
+    return metric_sum(url, "vllm:num_requests_running")

@@ -18,13 +18,13 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from gateway.cli import main
 from loadtest.measure.cli import MeasureConfig, MeasureError, one_request, open_endpoint
 from loadtest.procs import free_port, serving_process
 from loadtest.sim.config import DEFAULT_STEP_COST
+from tests.support.metrics import metric_sum
 
 SPEED = 20.0
 ATTEMPTS = 3
@@ -101,9 +101,8 @@ def test_measure_agrees_with_plan_on_sessions_and_tokens_per_s(
 def test_unknown_gpu_fails_before_any_load(
     sim_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def requests_seen() -> str:
-        metrics = httpx.get(f"{sim_url}/metrics", timeout=5).text
-        return next(line for line in metrics.splitlines() if line.startswith("vllm:prompt_tokens"))
+    def requests_seen() -> float:
+        return metric_sum(sim_url, "vllm:prompt_tokens_total")
 
     before = requests_seen()
     args = ["measure", "--url", sim_url, "--model", MODEL, "--gpu", "tpu", *WORKLOAD]

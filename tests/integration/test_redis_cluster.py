@@ -25,7 +25,7 @@ from policies.cache.store import RedisResponseCache
 from tests.support.cluster import redis_cluster
 from tests.support.fleet import ADMIN_TOKEN, tenant
 from tests.support.harness import ServerThread
-from tests.support.replica import sample
+from tests.support.metrics import text_sum
 
 pytestmark = pytest.mark.skipif(
     __import__("shutil").which("redis-cli") is None, reason="redis-cli is not installed"
@@ -124,7 +124,7 @@ def test_a_gateway_pointed_at_one_node_shares_its_limits_through_the_cluster(
                             for _ in range(7)]  # fmt: skip
                 metrics = client.get("/metrics").text
     assert statuses == [200] * 5 + [429] * 2
-    assert sample(metrics, "spillgate_ratelimit_mode", mode="shared") == 1
-    assert sample(metrics, "spillgate_ledger_mode", mode="shared") == 1
-    assert sample(metrics, "spillgate_ratelimit_store_errors_total") == 0
-    assert sample(metrics, "spillgate_ledger_store_errors_total") == 0
+    assert text_sum(metrics, "spillgate_ratelimit_mode", mode="shared") == 1
+    assert text_sum(metrics, "spillgate_ledger_mode", mode="shared") == 1
+    assert text_sum(metrics, "spillgate_ratelimit_store_errors_total") == 0
+    assert text_sum(metrics, "spillgate_ledger_store_errors_total") == 0

@@ -16,10 +16,10 @@ from loadtest.procs import RedisProcess
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from tests.support.harness import ServerThread
+from tests.support.metrics import text_sum
 from tests.support.replica import (
     KV_TOKENS,
     backend_stats,
-    sample,
     spike,
     start_gateways,
     until,
@@ -68,9 +68,9 @@ def test_workers_share_one_ledger_and_their_metrics_add_up(tmp_path: Path) -> No
             gateway.stop()
     assert [a for a in answers if a.status != 200 or not a.complete] == []
     for text in scrapes:  # whichever worker answers, it reports all of them
-        assert sample(text, "spillgate_requests_total", pool="big") == 30
-        assert sample(text, "spillgate_ledger_mode", mode="shared") == 2  # one per worker
-        assert sample(text, "spillgate_capacity_tokens", backend="big-0") == KV_TOKENS
+        assert text_sum(text, "spillgate_requests_total", pool="big") == 30
+        assert text_sum(text, "spillgate_ledger_mode", mode="shared") == 2  # one per worker
+        assert text_sum(text, "spillgate_capacity_tokens", backend="big-0") == KV_TOKENS
     assert stats["vllm:num_preemptions_total"] == 0
     assert stats["sim_peak_reserved_tokens"] <= KV_TOKENS  # two workers, one budget
     assert not metrics_dir.exists() or not list(metrics_dir.glob("gauge_live*"))

@@ -7,13 +7,14 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import Receive, Scope, Send
 
+from gateway.metrics_text import samples, values
 from loadtest.procs import free_port
 from loadtest.sim.config import SimConfig
 from tests.support.fleet import Fleet, run_fleet
 from tests.support.harness import ServerThread
+from tests.support.metrics import metrics_text
 
 CHAT = {"messages": [{"role": "user", "content": "Tell me a story"}]}
 
@@ -39,12 +40,7 @@ async def dies_mid_stream(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 def gauges(fleet: Fleet, name: str) -> dict[str, float]:
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(fleet.metrics_text()):
-        if family.name == name:
-            for sample in family.samples:
-                values[sample.labels["backend"]] = sample.value
-    return values
+    return {s.labels["backend"]: s.value for s in samples(fleet.metrics_text(), (name,))}
 
 
 @pytest.fixture(scope="module")
@@ -118,13 +114,8 @@ def test_reservations_return_to_zero_after_every_kind_of_ending(fleet: Fleet) ->
 
 def running_upstream(fleet: Fleet) -> list[float]:
     """The big pool's backend's `vllm:num_requests_running` samples."""
-    backend = httpx.get(f"{fleet.backends['big'][0].url}/metrics").text
-    return [
-        s.value
-        for f in text_string_to_metric_families(backend)
-        if f.name == "vllm:num_requests_running"
-        for s in f.samples
-    ]
+    text = metrics_text(fleet.backends["big"][0].url)
+    return values(samples(text), "vllm:num_requests_running")
 
 
 def test_a_client_gone_before_the_disconnect_watch_begins_is_still_seen(fleet: Fleet) -> None:

@@ -8,12 +8,13 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.metrics_text import samples
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from loadtest.sim.tokens import FillerText, chat_prompt_tokens
 from tests.support.harness import ServerThread
+from tests.support.metrics import metrics_text, types
 
 MODEL = "sim"
 LABELS = {"engine": "0", "model_name": MODEL}
@@ -24,20 +25,14 @@ def scrape(url: str) -> dict[str, float]:
     return parse(metrics_text(url))
 
 
-def metrics_text(url: str) -> str:
-    with httpx.Client(timeout=5, verify=False) as client:
-        return client.get(f"{url}/metrics").text
-
-
 def parse(text: str) -> dict[str, float]:
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if "le" in sample.labels:
-                continue
-            if family.name != "vllm:cache_config_info":
-                assert sample.labels == LABELS, sample
-            values[sample.name] = sample.value
+    for sample in samples(text):
+        if "le" in sample.labels:
+            continue
+        if sample.name != "vllm:cache_config_info":
+            assert sample.labels == LABELS, sample
+        values[sample.name] = sample.value
     return values
 
 
@@ -90,7 +85,7 @@ def test_metrics_have_vllm_names_labels_and_honest_counters() -> None:
     with ServerThread(create_sim_app(config)) as sim:
         run_concurrently(sim.url, [body(40, 5), body(80, 7)])
         text = metrics_text(sim.url)
-    families = {f.name: f for f in text_string_to_metric_families(text)}
+    kinds = types(text)
     values = parse(text)
     for name in (
         "vllm:num_requests_running",
@@ -98,11 +93,11 @@ def test_metrics_have_vllm_names_labels_and_honest_counters() -> None:
         "vllm:kv_cache_usage_perc",
         "vllm:cache_config_info",
     ):
-        assert families[name].type == "gauge"
+        assert kinds[name] == "gauge"
     for name in ("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:num_preemptions"):
-        assert families[name].type == "counter"
-    assert families["vllm:time_to_first_token_seconds"].type == "histogram"
-    info = families["vllm:cache_config_info"].samples[0]
+        assert kinds[name] == "counter"
+    assert kinds["vllm:time_to_first_token_seconds"] == "histogram"
+    info = next(s for s in samples(text) if s.name == "vllm:cache_config_info")
     assert info.value == 1.0
     assert (info.labels["block_size"], info.labels["num_gpu_blocks"]) == ("16", "128")
     prompts = [chat_prompt_tokens([{"role": "user", "content": "x" * n}]) for n in (40, 80)]

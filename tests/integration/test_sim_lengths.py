@@ -12,13 +12,13 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from loadtest.sim.lengths import Answer, AnswerLengths, Finish, LengthSampler, StopRule
 from loadtest.sim.tokens import FillerText, chat_prompt_tokens
 from tests.support.harness import ServerThread
+from tests.support.metrics import types
 
 MODEL = "sim"
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "vllm-0.32-metrics.txt"
@@ -159,14 +159,10 @@ def test_bad_stop_fields_are_refused_like_vllm() -> None:
     assert accepted.status_code == 200
 
 
-def families(text: str) -> dict[str, str]:
-    return {f.name: f.type for f in text_string_to_metric_families(text)}
-
-
 def test_engine_metrics_have_the_names_and_types_of_vllm_0_32() -> None:
     with ServerThread(create_sim_app(GEOMETRIC)) as sim:
         text = httpx.get(f"{sim.url}/metrics", timeout=5).text
-    ours, theirs = families(text), families(FIXTURE.read_text())
+    ours, theirs = types(text), types(FIXTURE.read_text())
     names = ["vllm:kv_cache_usage_perc", "vllm:num_requests_running",
              "vllm:num_requests_waiting", "vllm:num_preemptions"]  # fmt: skip
     assert {n: ours[n] for n in names} == {n: theirs[n] for n in names}

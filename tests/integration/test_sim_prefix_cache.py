@@ -2,11 +2,12 @@
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.metrics_text import samples
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from tests.support.harness import ServerThread
+from tests.support.metrics import metrics_text
 
 MODEL = "sim"
 SYSTEM = {"role": "system", "content": "Answer as briefly as you can. " * 13 + "Be kind."}
@@ -20,15 +21,12 @@ def chat(question: str) -> dict[str, object]:
 def metrics(url: str) -> tuple[dict[str, float], dict[str, str]]:
     values: dict[str, float] = {}
     info: dict[str, str] = {}
-    with httpx.Client(timeout=5) as client:
-        text = client.get(f"{url}/metrics").text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if family.name == "vllm:cache_config_info":
-                info = sample.labels
-            elif "le" not in sample.labels:
-                assert sample.labels == {"engine": "0", "model_name": MODEL}, sample
-                values[sample.name] = sample.value
+    for sample in samples(metrics_text(url)):
+        if sample.name == "vllm:cache_config_info":
+            info = sample.labels
+        elif "le" not in sample.labels:
+            assert sample.labels == {"engine": "0", "model_name": MODEL}, sample
+            values[sample.name] = sample.value
     return values, info
 
 

@@ -17,6 +17,7 @@ import openai
 import pytest
 from opentelemetry.trace import SpanKind, StatusCode
 
+from tests.support.metrics import metric_sum
 from tests.support.traced import Traced, one, reserved_tokens, traced_fleet, traceparent
 
 
@@ -241,10 +242,7 @@ def _server_timing(response: httpx.Response, phase: str) -> float:
 
 
 def _queue_depth(traced: Traced, pool: str) -> float:
-    for line in httpx.get(f"{traced.gateway.url}/metrics", timeout=5).text.splitlines():
-        if line.startswith(f'spillgate_queue_depth{{pool="{pool}"}}'):
-            return float(line.split()[-1])
-    return 0.0
+    return metric_sum(traced.gateway.url, "spillgate_queue_depth", pool=pool)
 
 
 def test_a_request_the_queue_serves_is_a_spill_span_with_its_wait(traced: Traced) -> None:

@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import Receive, Scope, Send
 
 from loadtest.procs import free_port, wait_for_port
@@ -145,16 +144,6 @@ def backend_process(*, model: str, speed: float) -> Iterator[tuple[subprocess.Po
 def wait_for_process(proc: subprocess.Popen[bytes], url: str) -> None:
     assert proc.poll() is None, "the backend process exited"
     wait_for_port(int(url.rsplit(":", 1)[1]), timeout=30)
-
-
-def metric_sum(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
 
 
 def sse_events(text: str) -> list[str]:

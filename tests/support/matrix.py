@@ -25,11 +25,11 @@ from tests.support.fault import (
     FaultBackend,
     backend_process,
     chat,
-    metric_sum,
     wait_for_process,
 )
 from tests.support.fleet import ADMIN_TOKEN, Fleet, tenant
 from tests.support.harness import ServerThread
+from tests.support.metrics import metric_sum
 
 PROVIDER_KEY = "sk-hosted-" + secrets.token_hex(8)
 BURST_REQUESTS = 1000

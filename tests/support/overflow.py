@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
 from gateway.config import parse_settings
+from gateway.metrics_text import samples, values
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from loadtest.sim.provider import ProviderConfig, create_provider_app
@@ -45,11 +45,8 @@ def chat(content: str, *, model: str = "big", max_tokens: int = 20, **extra: Any
 
 def sample(fleet: Fleet, name: str, **labels: str) -> float | None:
     """One sample of the gateway's /metrics, or None when absent."""
-    for family in text_string_to_metric_families(fleet.metrics_text()):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return float(s.value)
-    return None
+    found = values(samples(fleet.metrics_text()), name, **labels)
+    return found[0] if found else None
 
 
 def backend_requests(server: ServerThread) -> float:
@@ -61,12 +58,7 @@ def backend_requests(server: ServerThread) -> float:
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
     }
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name in names
-    )
+    return sum(s.value for s in samples(text, names))
 
 
 def eventually(check: Callable[[], bool], *, within_s: float = 5.0) -> None:
@@ -179,11 +171,6 @@ def queue_wait_s(response: httpx.Response) -> float:
         if name == "queue":
             return float(duration) / 1000
     return 0.0
-
-
-def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
 async def steady(send: Callable[[], Awaitable[T]], *, every_s: float, for_s: float) -> list[T]:

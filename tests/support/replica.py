@@ -22,13 +22,13 @@ from typing import Any
 
 import httpx
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.procs import free_port
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from tests.support.fleet import ADMIN_TOKEN, admin_status, tenant
 from tests.support.harness import ServerThread
+from tests.support.metrics import metric_sum, text_sum
 
 KV_TOKENS = 1024
 TARGET_FILL = 0.85
@@ -73,17 +73,7 @@ class GatewayProcess:
         }
 
     def metric(self, name: str, **labels: str) -> float:
-        return sample(httpx.get(f"{self.url}/metrics", timeout=5).text, name, **labels)
-
-
-def sample(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples called `name` with these labels (0 when there are none)."""
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
+        return metric_sum(self.url, name, **labels)
 
 
 def spillgate() -> list[str]:
@@ -189,7 +179,7 @@ def backend_stats(sim: ServerThread) -> dict[str, float]:
         "vllm:num_preemptions_total",
         "vllm:num_requests_running",
     )
-    return {name: sample(text, name) for name in names}
+    return {name: text_sum(text, name) for name in names}
 
 
 def chat(max_tokens: int) -> dict[str, Any]:

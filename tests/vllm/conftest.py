@@ -24,10 +24,11 @@ import yaml
 from gateway.config import parse_settings
 from loadtest.bench.admission_fleet import process, wait_ready
 from loadtest.bench.overhead import serve_command
-from loadtest.loadgen.scrape import backend_state, metric_sum, parse_metrics
+from loadtest.loadgen.scrape import backend_state
 from loadtest.procs import free_port
 from loadtest.real_vllm import MODEL, RealVllm
 from tests.support.fleet import ADMIN_TOKEN, admin_status, tenant
+from tests.support.metrics import metric_sum, metrics_text, text_sum
 
 SERVER = RealVllm()  # what `make test-vllm` starts
 URL_ENV = "SPILLGATE_VLLM_URL"
@@ -55,12 +56,7 @@ class Gateway:
         return backend
 
     def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return sum(
-            value
-            for n, got, value in parse_metrics(text)
-            if n == name and all(got.get(k) == v for k, v in labels.items())
-        )
+        return metric_sum(self.url, name, **labels)
 
 
 @contextlib.contextmanager
@@ -94,10 +90,6 @@ def gateway(vllm_url: str, **pool_options: Any) -> Iterator[Gateway]:
 
 def vllm_metrics(vllm_url: str) -> dict[str, float]:
     """The counters and gauges of vLLM's /metrics the tests compare, summed over engines."""
-    text = httpx.get(f"{vllm_url}/metrics", timeout=10).text
-    samples = parse_metrics(text)
+    text = metrics_text(vllm_url)
     names = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
-    return {
-        **backend_state(text),
-        **{name: metric_sum(samples, name) or 0.0 for name in names},
-    }
+    return {**backend_state(text), **{name: text_sum(text, name) for name in names}}

@@ -53,7 +53,7 @@ class Setup:
             send=self.client.send,
             headers=[(b"x-ratelimit-limit-tokens", b"100")],
             router=self.router,
-            forwarder=Forwarder(self.upstream),
+            forwarder=Forwarder(self.upstream, clock=self.clock),
             metrics=self.metrics,
             clock=self.clock,
             holding=self.holding,

@@ -78,7 +78,7 @@ class Gateway:
             limiter=self.limiter,
             router=self.router,
             chains={"big": []},
-            forwarder=Forwarder(self.upstream),
+            forwarder=Forwarder(self.upstream, clock=self.clock),
             metrics=self.metrics,
             clock=self.clock,
             max_body_bytes=1 << 20,

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
+from gateway.clock import SystemClock
 from gateway.config import Timeouts
 from gateway.upstream.forward import Forwarder, Target, UpstreamUnavailable
 from gateway.upstream.relay import Relayed, Usage
@@ -63,7 +64,7 @@ def forward(url: str, *, stream: bool, recorder: Recorder | None = None) -> tupl
     async def main() -> Relayed:
         pool = UpstreamPool(max_connections=2)
         try:
-            return await Forwarder(pool).forward(
+            return await Forwarder(pool, clock=SystemClock()).forward(
                 target(url),
                 chat_request(stream=stream),
                 public_model="big",
@@ -125,7 +126,7 @@ def test_nothing_listening_is_unreachable_and_nothing_is_sent() -> None:
     async def main() -> None:
         pool = UpstreamPool(max_connections=1)
         try:
-            await Forwarder(pool).forward(
+            await Forwarder(pool, clock=SystemClock()).forward(
                 target(url), chat_request(stream=True), public_model="big", send=client.send,
                 headers=[],
             )  # fmt: skip

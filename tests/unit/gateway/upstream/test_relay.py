@@ -5,6 +5,7 @@ import orjson
 import pytest
 from starlette.types import Message
 
+from gateway.clock import ManualClock
 from gateway.upstream.relay import HIDDEN_ERROR, StreamRelay, model_swap, send_json_body
 from tests.vllm_capture import sse
 
@@ -112,11 +113,13 @@ def test_a_json_body_written_by_pythons_json_is_swapped() -> None:
             headers=[],
             swap=model_swap("served", "pool"),
             recorder=None,
+            clock=ManualClock(start=5.0),
         )
     )
     assert json.loads(sent[1]["body"])["model"] == "pool"
     assert b"served" not in sent[1]["body"]
     assert relayed.usage.prompt_tokens == 3
+    assert relayed.first_byte_at == 5.0  # read off the Clock it was given
 
 
 def test_a_spaced_stream_is_swapped_in_every_event() -> None:

@@ -8,7 +8,6 @@ from loadtest.loadgen.run import RunData
 from loadtest.loadgen.stats import (
     LagVerdict,
     Slo,
-    percentile,
     prefix_cache,
     report,
     series,
@@ -29,13 +28,6 @@ def result(i: int, outcome: str = "local", **kw: Any) -> Result:
 def run(results: list[Result], **kw: Any) -> RunData:
     return RunData(label="gateway", urls=["http://gw"], model="m", duration_s=2.0,
                    elapsed_s=2.5, results=results, **kw)  # fmt: skip
-
-
-def test_percentile_is_nearest_rank() -> None:
-    assert percentile([], 50) is None
-    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert percentile(range(1, 101), 99) == 99
-    assert percentile([5.0], 99) == 5.0
 
 
 def test_summary_rows_per_outcome_and_goodput_under_the_slo() -> None:

@@ -10,7 +10,6 @@ from loadtest.measure.report import Prediction, endpoint_sessions
 from loadtest.measure.results import (
     EndpointKv,
     endpoint_kv,
-    percentile,
     running_now,
     steady_tokens_per_s,
 )
@@ -46,13 +45,6 @@ def test_endpoint_sessions_count_whole_blocks_per_session() -> None:
     workload = throughput.Workload(prompt_tokens=2000, output_tokens=32)
     assert endpoint_sessions(kv, workload) == 1719 // 127
     assert endpoint_sessions(None, workload) is None
-
-
-def test_percentile_interpolates_between_ranks() -> None:
-    values = [float(v) for v in range(1, 101)]
-    assert percentile(values, 50) == pytest.approx(50.5)
-    assert percentile(values, 99) == pytest.approx(99.01)
-    assert percentile([7.0], 99) == 7.0
 
 
 def test_prompts_are_text_distinct_per_request_within_their_first_words() -> None:

@@ -2,8 +2,7 @@
 
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from gateway.metrics_text import samples, values
 from loadtest.sim.config import SimConfig, resolve
 from loadtest.sim.metrics import SimMetrics
 from loadtest.sim.scheduler import Scheduler, SchedulerLimits, SeqState, Sequence
@@ -11,10 +10,9 @@ from loadtest.sim.scheduler import Scheduler, SchedulerLimits, SeqState, Sequenc
 
 def usage(scheduler: Scheduler[Sequence], config: SimConfig) -> float:
     metrics = SimMetrics(config=config, resolved=resolve(config), scheduler=scheduler)
-    for family in text_string_to_metric_families(metrics.render().decode()):
-        if family.name == "vllm:kv_cache_usage_perc":
-            return float(family.samples[0].value)
-    raise AssertionError("no vllm:kv_cache_usage_perc")
+    found = values(samples(metrics.render().decode()), "vllm:kv_cache_usage_perc")
+    assert found, "no vllm:kv_cache_usage_perc"
+    return found[0]
 
 
 def test_kv_usage_leaves_the_null_block_out_so_a_full_cache_reads_one() -> None:
