@@ -54,7 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _sim(port: int, *extra: str) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "gateway.cli", "sim", "--host", "127.0.0.1", "--port", str(port)]
-    return subprocess.Popen([*cmd, *extra], stdout=subprocess.DEVNULL)
+    # a session of its own: a Ctrl-C at the terminal reaches the gateway alone, which stops
+    # before the simulators do (the finally of simulated_fleet), not after them
+    return subprocess.Popen([*cmd, *extra], stdout=subprocess.DEVNULL, start_new_session=True)
 
 
 @contextlib.contextmanager
