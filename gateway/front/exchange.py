@@ -7,12 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from starlette.types import Send
-from tenacity import (
-    AsyncRetrying,
-    retry_if_exception_type,
-    stop_after_attempt,
-    stop_after_delay,
-)
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from gateway.admission.growth import Growth
 from gateway.admission.ledger import Reservation
@@ -178,9 +173,13 @@ class Exchange:
             return await self._attempt(request, outcome, tried, deadline=deadline)
         except UpstreamUnavailable as exc:
             first = exc
+
+        def spent(state: RetryCallState) -> bool:
+            # the deadline is Clock time, as every other deadline on the request's path
+            return state.attempt_number >= ATTEMPTS - 1 or self.clock.monotonic() >= deadline
+
         retrying = AsyncRetrying(
-            stop=stop_after_attempt(ATTEMPTS - 1)
-            | stop_after_delay(deadline - self.clock.monotonic()),
+            stop=spent,
             retry=retry_if_exception_type(UpstreamUnavailable),
             reraise=True,
         )

@@ -4,6 +4,7 @@ loopback: where its reservation goes, what the client gets, and what a policy ma
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import orjson
 import pytest
@@ -113,6 +114,37 @@ def test_when_every_backend_fails_the_client_gets_nothing_and_nothing_is_held(ur
         assert s.upstream_errors("big-1", "status 503") == 1.0
 
     run([urls["bad"], urls["worse"]], scenario)
+
+
+def test_retries_end_at_the_pools_total_deadline_by_the_requests_clock(urls) -> None:
+    """Three backends, the first two failing: the third would answer, but the second
+    attempt ran to the end of `timeouts.total` on the request's Clock, so no third one
+    is made."""
+
+    async def scenario(s: Setup) -> None:
+        total = s.router.pools["big"].settings.timeouts.total
+        forward = s.exchange.forwarder.forward
+        calls = 0
+
+        async def second_runs_long(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            try:
+                return await forward(*args, **kwargs)
+            finally:
+                if calls == 2:
+                    s.clock.advance(total)
+
+        s.exchange.forwarder.forward = second_runs_long  # type: ignore[method-assign]
+        request = chat_request()
+        assert await s.exchange.admit(request)
+        with pytest.raises(UpstreamError):
+            await s.exchange.serve_local(request, Outcome.LOCAL)
+        assert calls == 2
+        assert s.client.messages == []
+        assert [s.in_flight(b) for b in ("big-0", "big-1", "big-2")] == [0, 0, 0]
+
+    run([urls["bad"], urls["worse"], urls["good"]], scenario)
 
 
 def test_a_sheddable_request_gets_no_room_past_the_pools_sheddable_fill(urls) -> None:
