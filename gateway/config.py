@@ -98,6 +98,9 @@ class ReservationSettings(_Model):
     # backend: the quantile bounds the sum of the answers a backend holds at once;
     # answer: each answer's own length (gateway/admission/output_lengths.py)
     quantile_of: Literal["backend", "answer"] = "backend"
+    # peak: a streaming request reserves the most its answer is expected to hold at once
+    # (it may end at any token) and grows from there; whole: its whole expected answer
+    hold: Literal["peak", "whole"] = "peak"
     prior_tokens: int = Field(512, gt=0)  # the expected output until min_samples were seen
     min_samples: int = Field(50, gt=0)  # per pool; a tenant's own figure once it has this many
 

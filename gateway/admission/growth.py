@@ -6,7 +6,8 @@ to `Growth.seen`, which counts the tokens generated: vLLM sends one SSE event pe
 and choice (a stream's first event, its role, and its last, the usage, are counted too,
 which errs on the side of more). When the longest choice passes what is reserved, the
 reservation is extended to the next whole block of each choice, over the backend's limit
-if need be: the request is running already, and new admissions see the room it took.
+if need be: the request is running already, and new admissions see the room it took. With
+`headroom`, the reservation keeps that many tokens per choice beyond what it holds.
 """
 
 from __future__ import annotations
@@ -28,16 +29,23 @@ class Held(Protocol):
 
 class Growth:
     # one per streaming request
-    __slots__ = ("_block", "_counts", "_covered", "_holding", "_prompt", "_router", "_sequences")
+    __slots__ = ("_base", "_block", "_counts", "_covered", "_holding", "_router", "_sequences")
 
     def __init__(
-        self, *, router: Router, holding: Held, prompt_tokens: int, sequences: int, block_size: int
+        self,
+        *,
+        router: Router,
+        holding: Held,
+        prompt_tokens: int,
+        sequences: int,
+        block_size: int,
+        headroom: int = 0,
     ) -> None:
         reservation = holding.reservation
         assert reservation is not None
         self._router = router
         self._holding = holding
-        self._prompt = prompt_tokens
+        self._base = prompt_tokens + headroom  # what the reservation covers beyond the output
         self._sequences = sequences
         self._block = block_size
         # the tokens of one sequence the reservation covers, and the tokens each choice made
@@ -58,14 +66,14 @@ class Growth:
                 i = int(index)
                 if i < self._sequences:
                     self._counts[i] += 1
-        return self._prompt + max(self._counts) > self._covered
+        return self._base + max(self._counts) > self._covered
 
     async def grow(self) -> None:
         """Extend the reservation to cover the longest choice, in whole blocks per choice."""
         reservation = self._holding.reservation
         if reservation is None:
             return
-        need = self._prompt + max(self._counts)
+        need = self._base + max(self._counts)
         covered = -(-need // self._block) * self._block
         added = (covered - self._covered) * self._sequences
         self._covered = covered

@@ -11,10 +11,25 @@ backend holds at once, not each answer: answers end independently, so n of them 
 about n x mean, give or take sqrt(n) x their spread, and each reserves the mean plus its
 share of the spread, `mean + z x sd / sqrt(n)` (z the normal quantile), never more than the
 quantile of one answer alone. `quantile_of: answer` reserves each answer's own quantile.
+
+A streaming request (`hold: peak`, the default) reserves less than its whole expected
+answer: the most it is expected to hold at any one time, since it may end at any token. A
+stream of prompt p that has generated t tokens holds p + t if its answer is longer than t,
+nothing after, so it is expected to hold (p + t) x S(t) at t, S(t) the share of answers
+longer than t: that rises while few answers have ended and falls once many have, and its
+highest point is what the stream reserves, with its share of the spread as above. A
+stream that lives longer than that grows its reservation with what it really holds
+(gateway/admission/growth.py), keeping that share on top: the growth only ever catches
+up with (p + t), so the reservations a backend holds are expected to add up to no more,
+later, than they were when admitted, and the shares keep room for the streams that end
+later than expected. A request that is not streamed cannot grow and reserves its whole
+expected answer.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import operator
 import statistics
@@ -28,7 +43,7 @@ WINDOW = 1024  # the most recent answers a quantile is taken over: it follows th
 class LengthQuantile:
     """A quantile of the last WINDOW samples, worked out again only when enough changed."""
 
-    __slots__ = ("_dirty", "_mean", "_q", "_samples", "_sd", "_share", "_value")
+    __slots__ = ("_dirty", "_held", "_mean", "_q", "_samples", "_sd", "_share", "_value")
 
     def __init__(self, q: float) -> None:
         self._q = q
@@ -37,6 +52,7 @@ class LengthQuantile:
         self._value = 0
         self._mean = self._sd = 0.0
         self._share = (0, 0)  # (sequences at once, the share worked out for them)
+        self._held: HeldByStream | None = None  # worked out when first asked for
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -66,6 +82,18 @@ class LengthQuantile:
             self._share = (at_once, max(1, min(self._value, share)))
         return self._share[1]
 
+    def margin(self, z: float, at_once: int) -> int:
+        """Each of `at_once` answers' share of their sum's spread: z x sd / sqrt(at_once)."""
+        self._update()
+        return math.ceil(z * self._sd / math.sqrt(max(1, at_once)))
+
+    def peak(self, prompt_tokens: int) -> int:
+        """The most a stream of `prompt_tokens` is expected to hold at once (tokens)."""
+        self._update()
+        if self._held is None:
+            self._held = HeldByStream(sorted(self._samples))
+        return self._held.peak(prompt_tokens)
+
     def _update(self) -> None:
         if self._dirty and (self._dirty * 64 >= len(self._samples) or not self._value):
             ordered = sorted(self._samples)
@@ -78,7 +106,48 @@ class LengthQuantile:
                 math.sqrt(max(0, n * sum(map(operator.mul, ordered, ordered)) - total * total)) / n
             )
             self._share = (0, 0)
+            self._held = None
             self._dirty = 0
+
+
+class HeldByStream:
+    """The highest point over t of (p + t) x S(t), for any prompt p, from answer lengths.
+
+    With the lengths sorted, l_0 <= ... <= l_{n-1}, a stream is still running at
+    t = l_k - 1 with probability (n - k) / n, so each k is a line in p,
+    ((n - k) x p + (n - k) x (l_k - 1)) / n, and the peak is the highest of them at p: their
+    upper envelope, built once per set of samples and looked up by bisection.
+    """
+
+    __slots__ = ("_breaks", "_lines", "_n")
+
+    def __init__(self, ordered: list[int]) -> None:
+        n = self._n = len(ordered)
+        lines: list[tuple[int, int]] = []  # (slope, intercept), both x n; slopes rising
+        for k in range(n - 1, -1, -1):
+            line = (n - k, (n - k) * max(0, ordered[k] - 1))
+            while len(lines) >= 2 and _hidden(lines[-2], lines[-1], line):
+                lines.pop()
+            lines.append(line)
+        self._lines = lines
+        # from each break on, the next line is the highest
+        self._breaks = [_crossing(a, b) for a, b in itertools.pairwise(lines)]
+
+    def peak(self, prompt_tokens: int) -> int:
+        if not self._lines:
+            return prompt_tokens
+        slope, intercept = self._lines[bisect.bisect_right(self._breaks, prompt_tokens)]
+        return -(-(slope * prompt_tokens + intercept) // self._n)
+
+
+def _crossing(a: tuple[int, int], b: tuple[int, int]) -> float:
+    """Where line `b` (the steeper) rises above line `a`."""
+    return (a[1] - b[1]) / (b[0] - a[0])
+
+
+def _hidden(a: tuple[int, int], b: tuple[int, int], c: tuple[int, int]) -> bool:
+    """Whether `b` is nowhere above both `a` and `c` (slopes rising a, b, c)."""
+    return (a[1] - c[1]) * (b[0] - a[0]) <= (a[1] - b[1]) * (c[0] - a[0])
 
 
 class OutputLengths:
@@ -108,13 +177,18 @@ class OutputLengths:
     def expected(self, tenant: str | None = None, *, room: int = 0, prompt_tokens: int = 0) -> int:
         """The output tokens one choice of `tenant`'s next request (None: any tenant's) will
         likely need, on a backend with `room` tokens to admit into (0: one answer alone)."""
+        lengths = self._lengths(tenant)
+        if lengths is None:
+            return self.settings.prior_tokens
+        return self._share(lengths, room, prompt_tokens)
+
+    def _lengths(self, tenant: str | None) -> LengthQuantile | None:
+        """The tenant's own lengths once it has enough, else the pool's, else None."""
         need = self.settings.min_samples
         own = None if tenant is None else self._tenants.get(tenant)
         if own is not None and len(own) >= need:
-            return self._share(own, room, prompt_tokens)
-        if len(self._pool) >= need:
-            return self._share(self._pool, room, prompt_tokens)
-        return self.settings.prior_tokens
+            return own
+        return self._pool if len(self._pool) >= need else None
 
     def _share(self, lengths: LengthQuantile, room: int, prompt_tokens: int) -> int:
         if self._per_answer:
@@ -125,6 +199,31 @@ class OutputLengths:
             return max(1, lengths.value())
         return lengths.share(self._z, at_once)
 
+    def held_at_peak(self, tenant: str | None = None, *, room: int, prompt_tokens: int) -> int:
+        """The output tokens one choice of a streaming request reserves with `hold: peak`:
+        beyond its prompt, the most it is expected to hold at once, and its share of the
+        spread (`headroom`); never more than `expected` (its whole expected answer)."""
+        whole = self.expected(tenant, room=room, prompt_tokens=prompt_tokens)
+        lengths = self._lengths(tenant)
+        if lengths is None or self._per_answer:
+            return whole
+        peak = lengths.peak(prompt_tokens)
+        at_once = room // max(1, peak)
+        if at_once <= 1:
+            return whole
+        return max(1, min(whole, peak - prompt_tokens + lengths.margin(self._z, at_once)))
+
+    def headroom(self, tenant: str | None = None, *, room: int, prompt_tokens: int) -> int:
+        """With `hold: peak`, what a stream keeps reserved beyond what it holds while it
+        grows: its share of the spread of what the streams of a backend will hold together
+        (0 otherwise). Reserved at admission and kept, it leaves the backend room for the
+        streams that outlive their peak while others end later than expected."""
+        lengths = self._lengths(tenant)
+        if lengths is None or self._per_answer or self.settings.hold != "peak":
+            return 0
+        at_once = room // max(1, lengths.peak(prompt_tokens))
+        return 0 if at_once <= 1 else lengths.margin(self._z, at_once)
+
     def samples(self, tenant: str | None = None) -> int:
         if tenant is None:
             return len(self._pool)
@@ -132,10 +231,19 @@ class OutputLengths:
         return 0 if own is None else len(own)
 
     def reserve_output(
-        self, *, tenant: str, cap: int, room: int = 0, prompt_tokens: int = 0
+        self,
+        *,
+        tenant: str,
+        cap: int,
+        room: int = 0,
+        prompt_tokens: int = 0,
+        streaming: bool = False,
     ) -> int:
-        """What one choice reserves: the expected output, never more than `cap` (the request's
-        max_tokens, or what its context leaves), or the whole cap in `max_tokens` mode."""
+        """What one choice reserves: the expected output (what a stream is expected to hold
+        at its peak, with `hold: peak`), never more than `cap` (the request's max_tokens, or
+        what its context leaves), or the whole cap in `max_tokens` mode."""
         if self.settings.mode == "max_tokens":
             return cap
+        if streaming and self.settings.hold == "peak":
+            return min(cap, self.held_at_peak(tenant, room=room, prompt_tokens=prompt_tokens))
         return min(cap, self.expected(tenant, room=room, prompt_tokens=prompt_tokens))

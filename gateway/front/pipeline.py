@@ -248,6 +248,7 @@ class CompletionsEndpoint:
             cap=cap,
             room=self._d.router.room(pool.name),
             prompt_tokens=request.prompt_tokens,
+            streaming=request.stream,
         )
         return request._replace(output_reserve=reserve)
 

@@ -201,6 +201,7 @@ class AdminEndpoints:
                     "reservation": {
                         "mode": pool.settings.reservation.mode,
                         "quantile_of": pool.settings.reservation.quantile_of,
+                        "hold": pool.settings.reservation.hold,
                         # what a request with an empty prompt reserves now
                         "expected_output_tokens": pool.outputs.expected(
                             room=self._router.room(name)

@@ -6,10 +6,10 @@
 
 Arms, side by side in one run: `direct` to the backend; the gateway with `static`
 reservation (prompt + max_tokens held until the last byte, no feedback from the backend);
-the gateway with the `learned` admission (prompt + the learned output share that keeps the
-answers a backend holds at once within their p90 together, grown as streams run past it,
-checked against the backend's reported KV use), and `per answer`, the same with each
-answer's own p90 of real lengths reserved (`quantile_of: answer`). Each arm
+the gateway with the `learned` admission (the defaults: a stream reserves the most it is
+expected to hold at once, from the learned answer lengths, with its share of their spread
+at p90, grown as it runs past it, checked against the backend's reported KV use), and
+`whole`, the same with each stream's whole expected answer reserved (`hold: whole`). Each arm
 gets the same seeded requests: streaming chats with `max_tokens` 2048 whose answers end
 early (the simulator's realistic lengths; on a real vLLM sixteen stop token ids and a seed
 per prompt, so every arm gets the same answers). Bursts of 24 and 48 (3 runs each, the

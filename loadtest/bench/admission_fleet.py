@@ -37,13 +37,19 @@ SPIKE_SUFFIX = "-spike"
 START_TIMEOUT_S = 60.0
 TIMEOUTS = {"connect": 10.0, "first_token": 60.0, "idle": 60.0, "total": 600.0}
 # The arms through the gateway: pool options that pick the admission (issue 20's keys).
-# `per answer` reserves each answer's own p90, as the learned admission first did;
-# `learned` the defaults, the p90 of the answers a backend holds at once.
-LEARNED = {"mode": "learned", "quantile": 0.9, "prior_tokens": 512, "min_samples": 50}
+# `whole` reserves each stream's whole expected answer, as the learned admission did
+# before `hold: peak`; `learned` the defaults, what a stream is expected to hold at its peak.
+LEARNED = {
+    "mode": "learned",
+    "quantile": 0.9,
+    "quantile_of": "backend",
+    "prior_tokens": 512,
+    "min_samples": 50,
+}
 ARMS: dict[str, dict[str, Any]] = {
     "static": {"reservation": {"mode": "max_tokens"}, "feedback": False},
-    "per answer": {"reservation": {**LEARNED, "quantile_of": "answer"}, "feedback": True},
-    "learned": {"reservation": {**LEARNED, "quantile_of": "backend"}, "feedback": True},
+    "whole": {"reservation": {**LEARNED, "hold": "whole"}, "feedback": True},
+    "learned": {"reservation": {**LEARNED, "hold": "peak"}, "feedback": True},
 }
 LEARNING = [arm for arm, options in ARMS.items() if options["reservation"]["mode"] == "learned"]
 

@@ -12,7 +12,7 @@ from loadtest.bench.admission import main
 from loadtest.bench.admission_watch import streaming_at_once
 from loadtest.loadgen.client import Result
 
-ARMS = ["static", "per answer", "learned", "direct"]
+ARMS = ["static", "whole", "learned", "direct"]
 
 
 def test_the_bench_runs_every_arm_on_the_same_requests(
@@ -29,7 +29,7 @@ def test_the_bench_runs_every_arm_on_the_same_requests(
     assert figures["backend"] == "simulator"
     assert figures["capacity_tokens"] == 16_384 - 16  # one block held back
     warmed = {"sim": {"local": 5}, "sim-spike": {"local": 5}}
-    assert figures["warmup"] == {"per answer": warmed, "learned": warmed}
+    assert figures["warmup"] == {"whole": warmed, "learned": warmed}
     assert figures["arms"]["static"] == {"reservation": {"mode": "max_tokens"}, "feedback": False}
     for size in ("3", "4"):
         runs = figures["bursts"][size]["runs"]

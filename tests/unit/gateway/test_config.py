@@ -218,6 +218,7 @@ def test_reservation_and_feedback_are_known_keys_with_defaults() -> None:
         "mode": "learned",
         "quantile": 0.9,
         "quantile_of": "backend",
+        "hold": "peak",
         "prior_tokens": 512,
         "min_samples": 50,
     }

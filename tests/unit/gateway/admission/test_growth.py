@@ -69,3 +69,27 @@ def test_an_extension_after_the_release_holds_nothing() -> None:
         assert ledger.snapshot() == {"b": (0, 0)}
 
     asyncio.run(scenario())
+
+
+def test_headroom_stays_reserved_beyond_what_the_stream_holds() -> None:
+    async def scenario() -> None:
+        router = _router([1000], 1.0, block_size=16)
+        reservation = await router.reserve("p", 10 + 22)  # 2 blocks: prompt 10, 22 beyond
+        assert reservation is not None
+        held = Held(reservation)
+        growth = Growth(
+            router=router,
+            holding=held,
+            prompt_tokens=10,
+            sequences=1,
+            block_size=16,
+            headroom=8,
+        )
+        assert not growth.seen(event() * 14)  # 10 + 14 + 8 = 32: covered
+        assert growth.seen(event())  # 10 + 15 + 8 = 33
+        await growth.grow()
+        assert held.reservation is not None and held.reservation.tokens == 48
+        await router.release(reservation)
+        assert router.ledger.snapshot() == {"p-0": (0, 0)}
+
+    asyncio.run(scenario())

@@ -3,7 +3,7 @@
 import math
 import random
 
-from gateway.admission.output_lengths import WINDOW, LengthQuantile, OutputLengths
+from gateway.admission.output_lengths import WINDOW, HeldByStream, LengthQuantile, OutputLengths
 from gateway.config import ReservationSettings
 
 
@@ -103,3 +103,87 @@ def test_a_sum_of_answers_stays_within_its_reservations_at_the_quantile() -> Non
     rng = random.Random(11)
     over = sum(sum(rng.choices(answers, k=40)) > 40 * share for _ in range(2000))
     assert 0.05 < over / 2000 < 0.16
+
+
+def brute_peak(answers: list[int], prompt: int) -> int:
+    """(prompt + t) x S(t) at its highest, t over every token count: S(t) the share of
+    answers longer than t, in tokens rounded up."""
+    n = len(answers)
+    return max(-(-(prompt + t) * sum(a > t for a in answers) // n) for t in range(max(answers) + 1))
+
+
+def test_the_peak_a_stream_holds_is_the_highest_of_prompt_plus_t_times_survival() -> None:
+    rng = random.Random(5)
+    for _ in range(40):
+        answers = [rng.choice([0, 1, rng.randint(1, 40), int(rng.expovariate(1 / 120))])]
+        answers += [int(rng.expovariate(1 / 120)) for _ in range(rng.randint(0, 60))]
+        held = HeldByStream(sorted(answers))
+        for prompt in (0, 1, 16, 144, 600):
+            assert held.peak(prompt) == max(prompt, brute_peak(answers, prompt))
+
+
+def test_the_peak_of_answers_of_one_length_is_the_whole_answer() -> None:
+    held = HeldByStream([300] * 50)
+    assert held.peak(100) == 100 + 299  # all still running one token before their end
+
+
+def test_a_stream_reserves_its_expected_peak_and_its_share_of_the_spread() -> None:
+    lengths = OutputLengths(ReservationSettings(quantile=0.9, min_samples=10))
+    answers = geometric_answers(lengths, mean=256, count=1000)
+    mean = sum(answers) / len(answers)
+    sd = math.sqrt(sum((a - mean) ** 2 for a in answers) / len(answers))
+    peak = brute_peak(answers, 144)
+    # geometric answers of mean 256: (144 + t) x exp(-t / 256) is highest at t = 112,
+    # 256 x exp(144 / 256 - 1) = 165 tokens, far below the prompt + mean of 400
+    assert 150 < peak < 180
+    at_once = 16_000 // peak
+    margin = math.ceil(1.2815515655446004 * sd / math.sqrt(at_once))
+    streamed = lengths.reserve_output(
+        tenant="a", cap=2048, room=16_000, prompt_tokens=144, streaming=True
+    )
+    assert streamed == peak - 144 + margin
+    assert lengths.headroom("a", room=16_000, prompt_tokens=144) == margin
+    # not streamed: it cannot grow, so it reserves its whole expected answer
+    whole = lengths.reserve_output(tenant="a", cap=2048, room=16_000, prompt_tokens=144)
+    assert whole == lengths.expected("a", room=16_000, prompt_tokens=144) > streamed
+    assert (
+        lengths.reserve_output(tenant="a", cap=20, room=16_000, prompt_tokens=144, streaming=True)
+        == 20
+    )
+
+
+def test_hold_whole_and_the_prior_reserve_the_whole_expected_answer() -> None:
+    whole = OutputLengths(ReservationSettings(hold="whole", min_samples=10))
+    geometric_answers(whole, mean=256, count=1000)
+    expected = whole.expected("a", room=16_000, prompt_tokens=144)
+    assert (
+        whole.reserve_output(tenant="a", cap=2048, room=16_000, prompt_tokens=144, streaming=True)
+        == expected
+    )
+    assert whole.headroom("a", room=16_000, prompt_tokens=144) == 0
+    fresh = OutputLengths(ReservationSettings(prior_tokens=512))
+    assert (
+        fresh.reserve_output(tenant="a", cap=2048, room=16_000, prompt_tokens=144, streaming=True)
+        == 512
+    )
+    assert fresh.headroom("a", room=16_000, prompt_tokens=144) == 0
+
+
+def test_streams_admitted_at_their_peak_fit_together_in_nine_draws_of_ten() -> None:
+    """What the reservations promise: 60 streams admitted together with their peak
+    reservations, each running its own drawn answer, hold more than their reservations
+    at once, at any token, in about a tenth of draws or fewer, not in most."""
+    lengths = OutputLengths(ReservationSettings(quantile=0.9, min_samples=10))
+    answers = geometric_answers(lengths, mean=256, count=1000)
+    prompt, streams = 144, 60
+    share = prompt + lengths.reserve_output(
+        tenant="a", cap=2048, room=streams * 200, prompt_tokens=prompt, streaming=True
+    )
+    rng = random.Random(13)
+    over = 0
+    for _ in range(300):
+        drawn = rng.choices(answers, k=streams)
+        most = max(sum(prompt + t for a in drawn if a > t) for t in range(0, 1200, 4))
+        over += most > streams * share
+    assert over / 300 < 0.12
+    assert streams * share < streams * (prompt + sum(answers) / len(answers))
