@@ -7,7 +7,8 @@ and choice (a stream's first event, its role, and its last, the usage, are count
 which errs on the side of more). When the longest choice passes what is reserved, the
 reservation is extended to the next whole block of each choice, over the backend's limit
 if need be: the request is running already, and new admissions see the room it took. With
-`headroom`, the reservation keeps that many tokens per choice beyond what it holds.
+`headroom`, the reservation keeps that many tokens per choice beyond the blocks it holds
+(in tokens, not rounded up to a block: the backend allocates only the blocks).
 """
 
 from __future__ import annotations
@@ -29,7 +30,16 @@ class Held(Protocol):
 
 class Growth:
     # one per streaming request
-    __slots__ = ("_base", "_block", "_counts", "_covered", "_holding", "_router", "_sequences")
+    __slots__ = (
+        "_block",
+        "_counts",
+        "_covered",
+        "_headroom",
+        "_holding",
+        "_prompt",
+        "_router",
+        "_sequences",
+    )
 
     def __init__(
         self,
@@ -45,7 +55,8 @@ class Growth:
         assert reservation is not None
         self._router = router
         self._holding = holding
-        self._base = prompt_tokens + headroom  # what the reservation covers beyond the output
+        self._prompt = prompt_tokens
+        self._headroom = headroom
         self._sequences = sequences
         self._block = block_size
         # the tokens of one sequence the reservation covers, and the tokens each choice made
@@ -66,15 +77,16 @@ class Growth:
                 i = int(index)
                 if i < self._sequences:
                     self._counts[i] += 1
-        return self._base + max(self._counts) > self._covered
+        return self._prompt + max(self._counts) + self._headroom > self._covered
 
     async def grow(self) -> None:
-        """Extend the reservation to cover the longest choice, in whole blocks per choice."""
+        """Extend the reservation to cover the longest choice, in whole blocks per choice,
+        and the headroom."""
         reservation = self._holding.reservation
         if reservation is None:
             return
-        need = self._base + max(self._counts)
-        covered = -(-need // self._block) * self._block
+        need = self._prompt + max(self._counts)
+        covered = -(-need // self._block) * self._block + self._headroom
         added = (covered - self._covered) * self._sequences
         self._covered = covered
         self._holding.reservation = await self._router.extend(reservation, added)

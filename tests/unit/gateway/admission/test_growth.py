@@ -71,7 +71,7 @@ def test_an_extension_after_the_release_holds_nothing() -> None:
     asyncio.run(scenario())
 
 
-def test_headroom_stays_reserved_beyond_what_the_stream_holds() -> None:
+def test_headroom_stays_reserved_beyond_the_blocks_the_stream_holds() -> None:
     async def scenario() -> None:
         router = _router([1000], 1.0, block_size=16)
         reservation = await router.reserve("p", 10 + 22)  # 2 blocks: prompt 10, 22 beyond
@@ -88,7 +88,13 @@ def test_headroom_stays_reserved_beyond_what_the_stream_holds() -> None:
         assert not growth.seen(event() * 14)  # 10 + 14 + 8 = 32: covered
         assert growth.seen(event())  # 10 + 15 + 8 = 33
         await growth.grow()
-        assert held.reservation is not None and held.reservation.tokens == 48
+        # the 25 tokens held take 2 blocks, and 8 tokens on top: not a third block
+        assert held.reservation is not None and held.reservation.tokens == 32 + 8
+        assert router.ledger.tokens_in_flight("p-0") == 40
+        assert not growth.seen(event() * 7)  # 10 + 22 = 32 tokens: still 2 blocks
+        assert growth.seen(event())  # the 33rd token takes a third block
+        await growth.grow()
+        assert held.reservation.tokens == 48 + 8
         await router.release(reservation)
         assert router.ledger.snapshot() == {"p-0": (0, 0)}
 
