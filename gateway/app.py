@@ -261,7 +261,7 @@ def create_app(
         max_body_bytes=settings.server.max_body_bytes,
         request_read_timeout_s=settings.server.request_read_timeout_s,
         tracing=tracing,
-        settle_together=redis is not None,
+        shared=redis is not None,
     )
     runner = BatchRunner(batches, deps=deps, tenants=auth.by_name)
     batch_api = BatchEndpoints(batches, auth=auth, max_upload_bytes=settings.batch.max_file_bytes)

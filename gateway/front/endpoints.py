@@ -87,11 +87,16 @@ class PinnedExchange(Exchange):
 class ResponsesEndpoint(CompletionsEndpoint):
     """POST /v1/responses, for chat pools; remembers which backend answered each response."""
 
+    # the first try for room must know the backend holding the previous response
+    admit_early = False
+
     def __init__(self, deps: PipelineDeps, *, homes: ResponseHomes) -> None:
         super().__init__(Endpoint.RESPONSES, _only(deps, RESPONSE_POLICIES))
         self._homes = homes
 
-    async def _dispatch(self, request: InferenceRequest, exchange: Exchange) -> Served:
+    async def _dispatch(
+        self, request: InferenceRequest, exchange: Exchange, *, admitted: bool | None = None
+    ) -> Served:
         previous = request.body.get("previous_response_id")
         others = frozenset[str]()
         if isinstance(previous, str):

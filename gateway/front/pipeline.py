@@ -77,10 +77,11 @@ class PipelineDeps:
         default_factory=dict
     )  # pool → may arrivals go first
     tracing: Tracing | None = None  # None: tracing is off, and costs one check per request
-    # settle the bucket and release the reservation at once: with Redis, the two calls then
-    # leave in one batch, one round trip (gateway/redis_batch.py); in-process each finishes
-    # at once, and two tasks would only cost more
-    settle_together: bool = False
+    # state in Redis: a request's limiter decision and its first reservation start at once,
+    # and so do its bucket's settlement and its release, so that each pair leaves in one
+    # batch, one round trip (gateway/redis_batch.py). In-process each call finishes at
+    # once, and two tasks would only cost more.
+    shared: bool = False
 
 
 def request_headers(scope: Scope) -> dict[bytes, bytes]:
@@ -96,6 +97,9 @@ def _text(headers: Mapping[bytes, bytes], name: bytes) -> str | None:
 
 class CompletionsEndpoint:
     """ASGI app for /v1/chat/completions and /v1/completions."""
+
+    # with shared state, try for room while the limiter decides (PipelineDeps.shared)
+    admit_early = True
 
     def __init__(self, endpoint: Endpoint, deps: PipelineDeps) -> None:
         self._endpoint = endpoint
@@ -180,25 +184,29 @@ class CompletionsEndpoint:
         if trace is not None:
             trace.parsed(request)
         reserved = request.reserved_tokens
-        decision = await d.limiter.acquire(tenant.limits, reserved)
-        self._throttle(tenant, request, decision, headers)
         holding = Holding(d.router)
+        exchange = Exchange(
+            send=watch.send,
+            headers=headers,
+            router=d.router,
+            forwarder=d.forwarder,
+            metrics=d.metrics,
+            clock=d.clock,
+            holding=holding,
+            recorder=self._recorder(request),
+            trace=trace,
+        )
+        admitted: bool | None = None  # not tried yet
+        if d.shared and self.admit_early:
+            decision, admitted = await self._decide_and_admit(tenant, request, exchange, reserved)
+        else:
+            decision = await d.limiter.acquire(tenant.limits, reserved)
+        self._throttle(tenant, request, decision, headers)
         served: Served | None = None
         outcome = Outcome.ERROR
         began = pool.demand.begin(reserved)
         try:
-            exchange = Exchange(
-                send=watch.send,
-                headers=headers,
-                router=d.router,
-                forwarder=d.forwarder,
-                metrics=d.metrics,
-                clock=d.clock,
-                holding=holding,
-                recorder=self._recorder(request),
-                trace=trace,
-            )
-            served = await self._dispatch(request, exchange)
+            served = await self._dispatch(request, exchange, admitted=admitted)
             outcome = served.outcome
         except Rejected:
             outcome = Outcome.REJECTED
@@ -213,7 +221,7 @@ class CompletionsEndpoint:
                 used = self._used(request, served, cut=watch.started)
                 if used == reserved:
                     await holding.release()
-                elif d.settle_together:
+                elif d.shared:
                     await asyncio.gather(
                         holding.release(),
                         d.limiter.reconcile(tenant.limits, reserved=reserved, used=used),
@@ -313,9 +321,37 @@ class CompletionsEndpoint:
         self._d.metrics.tally.request(request.pool, tenant.name, error.outcome)
         raise error
 
-    async def _dispatch(self, request: InferenceRequest, exchange: Exchange) -> Served:
+    async def _decide_and_admit(
+        self, tenant: Tenant, request: InferenceRequest, exchange: Exchange, reserved: int
+    ) -> tuple[Decision, bool]:
+        """The limiter's decision and the request's first try for room, made at once; the
+        room goes back when the limiter refuses, or when either call fails."""
+        room = asyncio.ensure_future(self._first_try(request, exchange))
+        try:
+            decision = await self._d.limiter.acquire(tenant.limits, reserved)
+            admitted = await room
+        except BaseException:
+            room.cancel()
+            await asyncio.wait([room])  # ended, however: what it reserved is held, or none
+            await exchange.release()
+            raise
+        if not decision.allowed:
+            await exchange.release()
+        return decision, admitted
+
+    async def _first_try(self, request: InferenceRequest, exchange: Exchange) -> bool:
+        """Room in the pool for an arrival, unless the queue's waiting requests go first."""
         check = self._d.arrival_checks.get(request.pool)
-        if (check is None or check(request)) and await exchange.admit(request):
+        return (check is None or check(request)) and await exchange.admit(request)
+
+    async def _dispatch(
+        self, request: InferenceRequest, exchange: Exchange, *, admitted: bool | None = None
+    ) -> Served:
+        """Serve `request` from its pool, else through its overflow chain. `admitted` tells
+        the outcome of a first try made already (None: none was)."""
+        if admitted is None:
+            admitted = await self._first_try(request, exchange)
+        if admitted:
             return await exchange.serve_local(request, Outcome.LOCAL)
         chain = self._d.chains[request.pool]
         self._check_fits(request, chain)

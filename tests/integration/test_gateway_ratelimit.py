@@ -101,6 +101,18 @@ def test_200_at_once_admit_exactly_the_tenants_requests_per_minute(
             assert "requests per minute" in r.json()["error"]["message"]
     for url in fleet.urls:  # every decision was a shared one
         assert metric_sum(url, "spillgate_ratelimit_store_errors_total") == 0
+    # each request tried for room while the limiter decided: the refused gave theirs back
+    assert_nothing_held(fleet)
+
+
+def assert_nothing_held(fleet: Fleet) -> None:
+    """Every gateway's ledger holds no tokens (within its view's refresh)."""
+    deadline = time.monotonic() + 5
+    held = [metric_sum(url, "spillgate_inflight_tokens") for url in fleet.urls]
+    while any(held) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        held = [metric_sum(url, "spillgate_inflight_tokens") for url in fleet.urls]
+    assert held == [0] * len(fleet.urls)
 
 
 def test_admitted_tokens_stay_within_the_limit_plus_one_request(fleet: Fleet) -> None:
