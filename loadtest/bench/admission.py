@@ -261,7 +261,12 @@ async def _main(args: argparse.Namespace, plan: BenchPlan, workdir: Path) -> dic
         gateways = {
             arm: stack.enter_context(
                 fleet.gateway(
-                    fleet.gateway_config(backend=found, provider_url=provider_url, arm=arm),
+                    fleet.gateway_config(
+                        backend=found,
+                        provider_url=provider_url,
+                        arm=arm,
+                        queue_wait_s=args.queue_wait,
+                    ),
                     workdir=workdir,
                     arm=arm,
                 )
@@ -301,6 +306,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, BenchPla
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--prompt-tokens", default="uniform:32:256")
     p.add_argument("--seed", type=int, default=20)
+    p.add_argument(
+        "--queue-wait",
+        type=float,
+        help="the gateways' queue.max_wait_s (default: the gateway's own, 2 s)",
+    )
     p.add_argument("--json", type=Path)
     p.add_argument("--logs", type=Path, help="keep the gateways' and simulators' output here")
     args = p.parse_args(argv)
@@ -329,6 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             logs.mkdir(parents=True, exist_ok=True)
         figures = asyncio.run(_main(args, plan, logs))
     figures["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
+    figures["queue_wait_s"] = args.queue_wait
     figures["targets"] = targets(figures)
     print(report(figures))
     if args.json:

@@ -146,11 +146,16 @@ def provider(*, workdir: Path) -> Iterator[str]:
         yield url
 
 
-def gateway_config(*, backend: Backend, provider_url: str, arm: str) -> dict[str, Any]:
+def gateway_config(
+    *, backend: Backend, provider_url: str, arm: str, queue_wait_s: float | None = None
+) -> dict[str, Any]:
     """One gateway: tenant limits out of the way, the arm's admission on both pools, and
     connect timeouts long enough for a starved two-core machine (the default 2 s there
-    turned overload into refusals that had nothing to do with admission)."""
-    options = {"target_fill": 0.9, "timeouts": TIMEOUTS, **ARMS[arm]}
+    turned overload into refusals that had nothing to do with admission); the queue's
+    longest wait when `queue_wait_s` is given."""
+    options: dict[str, Any] = {"target_fill": 0.9, "timeouts": TIMEOUTS, **ARMS[arm]}
+    if queue_wait_s is not None:
+        options["queue"] = {"max_wait_s": queue_wait_s}
     entry = {"url": backend.url, "served_model": backend.model, "capacity": "auto"}
     return {
         "tenants": [

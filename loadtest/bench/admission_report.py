@@ -111,6 +111,8 @@ def report(figures: dict[str, Any]) -> str:
         f"target_fill 0.9; load average {load.get('before', 0):.1f} before, "
         f"{load.get('after', 0):.1f} after (other work on the machine)",
     ]
+    if figures.get("queue_wait_s") is not None:
+        lines.append(f"the gateways' queue waits up to {figures['queue_wait_s']:g} s (not 2 s)")
     if figures.get("warmup"):
         lines.append(
             f"the learning arms were warmed first: {figures['plan']['warmup']} seeded requests "
