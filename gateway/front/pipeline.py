@@ -21,18 +21,16 @@ from gateway.admission.prefix_index import block_keys, prompt_bytes
 from gateway.admission.router import Router
 from gateway.clock import Clock
 from gateway.errors import (
-    ContextLengthExceeded,
-    LimiterUnavailable,
     ModelNotFound,
     Rejected,
     RequestTimeout,
     SpillgateError,
-    Throttled,
     error_response,
 )
 from gateway.front.auth import Authenticator, Tenant
 from gateway.front.exchange import Exchange, Holding, Served
 from gateway.front.parse import decode_body, names_max_tokens, parse_request, requested_model
+from gateway.front.refusals import limiter_refusal, never_fits
 from gateway.front.request import (
     BATCHABLE_HEADER,
     PRIORITY_HEADER,
@@ -297,27 +295,7 @@ class CompletionsEndpoint:
         headers += decision.headers()
         if decision.allowed:
             return
-        error: SpillgateError
-        if decision.reason == "store_unavailable":
-            error = LimiterUnavailable(
-                "Rate limiting is unavailable and this gateway is configured to refuse meanwhile.",
-                retry_after=decision.retry_after_s,  # the breaker's remaining cooldown
-            )
-        elif decision.reason == "too_large":
-            # no Retry-After: waiting cannot help, and clients (openai's) honour x-should-retry
-            error = Throttled(
-                f"Request too large for tenant {tenant.name!r}: it needs "
-                f"{request.reserved_tokens} tokens (prompt estimate plus max_tokens) but the "
-                f"tenant's token bucket holds at most {decision.limit_tokens}. Lower max_tokens "
-                "or shorten the prompt; retrying will not help.",
-                code="request_too_large",
-                headers={"x-should-retry": "false"},
-            )
-        else:
-            error = Throttled(
-                f"Rate limit reached for tenant {tenant.name!r} on {decision.reason} per minute.",
-                retry_after=decision.retry_after_s,
-            )
+        error = limiter_refusal(decision, tenant=tenant.name, request=request)
         self._d.metrics.tally.request(request.pool, tenant.name, error.outcome)
         raise error
 
@@ -380,15 +358,8 @@ class CompletionsEndpoint:
         if any(policy.name in SPILL_POLICIES for policy in chain):
             return
         need = router.pool_kv_tokens(request.pool, request.sequence_tokens, sequences=request.n)
-        output = request.sequence_tokens - request.prompt_tokens
         largest = max(router.capacity(b) for b in router.pools[request.pool].backends)
-        raise ContextLengthExceeded(
-            f"The request needs about {need} tokens of KV cache ({request.n} x (about "
-            f"{request.prompt_tokens} prompt tokens + {output} output "
-            f"tokens), in whole blocks), more than any backend of pool {request.pool!r} can "
-            f"hold ({largest} tokens). Lower max_tokens or n, or shorten the prompt.",
-            param="max_tokens",
-        )
+        raise never_fits(request, need=need, largest=largest)
 
     @staticmethod
     def _used(request: InferenceRequest, served: Served | None, *, cut: bool) -> int:
