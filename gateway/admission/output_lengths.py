@@ -34,10 +34,19 @@ import math
 import operator
 import statistics
 from collections import deque
+from typing import NamedTuple
 
 from gateway.config import ReservationSettings
 
 WINDOW = 1024  # the most recent answers a quantile is taken over: it follows the traffic
+
+
+class Reserve(NamedTuple):
+    """What one choice reserves beyond its prompt on admission, and the headroom a stream
+    keeps reserved beyond what it holds as it grows (gateway/admission/growth.py)."""
+
+    output: int
+    headroom: int = 0
 
 
 class LengthQuantile:
@@ -199,30 +208,26 @@ class OutputLengths:
             return max(1, lengths.value())
         return lengths.share(self._z, at_once)
 
-    def held_at_peak(self, tenant: str | None = None, *, room: int, prompt_tokens: int) -> int:
-        """The output tokens one choice of a streaming request reserves with `hold: peak`:
-        beyond its prompt, the most it is expected to hold at once, and its share of the
-        spread (`headroom`); never more than `expected` (its whole expected answer)."""
-        whole = self.expected(tenant, room=room, prompt_tokens=prompt_tokens)
+    def held_at_peak(self, tenant: str | None = None, *, room: int, prompt_tokens: int) -> Reserve:
+        """What one choice of a streaming request reserves with `hold: peak`: beyond its
+        prompt, the most it is expected to hold at once and its share of the spread, which
+        it keeps as headroom while it grows; never more than `expected` (its whole expected
+        answer), and no headroom where that is what it reserves."""
         lengths = self._lengths(tenant)
-        if lengths is None or self._per_answer:
-            return whole
+        if lengths is None:
+            return Reserve(output=self.settings.prior_tokens)
+        whole = self._share(lengths, room, prompt_tokens)
+        if self._per_answer:
+            return Reserve(output=whole)
         peak = lengths.peak(prompt_tokens)
         at_once = room // max(1, peak)
         if at_once <= 1:
-            return whole
-        return max(1, min(whole, peak - prompt_tokens + lengths.margin(self._z, at_once)))
-
-    def headroom(self, tenant: str | None = None, *, room: int, prompt_tokens: int) -> int:
-        """With `hold: peak`, what a stream keeps reserved beyond what it holds while it
-        grows: its share of the spread of what the streams of a backend will hold together
-        (0 otherwise). Reserved at admission and kept, it leaves the backend room for the
-        streams that outlive their peak while others end later than expected."""
-        lengths = self._lengths(tenant)
-        if lengths is None or self._per_answer or self.settings.hold != "peak":
-            return 0
-        at_once = room // max(1, lengths.peak(prompt_tokens))
-        return 0 if at_once <= 1 else lengths.margin(self._z, at_once)
+            return Reserve(output=whole)
+        headroom = lengths.margin(self._z, at_once)
+        beyond = peak - prompt_tokens + headroom
+        if beyond >= whole:
+            return Reserve(output=whole)
+        return Reserve(output=max(1, beyond), headroom=headroom)
 
     def samples(self, tenant: str | None = None) -> int:
         if tenant is None:
@@ -238,12 +243,17 @@ class OutputLengths:
         room: int = 0,
         prompt_tokens: int = 0,
         streaming: bool = False,
-    ) -> int:
+    ) -> Reserve:
         """What one choice reserves: the expected output (what a stream is expected to hold
         at its peak, with `hold: peak`), never more than `cap` (the request's max_tokens, or
         what its context leaves), or the whole cap in `max_tokens` mode."""
         if self.settings.mode == "max_tokens":
-            return cap
+            return Reserve(output=cap)
         if streaming and self.settings.hold == "peak":
-            return min(cap, self.held_at_peak(tenant, room=room, prompt_tokens=prompt_tokens))
-        return min(cap, self.expected(tenant, room=room, prompt_tokens=prompt_tokens))
+            held = self.held_at_peak(tenant, room=room, prompt_tokens=prompt_tokens)
+            if held.output >= cap:
+                return Reserve(output=cap)  # the whole answer is held: nothing to grow into
+            return held
+        return Reserve(
+            output=min(cap, self.expected(tenant, room=room, prompt_tokens=prompt_tokens))
+        )

@@ -236,19 +236,16 @@ class Exchange:
     def _growth(self, request: InferenceRequest, block_size: int) -> Growth | None:
         """What grows a streaming request's reservation with its answer (in `learned`
         mode; `max_tokens` mode reserves the whole answer up front)."""
-        pool = self.router.pools[request.pool]
-        if not request.stream or pool.settings.reservation.mode != "learned":
+        settings = self.router.pools[request.pool].settings.reservation
+        if not request.stream or settings.mode != "learned":
             return None
-        headroom = pool.outputs.headroom(
-            request.tenant, room=self.router.room(pool.name), prompt_tokens=request.prompt_tokens
-        )
         return Growth(
             router=self.router,
             holding=self.holding,
             prompt_tokens=request.prompt_tokens,
             sequences=request.n,
             block_size=block_size,
-            headroom=headroom,
+            headroom=request.headroom,
         )
 
     async def serve_target(

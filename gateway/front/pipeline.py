@@ -237,10 +237,12 @@ class CompletionsEndpoint:
 
     def _expect(self, request: InferenceRequest, pool: Pool) -> InferenceRequest:
         """`request` with the output it reserves: the smaller of its cap (max_tokens, or
-        what the context leaves when it names none) and the pool's expected output.
+        what the context leaves when it names none) and the pool's expected output; for a
+        stream, what it is expected to hold at its peak, and the headroom it keeps as it
+        grows (gateway/admission/output_lengths.py).
 
         A request that is not streamed cannot grow its reservation as it goes; it reserves
-        the same expected output all the same, since the backends' reported KV use
+        its whole expected output, and the backends' reported KV use
         (gateway/admission/backend_load.py) covers an answer longer than that within a scrape.
         """
         if pool.settings.reservation.mode == "max_tokens" or not request.max_output_tokens:
@@ -256,7 +258,7 @@ class CompletionsEndpoint:
             prompt_tokens=request.prompt_tokens,
             streaming=request.stream,
         )
-        return request._replace(output_reserve=reserve)
+        return request._replace(output_reserve=reserve.output, headroom=reserve.headroom)
 
     @staticmethod
     def _locate(

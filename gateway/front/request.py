@@ -49,6 +49,9 @@ class InferenceRequest(NamedTuple):
     # the output one choice reserves on admission (gateway/admission/output_lengths.py); 0: all of
     # max_output_tokens
     output_reserve: int = 0
+    # what a stream keeps reserved per choice beyond what it holds as it grows
+    # (gateway/admission/growth.py)
+    headroom: int = 0
     batchable: bool = False  # may wait: overflow may accept it into a batch (policies/batch.py)
     # the keys of its prompt's leading blocks and its session, where its pool routes by
     # prefix (gateway/admission/prefix_index.py)

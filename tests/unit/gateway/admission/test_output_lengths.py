@@ -3,7 +3,13 @@
 import math
 import random
 
-from gateway.admission.output_lengths import WINDOW, HeldByStream, LengthQuantile, OutputLengths
+from gateway.admission.output_lengths import (
+    WINDOW,
+    HeldByStream,
+    LengthQuantile,
+    OutputLengths,
+    Reserve,
+)
 from gateway.config import ReservationSettings
 
 
@@ -55,10 +61,10 @@ def test_choices_are_samples_of_their_mean_length() -> None:
 
 def test_reserved_output_is_the_smaller_of_the_cap_and_the_expected() -> None:
     lengths = OutputLengths(ReservationSettings(prior_tokens=512))
-    assert lengths.reserve_output(tenant="a", cap=2048) == 512
-    assert lengths.reserve_output(tenant="a", cap=100) == 100
+    assert lengths.reserve_output(tenant="a", cap=2048) == Reserve(output=512)
+    assert lengths.reserve_output(tenant="a", cap=100) == Reserve(output=100)
     static = OutputLengths(ReservationSettings(mode="max_tokens", prior_tokens=512))
-    assert static.reserve_output(tenant="a", cap=2048) == 2048
+    assert static.reserve_output(tenant="a", cap=2048) == Reserve(output=2048)
 
 
 def geometric_answers(lengths: OutputLengths, *, mean: float, count: int) -> list[int]:
@@ -141,32 +147,31 @@ def test_a_stream_reserves_its_expected_peak_and_its_share_of_the_spread() -> No
     streamed = lengths.reserve_output(
         tenant="a", cap=2048, room=16_000, prompt_tokens=144, streaming=True
     )
-    assert streamed == peak - 144 + margin
-    assert lengths.headroom("a", room=16_000, prompt_tokens=144) == margin
+    assert streamed == Reserve(output=peak - 144 + margin, headroom=margin)
     # not streamed: it cannot grow, so it reserves its whole expected answer
     whole = lengths.reserve_output(tenant="a", cap=2048, room=16_000, prompt_tokens=144)
-    assert whole == lengths.expected("a", room=16_000, prompt_tokens=144) > streamed
-    assert (
-        lengths.reserve_output(tenant="a", cap=20, room=16_000, prompt_tokens=144, streaming=True)
-        == 20
+    assert whole.output == lengths.expected("a", room=16_000, prompt_tokens=144)
+    assert whole.output > streamed.output and whole.headroom == 0
+    # a cap below its peak: the whole cap, with nothing to grow into
+    capped = lengths.reserve_output(
+        tenant="a", cap=20, room=16_000, prompt_tokens=144, streaming=True
     )
+    assert capped == Reserve(output=20)
 
 
 def test_hold_whole_and_the_prior_reserve_the_whole_expected_answer() -> None:
     whole = OutputLengths(ReservationSettings(hold="whole", min_samples=10))
     geometric_answers(whole, mean=256, count=1000)
     expected = whole.expected("a", room=16_000, prompt_tokens=144)
-    assert (
-        whole.reserve_output(tenant="a", cap=2048, room=16_000, prompt_tokens=144, streaming=True)
-        == expected
+    streamed = whole.reserve_output(
+        tenant="a", cap=2048, room=16_000, prompt_tokens=144, streaming=True
     )
-    assert whole.headroom("a", room=16_000, prompt_tokens=144) == 0
+    assert streamed == Reserve(output=expected)
     fresh = OutputLengths(ReservationSettings(prior_tokens=512))
-    assert (
-        fresh.reserve_output(tenant="a", cap=2048, room=16_000, prompt_tokens=144, streaming=True)
-        == 512
+    streamed = fresh.reserve_output(
+        tenant="a", cap=2048, room=16_000, prompt_tokens=144, streaming=True
     )
-    assert fresh.headroom("a", room=16_000, prompt_tokens=144) == 0
+    assert streamed == Reserve(output=512)
 
 
 def test_streams_admitted_at_their_peak_fit_together_in_nine_draws_of_ten() -> None:
@@ -176,8 +181,11 @@ def test_streams_admitted_at_their_peak_fit_together_in_nine_draws_of_ten() -> N
     lengths = OutputLengths(ReservationSettings(quantile=0.9, min_samples=10))
     answers = geometric_answers(lengths, mean=256, count=1000)
     prompt, streams = 144, 60
-    share = prompt + lengths.reserve_output(
-        tenant="a", cap=2048, room=streams * 200, prompt_tokens=prompt, streaming=True
+    share = (
+        prompt
+        + lengths.reserve_output(
+            tenant="a", cap=2048, room=streams * 200, prompt_tokens=prompt, streaming=True
+        ).output
     )
     rng = random.Random(13)
     over = 0
