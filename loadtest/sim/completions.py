@@ -7,8 +7,6 @@ thousands of requests per second through them.
 
 from __future__ import annotations
 
-import asyncio
-
 from starlette.types import Receive, Scope, Send
 
 from loadtest.sim.asgi import (
@@ -17,7 +15,6 @@ from loadtest.sim.asgi import (
     send_chunk,
     send_json,
     start_sse,
-    wait_disconnect,
 )
 from loadtest.sim.config import SimConfig
 from loadtest.sim.engine import Engine, LiveSequence
@@ -105,17 +102,11 @@ class CompletionsEndpoint:
         except ValueError as exc:  # an answer longer than the whole KV cache
             await send_error(send, SimRequestError(str(exc)))
             return
-        watcher = asyncio.create_task(self._abort_on_disconnect(receive, seqs))
-        try:
+        async with self._engine.serving(seqs, receive):
             if req.stream:
                 await self._stream(req, seqs, send)
             else:
                 await self._complete(req, seqs, send)
-        finally:
-            watcher.cancel()
-            for seq in seqs:
-                if not seq.done:
-                    self._engine.abort(seq)
 
     def _sequences(self, req: SimRequest) -> list[LiveSequence]:
         """One sequence per choice, as vLLM runs `n`, each ending at its own sampled EOS;
@@ -149,12 +140,6 @@ class CompletionsEndpoint:
             for seq in submitted:
                 self._engine.abort(seq)
             raise
-
-    async def _abort_on_disconnect(self, receive: Receive, seqs: list[LiveSequence]) -> None:
-        await wait_disconnect(receive)
-        for seq in seqs:
-            if not seq.done:
-                self._engine.abort(seq)
 
     def _frames(self, req: SimRequest) -> list[StreamFrame]:
         response_id = new_id(self._kind)

@@ -9,10 +9,14 @@ event loop every few milliseconds, and readers then pick up several tokens per w
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as TokenIds
 
+from starlette.types import Receive
+
 from gateway.capacity.perf import StepCost
+from loadtest.sim.asgi import wait_disconnect
 from loadtest.sim.scheduler import Scheduler, SeqState, Sequence, Step
 
 MAX_LAG_S = 0.5  # simulated time owed after a stall is caught up, up to this much
@@ -97,6 +101,28 @@ class Engine:
         """Free the sequence's KV now and wake its reader."""
         self.scheduler.abort(seq)
         seq.progress.set()
+
+    @contextlib.asynccontextmanager
+    async def serving(self, seqs: list[LiveSequence], receive: Receive) -> AsyncIterator[None]:
+        """While an answer to `seqs` is written: they are aborted as soon as its client
+        leaves, and when the answer ends without them finished (an error, a cancellation),
+        so their KV never outlives the request."""
+
+        def abort_unfinished() -> None:
+            for seq in seqs:
+                if not seq.done:
+                    self.abort(seq)
+
+        async def on_disconnect() -> None:
+            await wait_disconnect(receive)
+            abort_unfinished()
+
+        watcher = asyncio.create_task(on_disconnect())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            abort_unfinished()
 
     def close(self) -> None:
         """Abort everything, so every reader returns."""

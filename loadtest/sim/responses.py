@@ -10,7 +10,6 @@ any other answers 404, as a vLLM server does.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections import OrderedDict
@@ -26,7 +25,6 @@ from loadtest.sim.asgi import (
     send_chunk,
     send_json,
     start_sse,
-    wait_disconnect,
 )
 from loadtest.sim.engine import Engine, LiveSequence
 from loadtest.sim.protocol import Limits, SimRequestError
@@ -66,21 +64,11 @@ class ResponsesEndpoint:
         writer = _ResponseWriter(
             body=body, model=self._limits.model, prompt_tokens=prompt_tokens, filler=self._filler
         )
-        watcher = asyncio.create_task(self._abort_on_disconnect(receive, seq))
-        try:
+        async with self._engine.serving([seq], receive):
             if seq.streaming:
                 await self._stream(seq, writer, send)
             else:
                 await self._complete(seq, writer, send)
-        finally:
-            watcher.cancel()
-            if not seq.done:
-                self._engine.abort(seq)
-
-    async def _abort_on_disconnect(self, receive: Receive, seq: LiveSequence) -> None:
-        await wait_disconnect(receive)
-        if not seq.done:
-            self._engine.abort(seq)
 
     def _parse(self, body: dict[str, Any]) -> tuple[int, int]:
         check_model(body, self._limits)
