@@ -52,7 +52,17 @@ class Reserve(NamedTuple):
 class LengthQuantile:
     """A quantile of the last WINDOW samples, worked out again only when enough changed."""
 
-    __slots__ = ("_dirty", "_held", "_mean", "_q", "_samples", "_sd", "_share", "_value")
+    __slots__ = (
+        "_dirty",
+        "_held",
+        "_mean",
+        "_ordered",
+        "_q",
+        "_samples",
+        "_sd",
+        "_share",
+        "_value",
+    )
 
     def __init__(self, q: float) -> None:
         self._q = q
@@ -61,7 +71,8 @@ class LengthQuantile:
         self._value = 0
         self._mean = self._sd = 0.0
         self._share = (0, 0)  # (sequences at once, the share worked out for them)
-        self._held: HeldByStream | None = None  # worked out when first asked for
+        self._ordered: list[int] = []  # the samples the figures were worked out from, sorted
+        self._held: HeldByStream | None = None  # worked out from them when first asked for
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -100,12 +111,12 @@ class LengthQuantile:
         """The most a stream of `prompt_tokens` is expected to hold at once (tokens)."""
         self._update()
         if self._held is None:
-            self._held = HeldByStream(sorted(self._samples))
+            self._held = HeldByStream(self._ordered)
         return self._held.peak(prompt_tokens)
 
     def _update(self) -> None:
         if self._dirty and (self._dirty * 64 >= len(self._samples) or not self._value):
-            ordered = sorted(self._samples)
+            ordered = self._ordered = sorted(self._samples)
             rank = max(1, math.ceil(self._q * len(ordered)))
             self._value = ordered[rank - 1]
             # exact integer sums, summed in C: this runs on the request path
