@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable, Collection
+from typing import TYPE_CHECKING
 
 from gateway.admission.ledger import Reservation
 from gateway.errors import BackendUnavailable, InvalidRequest
@@ -28,6 +29,9 @@ from gateway.front.exchange import Exchange, Served
 from gateway.front.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.front.request import Endpoint, InferenceRequest
 from gateway.front.response_homes import ResponseHomes, ResponseIdRecorder
+
+if TYPE_CHECKING:
+    from gateway.front.trace import RequestTrace
 
 # the overflow steps that can serve an embedding, and a response
 EMBEDDING_POLICIES = frozenset({"queue", "provider", "reject"})
@@ -67,14 +71,12 @@ class PinnedExchange(Exchange):
             send=exchange.send,
             headers=exchange.base_headers,
             router=exchange.router,
-            forwarder=exchange.forwarder,
+            forwarder=exchange.forwarder,  # already traced when the request is
             metrics=exchange.metrics,
             clock=exchange.clock,
             holding=exchange.holding,
             recorder=recorder,
         )
-        # the forwarder is the exchange's own, already traced when the request is
-        self.trace = exchange.trace
         self.timings = exchange.timings
         self.others = others
 
@@ -95,7 +97,12 @@ class ResponsesEndpoint(CompletionsEndpoint):
         self._homes = homes
 
     async def _dispatch(
-        self, request: InferenceRequest, exchange: Exchange, *, admitted: bool | None = None
+        self,
+        request: InferenceRequest,
+        exchange: Exchange,
+        *,
+        admitted: bool | None = None,
+        trace: RequestTrace | None = None,
     ) -> Served:
         previous = request.body.get("previous_response_id")
         others = frozenset[str]()
@@ -103,7 +110,7 @@ class ResponsesEndpoint(CompletionsEndpoint):
             others = await self._elsewhere(request.pool, previous)
         recorder = ResponseIdRecorder(self._homes, exchange.holding)
         served = await super()._dispatch(
-            request, PinnedExchange(exchange, recorder=recorder, others=others)
+            request, PinnedExchange(exchange, recorder=recorder, others=others), trace=trace
         )
         await recorder.shared()
         return served

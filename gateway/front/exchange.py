@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from starlette.types import Send
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from gateway.admission.growth import Growth
 from gateway.admission.ledger import Reservation
@@ -19,11 +18,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
 from gateway.upstream.forward import Forwards, Target, UpstreamUnavailable
 from gateway.upstream.relay import JSON_HEADERS, AnswerRecorder, Relayed
-
-if TYPE_CHECKING:
-    from gateway.front.trace import RequestTrace
-
-ATTEMPTS = 3
+from gateway.upstream.retry import tried_again
 
 
 @dataclass(slots=True)
@@ -67,7 +62,6 @@ class Exchange:
         "router",
         "send",
         "timings",
-        "trace",
     )  # fmt: skip
 
     def __init__(
@@ -81,14 +75,11 @@ class Exchange:
         clock: Clock,
         holding: Holding,
         recorder: AnswerRecorder | None = None,
-        trace: RequestTrace | None = None,
     ) -> None:
         self.send = send
         self.base_headers = headers
         self.router = router
-        # traced, each upstream attempt is a span, its context sent on (gateway/tracing.py)
-        self.forwarder = forwarder if trace is None else trace.forwarder(forwarder)
-        self.trace = trace
+        self.forwarder = forwarder
         self.metrics = metrics
         self.clock = clock
         self.holding = holding
@@ -163,43 +154,35 @@ class Exchange:
         """Forward to the backend the request holds a reservation on.
 
         A failure before the first byte moves the reservation to another backend of the pool,
-        within the pool's total deadline: the attempts together never outlast it.
+        within the pool's total deadline: the tries together never outlast it
+        (gateway/upstream/retry.py).
         """
         tried: set[str] = set()
         total_s = self.router.pools[request.pool].settings.timeouts.total
         deadline = self.clock.monotonic() + total_s
         try:
-            # the first attempt runs bare: a retry policy is only built once one is needed
+            # the first try runs bare: the retries are only set up once one is needed
             return await self._attempt(request, outcome, tried, deadline=deadline)
         except UpstreamUnavailable as exc:
             first = exc
-
-        def spent(state: RetryCallState) -> bool:
-            # the deadline is Clock time, as every other deadline on the request's path
-            return state.attempt_number >= ATTEMPTS - 1 or self.clock.monotonic() >= deadline
-
-        retrying = AsyncRetrying(
-            stop=spent,
-            retry=retry_if_exception_type(UpstreamUnavailable),
-            reraise=True,
-        )
         try:
-            async for attempt in retrying:
-                with attempt:
-                    return await self._attempt(request, outcome, tried, deadline=deadline)
-        except UpstreamUnavailable as exc:
-            # the attempts found every backend of the pool unreachable: that is an outage,
+            return await tried_again(
+                functools.partial(self._attempt, request, outcome, tried, deadline=deadline),
+                deadline=deadline,
+                clock=self.clock,
+            )
+        except UpstreamUnavailable as last:
+            # the tries found every backend of the pool unreachable: that is an outage,
             # told as later requests are told it, not a failed answer
             outage = self.router.pools[request.pool].outage()
             if outage is not None:
                 raise outage from None
-            error = UpstreamTimeout if exc.timed_out else UpstreamError
-            reason = exc.reason if exc is first else f"{first.reason}; then {exc.reason}"
+            error = UpstreamTimeout if last.timed_out else UpstreamError
             raise error(
-                f"The backends of pool {request.pool!r} failed before answering ({reason}).",
+                f"The backends of pool {request.pool!r} failed before answering "
+                f"({first.reason}; then {last.reason}).",
                 retry_after=1.0,
             ) from None
-        raise AssertionError("unreachable")
 
     async def _attempt(
         self, request: InferenceRequest, outcome: Outcome, tried: set[str], *, deadline: float

@@ -39,6 +39,8 @@ from gateway.front.request import (
     InferenceRequest,
     check_pool_kind,
     effective_priority,
+    header_text,
+    request_headers,
 )
 from gateway.front.watch import ClientGone, RequestWatch, read_body
 from gateway.metrics import GatewayMetrics
@@ -80,17 +82,6 @@ class PipelineDeps:
     # batch, one round trip (gateway/redis_batch.py). In-process each call finishes at
     # once, and two tasks would only cost more.
     shared: bool = False
-
-
-def request_headers(scope: Scope) -> dict[bytes, bytes]:
-    """The request's headers by name, read in one pass; a repeated header counts once,
-    as it first came (built from the end, so the earliest is written last)."""
-    return dict(reversed(scope["headers"]))
-
-
-def _text(headers: Mapping[bytes, bytes], name: bytes) -> str | None:
-    value = headers.get(name)
-    return None if value is None else value.decode("latin-1")
 
 
 class CompletionsEndpoint:
@@ -161,7 +152,7 @@ class CompletionsEndpoint:
     ) -> None:
         d = self._d
         t0 = d.clock.monotonic()
-        tenant = d.auth.tenant(_text(fields, b"authorization"))
+        tenant = d.auth.tenant(header_text(fields, b"authorization"))
         body = decode_body(raw)
         pool = self._pool(tenant, requested_model(body))
         request = parse_request(
@@ -169,7 +160,9 @@ class CompletionsEndpoint:
             endpoint=self._endpoint,
             tenant=tenant.name,
             pool=pool.name,
-            priority=effective_priority(tenant.priority, _text(fields, PRIORITY_HEADER_BYTES)),
+            priority=effective_priority(
+                tenant.priority, header_text(fields, PRIORITY_HEADER_BYTES)
+            ),
             default_max_tokens=pool.settings.default_max_tokens,
             max_model_len=pool.max_model_len,
             chars_per_token=pool.estimator.chars_per_token,
@@ -187,12 +180,12 @@ class CompletionsEndpoint:
             send=watch.send,
             headers=headers,
             router=d.router,
-            forwarder=d.forwarder,
+            # traced, each upstream attempt is a span, its context sent on (gateway/tracing.py)
+            forwarder=d.forwarder if trace is None else trace.forwarder(d.forwarder),
             metrics=d.metrics,
             clock=d.clock,
             holding=holding,
             recorder=self._recorder(request),
-            trace=trace,
         )
         admitted: bool | None = None  # not tried yet
         if d.shared and self.admit_early:
@@ -204,7 +197,7 @@ class CompletionsEndpoint:
         outcome = Outcome.ERROR
         began = pool.demand.begin(reserved)
         try:
-            served = await self._dispatch(request, exchange, admitted=admitted)
+            served = await self._dispatch(request, exchange, admitted=admitted, trace=trace)
             outcome = served.outcome
         except Rejected:
             outcome = Outcome.REJECTED
@@ -266,7 +259,7 @@ class CompletionsEndpoint:
     ) -> InferenceRequest:
         """`request` with what prefix routing places it by: the keys of its prompt's leading
         blocks, and its session (the header, else the body's `user`), within its tenant."""
-        session = _text(fields, SESSION_HEADER_BYTES)
+        session = header_text(fields, SESSION_HEADER_BYTES)
         user = request.body.get("user")
         if session is None and isinstance(user, str) and user:
             session = user
@@ -325,7 +318,12 @@ class CompletionsEndpoint:
         return (check is None or check(request)) and await exchange.admit(request)
 
     async def _dispatch(
-        self, request: InferenceRequest, exchange: Exchange, *, admitted: bool | None = None
+        self,
+        request: InferenceRequest,
+        exchange: Exchange,
+        *,
+        admitted: bool | None = None,
+        trace: RequestTrace | None = None,
     ) -> Served:
         """Serve `request` from its pool, else through its overflow chain. `admitted` tells
         the outcome of a first try made already (None: none was)."""
@@ -336,7 +334,6 @@ class CompletionsEndpoint:
         chain = self._d.chains[request.pool]
         self._check_fits(request, chain)
         outage = self._d.router.pools[request.pool].outage
-        trace = exchange.trace
         try:
             for policy in chain:
                 if trace is None:

@@ -4,8 +4,11 @@ serves, and the per-pool estimate of characters per token."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any, NamedTuple
+
+from starlette.types import Scope
 
 from gateway.config import PRIORITIES, PoolKind, Priority
 from gateway.errors import InvalidRequest
@@ -13,6 +16,17 @@ from gateway.errors import InvalidRequest
 BATCHABLE_HEADER = "x-spillgate-batchable"  # "true": the request may wait, as a batch
 PRIORITY_HEADER = "x-spillgate-priority"
 SESSION_HEADER = "x-spillgate-session"  # a conversation's turns go where its prefix is cached
+
+
+def request_headers(scope: Scope) -> dict[bytes, bytes]:
+    """The request's headers by name, read in one pass; a repeated header counts once,
+    as it first came (built from the end, so the earliest is written last)."""
+    return dict(reversed(scope["headers"]))
+
+
+def header_text(headers: Mapping[bytes, bytes], name: bytes) -> str | None:
+    value = headers.get(name)
+    return None if value is None else value.decode("latin-1")
 
 
 class Endpoint(StrEnum):
