@@ -14,11 +14,14 @@ from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
 from gateway.upstream.relay import AnswerRecorder
 
+# not only for the checker: a policy that forwards elsewhere builds the Target it hands
+# `serve_target`, and a policy may import what this module does
+from gateway.upstream.target import Target
+
 if TYPE_CHECKING:
     from starlette.types import Send
 
     from gateway.admission.ledger import Reservation
-    from gateway.upstream.forward import Target
 
 
 class OverflowContext(Protocol):

@@ -21,7 +21,7 @@ from gateway.config import ProviderSettings
 from gateway.errors import SpillgateError
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import RateLimiter, TenantLimits
-from gateway.upstream.forward import Target
+from gateway.upstream.target import Target
 
 UNLIMITED_REQUESTS = 1_000_000_000  # a provider's budget counts tokens only
 

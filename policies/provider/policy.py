@@ -15,12 +15,12 @@ import logging
 from typing import ClassVar
 
 from gateway.config import PoolSettings
+from gateway.errors import UpstreamUnavailable
 from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
 from gateway.overflow import OverflowContext
-from gateway.upstream.forward import UpstreamUnavailable
 from policies.deps import PolicyDeps
 from policies.provider.gate import ProviderGate, Refusal
 

@@ -24,9 +24,8 @@ REACHES = {
         "gateway.admission.ledger",
         "gateway.metrics",
         "gateway.ratelimit",
-        "gateway.upstream.forward",
     },
-    "policies.provider.policy": {"gateway.metrics", "gateway.upstream.forward"},
+    "policies.provider.policy": {"gateway.metrics"},
     "policies.queue.policy": {
         "gateway.admission.router",
         "gateway.metrics",
