@@ -231,7 +231,7 @@ def create_app(
     batches = Batches(store, settings=settings.batch, pools=pools, clock=clock)
     policy_deps = PolicyDeps(
         settings=settings,
-        router=router,
+        room=router,
         metrics=metrics,
         clock=clock,
         redis=redis,

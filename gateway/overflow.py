@@ -1,7 +1,9 @@
-"""The overflow policy role: what runs when no backend of a pool has room, and the hooks a
-policy may offer the request path (recording answers, holding new arrivals back).
+"""The overflow policy role: what runs when no backend of a pool has room, the hooks a
+policy may offer the request path (recording answers, holding new arrivals back), and the
+narrow roles of the gateway's parts a policy is handed (room in the pools, its metrics).
 
-The gateway sees the policies only through these; `gateway/app.py` builds the chains.
+The gateway sees the policies only through these, and the policies see the gateway only
+through these; `gateway/app.py` builds the chains and hands each the concrete parts.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from gateway.upstream.relay import AnswerRecorder
 from gateway.upstream.target import Target
 
 if TYPE_CHECKING:
+    from prometheus_client import Gauge, Histogram
     from starlette.types import Send
 
     from gateway.admission.ledger import Reservation
@@ -96,3 +99,43 @@ class ArrivalCheck(Protocol):
 
 
 LetsIn = Callable[[InferenceRequest], bool]
+
+
+class PoolRoom(Protocol):
+    """Room in the pools as a policy that waits for it sees it (admission/router.py's
+    Router): what a request takes, whether it fits now or ever, and word of every release.
+    """
+
+    def on_release(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(pool)` whenever capacity is given back in a pool."""
+        ...
+
+    def on_waiting(self, pool: str, waiting: Callable[[], list[int]]) -> None:
+        """Tell the forecast what waits in `pool`: the KV tokens of each waiting request."""
+        ...
+
+    def has_room(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
+        """Whether a reservation would find room now (from the last known tokens in flight)."""
+        ...
+
+    def fits_ever(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
+        """Whether any backend of the pool could hold the request even when idle."""
+        ...
+
+    def pool_kv_tokens(self, pool: str, tokens: int, *, sequences: int = 1) -> int:
+        """The request's KV tokens on the pool's backend with the largest blocks."""
+        ...
+
+    async def release(self, reservation: Reservation) -> None:
+        """Give back a reservation no request holds (one made for a waiter that left)."""
+        ...
+
+
+class QueueMetrics(Protocol):
+    """The metric families a queue keeps (gateway/metrics.py names them)."""
+
+    @property
+    def queue_depth(self) -> Gauge: ...
+
+    @property
+    def queue_wait(self) -> Histogram: ...

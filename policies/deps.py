@@ -8,12 +8,11 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from gateway.admission.router import Router
 from gateway.batch.service import Batches
 from gateway.clock import Clock
 from gateway.config import PoolSettings, Settings
 from gateway.metrics import GatewayMetrics
-from gateway.overflow import OverflowPolicy
+from gateway.overflow import OverflowPolicy, PoolRoom
 from policies.provider.gate import ProviderGate
 
 
@@ -22,7 +21,7 @@ class PolicyDeps:
     """Everything a policy factory may draw on; built once in the app's lifespan."""
 
     settings: Settings
-    router: Router
+    room: PoolRoom  # the router, as a policy waiting for room sees it
     metrics: GatewayMetrics
     clock: Clock
     redis: aioredis.Redis | RedisCluster | None = None  # shared state when configured, else local

@@ -19,18 +19,13 @@ VOCABULARY = {"gateway.config", "gateway.errors", "gateway.outcome", "gateway.cl
 # context drops its line here.
 REACHES = {
     "policies.batch": {"gateway.batch.service"},
-    "policies.deps": {"gateway.admission.router", "gateway.batch.service", "gateway.metrics"},
+    "policies.deps": {"gateway.batch.service", "gateway.metrics"},
     "policies.provider.gate": {
         "gateway.admission.ledger",
         "gateway.metrics",
         "gateway.ratelimit",
     },
     "policies.provider.policy": {"gateway.metrics"},
-    "policies.queue.policy": {
-        "gateway.admission.router",
-        "gateway.metrics",
-        "gateway.upstream.deadline",
-    },
 }
 
 

@@ -57,7 +57,7 @@ def test_the_full_chain_is_built_in_config_order_with_its_hooks() -> None:
     router = Router(build_pools(settings.pools, clock=clock), ledger=LocalLedger(), clock=clock)
     deps = PolicyDeps(
         settings=settings,
-        router=router,
+        room=router,
         metrics=metrics,
         clock=clock,
         providers=build_gates(
