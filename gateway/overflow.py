@@ -9,7 +9,7 @@ through these; `gateway/app.py` builds the chains and hands each the concrete pa
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Collection
-from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
@@ -139,3 +139,12 @@ class QueueMetrics(Protocol):
 
     @property
     def queue_wait(self) -> Histogram: ...
+
+
+class BatchIntake(Protocol):
+    """The batch tier's door for one request that may wait (gateway/batch/service.py)."""
+
+    async def create_one(self, request: InferenceRequest) -> dict[str, Any]:
+        """A one-item batch holding `request`, as its owner sees it (OpenAI's batch object);
+        raises a SpillgateError when the tenant's batch limits refuse it."""
+        ...

@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from gateway.batch.service import Batches
 from gateway.clock import Clock
 from gateway.config import PoolSettings, Settings
 from gateway.metrics import GatewayMetrics
-from gateway.overflow import OverflowPolicy, PoolRoom
+from gateway.overflow import BatchIntake, OverflowPolicy, PoolRoom
 from policies.provider.gate import ProviderGate
 
 
@@ -26,7 +25,7 @@ class PolicyDeps:
     clock: Clock
     redis: aioredis.Redis | RedisCluster | None = None  # shared state when configured, else local
     providers: Mapping[str, ProviderGate] = field(default_factory=dict)  # one per provider
-    batches: Batches | None = None  # the batch tier, which the `batch` step hands work to
+    batches: BatchIntake | None = None  # the batch tier, which the `batch` step hands work to
 
 
 PolicyFactory = Callable[[PoolSettings, PolicyDeps], OverflowPolicy]

@@ -18,8 +18,7 @@ VOCABULARY = {"gateway.config", "gateway.errors", "gateway.outcome", "gateway.cl
 # Where policies still reach past that, module by module; a policy given a narrower
 # context drops its line here.
 REACHES = {
-    "policies.batch": {"gateway.batch.service"},
-    "policies.deps": {"gateway.batch.service", "gateway.metrics"},
+    "policies.deps": {"gateway.metrics"},
     "policies.provider.gate": {
         "gateway.admission.ledger",
         "gateway.metrics",
