@@ -1,6 +1,7 @@
 """The overflow policy role: what runs when no backend of a pool has room, the hooks a
 policy may offer the request path (recording answers, holding new arrivals back), and the
-narrow roles of the gateway's parts a policy is handed (room in the pools, its metrics).
+narrow roles of the gateway's parts a policy is handed (room in the pools, the metric
+families it keeps, the batch tier's intake, a provider's slots and token budget).
 
 The gateway sees the policies only through these, and the policies see the gateway only
 through these; `gateway/app.py` builds the chains and hands each the concrete parts.
@@ -21,7 +22,7 @@ from gateway.upstream.relay import AnswerRecorder
 from gateway.upstream.target import Target
 
 if TYPE_CHECKING:
-    from prometheus_client import Gauge, Histogram
+    from prometheus_client import Counter, Gauge, Histogram
     from starlette.types import Send
 
     from gateway.admission.ledger import Reservation
@@ -139,6 +140,54 @@ class QueueMetrics(Protocol):
 
     @property
     def queue_wait(self) -> Histogram: ...
+
+
+class ProviderMetrics(Protocol):
+    """The metric families a provider's gate and policy keep (gateway/metrics.py names them)."""
+
+    @property
+    def upstream_errors(self) -> Counter: ...
+
+    @property
+    def provider_cost(self) -> Counter: ...
+
+    @property
+    def provider_breaker_open(self) -> Gauge: ...
+
+
+class PolicyMetrics(QueueMetrics, ProviderMetrics, Protocol):
+    """Every metric family a policy keeps: GatewayMetrics, as the policies see it."""
+
+
+class Slots(Protocol):
+    """Leases counted and capped per key (an in-flight Ledger, admission/ledger.py): a
+    provider's concurrency slots, a lease of one token per request, shared by the fleet when
+    the ledger is."""
+
+    async def reserve(self, backend: str, tokens: int, *, limit: int) -> Reservation | None:
+        """Take `tokens` under `backend` if what it holds stays within `limit`; else None."""
+        ...
+
+    async def release(self, reservation: Reservation) -> None:
+        """Give back what the lease holds; releasing twice is a no-op."""
+        ...
+
+    def sessions(self, backend: str) -> int:
+        """Leases held under `backend` (last known, over the fleet when shared)."""
+        ...
+
+
+class TokenBudget(Protocol):
+    """Tokens per minute for one spender (a provider), spent before a request is sent and
+    settled with what it used (gateway/ratelimit/budget.py)."""
+
+    async def spend(self, tokens: int) -> bool:
+        """Take `tokens` if the budget holds them, in one atomic check-and-debit."""
+        ...
+
+    async def settle(self, *, reserved: int, used: int) -> None:
+        """Give back what a spend of `reserved` did not use, or charge what it used beyond."""
+        ...
 
 
 class BatchIntake(Protocol):

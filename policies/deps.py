@@ -1,4 +1,8 @@
-"""What a policy factory is given: everything a policy may draw on, built once by the app."""
+"""What a policy factory is given: everything a policy may draw on, built once by the app.
+
+The gateway's parts come typed as the roles gateway/overflow.py declares; this lives with
+the policies because the provider gates it carries are theirs (policies/provider/gate.py).
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from gateway.clock import Clock
 from gateway.config import PoolSettings, Settings
-from gateway.metrics import GatewayMetrics
-from gateway.overflow import BatchIntake, OverflowPolicy, PoolRoom
+from gateway.overflow import BatchIntake, OverflowPolicy, PolicyMetrics, PoolRoom
 from policies.provider.gate import ProviderGate
 
 
@@ -21,7 +24,7 @@ class PolicyDeps:
 
     settings: Settings
     room: PoolRoom  # the router, as a policy waiting for room sees it
-    metrics: GatewayMetrics
+    metrics: PolicyMetrics
     clock: Clock
     redis: aioredis.Redis | RedisCluster | None = None  # shared state when configured, else local
     providers: Mapping[str, ProviderGate] = field(default_factory=dict)  # one per provider
