@@ -45,6 +45,7 @@ from gateway.ops.admin import AdminEndpoints
 from gateway.ops.dashboard import Dashboard, OutcomeHistory
 from gateway.ops.openapi import openapi_route
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
+from gateway.ratelimit.budget import provider_budgets
 from gateway.redis_batch import RedisBatcher
 from gateway.tracing import build_tracing
 from gateway.upstream.forward import Forwarder
@@ -223,6 +224,9 @@ def create_app(
     provider_slots = None
     if batcher is not None and settings.providers:
         provider_slots = _provider_slots(settings, batcher, metrics, clock, workers=workers)
+    provider_limiter = _limiter(
+        settings, batcher, metrics, clock, workers=workers, for_providers=True
+    )
     upstream = UpstreamPool(max_connections=settings.server.upstream_max_connections)
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))  # capacity discovery and probes
     store: BatchStore = DirStore(settings.batch.dir)
@@ -231,7 +235,7 @@ def create_app(
     batches = Batches(store, settings=settings.batch, pools=pools, clock=clock)
     policy_deps = PolicyDeps(
         settings=settings,
-        router=router,
+        room=router,
         metrics=metrics,
         clock=clock,
         redis=redis,
@@ -241,8 +245,8 @@ def create_app(
             environ=env,
             clock=clock,
             metrics=metrics,
-            budget=_limiter(settings, batcher, metrics, clock, workers=workers, for_providers=True),
-            slots=provider_slots,
+            budgets=provider_budgets(provider_limiter, settings.providers),
+            slots=provider_slots or LocalLedger(),
         ),
     )
     chains = {name: build_chain(pool.settings, policy_deps) for name, pool in pools.items()}

@@ -135,6 +135,32 @@ class UpstreamTimeout(UpstreamError):
     code = "upstream_timeout"
 
 
+class UpstreamUnavailable(Exception):
+    """The upstream failed before the first byte: safe to try elsewhere.
+
+    Not a SpillgateError: no client sees it. The exchange tries another backend, or an
+    overflow policy passes the request on, and what the client gets is decided there.
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        status: int | None = None,
+        retry_after: float | None = None,
+        timed_out: bool = False,
+        detail: bytes = b"",
+        unreachable: str | None = None,
+    ):
+        super().__init__(reason)
+        self.reason = reason  # "<kind>: <detail>"; the kind labels the upstream error metric
+        self.status = status
+        self.retry_after = retry_after
+        self.timed_out = timed_out
+        self.detail = detail  # what the upstream said, for the log only
+        self.unreachable = unreachable  # nothing answered at its address: in these words
+
+
 def error_response(
     exc: SpillgateError, extra_headers: Sequence[tuple[bytes, bytes]] = ()
 ) -> Response:

@@ -1,24 +1,31 @@
-"""The overflow policy role: what runs when no backend of a pool has room, and the hooks a
-policy may offer the request path (recording answers, holding new arrivals back).
+"""The overflow policy role: what runs when no backend of a pool has room, the hooks a
+policy may offer the request path (recording answers, holding new arrivals back), and the
+narrow roles of the gateway's parts a policy is handed (room in the pools, the metric
+families it keeps, the batch tier's intake, a provider's slots and token budget).
 
-The gateway sees the policies only through these; `gateway/app.py` builds the chains.
+The gateway sees the policies only through these, and the policies see the gateway only
+through these; `gateway/app.py` builds the chains and hands each the concrete parts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Collection
-from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
 from gateway.upstream.relay import AnswerRecorder
 
+# not only for the checker: a policy that forwards elsewhere builds the Target it hands
+# `serve_target`, and a policy may import what this module does
+from gateway.upstream.target import Target
+
 if TYPE_CHECKING:
+    from prometheus_client import Counter, Gauge, Histogram
     from starlette.types import Send
 
     from gateway.admission.ledger import Reservation
-    from gateway.upstream.forward import Target
 
 
 class OverflowContext(Protocol):
@@ -93,3 +100,100 @@ class ArrivalCheck(Protocol):
 
 
 LetsIn = Callable[[InferenceRequest], bool]
+
+
+class PoolRoom(Protocol):
+    """Room in the pools as a policy that waits for it sees it (admission/router.py's
+    Router): what a request takes, whether it fits now or ever, and word of every release.
+    """
+
+    def on_release(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(pool)` whenever capacity is given back in a pool."""
+        ...
+
+    def on_waiting(self, pool: str, waiting: Callable[[], list[int]]) -> None:
+        """Tell the forecast what waits in `pool`: the KV tokens of each waiting request."""
+        ...
+
+    def has_room(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
+        """Whether a reservation would find room now (from the last known tokens in flight)."""
+        ...
+
+    def fits_ever(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
+        """Whether any backend of the pool could hold the request even when idle."""
+        ...
+
+    def pool_kv_tokens(self, pool: str, tokens: int, *, sequences: int = 1) -> int:
+        """The request's KV tokens on the pool's backend with the largest blocks."""
+        ...
+
+    async def release(self, reservation: Reservation) -> None:
+        """Give back a reservation no request holds (one made for a waiter that left)."""
+        ...
+
+
+class QueueMetrics(Protocol):
+    """The metric families a queue keeps (gateway/metrics.py names them)."""
+
+    @property
+    def queue_depth(self) -> Gauge: ...
+
+    @property
+    def queue_wait(self) -> Histogram: ...
+
+
+class ProviderMetrics(Protocol):
+    """The metric families a provider's gate and policy keep (gateway/metrics.py names them)."""
+
+    @property
+    def upstream_errors(self) -> Counter: ...
+
+    @property
+    def provider_cost(self) -> Counter: ...
+
+    @property
+    def provider_breaker_open(self) -> Gauge: ...
+
+
+class PolicyMetrics(QueueMetrics, ProviderMetrics, Protocol):
+    """Every metric family a policy keeps: GatewayMetrics, as the policies see it."""
+
+
+class Slots(Protocol):
+    """Leases counted and capped per key (an in-flight Ledger, admission/ledger.py): a
+    provider's concurrency slots, a lease of one token per request, shared by the fleet when
+    the ledger is."""
+
+    async def reserve(self, backend: str, tokens: int, *, limit: int) -> Reservation | None:
+        """Take `tokens` under `backend` if what it holds stays within `limit`; else None."""
+        ...
+
+    async def release(self, reservation: Reservation) -> None:
+        """Give back what the lease holds; releasing twice is a no-op."""
+        ...
+
+    def sessions(self, backend: str) -> int:
+        """Leases held under `backend` (last known, over the fleet when shared)."""
+        ...
+
+
+class TokenBudget(Protocol):
+    """Tokens per minute for one spender (a provider), spent before a request is sent and
+    settled with what it used (gateway/ratelimit/budget.py)."""
+
+    async def spend(self, tokens: int) -> bool:
+        """Take `tokens` if the budget holds them, in one atomic check-and-debit."""
+        ...
+
+    async def settle(self, *, reserved: int, used: int) -> None:
+        """Give back what a spend of `reserved` did not use, or charge what it used beyond."""
+        ...
+
+
+class BatchIntake(Protocol):
+    """The batch tier's door for one request that may wait (gateway/batch/service.py)."""
+
+    async def create_one(self, request: InferenceRequest) -> dict[str, Any]:
+        """A one-item batch holding `request`, as its owner sees it (OpenAI's batch object);
+        raises a SpillgateError when the tenant's batch limits refuse it."""
+        ...

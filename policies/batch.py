@@ -17,13 +17,12 @@ from typing import ClassVar
 
 import orjson
 
-from gateway.batch.service import Batches, public
 from gateway.config import PoolSettings
 from gateway.errors import SpillgateError
 from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
-from gateway.overflow import OverflowContext
+from gateway.overflow import BatchIntake, OverflowContext
 from gateway.upstream.relay import Relayed, Usage
 from policies.deps import PolicyDeps
 
@@ -33,7 +32,7 @@ BATCH_TARGET = "batch"  # the `target` a request accepted into the batch tier is
 class BatchPolicy:
     name: ClassVar[str] = "batch"
 
-    def __init__(self, batches: Batches | None) -> None:
+    def __init__(self, batches: BatchIntake | None) -> None:
         self._batches = batches
 
     @classmethod
@@ -44,10 +43,10 @@ class BatchPolicy:
         if not request.batchable or self._batches is None:
             return None
         try:
-            record = await self._batches.create_one(request)
+            batch = await self._batches.create_one(request)
         except SpillgateError:
             return None  # over the tenant's batch limits: the next step decides
-        await exchange.send_json(orjson.dumps(public(record)), status=202, outcome=Outcome.QUEUED)
+        await exchange.send_json(orjson.dumps(batch), status=202, outcome=Outcome.QUEUED)
         # nothing was generated for it yet: the tenant's bucket gets the reservation back
         relayed = Relayed(
             usage=Usage(prompt_tokens=0, completion_tokens=0, known=True),

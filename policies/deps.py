@@ -1,4 +1,8 @@
-"""What a policy factory is given: everything a policy may draw on, built once by the app."""
+"""What a policy factory is given: everything a policy may draw on, built once by the app.
+
+The gateway's parts come typed as the roles gateway/overflow.py declares; this lives with
+the policies because the provider gates it carries are theirs (policies/provider/gate.py).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,9 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from gateway.admission.router import Router
-from gateway.batch.service import Batches
 from gateway.clock import Clock
 from gateway.config import PoolSettings, Settings
-from gateway.metrics import GatewayMetrics
-from gateway.overflow import OverflowPolicy
+from gateway.overflow import BatchIntake, OverflowPolicy, PolicyMetrics, PoolRoom
 from policies.provider.gate import ProviderGate
 
 
@@ -22,12 +23,12 @@ class PolicyDeps:
     """Everything a policy factory may draw on; built once in the app's lifespan."""
 
     settings: Settings
-    router: Router
-    metrics: GatewayMetrics
+    room: PoolRoom  # the router, as a policy waiting for room sees it
+    metrics: PolicyMetrics
     clock: Clock
     redis: aioredis.Redis | RedisCluster | None = None  # shared state when configured, else local
     providers: Mapping[str, ProviderGate] = field(default_factory=dict)  # one per provider
-    batches: Batches | None = None  # the batch tier, which the `batch` step hands work to
+    batches: BatchIntake | None = None  # the batch tier, which the `batch` step hands work to
 
 
 PolicyFactory = Callable[[PoolSettings, PolicyDeps], OverflowPolicy]

@@ -10,7 +10,7 @@ from gateway.admission.backends import Backend, Pool
 from gateway.admission.forecast import HoldTimes, expected_hold_s, seconds_until_fits
 from gateway.admission.ledger import Ledger, Reservation
 from gateway.clock import Clock
-from gateway.upstream.forward import Target
+from gateway.upstream.target import Target
 
 ReleaseListener = Callable[[str], None]
 WaitingTokens = Callable[[], list[int]]  # the KV tokens of each request queued in a pool

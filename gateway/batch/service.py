@@ -98,13 +98,14 @@ class Batches:
         )
 
     async def create_one(self, request: InferenceRequest) -> Record:
-        """A one-item batch holding an interactive request the pool had no room for."""
+        """A one-item batch holding an interactive request the pool had no room for, as its
+        owner sees it: the caller answers the request with it."""
         tenant = request.tenant
         await self._check_queued(tenant, request.reserved_tokens)
         line = {"custom_id": "request-1", "method": "POST", "url": str(request.endpoint)}
         content = orjson.dumps({**line, "body": request.body}) + b"\n"
         upload = await self.files.save(tenant, content, filename="request.jsonl", purpose="batch")
-        return await self._save_batch(
+        record = await self._save_batch(
             tenant,
             input_file_id=upload["id"],
             endpoint=str(request.endpoint),
@@ -112,6 +113,7 @@ class Batches:
             items=1,
             tokens=request.reserved_tokens,
         )
+        return public(record)
 
     def _estimate(self, tenant: Tenant, endpoint: str, item: Mapping[str, Any], line: int) -> int:
         def bad(message: str) -> InvalidRequest:

@@ -12,13 +12,14 @@ from gateway.admission.growth import Growth
 from gateway.admission.ledger import Reservation
 from gateway.admission.router import Router
 from gateway.clock import Clock
-from gateway.errors import UpstreamError, UpstreamTimeout
+from gateway.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
-from gateway.upstream.forward import Forwards, Target, UpstreamUnavailable
+from gateway.upstream.forward import Forwards
 from gateway.upstream.relay import JSON_HEADERS, AnswerRecorder, Relayed
 from gateway.upstream.retry import tried_again
+from gateway.upstream.target import Target
 
 
 @dataclass(slots=True)

@@ -17,16 +17,16 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from starlette.types import Message, Send
 
-from gateway.errors import SpillgateError
+from gateway.errors import SpillgateError, UpstreamUnavailable
 from gateway.outcome import Outcome
-from gateway.upstream.forward import Forwards, UpstreamUnavailable
+from gateway.upstream.forward import Forwards
 from gateway.upstream.relay import AnswerRecorder, Relayed, StreamWatch, Usage
 
 if TYPE_CHECKING:
     from gateway.front.exchange import Exchange, Served
     from gateway.front.request import InferenceRequest
     from gateway.overflow import OverflowPolicy
-    from gateway.upstream.forward import Target
+    from gateway.upstream.target import Target
 
 PROPAGATOR = TraceContextTextMapPropagator()
 PROVIDER_NAME = "openai"  # the API flavour spoken on both sides (the conventions' discriminator)

@@ -1,4 +1,4 @@
-"""Deadlines on the running task, for the request path (forwarding, Redis calls, the queue).
+"""Deadlines on the running task, for the request path (forwarding, the relay, Redis calls).
 
 `with Deadline(when):` behaves as `async with asyncio.timeout_at(when):`: at `when`
 (event-loop time) the task is cancelled and the block raises TimeoutError, while a

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import aiohttp
@@ -13,7 +12,7 @@ from starlette.types import Send
 from yarl import URL
 
 from gateway.clock import Clock
-from gateway.config import Timeouts
+from gateway.errors import UpstreamUnavailable
 from gateway.front.request import Endpoint, InferenceRequest
 from gateway.upstream.deadline import Deadline
 from gateway.upstream.relay import (
@@ -27,43 +26,7 @@ from gateway.upstream.relay import (
     send_json_body,
 )
 from gateway.upstream.session import UpstreamPool
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Target:
-    """Where a request goes: a backend of a pool or an external provider."""
-
-    name: str  # metrics label
-    api_base: str  # up to and including /v1
-    model: str  # the model name the upstream serves
-    timeouts: Timeouts
-    headers: Mapping[str, str] = field(default_factory=dict)  # the upstream's own credentials
-    # an external provider: any answer but a readable success is its failure, never relayed
-    # (its errors name its models and account); the caller passes the request on
-    external: bool = False
-
-
-class UpstreamUnavailable(Exception):
-    """The upstream failed before the first byte: safe to try elsewhere."""
-
-    def __init__(
-        self,
-        reason: str,
-        *,
-        status: int | None = None,
-        retry_after: float | None = None,
-        timed_out: bool = False,
-        detail: bytes = b"",
-        unreachable: str | None = None,
-    ):
-        super().__init__(reason)
-        self.reason = reason  # "<kind>: <detail>"; the kind labels the upstream error metric
-        self.status = status
-        self.retry_after = retry_after
-        self.timed_out = timed_out
-        self.detail = detail  # what the upstream said, for the log only
-        self.unreachable = unreachable  # nothing answered at its address: in these words
-
+from gateway.upstream.target import Target
 
 # Fields some SDKs and proxies read to pick the upstream or its credentials. The gateway
 # alone chooses where a request goes and with which key, so they never travel on.

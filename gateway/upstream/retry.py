@@ -13,7 +13,7 @@ from typing import TypeVar
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
 
 from gateway.clock import Clock
-from gateway.upstream.forward import UpstreamUnavailable
+from gateway.errors import UpstreamUnavailable
 
 T = TypeVar("T")
 ATTEMPTS = 3  # the first try included

@@ -4,9 +4,9 @@ One `ProviderGate` per configured provider, shared by every pool that spills to 
 once in `create_app`. A gate lets a request through only while the provider's breaker is
 closed (or half-open for one trial), one of its `max_concurrency` slots is free and the
 provider's tokens-per-minute budget holds the request's reservation. The budget is a
-token bucket of the same limiter the tenants' buckets use, and the slots are leases of a
-ledger like the backends' in-flight tokens (one token a request), so with Redis every
-replica spends from one budget and one cap.
+token bucket of a limiter like the tenants' buckets (gateway/ratelimit/budget.py), and the
+slots are leases of a ledger like the backends' in-flight tokens (one token a request), so
+with Redis every replica spends from one budget and one cap. The app hands both in.
 """
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
-from gateway.admission.ledger import Ledger, LocalLedger, Reservation
 from gateway.clock import Clock
 from gateway.config import ProviderSettings
 from gateway.errors import SpillgateError
-from gateway.metrics import GatewayMetrics
-from gateway.ratelimit import RateLimiter, TenantLimits
-from gateway.upstream.forward import Target
+from gateway.overflow import ProviderMetrics, Slots, TokenBudget
+from gateway.upstream.target import Target
 
-UNLIMITED_REQUESTS = 1_000_000_000  # a provider's budget counts tokens only
+if TYPE_CHECKING:
+    from gateway.admission.ledger import Reservation
 
 
 class BreakerState(StrEnum):
@@ -120,20 +120,15 @@ class ProviderGate:
         *,
         api_key: str | None,
         clock: Clock,
-        budget: RateLimiter,
-        slots: Ledger | None = None,
+        budget: TokenBudget,
+        slots: Slots,
         on_breaker: Callable[[str, BreakerState], None] | None = None,
     ) -> None:
         self.settings = settings
         self.name = settings.name
         self._api_key = api_key
         self.budget = budget
-        self.slots = slots or LocalLedger()
-        self.limits = TenantLimits(
-            tenant=settings.name,
-            requests_per_minute=UNLIMITED_REQUESTS,
-            tokens_per_minute=settings.tokens_per_minute,
-        )
+        self.slots = slots
         self.breaker = CircuitBreaker(
             failures=settings.breaker_failures,
             cooldown_s=settings.breaker_cooldown_s,
@@ -180,11 +175,11 @@ class ProviderGate:
             self.breaker.release_trial()
             return Refusal.CONCURRENCY
         try:
-            decision = await self.budget.acquire(self.limits, tokens)
+            afforded = await self.budget.spend(tokens)
         except BaseException:
             await self._unclaim(slot)
             raise
-        if not decision.allowed:
+        if not afforded:
             await self._unclaim(slot)
             return Refusal.BUDGET
         return Claim(tokens, slot)
@@ -198,7 +193,7 @@ class ProviderGate:
         await self.slots.release(claim.slot)
         spent = claim.tokens if used is None else used
         if spent != claim.tokens:
-            await self.budget.reconcile(self.limits, reserved=claim.tokens, used=spent)
+            await self.budget.settle(reserved=claim.tokens, used=spent)
 
     def cost(self, *, prompt_tokens: int, completion_tokens: int) -> float:
         s = self.settings
@@ -212,12 +207,12 @@ def build_gates(
     *,
     environ: Mapping[str, str],
     clock: Clock,
-    metrics: GatewayMetrics,
-    budget: RateLimiter,
-    slots: Ledger | None = None,
+    metrics: ProviderMetrics,
+    budgets: Mapping[str, TokenBudget],
+    slots: Slots,
 ) -> dict[str, ProviderGate]:
-    """One gate per provider; a key named but missing from the environment is an error.
-    The gates share `budget` and `slots` (each provider has its own keys in them)."""
+    """One gate per provider, spending its budget in `budgets`; a key named but missing from
+    the environment is an error. The gates share `slots`, each under its provider's name."""
 
     def on_breaker(name: str, state: BreakerState) -> None:
         metrics.provider_breaker_open.labels(name).set(1.0 if state is BreakerState.OPEN else 0.0)
@@ -230,6 +225,11 @@ def build_gates(
                 raise SpillgateError(f"provider {p.name!r}: ${p.api_key_env} is not set")
             key = environ[p.api_key_env]
         gates[p.name] = ProviderGate(
-            p, api_key=key, clock=clock, budget=budget, slots=slots, on_breaker=on_breaker
+            p,
+            api_key=key,
+            clock=clock,
+            budget=budgets[p.name],
+            slots=slots,
+            on_breaker=on_breaker,
         )
     return gates

@@ -15,12 +15,11 @@ import logging
 from typing import ClassVar
 
 from gateway.config import PoolSettings
+from gateway.errors import UpstreamUnavailable
 from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
-from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
-from gateway.overflow import OverflowContext
-from gateway.upstream.forward import UpstreamUnavailable
+from gateway.overflow import OverflowContext, ProviderMetrics
 from policies.deps import PolicyDeps
 from policies.provider.gate import ProviderGate, Refusal
 
@@ -35,7 +34,7 @@ MID_STREAM = "mid-stream"  # the reason label of a failure after the first byte
 class ProviderPolicy:
     name: ClassVar[str] = "provider"
 
-    def __init__(self, *, gate: ProviderGate, metrics: GatewayMetrics) -> None:
+    def __init__(self, *, gate: ProviderGate, metrics: ProviderMetrics) -> None:
         self._gate = gate
         self._metrics = metrics
 

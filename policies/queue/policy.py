@@ -1,6 +1,6 @@
 """Wait briefly for capacity: a release in the pool hands room to the waiter whose turn it is.
 
-No polling: every release in the pool (Router.on_release) starts one drain, which reserves
+No polling: every release in the pool (PoolRoom.on_release) starts one drain, which reserves
 for waiters in `FairQueue` order until the one whose turn it is does not fit. Each waiter
 waits at most min(queue.max_wait_s, its tenant's TTFT budget); then it passes to the next
 policy. A waiter whose client disconnects is cancelled by the pipeline and leaves the queue
@@ -16,15 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from gateway.admission.router import Router
 from gateway.clock import Clock
 from gateway.config import PoolSettings
 from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
-from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
-from gateway.overflow import OverflowContext
-from gateway.upstream.deadline import Deadline
+from gateway.overflow import OverflowContext, PoolRoom, QueueMetrics
 from policies.deps import PolicyDeps
 from policies.queue.fair_queue import FairQueue, QueueResult, Waiter
 
@@ -46,21 +43,21 @@ class QueuePolicy:
         self,
         pool: PoolSettings,
         *,
-        router: Router,
-        metrics: GatewayMetrics,
+        room: PoolRoom,
+        metrics: QueueMetrics,
         clock: Clock,
         ttft_budgets_s: Mapping[str, float],
     ) -> None:
         self._pool = pool.name
         self._max_wait_s = pool.queue.max_wait_s
-        self._router = router
+        self._room = room
         self._metrics = metrics
         self._clock = clock
         self._budgets = ttft_budgets_s
         self._queue: FairQueue[QueueEntry] = FairQueue(max_depth=pool.queue.max_depth)
         self._drainer: asyncio.Task[None] | None = None
-        router.on_release(self._on_release)
-        router.on_waiting(pool.name, self._queue.tokens)
+        room.on_release(self._on_release)
+        room.on_waiting(pool.name, self._queue.tokens)
 
     @classmethod
     def build(cls, pool: PoolSettings, deps: PolicyDeps) -> QueuePolicy:
@@ -70,7 +67,7 @@ class QueuePolicy:
             if t.ttft_budget_ms is not None
         }
         return cls(
-            pool, router=deps.router, metrics=deps.metrics, clock=deps.clock, ttft_budgets_s=budgets
+            pool, room=deps.room, metrics=deps.metrics, clock=deps.clock, ttft_budgets_s=budgets
         )
 
     def __len__(self) -> int:
@@ -95,7 +92,7 @@ class QueuePolicy:
 
     async def wait(self, request: InferenceRequest, exchange: OverflowContext) -> QueueResult:
         """Wait until the request holds a reservation in its pool (ADMITTED), or say why not."""
-        if not self._router.fits_ever(request.pool, request.sequence_tokens, sequences=request.n):
+        if not self._room.fits_ever(request.pool, request.sequence_tokens, sequences=request.n):
             return QueueResult.REJECTED_NEVER_FITS
         entry = QueueEntry(
             request=request,
@@ -106,7 +103,7 @@ class QueuePolicy:
         waiter = Waiter(
             tenant=request.tenant,
             priority=request.priority,
-            tokens=self._router.pool_kv_tokens(
+            tokens=self._room.pool_kv_tokens(
                 request.pool, request.sequence_tokens, sequences=request.n
             ),
             item=entry,
@@ -114,7 +111,9 @@ class QueuePolicy:
         if not self._enqueue(waiter):
             return QueueResult.REJECTED_FULL
         try:
-            with Deadline.after(self.max_wait_s(request)):
+            # asyncio's own timeout, not the request path's Deadline: one per queued
+            # request, off the path every request takes
+            async with asyncio.timeout(self.max_wait_s(request)):
                 await entry.decided
         except TimeoutError:
             pass
@@ -168,7 +167,7 @@ class QueuePolicy:
                     self._queue.remove(waiter)
                     continue
                 request = entry.request
-                if not self._router.has_room(
+                if not self._room.has_room(
                     self._pool, request.sequence_tokens, sequences=request.n
                 ):
                     return  # the next release, or this waiter leaving, drains again
@@ -177,7 +176,7 @@ class QueuePolicy:
                     return  # the room went elsewhere; the next release drains again
                 if entry.decided.done() or not self._queue.take(waiter):
                     self._queue.remove(waiter)
-                    await self._router.release(reservation)  # it left while we reserved
+                    await self._room.release(reservation)  # it left while we reserved
                     continue
                 entry.exchange.hold(reservation)
                 entry.decided.set_result(QueueResult.ADMITTED)

@@ -15,6 +15,7 @@ from gateway.config import ConfigError, hash_key, parse_settings
 from gateway.front.request import Endpoint, InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import LocalRateLimiter
+from gateway.ratelimit.budget import provider_budgets
 from policies.deps import PolicyDeps
 from policies.provider.gate import build_gates
 from policies.registry import answer_recorders, arrival_checks, build_chain, registry
@@ -57,7 +58,7 @@ def test_the_full_chain_is_built_in_config_order_with_its_hooks() -> None:
     router = Router(build_pools(settings.pools, clock=clock), ledger=LocalLedger(), clock=clock)
     deps = PolicyDeps(
         settings=settings,
-        router=router,
+        room=router,
         metrics=metrics,
         clock=clock,
         providers=build_gates(
@@ -65,7 +66,8 @@ def test_the_full_chain_is_built_in_config_order_with_its_hooks() -> None:
             environ={},
             clock=clock,
             metrics=metrics,
-            budget=LocalRateLimiter(clock),
+            budgets=provider_budgets(LocalRateLimiter(clock), settings.providers),
+            slots=LocalLedger(),
         ),
     )
     chains = {p.name: build_chain(p, deps) for p in settings.pools}

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from gateway.clock import ManualClock
-from gateway.upstream.forward import UpstreamUnavailable
+from gateway.errors import UpstreamUnavailable
 from gateway.upstream.retry import ATTEMPTS, tried_again
 
 

@@ -6,11 +6,13 @@ import asyncio
 
 import pytest
 
+from gateway.admission.ledger import LocalLedger
 from gateway.clock import ManualClock
 from gateway.config import ProviderSettings
 from gateway.errors import SpillgateError
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import LocalRateLimiter
+from gateway.ratelimit.budget import BucketBudget, provider_budgets
 from policies.provider.gate import (
     BreakerState,
     CircuitBreaker,
@@ -35,6 +37,25 @@ def settings(**overrides: object) -> ProviderSettings:
         "completion_price_per_m": 3.0,
     }
     return ProviderSettings.model_validate({**base, **overrides})
+
+
+def hosted_budget(clock: ManualClock) -> BucketBudget:
+    provider = settings()
+    return BucketBudget(
+        LocalRateLimiter(clock), key=provider.name, tokens_per_minute=provider.tokens_per_minute
+    )
+
+
+def hosted_gate(
+    clock: ManualClock, *, api_key: str | None, budget: BucketBudget | None = None
+) -> ProviderGate:
+    return ProviderGate(
+        settings(),
+        api_key=api_key,
+        clock=clock,
+        budget=budget or hosted_budget(clock),
+        slots=LocalLedger(),
+    )
 
 
 def test_breaker_opens_after_consecutive_failures_then_lets_one_trial_through() -> None:
@@ -74,7 +95,8 @@ def test_a_retry_after_opens_the_breaker_at_once_for_that_long() -> None:
 
 def test_gate_refuses_without_claiming_and_settles_the_budget_with_real_usage() -> None:
     clock = ManualClock()
-    gate = ProviderGate(settings(), api_key="sk-x", clock=clock, budget=LocalRateLimiter(clock))
+    budget = hosted_budget(clock)
+    gate = hosted_gate(clock, api_key="sk-x", budget=budget)
 
     async def scenario() -> None:
         a, b = await gate.acquire(1000), await gate.acquire(1000)
@@ -83,7 +105,7 @@ def test_gate_refuses_without_claiming_and_settles_the_budget_with_real_usage() 
         await gate.release(a, used=200)  # 800 of 1000 come back
         await gate.release(b, used=None)  # usage unknown: the reservation stays spent
         assert gate.in_flight == 0
-        left = (await gate.budget.peek(gate.limits)).remaining_tokens
+        left = (await budget.limiter.peek(budget.limits)).remaining_tokens
         assert left == 6000 - 200 - 1000
         assert await gate.acquire(6000) is Refusal.BUDGET
         clock.advance(60)  # a minute refills the whole budget, never beyond it
@@ -98,9 +120,7 @@ def test_gate_refuses_without_claiming_and_settles_the_budget_with_real_usage() 
 
 def test_target_carries_the_providers_own_key_and_model_mapping() -> None:
     clock = ManualClock()
-    gate = ProviderGate(
-        settings(), api_key="sk-provider", clock=clock, budget=LocalRateLimiter(clock)
-    )
+    gate = hosted_gate(clock, api_key="sk-provider")
     target = gate.target("big")
     assert target.api_base == "https://api.example/v1"
     assert target.model == "vendor/big-model"
@@ -112,12 +132,10 @@ def test_target_carries_the_providers_own_key_and_model_mapping() -> None:
 
 def test_what_the_provider_said_is_logged_without_its_key() -> None:
     clock = ManualClock()
-    gate = ProviderGate(
-        settings(), api_key="sk-provider", clock=clock, budget=LocalRateLimiter(clock)
-    )
+    gate = hosted_gate(clock, api_key="sk-provider")
     said = "Incorrect API key provided: sk-provider. Again: sk-provider"
     assert gate.redact(said) == "Incorrect API key provided: ***. Again: ***"
-    keyless = ProviderGate(settings(), api_key=None, clock=clock, budget=LocalRateLimiter(clock))
+    keyless = hosted_gate(clock, api_key=None)
     assert keyless.redact(said) == said
 
 
@@ -126,14 +144,20 @@ def test_a_missing_key_is_refused_at_build_and_the_breaker_drives_its_gauge() ->
     clock = ManualClock()
     with pytest.raises(SpillgateError, match="HOSTED_KEY"):
         build_gates(
-            [settings()], environ={}, clock=clock, metrics=metrics, budget=LocalRateLimiter(clock)
+            [settings()],
+            environ={},
+            clock=clock,
+            metrics=metrics,
+            budgets={"hosted": hosted_budget(clock)},
+            slots=LocalLedger(),
         )
     gates = build_gates(
         [settings()],
         environ={"HOSTED_KEY": "k"},
         clock=clock,
         metrics=metrics,
-        budget=LocalRateLimiter(clock),
+        budgets=provider_budgets(LocalRateLimiter(clock), [settings()]),
+        slots=LocalLedger(),
     )
     gates["hosted"].breaker.record_failure(retry_after=1)
     value = metrics.registry.get_sample_value(

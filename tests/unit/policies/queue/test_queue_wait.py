@@ -50,7 +50,7 @@ class Setup:
         self.budgets: dict[str, float] = {}
         self.queue = QueuePolicy(
             self.settings,
-            router=self.router,
+            room=self.router,
             metrics=self.metrics,
             clock=self.clock,
             ttft_budgets_s=self.budgets,
