@@ -8,11 +8,10 @@ URL are named by the environment variable that holds them.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -69,15 +68,19 @@ class BackendSettings(_Model):
     @field_validator("capacity", mode="before")
     @classmethod
     def _capacity(cls, value: Any) -> Any:
-        tokens = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        if not tokens and value != "auto":
-            raise ValueError(f"should be a positive number of tokens or 'auto', not {value!r}")
-        return value
+        return _positive_or_auto(value, unit="tokens", kind=int)
 
 
 class QueueSettings(_Model):
     max_depth: int = Field(64, ge=0)
-    max_wait_s: float = Field(2.0, gt=0)
+    # seconds, or "auto": twice the pool's average answer time (how long its reservations
+    # are held), within [2 s, 30 s]; 2 s until an answer has ended (policies/queue/policy.py)
+    max_wait_s: float | Literal["auto"] = "auto"
+
+    @field_validator("max_wait_s", mode="before")
+    @classmethod
+    def _max_wait_s(cls, value: Any) -> Any:
+        return _positive_or_auto(value, unit="seconds", kind=int | float)
 
 
 class CacheSettings(_Model):
@@ -301,6 +304,13 @@ def _is_sha256(value: str) -> bool:
     return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
+def _positive_or_auto(value: Any, *, unit: str, kind: Any) -> Any:
+    positive = isinstance(value, kind) and not isinstance(value, bool) and value > 0
+    if not positive and value != "auto":
+        raise ValueError(f"should be a positive number of {unit} or 'auto', not {value!r}")
+    return value
+
+
 def _http_url(url: str) -> str:
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"should start with http:// or https://, not {url!r}")
@@ -352,51 +362,3 @@ def load_config(path: str | Path) -> LoadedConfig:
 
 def load_settings(path: str | Path) -> Settings:
     return load_config(path).settings
-
-
-def check_environment(settings: Settings, *, environ: Mapping[str, str]) -> list[Problem]:
-    """The secrets the config names by environment variable, unset or empty in `environ`,
-    and tenant keys that two variables share."""
-    problems: list[Problem] = []
-    holders: dict[str, int] = {
-        t.key_sha256: i for i, t in enumerate(settings.tenants) if t.key_sha256
-    }
-    for i, tenant in enumerate(settings.tenants):
-        if tenant.key_env is None:
-            continue
-        loc = ("tenants", i, "key_env")
-        problem = _secret(loc, tenant.key_env, environ)
-        if problem is not None:
-            problems.append(problem)
-            continue
-        digest = hash_key(environ[tenant.key_env])
-        if digest in holders:
-            message = f"${tenant.key_env} holds the key of tenants[{holders[digest]}] too"
-            problems.append(Problem(loc=loc, message=message))
-        holders.setdefault(digest, i)
-    for i, provider in enumerate(settings.providers):
-        if provider.api_key_env is not None:
-            problem = _secret(("providers", i, "api_key_env"), provider.api_key_env, environ)
-            problems += [problem] if problem is not None else []
-    return problems
-
-
-def _secret(loc: tuple[str | int, ...], name: str, environ: Mapping[str, str]) -> Problem | None:
-    value = environ.get(name)
-    if value is None:
-        return Problem(loc=loc, message=f"${name} is not set")
-    if not value.strip():
-        return Problem(loc=loc, message=f"${name} is empty")
-    return None
-
-
-def redis_url_problem(url: str) -> str | None:
-    """Why redis-py could not use `url`, without repeating it (it may hold a password)."""
-    try:
-        parts = urlsplit(url)
-        _ = parts.port  # a port that is not a number raises
-    except ValueError:
-        return "is not a valid URL (its port should be a number)"
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        return "is not a Redis URL: it should start with redis://, rediss:// or unix://"
-    return None

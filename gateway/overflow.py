@@ -131,6 +131,10 @@ class PoolRoom(Protocol):
         """Give back a reservation no request holds (one made for a waiter that left)."""
         ...
 
+    def hold_s(self, pool: str) -> float | None:
+        """How long the pool's reservations are held on average (None: none ended yet)."""
+        ...
+
 
 class QueueMetrics(Protocol):
     """The metric families a queue keeps (gateway/metrics.py names them)."""

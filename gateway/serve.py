@@ -13,14 +13,8 @@ import sys
 import uvicorn
 
 from gateway.app import create_app
-from gateway.config import (
-    ConfigError,
-    LoadedConfig,
-    Settings,
-    check_environment,
-    load_config,
-    redis_url_problem,
-)
+from gateway.config import ConfigError, LoadedConfig, Settings, load_config
+from gateway.config_environment import check_environment, redis_url_problem
 from gateway.config_problems import Problem
 from gateway.workers import configure_logging, serve_workers, workers_problem
 

@@ -348,6 +348,11 @@ class Router:
             hold_s=expected_hold_s(self._holds[pool], (age for age, _ in held)),
         )
 
+    def hold_s(self, pool: str) -> float | None:
+        """How long `pool`'s reservations are held, on average over the last released
+        (None: none released yet)."""
+        return self._holds[pool].mean_s
+
     async def extend(self, reservation: Reservation, tokens: int) -> Reservation:
         """Grow a running request's reservation by `tokens`, over the limit if need be: it is
         generating already. Returns what it now holds."""

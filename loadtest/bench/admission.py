@@ -309,7 +309,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, BenchPla
     p.add_argument(
         "--queue-wait",
         type=float,
-        help="the gateways' queue.max_wait_s (default: the gateway's own, 2 s)",
+        help="the gateways' queue.max_wait_s (default: the gateway's own, auto)",
     )
     p.add_argument("--json", type=Path)
     p.add_argument("--logs", type=Path, help="keep the gateways' and simulators' output here")

@@ -5,6 +5,13 @@ for waiters in `FairQueue` order until the one whose turn it is does not fit. Ea
 waits at most min(queue.max_wait_s, its tenant's TTFT budget); then it passes to the next
 policy. A waiter whose client disconnects is cancelled by the pipeline and leaves the queue
 at once; a reservation made for a waiter that has already left is given straight back.
+
+`max_wait_s: auto` follows the pool's answers: room comes back as running answers end, so a
+queue shorter than an answer would refuse what the pool serves a moment later, on a slow
+fleet most of what it queues. It waits twice the pool's average hold (the time from a
+reservation to its release), within [AUTO_FLOOR_S, AUTO_CEILING_S]: long enough for the
+running answers to end and the drain to reach a waiter behind others, short enough that a
+spike the pool cannot absorb still moves on to the next policy.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ from policies.deps import PolicyDeps
 from policies.queue.fair_queue import FairQueue, QueueResult, Waiter
 
 log = logging.getLogger("spillgate.queue")
+AUTO_FLOOR_S = 2.0  # also the wait before any answer has ended
+AUTO_CEILING_S = 30.0
+AUTO_HOLDS = 2.0  # average holds a waiter may wait
 
 
 @dataclass(eq=False, kw_only=True)
@@ -79,7 +89,12 @@ class QueuePolicy:
         return not self._queue.waiting_at_or_above(request.priority)
 
     def max_wait_s(self, request: InferenceRequest) -> float:
-        return min(self._max_wait_s, self._budgets.get(request.tenant, math.inf))
+        if self._max_wait_s == "auto":
+            hold = self._room.hold_s(self._pool) or 0.0
+            wait = min(max(AUTO_HOLDS * hold, AUTO_FLOOR_S), AUTO_CEILING_S)
+        else:
+            wait = self._max_wait_s
+        return min(wait, self._budgets.get(request.tenant, math.inf))
 
     async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         started = self._clock.monotonic()

@@ -6,15 +6,8 @@ from typing import Any, get_args
 
 import pytest
 
-from gateway.config import (
-    ConfigError,
-    PolicyName,
-    check_environment,
-    hash_key,
-    load_settings,
-    parse_settings,
-    redis_url_problem,
-)
+from gateway.config import ConfigError, PolicyName, hash_key, load_settings, parse_settings
+from gateway.config_environment import check_environment, redis_url_problem
 from gateway.config_problems import Problem
 from policies.registry import registry
 
@@ -156,6 +149,16 @@ def test_a_capacity_is_a_positive_token_count_or_auto() -> None:
     for bad in ("lots", 0, -5, True, "100"):
         assert _problems(_minimal(backends=[{"url": "http://h", "capacity": bad}])) == [
             "gw.yaml: pools[0].backends[0].capacity: should be a positive number of tokens "
+            f"or 'auto', not {bad!r}"
+        ]
+
+
+def test_a_queue_wait_is_a_positive_number_of_seconds_or_auto() -> None:
+    assert parse_settings(_minimal()).pools[0].queue.max_wait_s == "auto"
+    assert parse_settings(_minimal(queue={"max_wait_s": 0.5})).pools[0].queue.max_wait_s == 0.5
+    for bad in ("soon", 0, -1.5, True, "2"):
+        assert _problems(_minimal(queue={"max_wait_s": bad})) == [
+            "gw.yaml: pools[0].queue.max_wait_s: should be a positive number of seconds "
             f"or 'auto', not {bad!r}"
         ]
 

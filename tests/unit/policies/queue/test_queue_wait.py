@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -19,7 +19,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.upstream.forward import Forwarder
 from gateway.upstream.session import UpstreamPool
 from policies.queue.fair_queue import QueueResult
-from policies.queue.policy import QueuePolicy
+from policies.queue.policy import AUTO_CEILING_S, AUTO_FLOOR_S, QueuePolicy
 from tests.support.clock import run_on
 
 CAPACITY = 1000
@@ -32,7 +32,7 @@ class Setup:
         *,
         clock: ManualClock,
         max_depth: int = 8,
-        max_wait_s: float = 5.0,
+        max_wait_s: float | Literal["auto"] = 5.0,
         sheddable_max_fill: float = 1.0,
     ) -> None:
         self.clock = clock
@@ -260,3 +260,39 @@ def test_the_head_of_the_queue_is_not_overtaken_by_a_smaller_request() -> None:
         assert s.in_flight() == 900
 
     run(scenario)
+
+
+def test_an_auto_wait_is_twice_the_pools_average_answer_within_its_bounds() -> None:
+    async def scenario(s: Setup) -> None:
+        assert s.queue.max_wait_s(request()) == AUTO_FLOOR_S  # no answer has ended yet
+        # the average hold moves a fifth of the way to each new one: 0.5, 1.2, 8.96, 15.168
+        for hold_s, wait_s in ((0.5, AUTO_FLOOR_S), (4.0, 2.4), (40.0, 17.92), (40.0, 30.0)):
+            held = await s.router.reserve("p", 10)
+            assert held is not None
+            s.clock.advance(hold_s)
+            await s.router.release(held)
+            assert s.queue.max_wait_s(request()) == pytest.approx(wait_s)
+        assert AUTO_CEILING_S == 30.0
+        s.budgets["hurried"] = 0.05
+        assert s.queue.max_wait_s(request(tenant="hurried")) == 0.05
+
+    run(scenario, max_wait_s="auto")
+
+
+def test_an_auto_wait_lets_a_waiter_outwait_a_slow_pools_answers() -> None:
+    async def scenario(s: Setup) -> None:
+        first = await s.router.reserve("p", 10)
+        assert first is not None
+        s.clock.advance(6.0)  # the pool's answers take 6 s
+        await s.router.release(first)
+        full = await s.router.reserve("p", CAPACITY)
+        assert full is not None
+        ex = s.exchange()
+        waiting = asyncio.create_task(s.queue.wait(request(), ex))
+        await asyncio.sleep(5.0)  # past a fixed 2 s wait; the loop's time is the clock
+        assert not waiting.done()
+        await s.router.release(full)
+        assert await waiting is QueueResult.ADMITTED
+        await ex.holding.release()
+
+    run(scenario, max_wait_s="auto")
