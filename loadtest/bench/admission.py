@@ -50,6 +50,8 @@ from loadtest.loadgen.scrape import Scraper
 from loadtest.loadgen.workload import LengthDist, PlannedRequest, TenantKey, Workload, plan_requests
 from loadtest.real_vllm import RealVllm, install, reset_prefix_cache
 
+ENGINE_CORE = 0  # the core vLLM binds its CPU worker to (its log: "core ids=[0]")
+
 IDLE_TIMEOUT_S = 180.0
 SETTLE_TIMEOUT_S = 180.0
 DIRECT = "direct"
@@ -234,6 +236,20 @@ def medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def keep_off_core(core: int) -> None:
+    """Run this process, and every process it starts from now on (the gateways, the
+    provider simulator, the load generator's sampler), on every core but `core`.
+
+    vLLM binds its CPU worker to one core and the engine runs on it flat out while it
+    generates: a gateway or the load generator scheduled there took turns with it and stalled
+    the whole run for seconds, for every arm, direct included. A deployment runs the
+    gateway on other machines than the GPUs; this is the nearest a 2-core machine gets.
+    """
+    others = os.sched_getaffinity(0) - {core}
+    if others:
+        os.sched_setaffinity(0, others)
+
+
 @contextlib.contextmanager
 def backend(args: argparse.Namespace, workdir: Path) -> Iterator[fleet.Backend]:
     if args.real_vllm:
@@ -242,6 +258,7 @@ def backend(args: argparse.Namespace, workdir: Path) -> Iterator[fleet.Backend]:
             port=args.port, kv_tokens=args.kv_tokens, max_model_len=args.max_model_len
         )
         with fleet.real_vllm(server) as found:
+            keep_off_core(ENGINE_CORE)
             yield found
     else:
         options = fleet.SimOptions(
