@@ -50,7 +50,7 @@ from loadtest.loadgen.scrape import Scraper
 from loadtest.loadgen.workload import LengthDist, PlannedRequest, TenantKey, Workload, plan_requests
 from loadtest.real_vllm import RealVllm, install, reset_prefix_cache
 
-ENGINE_CORE = 0  # the core vLLM binds its CPU worker to (its log: "core ids=[0]")
+ENGINE_CORE = 0  # the core the real vLLM runs on (its worker bound to it as well)
 
 IDLE_TIMEOUT_S = 180.0
 SETTLE_TIMEOUT_S = 180.0
@@ -240,10 +240,11 @@ def keep_off_core(core: int) -> None:
     """Run this process, and every process it starts from now on (the gateways, the
     provider simulator, the load generator's sampler), on every core but `core`.
 
-    vLLM binds its CPU worker to one core and the engine runs on it flat out while it
-    generates: a gateway or the load generator scheduled there took turns with it and stalled
-    the whole run for seconds, for every arm, direct included. A deployment runs the
-    gateway on other machines than the GPUs; this is the nearest a 2-core machine gets.
+    The real vLLM runs on `core` alone (RealVllm.confined). Sharing cores with it, a
+    gateway or the load generator took turns with its engine, which polls its worker flat
+    out while it generates, and whole runs of every arm, direct included, stalled for
+    seconds. A deployment runs the gateway on other machines than the GPUs; this is the
+    nearest a 2-core machine gets.
     """
     others = os.sched_getaffinity(0) - {core}
     if others:
@@ -255,7 +256,11 @@ def backend(args: argparse.Namespace, workdir: Path) -> Iterator[fleet.Backend]:
     if args.real_vllm:
         install()
         server = RealVllm(
-            port=args.port, kv_tokens=args.kv_tokens, max_model_len=args.max_model_len
+            port=args.port,
+            kv_tokens=args.kv_tokens,
+            max_model_len=args.max_model_len,
+            cores=str(ENGINE_CORE),
+            confined=True,
         )
         with fleet.real_vllm(server) as found:
             keep_off_core(ENGINE_CORE)

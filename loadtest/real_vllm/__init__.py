@@ -35,6 +35,9 @@ class RealVllm:
     # the core its CPU worker is bound to: vLLM binds every server to core 0, so a second
     # server on the same machine needs another (VLLM_CPU_OMP_THREADS_BIND)
     cores: str | None = None
+    # the whole server on `cores`, not only its worker: its engine process polls the worker
+    # flat out while it generates, and would otherwise take the other cores' time
+    confined: bool = False
 
     @property
     def url(self) -> str:
@@ -72,8 +75,9 @@ def running(server: RealVllm) -> Iterator[str]:
     started = not is_up(server)
     serve = ["bash", str(SCRIPTS / "serve.sh")]
     if started:
+        confine = ["taskset", "-c", server.cores] if server.confined and server.cores else []
         subprocess.run(
-            [*serve, str(server.port)],
+            [*confine, *serve, str(server.port)],
             check=True,
             stdout=subprocess.DEVNULL,
             timeout=START_TIMEOUT_S,
