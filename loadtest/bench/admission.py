@@ -50,8 +50,6 @@ from loadtest.loadgen.scrape import Scraper
 from loadtest.loadgen.workload import LengthDist, PlannedRequest, TenantKey, Workload, plan_requests
 from loadtest.real_vllm import RealVllm, install, reset_prefix_cache
 
-ENGINE_CORE = 0  # the core the real vLLM runs on (its worker bound to it as well)
-
 IDLE_TIMEOUT_S = 180.0
 SETTLE_TIMEOUT_S = 180.0
 DIRECT = "direct"
@@ -236,34 +234,39 @@ def medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def keep_off_core(core: int) -> None:
-    """Run this process, and every process it starts from now on (the gateways, the
-    provider simulator, the load generator's sampler), on every core but `core`.
+@contextlib.contextmanager
+def off_core(core: int) -> Iterator[None]:
+    """Run this thread, and every process it starts meanwhile (the gateways, the provider
+    simulator), on every core but `core`; as before, after.
 
-    The real vLLM runs on `core` alone (RealVllm.confined). Sharing cores with it, a
-    gateway or the load generator took turns with its engine, which polls its worker flat
-    out while it generates, and whole runs of every arm, direct included, stalled for
-    seconds. A deployment runs the gateway on other machines than the GPUs; this is the
-    nearest a 2-core machine gets.
+    The backend runs on `core` alone (RealVllm.confined, SimOptions.core). Sharing cores
+    with the real vLLM, a gateway or the load generator took turns with its engine, which
+    polls its worker flat out while it generates, and whole runs of every arm, direct
+    included, stalled for seconds. A deployment runs the gateway on other machines than the
+    GPUs; this is the nearest a 2-core machine gets.
     """
-    others = os.sched_getaffinity(0) - {core}
-    if others:
-        os.sched_setaffinity(0, others)
+    before = os.sched_getaffinity(0)
+    if before - {core}:
+        os.sched_setaffinity(0, before - {core})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 @contextlib.contextmanager
 def backend(args: argparse.Namespace, workdir: Path) -> Iterator[fleet.Backend]:
+    core = min(os.sched_getaffinity(0))  # the backend's own; the bench keeps off it
     if args.real_vllm:
         install()
         server = RealVllm(
             port=args.port,
             kv_tokens=args.kv_tokens,
             max_model_len=args.max_model_len,
-            cores=str(ENGINE_CORE),
+            cores=str(core),
             confined=True,
         )
-        with fleet.real_vllm(server) as found:
-            keep_off_core(ENGINE_CORE)
+        with fleet.real_vllm(server) as found, off_core(core):
             yield found
     else:
         options = fleet.SimOptions(
@@ -271,8 +274,9 @@ def backend(args: argparse.Namespace, workdir: Path) -> Iterator[fleet.Backend]:
             block_size=args.sim_block_size,
             max_model_len=args.max_model_len,
             speed=args.sim_speed,
+            core=core,
         )
-        with fleet.simulator(options, workdir=workdir) as found:
+        with fleet.simulator(options, workdir=workdir) as found, off_core(core):
             yield found
 
 

@@ -82,6 +82,7 @@ class SimOptions:
     block_size: int = 16
     max_model_len: int = 4096
     speed: float = 4.0
+    core: int | None = None  # the one core it runs on (the bench keeps off it)
 
 
 @contextlib.contextmanager
@@ -124,6 +125,8 @@ def simulator(options: SimOptions, *, workdir: Path) -> Iterator[Backend]:
         "--block-size", str(options.block_size), "--max-model-len", str(options.max_model_len),
         "--speed", str(options.speed),
     )  # fmt: skip
+    if options.core is not None:
+        cmd = ["taskset", "-c", str(options.core), *cmd]
     with process(cmd, port, log=workdir / "sim.log") as url:
         yield Backend(url=url, model="sim", kind="simulator")
 
