@@ -18,8 +18,9 @@ provider. The learning arms are warmed first with a seeded warm-up, so their fig
 from samples. Each run starts from an idle engine (on a real vLLM, an empty prefix cache)
 and, through a gateway, once that gateway aims at its target fill again: the other arms'
 traffic bypasses it, and requests waiting inside vLLM make it back off. Every 0.25 s the
-backend's /metrics and the gateway's /admin/status are read. Figures go in BENCHMARKS.md
-("Admission by what the backends hold").
+backend's /metrics and the gateway's /admin/status are read. The backend runs on one core
+and everything else on the others (`off_core`). Figures go in BENCHMARKS.md ("Admission
+by what the backends hold").
 """
 
 from __future__ import annotations
