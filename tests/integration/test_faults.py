@@ -29,6 +29,10 @@ from tests.support.fault import (
 from tests.support.matrix import Matrix, fault_matrix, peek
 from tests.support.metrics import metric_sum
 
+# the tests share one gateway and build on each other: one worker runs them all, in
+# file order (`make test` distributes by xdist group)
+pytestmark = pytest.mark.xdist_group("test_faults")
+
 
 @pytest.fixture(scope="module")
 def matrix() -> Iterator[Matrix]:
