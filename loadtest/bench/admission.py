@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -235,10 +236,19 @@ def medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def backend_core() -> int | None:
+    """The core the backend runs on alone, the bench on the others (`off_core`); None where
+    that cannot be arranged: a single core, or no `taskset` (not Linux)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    if len(allowed) < 2 or not shutil.which("taskset"):
+        return None
+    return min(allowed)
+
+
 @contextlib.contextmanager
-def off_core(core: int) -> Iterator[None]:
+def off_core(core: int | None) -> Iterator[None]:
     """Run this thread, and every process it starts meanwhile (the gateways, the provider
-    simulator), on every core but `core`; as before, after.
+    simulator), on every core but `core`; as before, after. None: as it is.
 
     The backend runs on `core` alone (RealVllm.confined, SimOptions.core). Sharing cores
     with the real vLLM, a gateway or the load generator took turns with its engine, which
@@ -246,9 +256,11 @@ def off_core(core: int) -> Iterator[None]:
     included, stalled for seconds. A deployment runs the gateway on other machines than the
     GPUs; this is the nearest a 2-core machine gets.
     """
-    before = os.sched_getaffinity(0)
-    if before - {core}:
-        os.sched_setaffinity(0, before - {core})
+    before = os.sched_getaffinity(0) if core is not None else set()
+    if not before - {core}:
+        yield
+        return
+    os.sched_setaffinity(0, before - {core})
     try:
         yield
     finally:
@@ -257,15 +269,15 @@ def off_core(core: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def backend(args: argparse.Namespace, workdir: Path) -> Iterator[fleet.Backend]:
-    core = min(os.sched_getaffinity(0))  # the backend's own; the bench keeps off it
+    core = backend_core()
     if args.real_vllm:
         install()
         server = RealVllm(
             port=args.port,
             kv_tokens=args.kv_tokens,
             max_model_len=args.max_model_len,
-            cores=str(core),
-            confined=True,
+            cores=None if core is None else str(core),
+            confined=core is not None,
         )
         with fleet.real_vllm(server) as found, off_core(core):
             yield found
