@@ -31,7 +31,7 @@ unit: $(VENV)/.dev
 	$(BIN)/pytest -q tests/unit
 
 test: lint typecheck
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Opt-in, not part of `test`: a real vLLM (CPU build, a tiny random Llama; the first run
 # installs it into $(VLLM_VENV), minutes) started by loadtest/real_vllm/serve.sh on

@@ -3,7 +3,8 @@ or refuses, clients that leave at every stage. Every request gets an honest answ
 upstream left behind is hung up on, and afterwards nothing is reserved and each tenant's
 buckets stand exactly where its answers say they must.
 
-The tests share one gateway and run in file order; the last one checks the books.
+The tests share one gateway and run in file order, on one worker (`make test`
+distributes by file); the last one checks the books.
 """
 
 from __future__ import annotations
@@ -28,10 +29,6 @@ from tests.support.fault import (
 )
 from tests.support.matrix import Matrix, fault_matrix, peek
 from tests.support.metrics import metric_sum
-
-# the tests share one gateway and build on each other: one worker runs them all, in
-# file order (`make test` distributes by xdist group)
-pytestmark = pytest.mark.xdist_group("test_faults")
 
 
 @pytest.fixture(scope="module")

@@ -110,11 +110,6 @@ class Setup:
         self.settled()
 
 
-# the tests share one gateway and build on each other: one worker runs them all, in
-# file order (`make test` distributes by xdist group)
-pytestmark = pytest.mark.xdist_group("test_faults_redis")
-
-
 @pytest.fixture(scope="module")
 def setup() -> Iterator[Setup]:
     key = "sk-" + secrets.token_hex(8)

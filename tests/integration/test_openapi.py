@@ -52,7 +52,7 @@ schema = schemathesis.openapi.from_dict(openapi_document())
 MODES = list(schemathesis.GenerationMode)
 schema.config.generation.update(modes=MODES, deterministic=True)
 # one test per operation, each with an id of its own (schemathesis' own parametrize gives
-# them all one node id, which xdist's grouping schedulers would take for a single test)
+# them all one node id, which `make test`'s --dist loadfile would take for a single test)
 OPERATIONS = [result.ok() for result in schema.get_all_operations()]
 
 
