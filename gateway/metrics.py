@@ -137,7 +137,8 @@ class GatewayMetrics:
         )  # fmt: skip
         self.effective_fill = Gauge(
             "spillgate_effective_fill_ratio",
-            "The fill admission aims at on the backend: target_fill, lowered after a back-off",
+            "The fill admission aims at on the backend: target_fill, lowered after a back-off, "
+            "raised while the backend holds less than the ledger reserves",
             ["backend"], registry=r, multiprocess_mode=FLEET,
         )  # fmt: skip
         self.prefix_index_hit = Gauge(

@@ -68,7 +68,14 @@ class Backend:
         preempted = load.retracted > 0 or (
             counter is not None and before is not None and counter > before
         )
-        return self.fill.observe(now=now, preempted=preempted, waiting=load.waiting > 0)
+        capacity = self.configured_capacity or self.discovered_capacity
+        return self.fill.observe(
+            now=now,
+            preempted=preempted,
+            waiting=load.waiting > 0,
+            held=load.kv_usage,
+            reserved=reserved / capacity if capacity else None,
+        )
 
     def reported_load(self, now: float) -> ReportedLoad | None:
         """The backend's last scrape of its load, None when it is stale (or never came)."""

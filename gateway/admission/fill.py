@@ -1,10 +1,20 @@
-"""A backend's effective fill: the target fill, lowered while the backend shows it is overfull.
+"""A backend's effective fill: the target fill, lowered while the backend shows it is overfull,
+raised while it shows it holds less than the ledger reserved.
 
 The gateway admits up to capacity × effective fill. When the backend preempts sequences or
 keeps requests waiting inside its own scheduler, the gateway's view of its room was too
 generous (answers longer than reserved, traffic that bypasses the gateway, a KV cache
 smaller than reported): the fill drops at once by BACKOFF_FACTOR, and climbs back by
 RECOVERY_PER_S per second while the backend stays calm, up to the target fill.
+
+The opposite error is as costly: a reservation is what a stream is expected to hold at its
+peak, with a share of the spread, so a full ledger leaves part of the KV cache unused and
+the rest of a spike goes to the queue and to paid providers. While the ledger is well
+filled, each scrape measures what the backend holds per reserved token; the highest such
+ratio lately seen (`held_per_reserved`, decaying towards lower evidence by DECAY_PER_S)
+calibrates the fill: target ÷ ratio, so that what the backend really holds at the peak
+reaches the target fill, never above target × MAX_OVERBOOK. Any back-off forgets the
+calibration: the ratio starts again from 1.
 """
 
 from __future__ import annotations
@@ -14,6 +24,10 @@ from enum import StrEnum
 BACKOFF_FACTOR = 0.8
 RECOVERY_PER_S = 0.01
 MIN_FILL_SHARE = 0.1  # the fill never drops below this share of the target fill
+MAX_OVERBOOK = 1.1  # the ledger may reserve at most this multiple of the target fill
+EVIDENCE_FILL_SHARE = 0.5  # a scrape calibrates when the ledger holds this share of the target
+DECAY_PER_S = 0.01  # how fast the ratio comes down to lower evidence, per second of evidence
+EVIDENCE_STEP_S = 1.0  # at most this much evidence from one scrape, however far apart
 
 
 class FillReason(StrEnum):
@@ -23,24 +37,36 @@ class FillReason(StrEnum):
     PREEMPTION = "preemption"  # the backend preempted sequences
     WAITING = "waiting"  # requests waited inside the backend on two scrapes in a row
     RECOVERING = "recovering"  # climbing back after a back-off
+    CALIBRATED = "calibrated"  # above the target: the backend holds less than reserved
 
 
 class FillController:
     """Holds one backend's effective fill; fed one scrape at a time, with its time."""
 
-    __slots__ = ("_at", "_waited", "backoffs", "fill", "reason", "target")
+    __slots__ = ("_at", "_waited", "backoffs", "fill", "held_per_reserved", "reason", "target")
 
     def __init__(self, target: float) -> None:
         self.target = target
         self.fill = target
         self.reason = FillReason.TARGET
         self.backoffs: dict[FillReason, int] = {}
+        self.held_per_reserved = 1.0
         self._at: float | None = None
         self._waited = False
 
-    def observe(self, *, now: float, preempted: bool, waiting: bool) -> FillReason | None:
+    def observe(
+        self,
+        *,
+        now: float,
+        preempted: bool,
+        waiting: bool,
+        held: float | None = None,
+        reserved: float | None = None,
+    ) -> FillReason | None:
         """Take one scrape: `preempted` when the backend's preemption count rose since the
-        last, `waiting` when requests wait inside it. The reason of a back-off, else None."""
+        last, `waiting` when requests wait inside it; `held`, the share of its KV cache it
+        reports in use, and `reserved`, the share the ledger held on it meanwhile. The
+        reason of a back-off, else None."""
         since = 0.0 if self._at is None else max(0.0, now - self._at)
         self._at = now
         waited, self._waited = self._waited, waiting
@@ -50,7 +76,9 @@ class FillController:
         elif waiting and waited:
             reason = FillReason.WAITING
         if reason is not None:
-            self.fill = max(self.target * MIN_FILL_SHARE, self.fill * BACKOFF_FACTOR)
+            self.held_per_reserved = 1.0
+            backed_off = min(self.fill, self.target) * BACKOFF_FACTOR
+            self.fill = max(self.target * MIN_FILL_SHARE, backed_off)
             self.reason = reason
             self.backoffs[reason] = self.backoffs.get(reason, 0) + 1
             return reason
@@ -59,4 +87,16 @@ class FillController:
         if self.fill < self.target:
             self.fill = min(self.target, self.fill + RECOVERY_PER_S * since)
             self.reason = FillReason.RECOVERING if self.fill < self.target else FillReason.TARGET
+            return None
+        if held is not None and reserved is not None:
+            self._calibrate(held, reserved, since)
         return None
+
+    def _calibrate(self, held: float, reserved: float, since: float) -> None:
+        if reserved < self.target * EVIDENCE_FILL_SHARE:
+            return  # too few streams for their sum to say anything about the next peak
+        decayed = self.held_per_reserved - DECAY_PER_S * min(since, EVIDENCE_STEP_S)
+        self.held_per_reserved = min(1.0, max(held / reserved, decayed))
+        overbooked = min(self.target / self.held_per_reserved, self.target * MAX_OVERBOOK, 1.0)
+        self.fill = max(self.target, overbooked)
+        self.reason = FillReason.CALIBRATED if self.fill > self.target else FillReason.TARGET

@@ -152,6 +152,9 @@ class AdminEndpoints:
             "preemptions": None if load is None else load.preemptions,
             "effective_fill": self._router.effective_fill(backend),
             "fill_reason": backend.fill.reason.value,
+            # what the backend held per reserved token at the highest recent peak: the
+            # calibration behind an effective fill above the target
+            "held_per_reserved": backend.fill.held_per_reserved,
             "fill_backoffs": {r.value: n for r, n in backend.fill.backoffs.items()},
             "prefix_cache": {
                 # what the prefix index expected of the prompts routed here, and what the

@@ -144,6 +144,11 @@ def test_realistic_answers_under_a_5x_spike_never_preempt(fleet: Fleet) -> None:
     assert {outcome for _, outcome, _ in done} <= {"local", "queued"}  # none spilled or refused
     assert preemptions(fleet, "spike") == 0
     assert released(fleet, "spike") == 0
+    # the full ledger held more than the backend did: its ratio calibrates the fill upwards
+    status = backend_status(fleet, "spike")
+    assert status["held_per_reserved"] < 1
+    assert status["effective_fill"] > 0.9
+    assert status["fill_reason"] == "calibrated"
 
 
 def test_requests_without_max_tokens_never_make_the_backend_preempt(fleet: Fleet) -> None:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gateway.admission.fill import FillController, FillReason
+from gateway.admission.fill import DECAY_PER_S, MAX_OVERBOOK, FillController, FillReason
 from gateway.clock import ManualClock
 
 
@@ -54,3 +54,82 @@ def test_the_fill_never_drops_below_a_tenth_of_the_target() -> None:
         clock.advance(0.5)
         fill.observe(now=clock.monotonic(), preempted=True, waiting=False)
     assert fill.fill == pytest.approx(0.05)
+
+
+def scrape(
+    fill: FillController, clock: ManualClock, seconds: float, *, held: float, reserved: float
+) -> None:
+    clock.advance(seconds)
+    fill.observe(
+        now=clock.monotonic(), preempted=False, waiting=False, held=held, reserved=reserved
+    )
+
+
+def busy(fill: FillController, clock: ManualClock, seconds: float, *, ratio: float) -> None:
+    """Scrapes every 0.5 s for `seconds` of a ledger at the target, holding `ratio` of it."""
+    for _ in range(round(seconds / 0.5)):
+        scrape(fill, clock, 0.5, held=fill.target * ratio, reserved=fill.target)
+
+
+def test_a_full_ledger_over_a_backend_holding_less_raises_the_fill_to_reach_the_target() -> None:
+    clock = ManualClock()
+    fill = FillController(0.9)
+    scrape(fill, clock, 0.0, held=0.0, reserved=0.0)
+    busy(fill, clock, 1.0, ratio=0.9)  # the ratio starts at 1 and comes down on evidence
+    assert fill.held_per_reserved == pytest.approx(1 - DECAY_PER_S)
+    assert fill.fill == pytest.approx(0.9 / (1 - DECAY_PER_S))
+    assert fill.reason is FillReason.CALIBRATED
+    busy(fill, clock, 60.0, ratio=0.95)  # no lower than what the backend is seen to hold
+    assert fill.held_per_reserved == pytest.approx(0.95)
+    assert fill.fill == pytest.approx(0.9 / 0.95)
+    busy(fill, clock, 0.5, ratio=0.97)  # a higher ratio counts at once
+    assert fill.held_per_reserved == pytest.approx(0.97)
+    assert fill.fill == pytest.approx(0.9 / 0.97)
+
+
+def test_the_calibration_never_passes_the_overbooking_cap() -> None:
+    clock = ManualClock()
+    fill = FillController(0.8)
+    busy(fill, clock, 100.0, ratio=0.5)
+    assert fill.held_per_reserved == pytest.approx(0.5)
+    assert fill.fill == pytest.approx(0.8 * MAX_OVERBOOK)
+
+
+def test_the_ratio_moves_only_on_a_well_filled_ledger_a_second_a_scrape_at_most() -> None:
+    clock = ManualClock()
+    fill = FillController(0.9)
+    scrape(fill, clock, 0.0, held=0.0, reserved=0.0)
+    busy(fill, clock, 2.0, ratio=0.5)
+    assert fill.held_per_reserved == pytest.approx(1 - 2 * DECAY_PER_S)
+    scrape(fill, clock, 600.0, held=0.05, reserved=0.1)  # nearly idle: says nothing of a peak
+    assert fill.held_per_reserved == pytest.approx(1 - 2 * DECAY_PER_S)
+    scrape(fill, clock, 600.0, held=0.45, reserved=0.9)  # after a gap: one second's worth
+    assert fill.held_per_reserved == pytest.approx(1 - 3 * DECAY_PER_S)
+
+
+def test_a_backend_holding_more_than_reserved_keeps_the_target() -> None:
+    clock = ManualClock()
+    fill = FillController(0.9)
+    busy(fill, clock, 5.0, ratio=0.8)
+    scrape(fill, clock, 0.5, held=0.95, reserved=0.7)  # traffic that bypasses the gateway
+    assert fill.held_per_reserved == 1.0
+    assert fill.fill == 0.9
+    assert fill.reason is FillReason.TARGET
+
+
+def test_a_back_off_forgets_the_calibration_and_recovers_only_to_the_target() -> None:
+    clock = ManualClock()
+    fill = FillController(0.9)
+    busy(fill, clock, 100.0, ratio=0.8)
+    assert fill.fill == pytest.approx(0.9 * MAX_OVERBOOK)
+    clock.advance(0.5)
+    assert fill.observe(now=clock.monotonic(), preempted=True, waiting=False) is (
+        FillReason.PREEMPTION
+    )
+    assert fill.fill == pytest.approx(0.72)  # from the target, not from the overbooked fill
+    assert fill.held_per_reserved == 1.0
+    busy(fill, clock, 18.0, ratio=0.8)  # recovering: no calibration until at the target
+    assert fill.fill == pytest.approx(0.9)
+    assert fill.held_per_reserved == 1.0
+    busy(fill, clock, 2.0, ratio=0.8)
+    assert fill.held_per_reserved == pytest.approx(1 - 2 * DECAY_PER_S)
