@@ -120,6 +120,7 @@ def _limiter(
             key_prefix="spillgate:provider" if for_providers else "spillgate",
             timeout_s=settings.redis.timeout_ms / 1000,
             timeout_max_s=_timeout_max_s(settings),
+            slice_s=settings.ratelimit.slice_s,
         ),
         fallback=local,
         failure_mode="local" if for_providers else rl.failure_mode,

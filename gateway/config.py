@@ -201,6 +201,9 @@ class RateLimitSettings(_Model):
     replicas: int = Field(1, gt=0)
     failure_threshold: int = Field(3, gt=0)
     cooldown_s: float = Field(5.0, gt=0)
+    # with Redis: a replica takes up to this much of a tenant's refill at once and decides
+    # on its own until it is spent (gateway/ratelimit/redis_limiter.py); 0: every request asks
+    slice_s: float = Field(0.5, ge=0, le=5)
 
 
 class LedgerSettings(_Model):

@@ -10,8 +10,13 @@
 --       "adjust" the tokens to charge, negative to refund; "refund" gives back one request
 --       and `tokens`: an admission its caller never used), and for "adjust" ARGV[7]
 --       requests to charge (what a replica admitted on its own while Redis was away).
--- Returns {code, request_level, token_level}: code 0 allowed, 1 requests, 2 tokens,
--- 3 too_large; levels as "%.17g" strings, after the debit when allowed.
+--       For "acquire", ARGV[7] and ARGV[8]: the requests and tokens the caller would take
+--       beyond this request, as a slice it spends on its own (gateway/ratelimit/redis_limiter.py);
+--       it gets at most a quarter of what each bucket holds after the request, and nothing
+--       unless both are at least 1. A refund gives the slice back with the request.
+-- Returns {code, request_level, token_level, slice_requests, slice_tokens}: code 0
+-- allowed, 1 requests, 2 tokens, 3 too_large; levels as "%.17g" strings, after the debit
+-- (the slice's included) when allowed; the slice granted, 0 and 0 when none.
 
 local op = ARGV[1]
 local rpm, rcap = tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -36,8 +41,8 @@ local function store(key, lv, per_minute, cap)
   redis.call('PEXPIRE', key, math.ceil((cap - lv) * 60000 / per_minute) + 1000)
 end
 
-local function reply(code, r, t)
-  return {code, string.format('%.17g', r), string.format('%.17g', t)}
+local function reply(code, r, t, sr, st)
+  return {code, string.format('%.17g', r), string.format('%.17g', t), sr or 0, st or 0}
 end
 
 local r = level(KEYS[1], rpm, rcap)
@@ -60,20 +65,28 @@ end
 
 local DECIDED_MS = 120000  -- longer than any retry or late answer takes
 
+-- the id key holds "admitted <slice requests> <slice tokens>", then "refunded"
+local function admitted(key)
+  local sr, st = string.match(redis.call('GET', key) or '', '^admitted (%d+) (%d+)$')
+  return tonumber(sr), tonumber(st)
+end
+
 if op == 'refund' then
-  if redis.call('GET', KEYS[3]) ~= 'admitted' then
+  local sr, st = admitted(KEYS[3])
+  if sr == nil then
     return reply(0, r, t)
   end
   redis.call('SET', KEYS[3], 'refunded', 'PX', DECIDED_MS)
-  r = math.min(rcap, r + 1)
-  t = math.min(tcap, t + cost)
+  r = math.min(rcap, r + 1 + sr)
+  t = math.min(tcap, t + cost + st)
   store(KEYS[1], r, rpm, rcap)
   store(KEYS[2], t, tpm, tcap)
   return reply(0, r, t)
 end
 
 if KEYS[3] and redis.call('EXISTS', KEYS[3]) == 1 then  -- decided (and debited) already
-  return reply(0, r, t)
+  local sr, st = admitted(KEYS[3])
+  return reply(0, r, t, sr, st)
 end
 if cost > tcap then
   return reply(3, r, t)
@@ -86,9 +99,16 @@ if t < cost then
 end
 r = r - 1
 t = t - cost
+local sr = math.floor(math.min(tonumber(ARGV[7] or '0'), r / 4))
+local st = math.floor(math.min(tonumber(ARGV[8] or '0'), t / 4))
+if sr < 1 or st < 1 then
+  sr, st = 0, 0
+end
+r = r - sr
+t = t - st
 store(KEYS[1], r, rpm, rcap)
 store(KEYS[2], t, tpm, tcap)
 if KEYS[3] then
-  redis.call('SET', KEYS[3], 'admitted', 'PX', DECIDED_MS)
+  redis.call('SET', KEYS[3], string.format('admitted %d %d', sr, st), 'PX', DECIDED_MS)
 end
-return reply(0, r, t)
+return reply(0, r, t, sr, st)

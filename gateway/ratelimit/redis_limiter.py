@@ -10,12 +10,24 @@ runs on Redis Cluster.
 A decision Redis made after its caller stopped waiting (the caller answered from its
 failure mode instead) is undone: an admission nobody used is refunded, so a late call
 never leaves the tenant charged for a request twice.
+
+Slices. With `slice_s`, a decision that admits also takes up to `slice_s` seconds of the
+tenant's refill in both buckets (never more than a quarter of what each holds after the
+request), and the process spends that slice on its own: the tenant's next requests here
+are decided without a round trip until the slice runs out or `slice_s` has passed, when
+what is left goes back to Redis. Refunds of a request's unused tokens go to the slice
+while it lives. Every slice is debited in Redis before it is spent, so the fleet never
+admits more than the buckets hold; a tight bucket (under one request per `slice_s`, or
+nearly empty) yields no slice, and each request asks Redis as before. What a slice costs
+is that the other replicas see its unspent part as used, for at most `slice_s`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import secrets
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -26,11 +38,38 @@ from gateway.ratelimit import bucket
 from gateway.ratelimit.base import Decision, Reason, StoreError, TenantLimits
 from gateway.redis_batch import BatchScript, RedisBatcher, batcher_of, forget
 
+CLOSE_WAIT_S = 1.0  # what closing waits for the slices' give-back without a time budget
 _REASONS: dict[int, Reason] = {0: "", 1: "requests", 2: "tokens", 3: "too_large"}
 
 
 def bucket_script() -> str:
     return resources.files("gateway.ratelimit").joinpath("bucket.lua").read_text("utf-8")
+
+
+@dataclass(slots=True, eq=False)
+class _Slice:
+    """What this process took from a tenant's buckets beyond its requests, to spend alone."""
+
+    limits: TenantLimits
+    requests: int
+    tokens: int
+    until: float  # event-loop time; then what is left goes back
+    request_level: float  # what the buckets held once the slice was taken
+    token_level: float
+
+    def spend(self, tokens: int, now: float) -> bool:
+        if self.requests < 1 or self.tokens < tokens or now >= self.until:
+            return False
+        self.requests -= 1
+        self.tokens -= tokens
+        return True
+
+    def settle(self, tokens: int, now: float) -> bool:
+        """Take a request's settlement: a refund (`tokens` < 0), or an overrun it covers."""
+        if now >= self.until or self.tokens < tokens:
+            return False
+        self.tokens -= tokens
+        return True
 
 
 class RedisRateLimiter:
@@ -50,8 +89,12 @@ class RedisRateLimiter:
         key_prefix: str = "spillgate",
         timeout_s: float | None = None,
         timeout_max_s: float | None = None,
+        slice_s: float = 0.0,
     ) -> None:
         self._batch = batcher_of(redis)
+        self._slice_s = slice_s
+        self._slices: dict[str, _Slice] = {}
+        self._taking: set[str] = set()  # tenants whose slice is being asked for
         self._timeout_s = timeout_s
         self._timeout_max_s = max(timeout_s or 0.0, timeout_max_s or 0.0)
         self._script = BatchScript(bucket_script())
@@ -84,7 +127,7 @@ class RedisRateLimiter:
 
     async def _run(
         self, op: str, limits: TenantLimits, cost: int, *extra: int
-    ) -> tuple[Reason, float, float]:
+    ) -> tuple[Reason, float, float, int, int]:
         keys: tuple[str, ...] = self.keys(limits.tenant)
         on_late = None
         if op == "acquire":
@@ -93,7 +136,7 @@ class RedisRateLimiter:
             def on_late(reply: Any) -> None:
                 if reply and reply[0] == 0:  # admitted, but nobody used it: give it back
                     self.late_refunds += 1
-                    refund = self._args("refund", limits, cost)
+                    refund = self._args("refund", limits, cost)  # its slice included
                     forget(self._batch.submit(self._script, keys, refund))
 
         budget = None
@@ -114,23 +157,91 @@ class RedisRateLimiter:
         except (RedisError, OSError, TimeoutError) as exc:
             raise StoreError(f"rate-limit store failed: {exc}") from exc
         try:
-            return _REASONS[int(reply[0])], float(reply[1]), float(reply[2])
-        except (TypeError, ValueError, IndexError, KeyError) as exc:
+            code, requests, tokens, *granted = reply
+            slice_requests, slice_tokens = (int(g) for g in granted) if granted else (0, 0)
+            return _REASONS[int(code)], float(requests), float(tokens), slice_requests, slice_tokens
+        except (TypeError, ValueError, KeyError) as exc:
             raise StoreError(f"rate-limit store sent an unexpected reply: {reply!r}") from exc
 
     async def acquire(self, limits: TenantLimits, tokens: int) -> Decision:
         bucket.check_tokens(tokens=tokens)
-        reason, requests, left = await self._run("acquire", limits, tokens)
+        now = asyncio.get_running_loop().time()
+        held = self._slices.get(limits.tenant)
+        if held is not None and held.spend(tokens, now):
+            return bucket.decision(
+                limits,
+                requests=held.request_level + held.requests,
+                tokens=held.token_level + held.tokens,
+                reason="",
+                retry_after=0.0,
+            )
+        # one slice asked for at a time: decisions made meanwhile go without
+        want = () if limits.tenant in self._taking else self._wanted(limits)
+        if want:
+            self._taking.add(limits.tenant)
+        try:
+            reason, requests, left, slice_requests, slice_tokens = await self._run(
+                "acquire", limits, tokens, *want
+            )
+        finally:
+            if want:
+                self._taking.discard(limits.tenant)
+        if slice_requests:
+            self._hold(limits, slice_requests, slice_tokens, requests, left)
         retry = 0.0
         if reason in ("requests", "tokens"):
             retry = bucket.retry_after_s(limits, requests=requests, tokens=left, cost=tokens)
         return bucket.decision(
-            limits, requests=requests, tokens=left, reason=reason, retry_after=retry
+            limits,
+            requests=requests + slice_requests,
+            tokens=left + slice_tokens,
+            reason=reason,
+            retry_after=retry,
         )
+
+    def _wanted(self, limits: TenantLimits) -> tuple[int, ...]:
+        """The slice to ask for beside a decision: `slice_s` of the tenant's refill."""
+        if self._slice_s <= 0:
+            return ()
+        return (
+            int(limits.requests_per_minute * self._slice_s / 60),
+            int(limits.tokens_per_minute * self._slice_s / 60),
+        )
+
+    def _hold(
+        self, limits: TenantLimits, requests: int, tokens: int, r_level: float, t_level: float
+    ) -> None:
+        """Keep a slice just granted; one still held is given back (an older take's rest)."""
+        loop = asyncio.get_running_loop()
+        taken = _Slice(limits, requests, tokens, loop.time() + self._slice_s, r_level, t_level)
+        self._give_back(self._slices.get(limits.tenant))
+        self._slices[limits.tenant] = taken
+        loop.call_at(taken.until, self._expire, taken)
+
+    def _expire(self, taken: _Slice) -> None:
+        if self._slices.get(taken.limits.tenant) is taken:
+            del self._slices[taken.limits.tenant]
+            self._give_back(taken)
+
+    def _give_back(self, taken: _Slice | None) -> asyncio.Future[Any] | None:
+        """What is left of a slice goes back to Redis (sent and forgotten: a lost give-back
+        leaves the buckets lower for one refill of at most `slice_s`, never higher)."""
+        if taken is None or not (taken.requests or taken.tokens):
+            return None
+        taken.until = 0.0  # spent no more
+        back = self._args("adjust", taken.limits, -taken.tokens, -taken.requests)
+        taken.requests = taken.tokens = 0
+        sent = self._batch.submit(self._script, self.keys(taken.limits.tenant), back)
+        forget(sent)
+        return sent
 
     async def reconcile(self, limits: TenantLimits, *, reserved: int, used: int) -> None:
         bucket.check_tokens(reserved=reserved, used=used)
-        if reserved != used:
+        if reserved == used:
+            return
+        held = self._slices.get(limits.tenant)
+        now = asyncio.get_running_loop().time()
+        if held is None or not held.settle(used - reserved, now):
             await self._run("adjust", limits, used - reserved)
 
     async def charge(self, limits: TenantLimits, *, requests: int, tokens: int) -> None:
@@ -140,8 +251,15 @@ class RedisRateLimiter:
             await self._run("adjust", limits, tokens, requests)
 
     async def peek(self, limits: TenantLimits) -> Decision:
-        _, requests, tokens = await self._run("peek", limits, 0)
+        _, requests, tokens, _, _ = await self._run("peek", limits, 0)
+        held = self._slices.get(limits.tenant)
+        if held is not None:  # this process's unspent slice is the tenant's still
+            requests, tokens = requests + held.requests, tokens + held.tokens
         return bucket.judged(limits, requests=requests, tokens=tokens, cost=0)
 
     async def close(self) -> None:
-        return None
+        """Give back every slice still held, within the time budget's ceiling."""
+        sent = [f for taken in self._slices.values() if (f := self._give_back(taken))]
+        self._slices.clear()
+        if sent:
+            await asyncio.wait(sent, timeout=self._timeout_max_s or CLOSE_WAIT_S)

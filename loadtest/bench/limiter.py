@@ -4,8 +4,10 @@ Not a test: a script whose figures go in BENCHMARKS.md. It starts a private redi
 (never the user's), then runs a fixed number of `acquire` calls from N concurrent tasks for
 each limiter: `local` (in-process), `ping` (a bare Redis round trip, the floor), `redis`
 (one Lua call per decision, the decisions of one moment in one pipeline) and `resilient`
-(redis behind the time budget, 50-500 ms from the latency seen, and the circuit breaker,
-as the gateway runs it). At the end it prints the time Redis itself spent
+(redis behind the time budget, 50-500 ms from the latency seen, and the circuit breaker)
+and `sliced` (resilient with the gateway's default `ratelimit.slice_s`, as the gateway runs
+it: a decision takes a slice of the tenant's refill and the tenant's next decisions in this
+process spend it without a round trip). At the end it prints the time Redis itself spent
 per decision (INFO commandstats), which bounds what one Redis core serves. Each limiter
 first decides once for every tenant (warm-up: connections, script load). Limits are high
 enough that every decision is an admission, so the figures are the decision cost.
@@ -26,6 +28,7 @@ from dataclasses import asdict, dataclass
 import redis.asyncio as aioredis
 
 from gateway.clock import SystemClock
+from gateway.config import RateLimitSettings
 from gateway.ratelimit import (
     Decision,
     LocalRateLimiter,
@@ -37,6 +40,8 @@ from gateway.ratelimit import (
 from gateway.redis_batch import RedisBatcher
 from loadtest.percentile import percentile_or_nan
 from loadtest.procs import RedisProcess
+
+SLICE_S = RateLimitSettings().slice_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,11 +124,11 @@ class Ping:
 class CountingResilient(ResilientRateLimiter):
     """The gateway's stack, counting the calls that missed the time budget."""
 
-    def __init__(self, batcher: RedisBatcher) -> None:
+    def __init__(self, batcher: RedisBatcher, *, slice_s: float = 0.0) -> None:
         clock = SystemClock()
         self.store_errors = 0
         super().__init__(
-            RedisRateLimiter(batcher, timeout_s=0.05, timeout_max_s=0.5),
+            RedisRateLimiter(batcher, timeout_s=0.05, timeout_max_s=0.5, slice_s=slice_s),
             fallback=LocalRateLimiter(clock),
             failure_mode="local",
             replicas=1,
@@ -148,6 +153,8 @@ async def run_all(args: argparse.Namespace, url: str) -> list[Row]:
         "ping": lambda: Ping(client),
         "redis": lambda: RedisRateLimiter(RedisBatcher(client)),
         "resilient": lambda: CountingResilient(RedisBatcher(client)),
+        # as the gateway runs it by default: each tenant's decisions spend a slice
+        "sliced": lambda: CountingResilient(RedisBatcher(client), slice_s=SLICE_S),
     }
     rows: list[Row] = []
     try:

@@ -6,10 +6,12 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import pytest
 import redis.asyncio as aioredis
 
 from gateway.app import redis_client
@@ -35,24 +37,32 @@ from gateway.ratelimit import RedisRateLimiter, TenantLimits
 
 async def main(spec):
     client = aioredis.Redis.from_url(spec["url"], socket_timeout=5)
-    limiter = RedisRateLimiter(client)
+    limiter = RedisRateLimiter(client, slice_s=spec["slice_s"])
     limits = TenantLimits(**spec["limits"])
     await client.ping()
     print("ready", flush=True)
     sys.stdin.readline()
     decisions = await asyncio.gather(*(limiter.acquire(limits, n) for n in spec["sizes"]))
     print(json.dumps([n for n, d in zip(spec["sizes"], decisions) if d.allowed]), flush=True)
+    await limiter.close()
     await client.aclose()
 
 asyncio.run(main(json.loads(sys.argv[1])))
 """
 
 
-def burst_from_processes(url: str, limits: dict[str, object], sizes: list[list[int]]) -> list[int]:
+def burst_from_processes(
+    url: str, limits: dict[str, object], sizes: list[list[int]], *, slice_s: float = 0.0
+) -> list[int]:
     """Run one worker process per entry of `sizes`, release them together, pool the results."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", WORKER, json.dumps({"url": url, "limits": limits, "sizes": s})],
+            [
+                sys.executable,
+                "-c",
+                WORKER,
+                json.dumps({"url": url, "limits": limits, "sizes": s, "slice_s": slice_s}),
+            ],
             cwd=ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -105,6 +115,81 @@ def test_admitted_tokens_never_exceed_limit_plus_largest_request(
     largest = max(max(s) for s in sizes)
     assert 2_000 - largest <= sum(admitted) <= 2_000 + largest
     assert len(admitted) < sum(len(s) for s in sizes)
+
+
+def test_three_processes_spending_slices_admit_no_more_than_the_buckets_hold(
+    redis_proc: RedisProcess,
+) -> None:
+    """Slices of 3 requests (6 a second, half a second's worth) taken by three processes at
+    once: every slice was debited in Redis first, so the fleet admits at most the burst
+    and its refill while the burst ran, and no process strands a slice it cannot spend."""
+    limits = {
+        "tenant": "acme",
+        "requests_per_minute": 360,
+        "request_burst": 60,
+        "tokens_per_minute": 6_000_000,
+    }
+    started = time.monotonic()
+    admitted = burst_from_processes(
+        redis_proc.url, limits, [[1] * 100, [1] * 100, [1] * 100], slice_s=0.5
+    )
+    refill = 6 * (time.monotonic() - started)
+    assert 60 <= len(admitted) <= 60 + refill
+
+
+def test_a_slice_answers_alone_and_goes_back_when_it_lapses(redis_proc: RedisProcess) -> None:
+    limits = TenantLimits(
+        tenant="acme",
+        requests_per_minute=6_000,
+        request_burst=1_000_000,
+        tokens_per_minute=600_000,
+        token_burst=10_000_000,
+    )
+
+    async def stored(client: aioredis.Redis, key: str) -> tuple[float, float]:
+        level, at = await client.hmget(key, ["level", "at"])
+        return float(level), float(at)
+
+    async def scenario() -> None:
+        async with connected(redis_proc) as client:
+            limiter = RedisRateLimiter(client, slice_s=0.3)
+            requests_key, _ = limiter.keys("acme")
+            # far below the bucket's size: the refill while the test runs does not fill it
+            await limiter.charge(limits, requests=500_000, tokens=0)
+            first = await limiter.acquire(limits, 1)
+            # the decision took a slice, 0.3 s of refill: 30 requests and 3,000 tokens
+            level, at = await stored(client, requests_key)
+            assert 500_000 - 1 - 30 <= level < 500_000 - 1 - 30 + 10
+            assert first.remaining_requests == int(level) + 30
+            assert first.remaining_tokens == 9_999_999
+            calls = limiter._batch.calls
+            for _ in range(10):
+                decision = await limiter.acquire(limits, 1)
+            assert limiter._batch.calls == calls  # ten decisions, no round trip
+            assert decision.remaining_requests == first.remaining_requests - 10
+            assert decision.remaining_tokens == 9_999_989
+            await limiter.reconcile(limits, reserved=1, used=0)  # refunded into the slice
+            assert limiter._batch.calls == calls
+            await asyncio.sleep(0.5)  # lapsed: the 20 requests left went back
+            assert not limiter._slices
+            back, later = await stored(client, requests_key)
+            assert back == pytest.approx(level + (later - at) * 100 + 20)
+
+    asyncio.run(scenario())
+
+
+def test_a_tight_bucket_yields_no_slice(redis_proc: RedisProcess) -> None:
+    """Under one request per slice_s, or a bucket nearly empty: each request asks Redis."""
+    limits = TenantLimits(tenant="acme", requests_per_minute=60, tokens_per_minute=600_000)
+
+    async def scenario() -> None:
+        async with connected(redis_proc) as client:
+            limiter = RedisRateLimiter(client, slice_s=0.5)
+            decisions = [await limiter.acquire(limits, 1) for _ in range(61)]
+            assert sum(d.allowed for d in decisions) == 60
+            assert limiter._batch.calls == 61
+
+    asyncio.run(scenario())
 
 
 def test_gateway_clocks_do_not_move_the_buckets(redis_proc: RedisProcess) -> None:
@@ -309,22 +394,33 @@ def test_a_decision_sent_twice_debits_once(redis_proc: RedisProcess) -> None:
     asyncio.run(scenario())
 
 
-def test_a_decision_made_after_its_caller_gave_up_is_refunded(redis_proc: RedisProcess) -> None:
+SLOW = TenantLimits(
+    tenant="t", requests_per_minute=1, request_burst=2, tokens_per_minute=1, token_burst=1_000
+)
+SLICED = TenantLimits(tenant="t", requests_per_minute=600, tokens_per_minute=60_000)
+
+
+@pytest.mark.parametrize(
+    ("slice_s", "limits", "first", "left"),
+    [(0.0, SLOW, 100, (1, 900)), (0.5, SLICED, 0, (600, 60_000))],
+    ids=["decision", "decision and its slice"],
+)
+def test_a_decision_made_after_its_caller_gave_up_is_refunded(
+    redis_proc: RedisProcess,
+    slice_s: float,
+    limits: TenantLimits,
+    first: int,
+    left: tuple[int, int],
+) -> None:
     """Cut by its time budget while Redis was paused, the decision still ran in Redis once
-    the pause ended: nobody used that admission, so it is given back."""
+    the pause ended: nobody used that admission, so it is given back, with any slice it took."""
 
     async def scenario() -> None:
         client = aioredis.Redis.from_url(redis_proc.url, socket_timeout=5)
         admin = aioredis.Redis.from_url(redis_proc.url, socket_timeout=5)
-        limiter = RedisRateLimiter(client, key_prefix="late")
-        limits = TenantLimits(
-            tenant="t",
-            requests_per_minute=1,
-            request_burst=2,
-            tokens_per_minute=1,
-            token_burst=1_000,
-        )
-        assert (await limiter.acquire(limits, 100)).remaining_tokens == 900
+        limiter = RedisRateLimiter(client, key_prefix="late", slice_s=slice_s)
+        if first:
+            assert (await limiter.acquire(limits, first)).remaining_tokens == 1_000 - first
         await admin.execute_command("CLIENT", "PAUSE", 300)
         try:
             async with asyncio.timeout(0.05):
@@ -334,8 +430,9 @@ def test_a_decision_made_after_its_caller_gave_up_is_refunded(redis_proc: RedisP
             pass
         await asyncio.sleep(0.6)  # the pause ends, the decision runs, its refund follows
         assert limiter.late_refunds == 1
+        assert not limiter._slices
         peeked = await limiter.peek(limits)
-        assert (peeked.remaining_requests, peeked.remaining_tokens) == (1, 900)
+        assert (peeked.remaining_requests, peeked.remaining_tokens) == left
         await client.aclose()
         await admin.aclose()
 
