@@ -158,6 +158,7 @@ class Bench:
         scraper = self.scraper(arm)
         watch = Watch(scraper=scraper, backend_url=self.backend.url)
         before = await scraper.backend(self.backend.url)
+        backed_off = await self.backoffs(arm)
         sampling = asyncio.create_task(watch.run())
         try:
             data = await run_schedule(
@@ -171,9 +172,31 @@ class Bench:
             await asyncio.gather(sampling, return_exceptions=True)
         after = await scraper.backend(self.backend.url)
         preempted = after["preemptions"] - before["preemptions"]
+        backoffs = {
+            reason: n - backed_off.get(reason, 0)
+            for reason, n in (await self.backoffs(arm)).items()
+        }
         return summarize(
-            arm, data.results, watch, preemptions=preempted, elapsed_s=data.elapsed_s, **settled
+            arm,
+            data.results,
+            watch,
+            preemptions=preempted,
+            backoffs=sum(backoffs.values()) if arm in self.gateways else None,
+            backoffs_by_reason={reason: n for reason, n in backoffs.items() if n},
+            elapsed_s=data.elapsed_s,
+            **settled,
         )
+
+    async def backoffs(self, arm: str) -> dict[str, int]:
+        """The arm's gateway's fill back-offs so far, by reason (none for `direct`)."""
+        if arm not in self.gateways:
+            return {}
+        status = await self.scraper(arm).status()
+        counted: Counter[str] = Counter()
+        for pool in status["pools"]:
+            for backend in pool["backends"]:
+                counted.update(backend.get("fill_backoffs", {}))
+        return dict(counted)
 
     async def warm(self, plan: BenchPlan) -> dict[str, Any]:
         """The learning arms see `plan.warmup` seeded answers per pool before they are

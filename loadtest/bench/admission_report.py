@@ -21,6 +21,7 @@ ROWS: tuple[tuple[str, str, Callable[[Any], str]], ...] = (
     ("used_per_reserved", "KV used ÷ reserved", lambda v: f"{v:.2f}"),
     ("ttft_p50_s", "TTFT p50 (s)", lambda v: f"{v:.2f}"),
     ("preemptions", "preemptions", lambda v: f"{v:.0f}"),
+    ("backoffs", "effective fill back-offs", lambda v: f"{v:.0f}"),
     ("refused", "refusals (503)", lambda v: f"{v:.0f}"),
     ("errors", "errors", lambda v: f"{v:.0f}"),
     ("elapsed_s", "total time (s)", lambda v: f"{v:.1f}"),
