@@ -1,11 +1,14 @@
 """A backend's effective fill: the target fill, lowered while the backend shows it is overfull,
 raised while it shows it holds less than the ledger reserved.
 
-The gateway admits up to capacity × effective fill. When the backend preempts sequences or
-keeps requests waiting inside its own scheduler, the gateway's view of its room was too
-generous (answers longer than reserved, traffic that bypasses the gateway, a KV cache
-smaller than reported): the fill drops at once by BACKOFF_FACTOR, and climbs back by
-RECOVERY_PER_S per second while the backend stays calm, up to the target fill.
+The gateway admits up to capacity × effective fill. When the backend preempts sequences, or
+keeps requests waiting inside its own scheduler while its KV cache is at least the target
+fill full, the gateway's view of its room was too generous (answers longer than reserved,
+traffic that bypasses the gateway, a KV cache smaller than reported): the fill drops at
+once by BACKOFF_FACTOR, and climbs back by RECOVERY_PER_S per second while the backend
+stays calm, up to the target fill. Requests waiting under a roomier cache wait for the
+engine's next step or its batch limits, not for memory: a burst's arrivals are caught so
+on scrape after scrape, and admitting less would not shorten that wait.
 
 The opposite error is as costly: a reservation is what a stream is expected to hold at its
 peak, with a share of the spread, so a full ledger leaves part of the KV cache unused and
@@ -35,7 +38,7 @@ class FillReason(StrEnum):
 
     TARGET = "target"  # at the target fill
     PREEMPTION = "preemption"  # the backend preempted sequences
-    WAITING = "waiting"  # requests waited inside the backend on two scrapes in a row
+    WAITING = "waiting"  # requests waited inside a full backend on two scrapes in a row
     RECOVERING = "recovering"  # climbing back after a back-off
     CALIBRATED = "calibrated"  # above the target: the backend holds less than reserved
 
@@ -65,15 +68,16 @@ class FillController:
     ) -> FillReason | None:
         """Take one scrape: `preempted` when the backend's preemption count rose since the
         last, `waiting` when requests wait inside it; `held`, the share of its KV cache it
-        reports in use, and `reserved`, the share the ledger held on it meanwhile. The
-        reason of a back-off, else None."""
+        reports in use (None: unknown), and `reserved`, the share the ledger held on it
+        meanwhile. The reason of a back-off, else None."""
         since = 0.0 if self._at is None else max(0.0, now - self._at)
         self._at = now
         waited, self._waited = self._waited, waiting
         reason = None
+        full = held is None or held >= self.target  # unknown: taken as full
         if preempted:
             reason = FillReason.PREEMPTION
-        elif waiting and waited:
+        elif waiting and waited and full:
             reason = FillReason.WAITING
         if reason is not None:
             self.held_per_reserved = 1.0

@@ -47,6 +47,22 @@ def test_waiting_backs_off_only_when_seen_on_two_scrapes_in_a_row() -> None:
     assert fill.backoffs == {FillReason.WAITING: 2}
 
 
+def test_waiting_under_a_cache_below_the_target_fill_is_no_reason_to_back_off() -> None:
+    """A burst's arrivals wait for the engine's next step: caught on two scrapes in a row
+    while the cache is half full, they say nothing about memory."""
+    clock = ManualClock()
+    fill = FillController(0.9)
+    for _ in range(4):
+        clock.advance(0.5)
+        assert fill.observe(now=clock.monotonic(), preempted=False, waiting=True, held=0.6) is None
+    assert fill.fill == 0.9
+    clock.advance(0.5)
+    assert fill.observe(now=clock.monotonic(), preempted=False, waiting=True, held=0.92) is (
+        FillReason.WAITING
+    )
+    assert fill.fill == pytest.approx(0.72)
+
+
 def test_the_fill_never_drops_below_a_tenth_of_the_target() -> None:
     clock = ManualClock()
     fill = FillController(0.5)
