@@ -29,7 +29,7 @@ RECOVERY_PER_S = 0.01
 MIN_FILL_SHARE = 0.1  # the fill never drops below this share of the target fill
 MAX_OVERBOOK = 1.1  # the ledger may reserve at most this multiple of the target fill
 EVIDENCE_FILL_SHARE = 0.5  # a scrape calibrates when the ledger holds this share of the target
-DECAY_PER_S = 0.01  # how fast the ratio comes down to lower evidence, per second of evidence
+DECAY_PER_S = 0.03  # how fast the ratio comes down to lower evidence, per second of evidence
 EVIDENCE_STEP_S = 1.0  # at most this much evidence from one scrape, however far apart
 
 
