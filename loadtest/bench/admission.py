@@ -1,8 +1,12 @@
 """Admission by what vLLM really holds: the same seeded bursts, direct and through the gateway.
 
-    python -m loadtest.bench.admission                # against the simulator (seconds)
+    python -m loadtest.bench.admission                # against the simulator (minutes)
     python -m loadtest.bench.admission --real-vllm    # a real vLLM, started by
                                                       # loadtest/real_vllm/serve.sh (minutes)
+
+The simulator runs at one GPU's speed for an 8B model (`--sim-speed 1`): faster, its
+engine's times shrink but the gateway's work of relaying every chunk does not, and the
+two stop comparing as they would on a GPU.
 
 Arms, side by side in one run: `direct` to the backend; the gateway with `static`
 reservation (prompt + max_tokens held until the last byte, no feedback from the backend);
@@ -357,7 +361,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, BenchPla
     p.add_argument("--port", type=int, default=8101, help="the real vLLM's port")
     p.add_argument("--kv-tokens", type=int, default=16_384, help="the backend's KV cache")
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--sim-speed", type=float, default=4.0)
+    p.add_argument("--sim-speed", type=float, default=1.0, help="the simulator's speed-up")
     p.add_argument("--sim-block-size", type=int, default=16)
     p.add_argument("--bursts", default="24,48")
     p.add_argument("--runs", type=int, default=3)
