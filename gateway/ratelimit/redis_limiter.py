@@ -16,10 +16,12 @@ tenant's refill in both buckets (never more than a quarter of what each holds af
 request), and the process spends that slice on its own: the tenant's next requests here
 are decided without a round trip until the slice runs out or `slice_s` has passed, when
 what is left goes back to Redis. Refunds of a request's unused tokens go to the slice
-while it lives. Every slice is debited in Redis before it is spent, so the fleet never
-admits more than the buckets hold; a tight bucket (under one request per `slice_s`, or
-nearly empty) yields no slice, and each request asks Redis as before. What a slice costs
-is that the other replicas see its unspent part as used, for at most `slice_s`.
+while it lives, and a decision sent beside the one that took the slice, which Redis then
+refuses for what is left, spends the slice instead. Every slice is debited in Redis before
+it is spent, so the fleet never admits more than the buckets hold; a tight bucket (under
+one request per `slice_s`, or nearly empty) yields no slice, and each request asks Redis
+as before. What a slice costs is that the other replicas see its unspent part as used,
+for at most `slice_s`.
 """
 
 from __future__ import annotations
@@ -165,16 +167,8 @@ class RedisRateLimiter:
 
     async def acquire(self, limits: TenantLimits, tokens: int) -> Decision:
         bucket.check_tokens(tokens=tokens)
-        now = asyncio.get_running_loop().time()
-        held = self._slices.get(limits.tenant)
-        if held is not None and held.spend(tokens, now):
-            return bucket.decision(
-                limits,
-                requests=held.request_level + held.requests,
-                tokens=held.token_level + held.tokens,
-                reason="",
-                retry_after=0.0,
-            )
+        if self._spent_instead(limits, tokens):
+            return self._from_slice(limits)
         # one slice asked for at a time: decisions made meanwhile go without
         want = () if limits.tenant in self._taking else self._wanted(limits)
         if want:
@@ -188,6 +182,10 @@ class RedisRateLimiter:
                 self._taking.discard(limits.tenant)
         if slice_requests:
             self._hold(limits, slice_requests, slice_tokens, requests, left)
+        elif reason in ("requests", "tokens") and self._spent_instead(limits, tokens):
+            # refused by what is left in Redis, while this process holds a slice (taken
+            # beside a decision sent with this one): the slice was debited already
+            return self._from_slice(limits)
         retry = 0.0
         if reason in ("requests", "tokens"):
             retry = bucket.retry_after_s(limits, requests=requests, tokens=left, cost=tokens)
@@ -197,6 +195,21 @@ class RedisRateLimiter:
             tokens=left + slice_tokens,
             reason=reason,
             retry_after=retry,
+        )
+
+    def _spent_instead(self, limits: TenantLimits, tokens: int) -> bool:
+        """Whether this process's slice of the tenant's buckets covers the request."""
+        held = self._slices.get(limits.tenant)
+        return held is not None and held.spend(tokens, asyncio.get_running_loop().time())
+
+    def _from_slice(self, limits: TenantLimits) -> Decision:
+        held = self._slices[limits.tenant]
+        return bucket.decision(
+            limits,
+            requests=held.request_level + held.requests,
+            tokens=held.token_level + held.tokens,
+            reason="",
+            retry_after=0.0,
         )
 
     def _wanted(self, limits: TenantLimits) -> tuple[int, ...]:

@@ -122,7 +122,8 @@ def test_three_processes_spending_slices_admit_no_more_than_the_buckets_hold(
 ) -> None:
     """Slices of 3 requests (6 a second, half a second's worth) taken by three processes at
     once: every slice was debited in Redis first, so the fleet admits at most the burst
-    and its refill while the burst ran, and no process strands a slice it cannot spend."""
+    and its refill while the burst ran; and no process strands a slice, since its
+    decisions that Redis refused for what was left spend it instead (without that, 57)."""
     limits = {
         "tenant": "acme",
         "requests_per_minute": 360,
