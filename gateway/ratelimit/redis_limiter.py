@@ -167,8 +167,8 @@ class RedisRateLimiter:
 
     async def acquire(self, limits: TenantLimits, tokens: int) -> Decision:
         bucket.check_tokens(tokens=tokens)
-        if self._spent_instead(limits, tokens):
-            return self._from_slice(limits)
+        if (spent := self._spend(limits, tokens)) is not None:
+            return spent
         # one slice asked for at a time: decisions made meanwhile go without
         want = () if limits.tenant in self._taking else self._wanted(limits)
         if want:
@@ -182,12 +182,12 @@ class RedisRateLimiter:
                 self._taking.discard(limits.tenant)
         if slice_requests:
             self._hold(limits, slice_requests, slice_tokens, requests, left)
-        elif reason in ("requests", "tokens") and self._spent_instead(limits, tokens):
-            # refused by what is left in Redis, while this process holds a slice (taken
-            # beside a decision sent with this one): the slice was debited already
-            return self._from_slice(limits)
         retry = 0.0
         if reason in ("requests", "tokens"):
+            # refused by what is left in Redis, while this process holds a slice (taken
+            # beside a decision sent with this one): the slice was debited already
+            if (spent := self._spend(limits, tokens)) is not None:
+                return spent
             retry = bucket.retry_after_s(limits, requests=requests, tokens=left, cost=tokens)
         return bucket.decision(
             limits,
@@ -197,13 +197,12 @@ class RedisRateLimiter:
             retry_after=retry,
         )
 
-    def _spent_instead(self, limits: TenantLimits, tokens: int) -> bool:
-        """Whether this process's slice of the tenant's buckets covers the request."""
+    def _spend(self, limits: TenantLimits, tokens: int) -> Decision | None:
+        """The request admitted from this process's slice of the tenant's buckets, else
+        None when there is none or it does not cover the request."""
         held = self._slices.get(limits.tenant)
-        return held is not None and held.spend(tokens, asyncio.get_running_loop().time())
-
-    def _from_slice(self, limits: TenantLimits) -> Decision:
-        held = self._slices[limits.tenant]
+        if held is None or not held.spend(tokens, asyncio.get_running_loop().time()):
+            return None
         return bucket.decision(
             limits,
             requests=held.request_level + held.requests,
