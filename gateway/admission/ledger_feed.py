@@ -4,8 +4,10 @@ Every release and every expiry of a lease is published by ledger.lua on one chan
 replica subscribes; a message updates the ledger's snapshot of that backend (so a waiter
 woken by it sees the room) and then tells the router, which wakes that pool's waiters. A
 replica's own releases already woke its waiters, so only expiries are taken from its own
-messages. While the subscription is down, or the ledger is in its local mode, the waiters
-of every pool are woken every `poll_s` instead: a release elsewhere may have gone unheard.
+messages. A message that gives back nothing is a refusal elsewhere while this replica's
+block may hold spare: the ledger gives it back at once. While the subscription is down, or
+the ledger is in its local mode, the waiters of every pool are woken every `poll_s`
+instead: a release elsewhere may have gone unheard.
 """
 
 from __future__ import annotations
@@ -87,9 +89,12 @@ class ReleaseFeed:
             return
         replica, released, expired, backend, seen = parsed
         self._ledger.observe(backend, seen)
-        freed = expired if replica == self._ledger.replica_id else released + expired
+        mine = replica == self._ledger.replica_id
+        freed = expired if mine else released + expired
         if freed > 0:
             self._waker.released_elsewhere(backend, freed)
+        elif released == expired == 0 and not mine:  # refused elsewhere for want of room
+            self._ledger.wanted(backend)
 
     async def _run(self) -> None:
         while not self._stopping:

@@ -1,51 +1,57 @@
-"""The shared in-flight ledger: every replica reserves on the same per-backend leases in Redis.
+"""The shared in-flight ledger: every replica admits within a block Redis granted it.
 
-A reservation is a lease (ledger.lua): per backend a ZSET of lease → expiry and a HASH of
-lease → tokens, the backend's total kept equal to the sum of its live leases inside the
-script, so it can neither drift nor go negative. Reserve-if-it-fits and release are single
-script calls, timed by Redis TIME. The replica holding a lease renews it every third of the
-TTL while the request streams, so a replica killed with kill -9 frees its reservations
-within the TTL. Every `refresh_s` one pipelined call renews what is due and the leases of
-backends where a stream's lease grew (extend: each lease carries its tokens), retries releases
-Redis never confirmed and reads every backend's totals: the snapshot routing and metrics
-use, also updated by every reply and (through ReleaseFeed) every published release.
+Per backend each replica holds one lease in Redis (ledger.lua): a block of tokens granted to
+it, counted against the backend's limit, and what its admitted requests hold. A request
+that fits in the block, and under the limit beside the others' blocks as last seen, is
+admitted without a call; one that does not asks Redis, which grows the block if the backend
+has room. A block is what its requests hold plus a spare: an eighth of the room left when
+it was granted, so a replica under steady load seldom asks. The spare is what the ledger
+trades for exactness at the margin: room one replica holds spare, another cannot take.
+So when Redis refuses an ask, no replica is granted a spare for a while, and each gives
+back what it holds beyond its requests at once (the release is published: the queues
+elsewhere wake). A replica asks one call at a time per backend; asks made meanwhile go
+together in the next. Every `refresh_s` one pipelined call sizes every block to what its
+requests hold now (renewing its lease, restoring one Redis lost) and reads every backend's
+totals: the snapshot routing and metrics use, also updated by every answer and (through
+ReleaseFeed) every published release. A replica killed with kill -9 stops renewing: its
+leases expire within the TTL.
 
-Failure mode, "local": a call that fails or outlives `timeout_s` switches the ledger to
-local admission, where each process admits on its own leases against limit ÷
-`fallback_share` (replicas × workers), so the fleet stays under each limit while Redis is
-away and no request waits on Redis meanwhile. The refresh keeps probing; when Redis answers
-it restores this replica's live leases that Redis lost (a restart), then shared admission
-resumes, for RECOVERY_REFRESHES refreshes still capped at the share, until every replica
-has restored its own. Mode changes go to `on_mode_change`, failed calls to `on_store_error`.
+Failure mode, "local": a call that fails or outlives its time budget switches the ledger to
+local admission, where each process admits against limit ÷ `fallback_share` (replicas ×
+workers), so the fleet stays under each limit while Redis is away and no request waits on
+Redis meanwhile. The refresh keeps probing; when Redis answers it sizes this replica's
+blocks to what is held (restoring what a restart lost), then shared admission resumes, for
+RECOVERY_REFRESHES refreshes still capped at the share, until every replica has restored
+its own. Mode changes go to `on_mode_change`, failed calls to `on_store_error`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import math
 import secrets
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from gateway.admission.ledger import Reservation
 from gateway.clock import Clock
 from gateway.redis_batch import BatchScript, RedisBatcher, batcher_of
 from gateway.tasks import stop_task
-from gateway.upstream.deadline import Deadline
 
 log = logging.getLogger("spillgate.ledger")
 
 LedgerMode = Literal["shared", "local"]
 RECOVERY_REFRESHES = 3
 REFRESH_BUDGET = 4  # the refresh pipeline may take this many request time budgets
-T = TypeVar("T")
+SPARE_PERMILLE = 125  # a block's spare: this share (in 1/1000) of the room left
+WANTED_REFRESHES = 5  # after a refusal, no spare is granted for this many refreshes
 
 
 def ledger_script() -> str:
@@ -61,15 +67,55 @@ class Seen:
     seq: int = 0
 
 
-def parse_reply(reply: Any) -> tuple[int, Seen, list[str]]:
-    """(status, totals, restored lease ids) from a ledger.lua reply."""
-    status, total, sessions, seq, *restored = reply
-    ids = [r.decode() if isinstance(r, bytes) else str(r) for r in restored]
-    return int(status), Seen(int(total), int(sessions), int(seq)), ids
+@dataclass(frozen=True, slots=True)
+class Sized:
+    """A ledger.lua reply: which asks were admitted, this replica's block, the totals."""
+
+    admitted: str  # "1" or "0" per ask, in order
+    block: int
+    seen: Seen
+    granted: int  # every replica's block together
+    restored: bool
+    wanted: bool  # a refusal withholds every spare for now
+
+
+def parse_reply(reply: Any) -> Sized:
+    flags, block, tokens, sessions, seq, granted, restored, wanted = reply
+    admitted = flags.decode() if isinstance(flags, bytes) else str(flags)
+    seen = Seen(int(tokens), int(sessions), int(seq))
+    return Sized(admitted, int(block), seen, int(granted), bool(int(restored)), bool(int(wanted)))
 
 
 def _ignore(*_: object) -> None:
     return None
+
+
+@dataclass(slots=True, eq=False)
+class _Block:
+    """This replica's share of one backend: what Redis granted it, what its requests hold."""
+
+    granted: int = 0  # as of Redis's last answer
+    used: int = 0  # tokens of the requests admitted here
+    sessions: int = 0
+    others: int = 0  # granted to the other replicas, as of the last answer
+    limit: int = 0  # the limit the last reservation was asked under
+    reported: tuple[int, int] = (0, 0)  # (tokens, sessions) of this replica in Redis's totals
+    contended: bool = False  # an ask was refused lately: spare goes back at once
+    asks: list[tuple[int, int, asyncio.Future[bool | None]]] = field(default_factory=list)
+    sent: asyncio.Future[Any] | None = None  # the call on its way (one at a time)
+
+    def fits(self, tokens: int, limit: int) -> bool:
+        """Whether `tokens` more fit in the block and under `limit` beside the others."""
+        used = self.used + tokens
+        return used <= self.granted and self.others + used <= limit
+
+    def excess(self) -> int:
+        """What the block holds beyond its requests that it should give back now."""
+        excess = self.granted - self.used
+        if excess <= 0 or self.contended:
+            return max(0, excess)
+        free = max(0, self.limit - self.others - self.used)
+        return excess if excess > 2 * free * SPARE_PERMILLE // 1000 else 0
 
 
 class RedisLedger:
@@ -96,7 +142,7 @@ class RedisLedger:
         self._clock = clock
         self._prefix = key_prefix
         self._ttl_ms = max(1, round(lease_ttl_s * 1000))
-        self._renew_every_s = lease_ttl_s / 3
+        self._wanted_ms = max(1, round(refresh_s * WANTED_REFRESHES * 1000))
         self._refresh_s = refresh_s
         self._timeout_s = timeout_s
         self._timeout_max_s = max(timeout_s, timeout_max_s or timeout_s)
@@ -106,15 +152,11 @@ class RedisLedger:
         self._on_store_error = on_store_error
         self._on_mode_change = on_mode_change
         self._seen: dict[str, Seen] = {b: Seen() for b in backends}
-        self._held: dict[str, Reservation] = {}  # admitted leases of this process: renewed
-        self._own: dict[str, tuple[int, int]] = {}  # held and being reserved, per backend
-        self._in_store: set[str] = set()  # held leases Redis has (or may have) seen
-        self._unconfirmed: dict[str, tuple[Reservation, float]] = {}  # released here only
-        self._growing: set[str] = set()  # backends with leases grown since the last refresh
+        self._blocks: dict[str, _Block] = {b: _Block() for b in self._seen}
+        self._held: dict[str, Reservation] = {}  # admitted here, by lease id
         self._ids = itertools.count()
         self._mode: LedgerMode = "shared"
         self._capped_until = -math.inf
-        self._renew_due = -math.inf
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         on_mode_change(self._mode)
@@ -124,93 +166,86 @@ class RedisLedger:
         return self._mode
 
     def keys(self, backend: str) -> list[str]:
-        """The leases, tokens and meta keys of a backend; one hash slot for all three."""
+        """The leases, tokens, usage and meta keys of a backend; one hash slot for all."""
         base = f"{self._prefix}:ledger:{{{backend}}}"
-        return [f"{base}:leases", f"{base}:tokens", f"{base}:meta"]
+        return [f"{base}:leases", f"{base}:tokens", f"{base}:usage", f"{base}:meta"]
 
     # -- the Ledger role ------------------------------------------------------------------
 
     async def reserve(self, backend: str, tokens: int, *, limit: int) -> Reservation | None:
+        block = self._block(backend)
         lease = Reservation(backend, tokens, f"{self.replica_id}:{next(self._ids)}")
+        share = limit // self._share
         capped = self._mode == "local" or self._clock.monotonic() < self._capped_until
-        self._claim(lease, +1)  # counted as this process's own while Redis is asked
-        admitted: bool | None = None
-        if not (capped and self._over_share(backend, limit)):
-            try:
-                admitted = await self._reserve_shared(lease, limit)
-            except BaseException:  # cancelled: give back whatever Redis may have reserved
-                self._refused(lease)
-                raise
-            if admitted is None:  # Redis did not answer (or is not asked): the share decides
-                admitted = not self._over_share(backend, limit)
-        if not admitted:
-            self._refused(lease)
+        if capped and block.used + tokens > share:
             return None
-        self._held[lease.lease] = lease
-        return lease
-
-    def _refused(self, lease: Reservation) -> None:
-        self._claim(lease, -1)
-        if lease.lease in self._in_store:  # unanswered: it may hold a lease in Redis
-            self._in_store.discard(lease.lease)
-            self._unconfirmed[lease.lease] = (lease, self._clock.monotonic())
+        if self._mode == "shared":
+            block.limit = limit
+            if block.sent is None and block.fits(tokens, limit):
+                block.used += tokens
+                block.sessions += 1
+                return self._hold(lease)
+            admitted = await self._ask(backend, block, tokens, limit)
+            if admitted is not None:  # Redis answered; an admitted ask is counted already
+                return self._hold(lease) if admitted else None
+        if block.used + tokens > share:  # Redis did not answer (or is not asked)
+            return None
+        block.used += tokens
+        block.sessions += 1
+        return self._hold(lease)
 
     async def release(self, reservation: Reservation) -> None:
         held = self._held.pop(reservation.lease, None)
         if held is None:
             return
-        reservation = held  # what the lease holds now: grown, perhaps
-        self._claim(reservation, -1)
-        if reservation.lease not in self._in_store:
-            return
-        self._in_store.discard(reservation.lease)
-        self._unconfirmed[reservation.lease] = (reservation, self._clock.monotonic())
-        reply = await self._ask(
-            lambda: self._call(
-                "release", reservation.backend, reservation.lease, budget_s=self.budget_s()
-            )
-        )
-        if reply is not None:
-            self._unconfirmed.pop(reservation.lease, None)
-            self.observe(reservation.backend, parse_reply(reply)[1])
+        block = self._block(held.backend)
+        block.used -= held.tokens  # what the lease holds now: grown, perhaps
+        block.sessions -= 1
+        if self._mode == "shared" and block.sent is None and block.excess() > 0:
+            await asyncio.wait([self._send(held.backend, block)])  # published: queues wake
 
     async def extend(self, reservation: Reservation, tokens: int) -> Reservation:
-        """Grow a held lease: counted here at once, and in Redis by the next refresh, which
-        renews the backend's leases with their tokens (a stream grows every block: one
-        pipelined call per refresh carries them all, not a round trip per block)."""
+        """Grow a held lease: counted here at once, and in Redis by the next call for its
+        backend (a stream grows every block: the refresh carries them all, not a round
+        trip per block). Until then the block admits nothing it no longer has room for."""
         held = self._held.get(reservation.lease)
         if held is None or tokens <= 0:
             return held or reservation
         grown = held._replace(tokens=held.tokens + tokens)
         self._held[held.lease] = grown
-        own, sessions = self._own.get(held.backend, (0, 0))
-        self._own[held.backend] = (own + tokens, sessions)
-        self._growing.add(held.backend)
+        self._block(held.backend).used += tokens
         return grown
 
     def tokens_in_flight(self, backend: str) -> int:
-        own = self._own.get(backend, (0, 0))[0]
+        block = self._block(backend)
         if self._mode == "local":
-            return own * self._share
-        return max(own, self._seen.get(backend, Seen()).tokens)
+            return block.used * self._share
+        others = self._seen.get(backend, Seen()).tokens - block.reported[0]
+        return max(0, others) + block.used
 
     def sessions(self, backend: str) -> int:
-        own = self._own.get(backend, (0, 0))[1]
+        block = self._block(backend)
         if self._mode == "local":
-            return own * self._share
-        return max(own, self._seen.get(backend, Seen()).sessions)
+            return block.sessions * self._share
+        others = self._seen.get(backend, Seen()).sessions - block.reported[1]
+        return max(0, others) + block.sessions
 
     def snapshot(self) -> Mapping[str, tuple[int, int]]:
         return {b: (self.tokens_in_flight(b), self.sessions(b)) for b in self._seen}
 
     async def close(self) -> None:
-        """Stop refreshing and give back whatever is still held (within the time budget)."""
+        """Stop refreshing and give back every block (within the time budget)."""
         self._stopping = True
         if self._task is not None:
             await stop_task(self._task)
             self._task = None
-        for reservation in list(self._held.values()):
-            await self.release(reservation)
+        self._held.clear()
+        held = [b for b, block in self._blocks.items() if block.granted or block.sessions]
+        for block in self._blocks.values():
+            block.used = block.sessions = block.granted = 0
+        if self._mode == "shared" and held:
+            budget = self.budget_s()
+            await self._gather([self._call("release", b, budget_s=budget) for b in held])
 
     # -- background refresh ---------------------------------------------------------------
 
@@ -220,65 +255,46 @@ class RedisLedger:
         self._task = asyncio.create_task(self._loop(), name="ledger-refresh")
 
     async def refresh(self) -> bool:
-        """One pipelined call: retry releases, renew (or restore) leases, read every total."""
-        now = self._clock.monotonic()
-        renew = self._mode == "local" or now >= self._renew_due
-        self._unconfirmed = {
-            k: v for k, v in self._unconfirmed.items() if now - v[1] < self._ttl_ms / 1000
-        }
-        growing, self._growing = self._growing, set()
-        renewed = [r for r in self._held.values() if renew or r.backend in growing]
-        calls = self._refresh_calls(renewed)
+        """One pipelined call: size (and so renew, or restore) every block this replica
+        holds to what its requests hold, and read every other backend's totals."""
         budget = self.budget_s() * REFRESH_BUDGET
-        replies = await self._gather(
-            [self._call(op, b, *args, budget_s=budget) for op, b, args in calls]
-        )
+        calls: list[asyncio.Future[Any]] = []
+        peeked: list[str] = []
+        for backend, block in self._blocks.items():
+            if block.sent is not None:  # its answer renews the lease and tells the totals
+                continue
+            if block.granted or block.sessions or block.reported != (0, 0):
+                calls.append(self._send(backend, block, budget_s=budget, refresh=True))
+            else:
+                peeked.append(backend)
+        calls += [self._call("peek", backend, budget_s=budget) for backend in peeked]
+        replies = await self._gather(calls)
         if isinstance(replies, BaseException):
-            self._growing |= growing  # still to be carried
             self._failed(replies)
             return False
-        for (op, backend, args), reply in zip(calls, replies, strict=True):
-            self._refreshed(op, backend, args, reply, now)
-        self._in_store.update(r.lease for r in renewed if r.lease in self._held)
-        if renew:
-            self._renew_due = now + self._renew_every_s
+        for backend, reply in zip(peeked, replies[len(calls) - len(peeked) :], strict=True):
+            sized = parse_reply(reply)
+            self._seen[backend] = sized.seen  # fresh: taken even when Redis restarted
+            self._blocks[backend].others = sized.granted
         if self._mode == "local":
             log.info("ledger store answers again: shared admission resumes")
-            self._capped_until = now + RECOVERY_REFRESHES * self._refresh_s
-            self._renew_due = now  # restore, next time too, what was admitted meanwhile
+            self._capped_until = self._clock.monotonic() + RECOVERY_REFRESHES * self._refresh_s
             self._set_mode("shared")
         return True
+
+    def wanted(self, backend: str) -> None:
+        """Another replica was refused room on `backend`: give back the spare at once."""
+        block = self._blocks.get(backend)
+        if block is None:
+            return
+        block.contended = True
+        if self._mode == "shared" and block.sent is None and block.excess() > 0:
+            self._send(backend, block)
 
     def observe(self, backend: str, seen: Seen) -> None:
         """Take a report of a backend's totals unless a later one was already taken."""
         if seen.seq >= self._seen.get(backend, Seen()).seq:
             self._seen[backend] = seen
-
-    def _refresh_calls(self, renewed: list[Reservation]) -> list[tuple[str, str, list[str | int]]]:
-        """Retry the unconfirmed releases, renew `renewed` with their tokens (restoring or
-        raising what Redis lacks), and peek at every other backend."""
-        calls: list[tuple[str, str, list[str | int]]] = [
-            ("release", r.backend, [r.lease]) for r, _ in self._unconfirmed.values()
-        ]
-        leases: dict[str, list[str | int]] = {b: [] for b in self._seen}
-        for r in renewed:
-            leases.setdefault(r.backend, []).extend((r.lease, r.tokens))
-        for backend, pairs in leases.items():
-            calls.append(("renew", backend, pairs) if pairs else ("peek", backend, []))
-        return calls
-
-    def _refreshed(
-        self, op: str, backend: str, args: list[str | int], reply: Any, now: float
-    ) -> None:
-        _, seen, restored = parse_reply(reply)
-        self._seen[backend] = seen  # a fresh read: taken even when Redis restarted (seq reset)
-        if op == "release":
-            self._unconfirmed.pop(str(args[0]), None)
-        for lease in restored:
-            if lease not in self._held:  # released while the renewal was on its way
-                self._unconfirmed[lease] = (Reservation(backend, 0, lease), now)
-        if restored:
-            log.info("restored %d lease(s) on %s that the store had lost", len(restored), backend)
 
     async def _loop(self) -> None:
         while not self._stopping:
@@ -287,6 +303,91 @@ class RedisLedger:
                 await self.refresh()
             except Exception:
                 log.exception("ledger refresh failed")
+
+    # -- asking Redis ---------------------------------------------------------------------
+
+    async def _ask(self, backend: str, block: _Block, tokens: int, limit: int) -> bool | None:
+        """Whether Redis admitted `tokens` into the block; None when it did not answer.
+        Asks wait for the call on its way, then go together in the next."""
+        waiter: asyncio.Future[bool | None] = asyncio.get_running_loop().create_future()
+        block.asks.append((tokens, limit, waiter))
+        if block.sent is None:
+            self._send(backend, block)
+        try:
+            async with asyncio.timeout(2 * self.budget_s()):  # the call on its way, then its own
+                try:
+                    return await waiter
+                except asyncio.CancelledError:  # admitted, but nobody will hold it: give back
+                    if waiter.done() and not waiter.cancelled() and waiter.result():
+                        block.used -= tokens
+                        block.sessions -= 1
+                    raise
+        except TimeoutError as exc:  # admitted later, it stays in Redis until the next call
+            self._failed(exc)
+            return None
+
+    def _send(
+        self, backend: str, block: _Block, *, budget_s: float | None = None, refresh: bool = False
+    ) -> asyncio.Future[Any]:
+        """Size the block to what its requests hold now, with the asks waiting."""
+        asks = [ask for ask in block.asks if not ask[2].done()]  # not given up on
+        block.asks = []
+        used, sessions = block.used, block.sessions
+        argv: list[str | int] = [used, sessions, block.limit, SPARE_PERMILLE, self._wanted_ms]
+        for tokens, limit, _ in asks:
+            argv += (tokens, limit)
+        future = self._call("size", backend, *argv, budget_s=budget_s or self.budget_s())
+        block.sent = future
+        done = functools.partial(self._sized, backend, block, asks, (used, sessions), refresh)
+        future.add_done_callback(done)
+        return future
+
+    def _sized(
+        self,
+        backend: str,
+        block: _Block,
+        asks: list[tuple[int, int, asyncio.Future[bool | None]]],
+        sent: tuple[int, int],
+        refresh: bool,
+        future: asyncio.Future[Any],
+    ) -> None:
+        block.sent = None
+        failure = TimeoutError("unanswered") if future.cancelled() else future.exception()
+        if failure is not None:
+            for *_, waiter in asks + block.asks:
+                if not waiter.done():
+                    waiter.set_result(None)
+            block.asks = []
+            if not refresh:  # the refresh reports its own failure, once
+                self._failed(failure)
+            return
+        sized = parse_reply(future.result())
+        tokens, sessions = sent
+        for (asked, _, waiter), flag in zip(asks, sized.admitted, strict=True):
+            admitted = flag == "1"
+            if admitted:
+                tokens, sessions = tokens + asked, sessions + 1
+            if not waiter.done():  # one given up on stays in Redis until the next call
+                if admitted:
+                    block.used += asked
+                    block.sessions += 1
+                waiter.set_result(admitted)
+        block.granted, block.others = sized.block, sized.granted - sized.block
+        block.reported = (tokens, sessions)
+        block.contended = sized.wanted
+        if refresh:
+            self._seen[backend] = sized.seen  # fresh: taken even when Redis restarted
+        else:
+            self.observe(backend, sized.seen)
+        if sized.restored:
+            log.info("restored this replica's block on %s that the store had lost", backend)
+        if self._mode != "shared":  # failed elsewhere meanwhile: the share decides
+            for *_, waiter in block.asks:
+                if not waiter.done():
+                    waiter.set_result(None)
+            block.asks = []
+        elif block.asks or (block.contended and block.excess()):
+            self._send(backend, block)
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -318,42 +419,16 @@ class RedisLedger:
             return failures[0]
         return [future.result() for future in futures]
 
-    async def _reserve_shared(self, lease: Reservation, limit: int) -> bool | None:
-        """Whether Redis admitted the lease; None when Redis did not answer or is not asked."""
-        if self._mode == "local":
-            return None
-        backend = lease.backend
-        self._in_store.add(lease.lease)  # from here on the call may reach Redis
-        reply = await self._ask(
-            lambda: self._call(
-                "reserve", backend, lease.lease, lease.tokens, limit, budget_s=self.budget_s()
-            )
-        )
-        if reply is None:
-            return None
-        status, seen, _ = parse_reply(reply)
-        self.observe(backend, seen)
-        if not status:
-            self._in_store.discard(lease.lease)
-        return bool(status)
+    def _block(self, backend: str) -> _Block:
+        block = self._blocks.get(backend)
+        if block is None:
+            block = self._blocks[backend] = _Block()
+            self._seen[backend] = Seen()
+        return block
 
-    async def _ask(self, call: Callable[[], Awaitable[T]]) -> T | None:
-        if self._mode == "local":
-            return None
-        try:
-            with Deadline.after(self._timeout_max_s):  # the call keeps its own budget
-                return await call()
-        except (RedisError, OSError, TimeoutError) as exc:
-            self._failed(exc)
-            return None
-
-    def _over_share(self, backend: str, limit: int) -> bool:
-        """Whether this process's own tokens on `backend` exceed its share of `limit`."""
-        return self._own.get(backend, (0, 0))[0] > limit // self._share
-
-    def _claim(self, lease: Reservation, sign: int) -> None:
-        held, sessions = self._own.get(lease.backend, (0, 0))
-        self._own[lease.backend] = (held + sign * lease.tokens, sessions + sign)
+    def _hold(self, lease: Reservation) -> Reservation:
+        self._held[lease.lease] = lease
+        return lease
 
     def _failed(self, exc: BaseException) -> None:
         self._on_store_error()

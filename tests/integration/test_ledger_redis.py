@@ -115,36 +115,35 @@ def test_the_holder_renews_its_leases_while_they_stream(redis_proc: RedisProcess
     asyncio.run(scenario())
 
 
-def test_totals_are_recounted_from_the_live_leases(redis_proc: RedisProcess) -> None:
-    """A total that went missing, negative or out of step is rebuilt from the leases."""
+def test_totals_are_counted_from_the_live_leases(redis_proc: RedisProcess) -> None:
+    """Orphans, strays and a lost meta key never skew the totals: every call counts them
+    from the live leases, and drops what has no lease."""
 
     async def scenario() -> None:
         async with replicas(redis_proc, 1) as (ledger,):
-            leases, tokens, meta = ledger.keys("b0")
+            leases, tokens, usage, meta = ledger.keys("b0")
             first = await ledger.reserve("b0", 300, limit=1000)
             second = await ledger.reserve("b0", 200, limit=1000)
             assert first is not None and second is not None
             admin = client(redis_proc)
             for damage in (
-                admin.hset(meta, "total", -4000),
-                admin.hset(meta, "total", 999_999),
                 admin.zadd(leases, {"orphan": time.time() * 1000 + 60_000}),  # no tokens
+                admin.hset(tokens, "stray", 4000),  # tokens without a lease
+                admin.hset(usage, "stray", "4000 9"),
                 admin.delete(meta),
             ):
                 await damage
                 await ledger.refresh()
                 assert ledger.snapshot()["b0"] == (500, 2)
-            await admin.delete(meta)
-            third = await ledger.reserve("b0", 500, limit=1000)  # recounted before it fits
+            await admin.hset(tokens, "stray", 4000)
+            third = await ledger.reserve("b0", 500, limit=1000)  # the stray never counts
             assert third is not None
             assert ledger.snapshot()["b0"] == (1000, 3)
-            await ledger.release(third)
-            await admin.hset(tokens, "stray", 50)  # tokens without a lease
-            await ledger.release(first)
-            assert ledger.snapshot()["b0"] == (200, 1)
-            await ledger.release(second)
+            for reservation in (first, second, third):
+                await ledger.release(reservation)
+            await ledger.refresh()
             assert ledger.snapshot()["b0"] == (0, 0)
-            assert await admin.exists(tokens) == 0
+            assert await admin.exists(leases, tokens, usage) == 0
             await admin.aclose()
 
     asyncio.run(scenario())
@@ -184,7 +183,7 @@ def test_dead_redis_fails_over_to_the_replica_share_and_recovers(
             assert modes == ["shared", "local", "shared"]
             assert ledger.snapshot()["b0"] == (200, 1)  # restored from what is still held
             admin = client(redis_proc)
-            assert await admin.zrange(ledger.keys("b0")[0], 0, -1) == [during.lease.encode()]
+            assert await admin.zrange(ledger.keys("b0")[0], 0, -1) == [ledger.replica_id.encode()]
             # just after recovery the share still caps admission, until all have restored
             assert await ledger.reserve("b0", 400, limit=1000) is None
             clock.advance(1.0)
@@ -233,9 +232,10 @@ def test_an_extension_is_shared_passes_the_limit_and_is_released_whole(
             await other.refresh()
             assert other.snapshot()["b0"] == (1100, 1)
             assert await other.reserve("b0", 16, limit=1000) is None  # new ones see it
-            _, tokens, _ = holder.keys("b0")
+            _, tokens, usage, _ = holder.keys("b0")
             admin = client(redis_proc)
-            assert int(await admin.hget(tokens, held.lease)) == 1100
+            assert await admin.hget(usage, holder.replica_id) == b"1100 1"
+            assert int(await admin.hget(tokens, holder.replica_id)) == 1100  # no spare: full
             await holder.release(held)  # as admitted: the lease gives back all it grew to
             await other.refresh()
             assert other.snapshot()["b0"] == (0, 0)
@@ -249,8 +249,8 @@ def test_an_extension_is_shared_passes_the_limit_and_is_released_whole(
 
 
 def test_a_grown_lease_the_store_lost_is_restored_grown(redis_proc: RedisProcess) -> None:
-    """A renewal carries every lease's tokens: a restarted Redis, or one that missed a
-    growth, gets the grown figure back."""
+    """Every refresh carries what the block's requests hold: a restarted Redis, or one
+    that missed a growth, gets the grown figure back."""
 
     async def scenario() -> None:
         options = {"timeout_s": 2.0, "lease_ttl_s": 0.3, "refresh_s": 0.1}
@@ -259,20 +259,82 @@ def test_a_grown_lease_the_store_lost_is_restored_grown(redis_proc: RedisProcess
             assert held is not None
             await ledger.extend(held, 50)
             admin = client(redis_proc)
-            _, tokens, _ = ledger.keys("b1")
+            _, _, usage, _ = ledger.keys("b1")
+            mine = ledger.replica_id
             await ledger.refresh()
-            assert int(await admin.hget(tokens, held.lease)) == 150
-            await admin.hset(tokens, held.lease, 100)  # as if that refresh never arrived
-            await asyncio.sleep(0.11)  # a third of the TTL: the leases are due again
+            assert await admin.hget(usage, mine) == b"150 1"
+            await admin.hset(usage, mine, "100 1")  # as if that refresh never arrived
             await ledger.refresh()
-            assert ledger.snapshot()["b1"] == (150, 1)
+            assert await admin.hget(usage, mine) == b"150 1"
             for key in ledger.keys("b1"):
                 await admin.delete(key)  # as if Redis restarted empty
-            await asyncio.sleep(0.11)  # a third of the TTL: the leases are due again
             await ledger.refresh()
-            assert int(await admin.hget(tokens, held.lease)) == 150
+            assert await admin.hget(usage, mine) == b"150 1"
+            assert ledger.snapshot()["b1"] == (150, 1)
             await ledger.release(held)
             assert ledger.snapshot()["b1"] == (0, 0)
+            await admin.aclose()
+
+    asyncio.run(scenario())
+
+
+async def script_calls(admin: aioredis.Redis) -> int:
+    """Script calls Redis has run so far (every ledger call is one EVALSHA)."""
+    stats = await admin.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def test_a_block_admits_its_replicas_requests_without_a_call(redis_proc: RedisProcess) -> None:
+    """The first reservation asks Redis and gets a block with spare: an eighth of the room
+    left. Requests within it are admitted and released with no call at all."""
+
+    async def scenario() -> None:
+        async with replicas(redis_proc, 1, timeout_s=2.0) as (ledger,):
+            admin = client(redis_proc)
+            first = await ledger.reserve("b0", 100, limit=10_000)
+            assert first is not None
+            _, tokens, _, _ = ledger.keys("b0")
+            assert int(await admin.hget(tokens, ledger.replica_id)) == 100 + 9_900 // 8
+            before = await script_calls(admin)
+            for _ in range(3):
+                held = await asyncio.gather(
+                    *(ledger.reserve("b0", 100, limit=10_000) for _ in range(10))
+                )
+                assert all(r is not None for r in held)
+                assert ledger.snapshot()["b0"] == (1100, 11)
+                for reservation in held:
+                    assert reservation is not None
+                    await ledger.release(reservation)
+            assert await script_calls(admin) == before
+            await ledger.release(first)
+            await ledger.refresh()  # no session left: the block goes
+            assert await admin.exists(tokens) == 0
+            await admin.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_refusal_withholds_every_spare_until_the_room_is_found(
+    redis_proc: RedisProcess,
+) -> None:
+    """B's 300 fit under the limit only without A's spare: Redis refuses it and withholds
+    spare from every block, A's next call gives its spare back, and B's ask then fits."""
+
+    async def scenario() -> None:
+        async with replicas(redis_proc, 2, timeout_s=2.0) as (a, b):
+            held = await a.reserve("b0", 600, limit=900)
+            assert held is not None
+            _, tokens, _, _ = a.keys("b0")
+            admin = client(redis_proc)
+            assert int(await admin.hget(tokens, a.replica_id)) == 600 + 300 // 8
+            assert await b.reserve("b0", 300, limit=900) is None
+            await a.refresh()
+            assert int(await admin.hget(tokens, a.replica_id)) == 600
+            fits = await b.reserve("b0", 300, limit=900)
+            assert fits is not None
+            assert int(await admin.hget(tokens, b.replica_id)) == 300  # no spare meanwhile
+            await a.refresh()
+            assert a.snapshot()["b0"] == (900, 2)
             await admin.aclose()
 
     asyncio.run(scenario())

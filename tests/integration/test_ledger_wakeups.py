@@ -107,18 +107,36 @@ def test_a_release_wakes_the_other_replicas_with_the_room_already_seen(
     async def scenario() -> None:
         async with replicas(redis_proc, 3) as (a, b, c):
             big = await a.reserve(600)
-            small = await b.reserve(300)
+            small = await b.reserve(200)
             assert big is not None and small is not None
             await a.router.release(big)
             await until(lambda: bool(b.woken) and bool(c.woken))
             # the snapshot already held the room when the waiters were woken
-            assert b.woken[0] == ("p", 300)
-            assert c.woken[0] == ("p", 300)
-            assert a.woken == [("p", 300)]  # its own release, once: not again from the channel
+            assert b.woken[0] == ("p", 200)
+            assert c.woken[0] == ("p", 200)
+            assert a.woken == [("p", 200)]  # its own release, once: not again from the channel
             await b.router.release(small)
             await until(lambda: len(a.woken) == 2 and len(c.woken) == 2)
             assert len(b.woken) == 2
             assert a.woken[1] == c.woken[1] == ("p", 0)
+
+    asyncio.run(scenario())
+
+
+def test_room_held_spare_elsewhere_comes_back_when_a_replica_is_refused(
+    redis_proc: RedisProcess,
+) -> None:
+    """A's block holds a spare beyond its 600 tokens; B's 300 fit the limit of 900 only
+    without it. B's refusal is published, A gives its spare back, and that wakes B."""
+
+    async def scenario() -> None:
+        async with replicas(redis_proc, 2) as (a, b):
+            held = await a.reserve(600)
+            assert held is not None
+            assert await b.reserve(300) is None
+            await until(lambda: bool(b.woken))
+            assert await b.reserve(300) is not None
+            assert a.ledger.tokens_in_flight("p-0") == 600  # a's requests kept their room
 
     asyncio.run(scenario())
 

@@ -11,7 +11,7 @@ from redis.crc import key_slot
 from gateway.admission.backends import build_pools
 from gateway.admission.ledger import LocalLedger
 from gateway.admission.ledger_feed import parse_message
-from gateway.admission.ledger_redis import RedisLedger, Seen, parse_reply
+from gateway.admission.ledger_redis import RedisLedger, Seen, Sized, parse_reply
 from gateway.admission.router import Router
 from gateway.clock import ManualClock
 from gateway.config import ConfigError, hash_key, parse_settings
@@ -39,8 +39,9 @@ def _unreachable_ledger(**options: object) -> RedisLedger:
 
 
 def test_replies_and_messages_parse_into_totals() -> None:
-    assert parse_reply([1, 700, 3, 41, b"r1:7", b"r1:9"]) == (1, Seen(700, 3, 41), ["r1:7", "r1:9"])
-    assert parse_reply([0, 0, 0, 0]) == (0, Seen(), [])
+    sized = parse_reply([b"101", 900, 700, 3, 41, 1600, 0, 1])
+    assert sized == Sized("101", 900, Seen(700, 3, 41), 1600, restored=False, wanted=True)
+    assert parse_reply(["", 0, 0, 0, 0, 0, 1, 0]) == Sized("", 0, Seen(), 0, True, False)
     message = b"r1 300 50 650 2 42 pool a-0 with spaces"
     assert parse_message(message) == ("r1", 300, 50, "pool a-0 with spaces", Seen(650, 2, 42))
     assert parse_message(b"r1 300 not-a-number 0 0 0 b0") is None
@@ -53,6 +54,7 @@ def test_a_backends_keys_share_one_cluster_slot() -> None:
     assert keys == [
         "sg:ledger:{big-0}:leases",
         "sg:ledger:{big-0}:tokens",
+        "sg:ledger:{big-0}:usage",
         "sg:ledger:{big-0}:meta",
     ]
     assert len({key_slot(k.encode()) for k in keys}) == 1
