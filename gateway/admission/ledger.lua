@@ -19,7 +19,8 @@
 --       An ask is admitted if the other replicas' blocks, this replica's requests, the
 --       asks admitted before it and the ask itself fit under its limit. The block becomes
 --       what its requests hold plus a spare share of the room left; with no session,
---       nothing: the lease goes. A lease the store lost (expired, or a restart) comes back this way.
+--       nothing: the lease goes. A lease the store lost (expired, or a restart) comes
+--       back this way.
 -- release: the replica's lease goes.
 --
 -- Every call first drops expired leases (a crashed replica's) and then counts from the live
