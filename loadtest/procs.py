@@ -4,6 +4,7 @@ private redis-server. For the demo, the drill, the benchmarks, the soak and the 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import socket
@@ -13,12 +14,41 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+PORT_CLAIMS = Path(tempfile.gettempdir()) / f"spillgate-ports-{os.getuid()}"
+CLAIM_S = 120.0  # a port handed out is not handed out again, to any process, for this long
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+
+def free_port(*, claims: Path = PORT_CLAIMS) -> int:
+    """A loopback port nothing listens on, and that no process was handed lately.
+
+    The kernel's pick is free now, but the caller binds it later (a child process starting
+    up, a server thread), and meanwhile another process (a parallel test worker, a second
+    demo) may be handed the same port: one of the two then fails to bind, or talks to the
+    other's server. A claim made by creating a file exclusively rules that out.
+    """
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if claim_port(port, claims=claims):
+            return port
+    raise RuntimeError(f"no unclaimed loopback port (claims in {claims})")
+
+
+def claim_port(port: int, *, claims: Path, now: float | None = None) -> bool:
+    """Claim `port` for this process unless another claimed it within CLAIM_S. A stale
+    claim is removed, not taken over: two processes finding it stale at once would both
+    take it; the port can be claimed afresh next time."""
+    claims.mkdir(exist_ok=True)
+    claim = claims / str(port)
+    try:
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        with contextlib.suppress(OSError):
+            if (now or time.time()) - claim.stat().st_mtime > CLAIM_S:
+                claim.unlink()
+        return False
+    return True
 
 
 def wait_for_port(port: int, *, host: str = "127.0.0.1", timeout: float = 15.0) -> None:
