@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -234,3 +235,52 @@ def chat(max_tokens: int) -> dict[str, Any]:
 
 def _sim_running(url: str) -> float:
     return metric_sum(url, "vllm:num_requests_running")
+
+
+def test_replicas_churning_reservations_never_hold_more_than_the_limit_together(
+    redis_proc: RedisProcess,
+) -> None:
+    """Three replicas, each with its refresh and its feed running, reserve and release
+    random sizes as fast as they can on one backend: blocks grow, spares are withheld and
+    given back, asks go together. What their requests hold together never passes the
+    limit, the backend is used near full, and when it is over every block goes."""
+    limit = 900
+    rng = random.Random(21)
+
+    async def scenario() -> None:
+        async with replicas(redis_proc, 3) as made:
+            holding = {"now": 0, "peak": 0, "admitted": 0}
+
+            async def client(ledger: RedisLedger) -> None:
+                for _ in range(40):
+                    tokens = rng.randint(10, 200)
+                    held = await ledger.reserve("p-0", tokens, limit=limit)
+                    if held is None:
+                        await asyncio.sleep(0.002)
+                        continue
+                    holding["now"] += tokens
+                    holding["peak"] = max(holding["peak"], holding["now"])
+                    holding["admitted"] += 1
+                    assert holding["now"] <= limit
+                    await asyncio.sleep(rng.uniform(0, 0.01))
+                    holding["now"] -= tokens
+                    await ledger.release(held)
+
+            await asyncio.gather(*(client(r.ledger) for r in made for _ in range(8)))
+            assert holding["now"] == 0
+            assert holding["peak"] > limit * 0.8
+            assert holding["admitted"] > 200  # of 960 tries: room comes back as it is freed
+            admin = aioredis.Redis.from_url(redis_proc.url, socket_timeout=5)
+            await until(lambda: all(r.ledger.snapshot()["p-0"] == (0, 0) for r in made))
+            leases, *_ = made[0].ledger.keys("p-0")
+            await until_async(lambda: admin.exists(leases), equals=0)
+            await admin.aclose()
+
+    asyncio.run(scenario())
+
+
+async def until_async(check: Callable[[], Any], *, equals: Any, within: float = 3.0) -> None:
+    deadline = time.monotonic() + within
+    while await check() != equals:
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0.02)
