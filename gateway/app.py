@@ -154,6 +154,7 @@ def _shared_ledger(
         timeout_s=settings.redis.timeout_ms / 1000,
         timeout_max_s=_timeout_max_s(settings),
         fallback_share=settings.ratelimit.replicas * workers,
+        spare=settings.ledger.spare,
         on_store_error=metrics.ledger_store_errors.inc,
         on_mode_change=metrics.set_ledger_mode,
     )
@@ -178,6 +179,7 @@ def _provider_slots(
         timeout_s=settings.redis.timeout_ms / 1000,
         timeout_max_s=_timeout_max_s(settings),
         fallback_share=settings.ratelimit.replicas * workers,
+        spare=settings.ledger.spare,
         on_store_error=metrics.ledger_store_errors.inc,
     )
 

@@ -210,7 +210,10 @@ class LedgerSettings(_Model):
     """The in-flight ledger shared through Redis (when a Redis URL is configured)."""
 
     lease_ttl_s: float = Field(10.0, gt=0)  # a dead replica's reservations are freed within it
-    refresh_s: float = Field(0.2, gt=0)  # how often totals are read and due leases renewed
+    refresh_s: float = Field(0.2, gt=0)  # how often each block is sized and totals are read
+    # a replica's block holds this share of the room left beyond its requests, admitted
+    # without a call (gateway/admission/ledger_redis.py); 0: every admission and release asks
+    spare: float = Field(0.125, ge=0, le=0.5)
 
     @model_validator(mode="after")
     def _check(self) -> LedgerSettings:

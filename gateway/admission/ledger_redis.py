@@ -4,8 +4,8 @@ Per backend each replica holds one lease in Redis (ledger.lua): a block of token
 it, counted against the backend's limit, and what its admitted requests hold. A request
 that fits in the block, and under the limit beside the others' blocks as last seen, is
 admitted without a call; one that does not asks Redis, which grows the block if the backend
-has room. A block is what its requests hold plus a spare: an eighth of the room left when
-it was granted, so a replica under steady load seldom asks. The spare is what the ledger
+has room. A block is what its requests hold plus a spare: `spare` (an eighth) of the room
+left when it was granted, so a replica under steady load seldom asks. The spare is what the ledger
 trades for exactness at the margin: room one replica holds spare, another cannot take.
 So when Redis refuses an ask, no replica is granted a spare for a while, and each gives
 back what it holds beyond its requests at once (the release is published: the queues
@@ -50,7 +50,6 @@ log = logging.getLogger("spillgate.ledger")
 LedgerMode = Literal["shared", "local"]
 RECOVERY_REFRESHES = 3
 REFRESH_BUDGET = 4  # the refresh pipeline may take this many request time budgets
-SPARE_PERMILLE = 125  # a block's spare: this share (in 1/1000) of the room left
 WANTED_REFRESHES = 5  # after a refusal, no spare is granted for this many refreshes
 
 
@@ -109,13 +108,14 @@ class _Block:
         used = self.used + tokens
         return used <= self.granted and self.others + used <= limit
 
-    def excess(self) -> int:
-        """What the block holds beyond its requests that it should give back now."""
+    def excess(self, spare_permille: int) -> int:
+        """What the block holds beyond its requests that it should give back now: all of
+        it when contended, else once it is over twice the spare it would be granted now."""
         excess = self.granted - self.used
         if excess <= 0 or self.contended:
             return max(0, excess)
         free = max(0, self.limit - self.others - self.used)
-        return excess if excess > 2 * free * SPARE_PERMILLE // 1000 else 0
+        return excess if excess > 2 * free * spare_permille // 1000 else 0
 
 
 class RedisLedger:
@@ -131,12 +131,15 @@ class RedisLedger:
         timeout_s: float = 0.05,
         timeout_max_s: float | None = None,
         fallback_share: int = 1,
+        spare: float = 0.125,
         replica_id: str | None = None,
         on_store_error: Callable[[], None] = _ignore,
         on_mode_change: Callable[[str], None] = _ignore,
     ) -> None:
         if lease_ttl_s <= 0 or refresh_s <= 0 or timeout_s <= 0 or fallback_share < 1:
             raise ValueError("lease_ttl_s, refresh_s and timeout_s must be > 0, share >= 1")
+        if not 0 <= spare < 1:
+            raise ValueError("spare must be at least 0 and under 1")
         self._batch = batcher_of(redis)
         self._script = BatchScript(ledger_script())
         self._clock = clock
@@ -147,6 +150,7 @@ class RedisLedger:
         self._timeout_s = timeout_s
         self._timeout_max_s = max(timeout_s, timeout_max_s or timeout_s)
         self._share = fallback_share
+        self._spare_permille = round(spare * 1000)
         self.replica_id = replica_id or secrets.token_hex(6)
         self.channel = f"{key_prefix}:ledger:released"
         self._on_store_error = on_store_error
@@ -201,7 +205,7 @@ class RedisLedger:
         block = self._block(held.backend)
         block.used -= held.tokens  # what the lease holds now: grown, perhaps
         block.sessions -= 1
-        if self._mode == "shared" and block.sent is None and block.excess() > 0:
+        if self._mode == "shared" and block.sent is None and block.excess(self._spare_permille) > 0:
             await asyncio.wait([self._send(held.backend, block)])  # published: queues wake
 
     async def extend(self, reservation: Reservation, tokens: int) -> Reservation:
@@ -288,7 +292,7 @@ class RedisLedger:
         if block is None:
             return
         block.contended = True
-        if self._mode == "shared" and block.sent is None and block.excess() > 0:
+        if self._mode == "shared" and block.sent is None and block.excess(self._spare_permille) > 0:
             self._send(backend, block)
 
     def observe(self, backend: str, seen: Seen) -> None:
@@ -333,7 +337,8 @@ class RedisLedger:
         asks = [ask for ask in block.asks if not ask[2].done()]  # not given up on
         block.asks = []
         used, sessions = block.used, block.sessions
-        argv: list[str | int] = [used, sessions, block.limit, SPARE_PERMILLE, self._wanted_ms]
+        spare = self._spare_permille
+        argv: list[str | int] = [used, sessions, block.limit, spare, self._wanted_ms]
         for tokens, limit, _ in asks:
             argv += (tokens, limit)
         future = self._call("size", backend, *argv, budget_s=budget_s or self.budget_s())
@@ -386,7 +391,7 @@ class RedisLedger:
                 if not waiter.done():
                     waiter.set_result(None)
             block.asks = []
-        elif block.asks or (block.contended and block.excess()):
+        elif block.asks or (block.contended and block.excess(self._spare_permille)):
             self._send(backend, block)
 
     # -- helpers --------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gateway.admission.ledger import Reservation
-from gateway.admission.ledger_redis import RedisLedger
+from gateway.admission.ledger_redis import RedisLedger, ledger_script
 from gateway.clock import ManualClock, SystemClock
 from loadtest.procs import RedisProcess
 
@@ -335,6 +335,27 @@ def test_a_refusal_withholds_every_spare_until_the_room_is_found(
             assert int(await admin.hget(tokens, b.replica_id)) == 300  # no spare meanwhile
             await a.refresh()
             assert a.snapshot()["b0"] == (900, 2)
+            await admin.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_with_no_spare_every_admission_and_release_asks_redis(redis_proc: RedisProcess) -> None:
+    """`ledger.spare: 0`: a block is exactly its requests, as exact at the margin as one
+    process, at a call per admission and per release."""
+
+    async def scenario() -> None:
+        async with replicas(redis_proc, 2, timeout_s=2.0, spare=0.0) as (a, b):
+            admin = client(redis_proc)
+            await admin.script_load(ledger_script())  # no first call refused for want of it
+            before = await script_calls(admin)
+            held = [await a.reserve("b0", 100, limit=1000) for _ in range(6)]
+            assert all(r is not None for r in held)
+            assert await b.reserve("b0", 400, limit=1000) is not None  # the room left, all of it
+            for reservation in held:
+                assert reservation is not None
+                await a.release(reservation)
+            assert await script_calls(admin) - before == 6 + 1 + 6
             await admin.aclose()
 
     asyncio.run(scenario())

@@ -67,6 +67,11 @@ def test_lease_settings_are_validated() -> None:
     with pytest.raises(ConfigError) as info:
         parse_settings(_settings(ledger={"lease_ttl_s": 0.5, "refresh_s": 0.2}))
     assert "at most a third of lease_ttl_s" in str(info.value)
+    assert settings.ledger.spare == 0.125
+    assert parse_settings(_settings(ledger={"spare": 0})).ledger.spare == 0
+    with pytest.raises(ConfigError) as info:
+        parse_settings(_settings(ledger={"spare": 0.6}))
+    assert "ledger.spare" in str(info.value)
 
 
 def test_more_than_one_worker_needs_redis() -> None:
