@@ -85,8 +85,18 @@ def parse_reply(reply: Any) -> Sized:
     return Sized(admitted, int(block), seen, int(granted), bool(int(restored)), bool(int(wanted)))
 
 
+_Ask = tuple[int, int, asyncio.Future[bool | None]]  # tokens, limit, the answer awaited
+
+
 def _ignore(*_: object) -> None:
     return None
+
+
+def _unanswered(asks: list[_Ask]) -> None:
+    """Tell the asks still waiting that Redis did not answer: the share decides."""
+    for *_, waiter in asks:
+        if not waiter.done():
+            waiter.set_result(None)
 
 
 @dataclass(slots=True, eq=False)
@@ -100,8 +110,16 @@ class _Block:
     limit: int = 0  # the limit the last reservation was asked under
     reported: tuple[int, int] = (0, 0)  # (tokens, sessions) of this replica in Redis's totals
     contended: bool = False  # an ask was refused lately: spare goes back at once
-    asks: list[tuple[int, int, asyncio.Future[bool | None]]] = field(default_factory=list)
+    asks: list[_Ask] = field(default_factory=list)
     sent: asyncio.Future[Any] | None = None  # the call on its way (one at a time)
+
+    def take(self, tokens: int) -> None:
+        self.used += tokens
+        self.sessions += 1
+
+    def give(self, tokens: int) -> None:
+        self.used -= tokens
+        self.sessions -= 1
 
     def fits(self, tokens: int, limit: int) -> bool:
         """Whether `tokens` more fit in the block and under `limit` beside the others."""
@@ -186,16 +204,14 @@ class RedisLedger:
         if self._mode == "shared":
             block.limit = limit
             if block.sent is None and block.fits(tokens, limit):
-                block.used += tokens
-                block.sessions += 1
+                block.take(tokens)
                 return self._hold(lease)
             admitted = await self._ask(backend, block, tokens, limit)
             if admitted is not None:  # Redis answered; an admitted ask is counted already
                 return self._hold(lease) if admitted else None
         if block.used + tokens > share:  # Redis did not answer (or is not asked)
             return None
-        block.used += tokens
-        block.sessions += 1
+        block.take(tokens)
         return self._hold(lease)
 
     async def release(self, reservation: Reservation) -> None:
@@ -203,8 +219,7 @@ class RedisLedger:
         if held is None:
             return
         block = self._block(held.backend)
-        block.used -= held.tokens  # what the lease holds now: grown, perhaps
-        block.sessions -= 1
+        block.give(held.tokens)  # what the lease holds now: grown, perhaps
         if self._mode == "shared" and block.sent is None and block.excess(self._spare_permille) > 0:
             await asyncio.wait([self._send(held.backend, block)])  # published: queues wake
 
@@ -221,21 +236,26 @@ class RedisLedger:
         return grown
 
     def tokens_in_flight(self, backend: str) -> int:
-        block = self._block(backend)
-        if self._mode == "local":
-            return block.used * self._share
-        others = self._seen.get(backend, Seen()).tokens - block.reported[0]
-        return max(0, others) + block.used
+        return self._in_flight(backend)[0]
 
     def sessions(self, backend: str) -> int:
-        block = self._block(backend)
-        if self._mode == "local":
-            return block.sessions * self._share
-        others = self._seen.get(backend, Seen()).sessions - block.reported[1]
-        return max(0, others) + block.sessions
+        return self._in_flight(backend)[1]
 
     def snapshot(self) -> Mapping[str, tuple[int, int]]:
-        return {b: (self.tokens_in_flight(b), self.sessions(b)) for b in self._seen}
+        return {b: self._in_flight(b) for b in self._seen}
+
+    def _in_flight(self, backend: str) -> tuple[int, int]:
+        """(tokens, sessions) on `backend`: this replica's own as they stand, the others'
+        as Redis last reported them; while local, the own times the share."""
+        block = self._block(backend)
+        if self._mode == "local":
+            return block.used * self._share, block.sessions * self._share
+        seen = self._seen.get(backend, Seen())
+        tokens, sessions = block.reported
+        return (
+            max(0, seen.tokens - tokens) + block.used,
+            max(0, seen.sessions - sessions) + block.sessions,
+        )
 
     async def close(self) -> None:
         """Stop refreshing and give back every block (within the time budget)."""
@@ -323,8 +343,7 @@ class RedisLedger:
                     return await waiter
                 except asyncio.CancelledError:  # admitted, but nobody will hold it: give back
                     if waiter.done() and not waiter.cancelled() and waiter.result():
-                        block.used -= tokens
-                        block.sessions -= 1
+                        block.give(tokens)
                     raise
         except TimeoutError as exc:  # admitted later, it stays in Redis until the next call
             self._failed(exc)
@@ -351,7 +370,7 @@ class RedisLedger:
         self,
         backend: str,
         block: _Block,
-        asks: list[tuple[int, int, asyncio.Future[bool | None]]],
+        asks: list[_Ask],
         sent: tuple[int, int],
         refresh: bool,
         future: asyncio.Future[Any],
@@ -359,9 +378,7 @@ class RedisLedger:
         block.sent = None
         failure = TimeoutError("unanswered") if future.cancelled() else future.exception()
         if failure is not None:
-            for *_, waiter in asks + block.asks:
-                if not waiter.done():
-                    waiter.set_result(None)
+            _unanswered(asks + block.asks)
             block.asks = []
             if not refresh:  # the refresh reports its own failure, once
                 self._failed(failure)
@@ -374,8 +391,7 @@ class RedisLedger:
                 tokens, sessions = tokens + asked, sessions + 1
             if not waiter.done():  # one given up on stays in Redis until the next call
                 if admitted:
-                    block.used += asked
-                    block.sessions += 1
+                    block.take(asked)
                 waiter.set_result(admitted)
         block.granted, block.others = sized.block, sized.granted - sized.block
         block.reported = (tokens, sessions)
@@ -387,9 +403,7 @@ class RedisLedger:
         if sized.restored:
             log.info("restored this replica's block on %s that the store had lost", backend)
         if self._mode != "shared":  # failed elsewhere meanwhile: the share decides
-            for *_, waiter in block.asks:
-                if not waiter.done():
-                    waiter.set_result(None)
+            _unanswered(block.asks)
             block.asks = []
         elif block.asks or (block.contended and block.excess(self._spare_permille)):
             self._send(backend, block)
