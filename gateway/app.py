@@ -25,6 +25,7 @@ from gateway.admission.backends import FleetWatcher, Pool, build_pools
 from gateway.admission.ledger import LocalLedger
 from gateway.admission.ledger_feed import ReleaseFeed
 from gateway.admission.ledger_redis import RedisLedger
+from gateway.admission.length_feed import LengthFeed
 from gateway.admission.prefix_feed import PrefixFeed
 from gateway.admission.router import Router
 from gateway.batch.api import BatchEndpoints
@@ -214,6 +215,9 @@ def create_app(
         feed = ReleaseFeed(
             redis, ledger=shared, waker=router, timeout_s=settings.redis.timeout_ms / 1000
         )
+    lengths = None
+    if redis is not None and any(pool.outputs.learns() for pool in pools.values()):
+        lengths = LengthFeed(redis, pools=pools, timeout_s=settings.redis.timeout_ms / 1000)
     prefix_feed = None
     by_prefix = any(pool.settings.routing == "prefix" for pool in pools.values())
     if redis is not None and shared is not None and by_prefix:
@@ -323,6 +327,9 @@ def create_app(
                 await shared.start()
             if provider_slots is not None:
                 await provider_slots.start()
+            if lengths is not None:
+                await lengths.start()
+                stack.push_async_callback(lengths.stop)
             for background in (feed, prefix_feed):
                 if background is not None:
                     background.start()

@@ -18,9 +18,16 @@ import orjson
 
 from gateway.admission.backend_load import STALE_S, ReportedLoad
 from gateway.admission.demand import PoolDemand
-from gateway.admission.discovery import ServedModel, capacity_from_metrics, models_from_listing
+from gateway.admission.discovery import (
+    LengthHistogram,
+    ServedModel,
+    answer_lengths_from_metrics,
+    capacity_from_metrics,
+    merged,
+    models_from_listing,
+)
 from gateway.admission.fill import FillController, FillReason
-from gateway.admission.output_lengths import OutputLengths
+from gateway.admission.output_lengths import WINDOW, LengthSource, OutputLengths
 from gateway.admission.prefix_index import PrefixIndex
 from gateway.clock import Clock
 from gateway.config import BackendSettings, PoolSettings, ReservationSettings
@@ -57,6 +64,9 @@ class Backend:
     load: ReportedLoad | None = None  # what it last reported holding (backend_load.py)
     load_at: float = float("-inf")
     reserved_at_load: int = 0  # what the ledger held on it while that scrape was taken
+    # the lengths of the answers it generated, as its metrics last told them; read only
+    # while its pool reserves by lengths other than its own answers'
+    answers: LengthHistogram | None = None
 
     def report(self, load: ReportedLoad, *, now: float, reserved: int = 0) -> FillReason | None:
         """Take a scrape of the backend's own load, and what the ledger held on it as the
@@ -204,7 +214,9 @@ class ProbeFailed(Exception):
 
 class FleetWatcher:
     """Probes every backend: its models, its capacity (or its health), and whether it
-    answers at all; an out-of-rotation backend is probed on every tick.
+    answers at all; an out-of-rotation backend is probed on every tick. While a pool has
+    too few answers of its own to reserve by, the probe also reads the lengths of the
+    answers its backends generated, and the pool borrows them (output_lengths.py).
 
     Any answer below 500 shows a live server: a backend without `/health` or
     `/v1/models` (a 404) is not held against it, only left unchecked.
@@ -220,28 +232,31 @@ class FleetWatcher:
 
     async def refresh_once(self) -> None:
         now = self._clock.monotonic()
+        learning = {name for name, pool in self._pools.items() if pool.outputs.learning()}
         jobs = [
-            self._refresh(backend, pool.settings.capacity_refresh_s)
-            for pool in self._pools.values()
+            self._refresh(backend, pool.settings.capacity_refresh_s, lengths=name in learning)
+            for name, pool in self._pools.items()
             for backend in pool.backends
             if now - backend.last_probe >= pool.settings.capacity_refresh_s
             or (backend.down_reason is not None and now >= backend.ejected_until)
         ]
         await asyncio.gather(*jobs)
+        for name in learning:
+            pool = self._pools[name]
+            answers = merged(b.answers for b in pool.backends)
+            lengths = [] if answers is None else answers.lengths(WINDOW)
+            pool.outputs.borrow(LengthSource.BACKENDS, lengths)
 
-    async def _refresh(self, backend: Backend, budget_s: float) -> None:
+    async def _refresh(self, backend: Backend, budget_s: float, *, lengths: bool) -> None:
         now = self._clock.monotonic()
         backend.last_probe = now
         try:
             listing = await self._get(backend, "/v1/models", budget_s)
             models = None if listing is None else models_from_listing(_json(listing))
-            if backend.configured_capacity is None:
+            if backend.configured_capacity is None or lengths:
                 text = await self._get(backend, "/metrics", budget_s)
-                cache = None if text is None else capacity_from_metrics(text)
-                if cache is not None:
-                    backend.discovered_capacity = cache.tokens
-                    backend.block_size = cache.block_size
-                    backend.last_scrape = now
+                if text is not None:
+                    self._read_metrics(backend, text, now=now, lengths=lengths)
             else:
                 await self._get(backend, "/health", budget_s)
         except ProbeFailed as exc:
@@ -252,6 +267,21 @@ class FleetWatcher:
             backend.mark_down(mismatch, now=now)
         elif backend.down_reason is not None and now >= backend.ejected_until:
             backend.mark_up()
+
+    @staticmethod
+    def _read_metrics(backend: Backend, text: str, *, now: float, lengths: bool) -> None:
+        """Its capacity (when it is not configured) and, when asked, its answers' lengths."""
+        if backend.configured_capacity is None:
+            cache = capacity_from_metrics(text)
+            if cache is not None:
+                backend.discovered_capacity = cache.tokens
+                backend.block_size = cache.block_size
+                backend.last_scrape = now
+        if lengths:
+            try:
+                backend.answers = answer_lengths_from_metrics(text, model=backend.served_model)
+            except ValueError:
+                backend.answers = None  # a page the parser cannot read tells no lengths
 
     async def _get(self, backend: Backend, path: str, budget_s: float) -> str | None:
         """The body of `GET path`, None when the server has no such route."""

@@ -2,9 +2,14 @@
 
 A request reserves its prompt and this expected output, not the whole of `max_tokens`: real
 answers end at an end-of-sequence token long before it. The figure comes from the completion
-lengths the pool's answers had, the tenant's own once it has `min_samples` of them, the
-pool's once the pool has, and a configured prior before that. A stream whose answer
-outgrows it grows its reservation as it goes (gateway/admission/growth.py).
+lengths the pool's answers had: the tenant's own once it has `min_samples` of them, the
+pool's once the pool has. Before that, a gateway borrows the lengths others saw (its
+`LengthSource`): with Redis, the pool's answers as every replica saw them
+(gateway/admission/length_feed.py); else the backends' own histograms of the answers they
+generated (gateway/admission/discovery.py), read as the fleet is probed; the configured
+prior only when neither has `min_samples`. So a replica started in a spike admits from its
+first request as a warm one does. A stream whose answer outgrows it grows its reservation
+as it goes (gateway/admission/growth.py).
 
 By default (`quantile_of: backend`) the quantile (p90) bounds the sum of the answers a
 backend holds at once, not each answer: answers end independently, so n of them sum to
@@ -34,11 +39,25 @@ import math
 import operator
 import statistics
 from collections import deque
+from collections.abc import Iterable
+from enum import StrEnum
 from typing import NamedTuple
 
 from gateway.config import ReservationSettings
 
 WINDOW = 1024  # the most recent answers a quantile is taken over: it follows the traffic
+
+
+class LengthSource(StrEnum):
+    """Where the lengths a pool reserves by came from, best first."""
+
+    ANSWERS = "answers"  # this process's own answers
+    REPLICAS = "replicas"  # the pool's answers, as every replica saw them (Redis)
+    BACKENDS = "backends"  # the backends' histograms of the answers they generated
+    PRIOR = "prior"  # none of those yet: the configured `prior_tokens`
+
+
+BORROWED = (LengthSource.REPLICAS, LengthSource.BACKENDS)  # in the order they are trusted
 
 
 class Reserve(NamedTuple):
@@ -177,6 +196,9 @@ class OutputLengths:
         self.settings = settings
         self._pool = LengthQuantile(settings.quantile)
         self._tenants: dict[str, LengthQuantile] = {}
+        self._borrowed: dict[LengthSource, LengthQuantile] = {}
+        # this process's answers not yet shared with the other replicas
+        self._unshared: deque[int] = deque(maxlen=WINDOW)
         # q = 1 has no normal quantile: each answer reserves the longest seen
         q = settings.quantile
         self._per_answer = settings.quantile_of == "answer" or q >= 1
@@ -189,6 +211,7 @@ class OutputLengths:
             return
         per_choice = -(-completion_tokens // choices)
         self._pool.observe(per_choice)
+        self._unshared.append(per_choice)
         own = self._tenants.get(tenant)
         if own is None:
             own = self._tenants[tenant] = LengthQuantile(self.settings.quantile)
@@ -202,13 +225,54 @@ class OutputLengths:
             return self.settings.prior_tokens
         return self._share(lengths, room, prompt_tokens)
 
+    def borrow(self, source: LengthSource, lengths: Iterable[int]) -> None:
+        """Take the answer lengths `source` saw (its last WINDOW), in place of what it told
+        before; too few of them (under `min_samples`) tell nothing."""
+        quantile = LengthQuantile(self.settings.quantile)
+        for tokens in lengths:
+            if tokens >= 0:
+                quantile.observe(tokens)
+        if len(quantile) >= self.settings.min_samples:
+            self._borrowed[source] = quantile
+        else:
+            self._borrowed.pop(source, None)
+
+    def learns(self) -> bool:
+        """Whether the pool reserves by learned lengths at all (not all of `max_tokens`)."""
+        return self.settings.mode == "learned"
+
+    def learning(self) -> bool:
+        """Whether the pool still reserves by lengths other than its own answers'."""
+        return self.learns() and len(self._pool) < self.settings.min_samples
+
+    def unshared(self) -> list[int]:
+        """The answer lengths observed since the last call (at most WINDOW), to share."""
+        taken = list(self._unshared)
+        self._unshared.clear()
+        return taken
+
+    def source(self, tenant: str | None = None) -> LengthSource:
+        """Where the lengths that `tenant`'s (None: any tenant's) next request reserves by
+        come from."""
+        return self._found(tenant)[1]
+
     def _lengths(self, tenant: str | None) -> LengthQuantile | None:
-        """The tenant's own lengths once it has enough, else the pool's, else None."""
+        return self._found(tenant)[0]
+
+    def _found(self, tenant: str | None) -> tuple[LengthQuantile | None, LengthSource]:
+        """The tenant's own lengths once it has enough, else the pool's, else those
+        borrowed, else None (the prior)."""
         need = self.settings.min_samples
         own = None if tenant is None else self._tenants.get(tenant)
         if own is not None and len(own) >= need:
-            return own
-        return self._pool if len(self._pool) >= need else None
+            return own, LengthSource.ANSWERS
+        if len(self._pool) >= need:
+            return self._pool, LengthSource.ANSWERS
+        for source in BORROWED:
+            borrowed = self._borrowed.get(source)
+            if borrowed is not None:
+                return borrowed, source
+        return None, LengthSource.PRIOR
 
     def _share(self, lengths: LengthQuantile, room: int, prompt_tokens: int) -> int:
         if self._per_answer:

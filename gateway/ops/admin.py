@@ -210,6 +210,9 @@ class AdminEndpoints:
                             room=self._router.room(name)
                         ),
                         "samples": pool.outputs.samples(),
+                        # where the lengths reserved by come from: answers, replicas,
+                        # backends or prior
+                        "source": pool.outputs.source(),
                     },
                     "backends": backends,
                 }

@@ -119,6 +119,7 @@ def create_sim_app(config: SimConfig) -> Starlette:
         speed=config.speed,
         flush_interval_s=config.flush_interval_s,
         on_first_token=metrics.observe_ttft,
+        on_finished=metrics.observe_generated,
     )
     capped = config.answer_lengths is AnswerLengths.MAX_TOKENS
     limits = Limits(

@@ -75,12 +75,14 @@ class Engine:
         speed: float,
         flush_interval_s: float,
         on_first_token: Callable[[float], None],
+        on_finished: Callable[[int], None] = lambda generated: None,
     ) -> None:
         self.scheduler = scheduler
         self._cost = step_cost
         self._speed = speed
         self._flush_interval = flush_interval_s
         self._on_first_token = on_first_token
+        self._on_finished = on_finished
         self._wake = asyncio.Event()
         self.stopped = False
 
@@ -175,4 +177,5 @@ class Engine:
                 seq.next_flush = next_flush
                 seq.progress.set()
         for seq in finished:
+            self._on_finished(seq.generated)
             seq.progress.set()

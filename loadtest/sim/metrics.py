@@ -25,6 +25,19 @@ LABELS = ("engine", "model_name")
 EXTRA = "Simulator extra, not a vLLM metric: "
 
 
+def token_buckets(max_model_len: int) -> list[float]:
+    """vLLM's buckets for its token-count histograms: 1, 2, 5, 10, 20, 50, ... while under
+    the context length."""
+    buckets: list[float] = []
+    magnitude = 1
+    while True:
+        for step in (1, 2, 5):
+            if step * magnitude > max_model_len:
+                return buckets
+            buckets.append(float(step * magnitude))
+        magnitude *= 10
+
+
 class _EngineCollector(Collector):
     def __init__(
         self, *, scheduler: Scheduler[Any], labels: list[str], cache_info: dict[str, str]
@@ -151,6 +164,17 @@ class SimMetrics:
             buckets=TTFT_BUCKETS,
             registry=self.registry,
         ).labels(*labels)
+        self._generated = Histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            labelnames=LABELS,
+            buckets=token_buckets(resolved.max_model_len),
+            registry=self.registry,
+        ).labels(*labels)
+
+    def observe_generated(self, tokens: int) -> None:
+        """A request finished, having generated `tokens` (vLLM counts each when it ends)."""
+        self._generated.observe(tokens)
 
     def observe_ttft(self, seconds: float) -> None:
         self._ttft.observe(seconds)

@@ -7,6 +7,7 @@ from gateway.admission.output_lengths import (
     WINDOW,
     HeldByStream,
     LengthQuantile,
+    LengthSource,
     OutputLengths,
     Reserve,
 )
@@ -51,6 +52,33 @@ def test_the_prior_until_min_samples_then_the_pool_then_the_tenants_own() -> Non
         lengths.observe(tenant="a", completion_tokens=7)
     assert lengths.expected("a") == 7  # its own figure, once it has min_samples
     assert lengths.expected("b") == 90
+
+
+def test_before_its_own_answers_a_pool_borrows_the_replicas_then_the_backends() -> None:
+    settings = ReservationSettings(
+        quantile=0.9, quantile_of="answer", prior_tokens=512, min_samples=10
+    )
+    lengths = OutputLengths(settings)
+    assert (lengths.source(), lengths.expected()) == (LengthSource.PRIOR, 512)
+    lengths.borrow(LengthSource.BACKENDS, [50] * 9)  # too few to tell anything
+    assert lengths.source() == LengthSource.PRIOR
+    lengths.borrow(LengthSource.BACKENDS, range(10, 110, 10))
+    assert (lengths.source(), lengths.expected()) == (LengthSource.BACKENDS, 90)
+    lengths.borrow(LengthSource.REPLICAS, [30] * 20)
+    assert (lengths.source("a"), lengths.expected("a")) == (LengthSource.REPLICAS, 30)
+    assert lengths.learning()
+    for _ in range(10):
+        lengths.observe(tenant="a", completion_tokens=7)
+    assert (lengths.source(), lengths.expected()) == (LengthSource.ANSWERS, 7)
+    assert not lengths.learning()
+    # what it observed, once, for the other replicas
+    assert lengths.unshared() == [7] * 10
+    assert lengths.unshared() == []
+    # a borrowed figure that went stale (too few now) is dropped, not kept
+    fresh = OutputLengths(settings)
+    fresh.borrow(LengthSource.REPLICAS, [30] * 20)
+    fresh.borrow(LengthSource.REPLICAS, [30] * 5)
+    assert fresh.source() == LengthSource.PRIOR
 
 
 def test_choices_are_samples_of_their_mean_length() -> None:

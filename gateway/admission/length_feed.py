@@ -1,0 +1,90 @@
+"""The answer lengths of a pool as every replica of a shared-mode gateway saw them, in Redis.
+
+A replica started in the middle of a spike (a deploy, an autoscaler adding one) has seen no
+answer of its own, and would reserve the configured prior for each request until it had
+`min_samples`. So every `every_s`, off the request path, each replica appends the lengths
+its own answers had since its last pass to its pool's list (the last WINDOW kept: a few
+KB) and reads the list back; a pool without enough answers of its own reserves by it
+(gateway/admission/output_lengths.py). A replica reads it once before it serves its first
+request. A pass lost to a slow or absent Redis only leaves the borrowed lengths as they
+were.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from gateway.admission.backends import Pool
+from gateway.admission.output_lengths import WINDOW, LengthSource
+from gateway.tasks import Periodic
+
+log = logging.getLogger("spillgate.lengths")
+
+KEY_PREFIX = "spillgate:lengths:"
+# a pool no replica has answered for in a day keeps nothing: its model may have changed
+TTL_S = 86_400
+
+
+def key(pool: str) -> str:
+    """One key per pool, its own hash slot on a Redis Cluster."""
+    return f"{KEY_PREFIX}{{{pool}}}"
+
+
+class LengthFeed:
+    def __init__(
+        self,
+        redis: aioredis.Redis | RedisCluster,
+        *,
+        pools: Mapping[str, Pool],
+        timeout_s: float,
+        every_s: float = 2.0,
+    ) -> None:
+        self._redis = redis
+        self._pools = {name: pool for name, pool in pools.items() if pool.outputs.learns()}
+        self._timeout_s = timeout_s
+        self._periodic = Periodic(self.exchange, every_s=every_s, name="length-feed")
+
+    async def exchange(self) -> None:
+        """Share each pool's new answer lengths and borrow the pool's, every pool at once.
+        Raises RedisError (or TimeoutError) when any pool's call failed."""
+        results = await asyncio.gather(
+            *(self._exchange(name, pool) for name, pool in self._pools.items()),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _exchange(self, name: str, pool: Pool) -> None:
+        new = pool.outputs.unshared()
+        async with asyncio.timeout(self._timeout_s):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                if new:
+                    pipe.rpush(key(name), *new)
+                    pipe.ltrim(key(name), -WINDOW, -1)
+                    pipe.expire(key(name), TTL_S)
+                pipe.lrange(key(name), 0, -1)
+                replies = await pipe.execute()
+        pool.outputs.borrow(LengthSource.REPLICAS, _lengths(replies[-1]))
+
+    async def start(self) -> None:
+        """Borrow what the replicas saw before the first request, then keep sharing."""
+        try:
+            await self.exchange()
+        except (RedisError, TimeoutError, OSError) as exc:
+            log.warning("could not read the pools' answer lengths from Redis: %r", exc)
+        self._periodic.start()
+
+    async def stop(self) -> None:
+        await self._periodic.stop()
+
+
+def _lengths(raw: list[bytes | str]) -> list[int]:
+    """The list's entries that are lengths; anything else written there is skipped."""
+    return [int(entry) for entry in raw if entry.isdigit()]
