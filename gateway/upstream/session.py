@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import aiohttp
 
+# uvicorn, which vLLM and SGLang serve with, closes a connection idle for 5 s: one taken
+# from the pool as the server closes it fails before its first byte, and with one backend
+# there is no other to try. The pool lets its idle connections go sooner.
+KEEPALIVE_S = 4.0
+
 
 class UpstreamPool:
-    def __init__(self, *, max_connections: int, keepalive_s: float = 30.0) -> None:
+    def __init__(self, *, max_connections: int, keepalive_s: float = KEEPALIVE_S) -> None:
         self._max_connections = max_connections
         self._keepalive_s = keepalive_s
         self._session: aiohttp.ClientSession | None = None
