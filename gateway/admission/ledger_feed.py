@@ -20,7 +20,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from gateway.admission.ledger_redis import RedisLedger, Seen
+from gateway.admission.ledger_block import Seen
+from gateway.admission.ledger_redis import RedisLedger
 from gateway.admission.pubsub import subscription
 from gateway.tasks import stop_task
 

@@ -11,7 +11,8 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gateway.admission.ledger import Reservation
-from gateway.admission.ledger_redis import RedisLedger, ledger_script
+from gateway.admission.ledger_calls import ledger_script
+from gateway.admission.ledger_redis import RedisLedger
 from gateway.clock import ManualClock, SystemClock
 from loadtest.procs import RedisProcess
 
