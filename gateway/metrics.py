@@ -1,4 +1,8 @@
-"""The gateway's Prometheus metrics, one registry per app (names fixed by DESIGN.md).
+"""The gateway's Prometheus metrics, one registry per app.
+
+The names and labels are a contract (gateway/README.md, "Contract", lists them): deploy/'s
+alert rules, Grafana dashboard and autoscaling metrics query them, and so do the load
+tools, so renaming one breaks those.
 
 With several worker processes (`spillgate serve --workers N`) every value lives in
 prometheus-client's multiprocess files under PROMETHEUS_MULTIPROC_DIR and a scrape adds

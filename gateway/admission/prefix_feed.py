@@ -1,12 +1,13 @@
 """The prefix index shared by the replicas of a shared-mode gateway, through Redis pub/sub.
 
-Each replica routes by its own index (gateway/prefix_index.py); a prefix another replica
-sent to a backend would look cold to it and could go elsewhere. So every replica publishes
-the blocks its routing taught its index that it did not know yet (a prompt's new tail, not
-the system prompt it has sent there a thousand times), a batch every `flush_s`, and adds
-what the others publish to its own index. Nothing waits on Redis on the request path, and
-a batch lost to a slow or absent Redis only makes the guess rougher: the rendezvous homes
-of a new prefix (Router._by_prefix) still keep the replicas' choices together.
+Each replica routes by its own index (gateway/admission/prefix_index.py); a prefix another
+replica sent to a backend would look cold to it and could go elsewhere. So every replica
+publishes the blocks its routing taught its index that it did not know yet (a prompt's new
+tail, not the system prompt it has sent there a thousand times), a batch every `flush_s`,
+and adds what the others publish to its own index. Nothing waits on Redis on the request
+path, and a batch lost to a slow or absent Redis only makes the guess rougher: the
+rendezvous homes of a new prefix (Router._by_prefix) still keep the replicas' choices
+together.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from gateway.tasks import Periodic, stop_task
 
 log = logging.getLogger("spillgate.prefix")
 
-KEY_BYTES = 8  # gateway/prefix_index.py's digest size
+KEY_BYTES = 8  # gateway/admission/prefix_index.py's digest size
 MAX_PENDING = 65_536  # keys held for the next batch; more are dropped while Redis lags
 
 

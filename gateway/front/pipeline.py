@@ -1,6 +1,7 @@
-"""The request pipeline, in the order a request travels (see DESIGN.md):
+"""The request pipeline, in the order a request travels (gateway/README.md follows it
+step by step, with the file that does each step):
 
-parse → authenticate → throttle → admit → overflow → forward → release → record.
+read → authenticate → parse → throttle → admit → overflow → forward → release → record.
 
 The key is checked before the body is decoded, so a caller without a valid key learns
 nothing about what the gateway would accept.

@@ -1,6 +1,6 @@
-"""What replicas tell each other of their prefix indexes (gateway/prefix_feed.py): only the
-blocks a route taught the index, in batches that survive the trip and are checked on the
-way in."""
+"""What replicas tell each other of their prefix indexes (gateway/admission/prefix_feed.py):
+only the blocks a route taught the index, in batches that survive the trip and are checked
+on the way in."""
 
 from collections.abc import Sequence
 
