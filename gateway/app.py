@@ -216,8 +216,10 @@ def create_app(
             redis, ledger=shared, waker=router, timeout_s=settings.redis.timeout_ms / 1000
         )
     lengths = None
-    if redis is not None and any(pool.outputs.learns() for pool in pools.values()):
-        lengths = LengthFeed(redis, pools=pools, timeout_s=settings.redis.timeout_ms / 1000)
+    if batcher is not None and any(pool.outputs.learns() for pool in pools.values()):
+        lengths = LengthFeed(
+            batcher=batcher, pools=pools, timeout_s=settings.redis.timeout_ms / 1000
+        )
     prefix_feed = None
     by_prefix = any(pool.settings.routing == "prefix" for pool in pools.values())
     if redis is not None and shared is not None and by_prefix:

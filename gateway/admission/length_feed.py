@@ -4,7 +4,8 @@ A replica started in the middle of a spike (a deploy, an autoscaler adding one) 
 answer of its own, and would reserve the configured prior for each request until it had
 `min_samples`. So every `every_s`, off the request path, each replica appends the lengths
 its own answers had since its last pass to its pool's list (the last WINDOW kept: a few
-KB) and reads the list back; a pool without enough answers of its own reserves by it
+KB) and reads the list back, in one script call that travels with the process's other
+Redis calls; a pool without enough answers of its own reserves by it
 (gateway/admission/output_lengths.py). A replica reads it once before it serves its first
 request. A pass lost to a slow or absent Redis only leaves the borrowed lengths as they
 were.
@@ -16,12 +17,11 @@ import asyncio
 import logging
 from collections.abc import Mapping
 
-import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from gateway.admission.backends import Pool
 from gateway.admission.output_lengths import WINDOW, LengthSource
+from gateway.redis_batch import BatchScript, RedisBatcher
 from gateway.tasks import Periodic
 
 log = logging.getLogger("spillgate.lengths")
@@ -29,6 +29,17 @@ log = logging.getLogger("spillgate.lengths")
 KEY_PREFIX = "spillgate:lengths:"
 # a pool no replica has answered for in a day keeps nothing: its model may have changed
 TTL_S = 86_400
+# one call per pool: append this replica's new lengths, keep the last WINDOW, read them all
+EXCHANGE = BatchScript(
+    """
+if #ARGV > 2 then
+  redis.call('RPUSH', KEYS[1], unpack(ARGV, 3))
+  redis.call('LTRIM', KEYS[1], -tonumber(ARGV[1]), -1)
+  redis.call('EXPIRE', KEYS[1], ARGV[2])
+end
+return redis.call('LRANGE', KEYS[1], 0, -1)
+"""
+)
 
 
 def key(pool: str) -> str:
@@ -39,13 +50,13 @@ def key(pool: str) -> str:
 class LengthFeed:
     def __init__(
         self,
-        redis: aioredis.Redis | RedisCluster,
         *,
+        batcher: RedisBatcher,
         pools: Mapping[str, Pool],
         timeout_s: float,
         every_s: float = 2.0,
     ) -> None:
-        self._redis = redis
+        self._batch = batcher
         self._pools = {name: pool for name, pool in pools.items() if pool.outputs.learns()}
         self._timeout_s = timeout_s
         self._periodic = Periodic(self.exchange, every_s=every_s, name="length-feed")
@@ -63,15 +74,11 @@ class LengthFeed:
 
     async def _exchange(self, name: str, pool: Pool) -> None:
         new = pool.outputs.unshared()
-        async with asyncio.timeout(self._timeout_s):
-            async with self._redis.pipeline(transaction=False) as pipe:
-                if new:
-                    pipe.rpush(key(name), *new)
-                    pipe.ltrim(key(name), -WINDOW, -1)
-                    pipe.expire(key(name), TTL_S)
-                pipe.lrange(key(name), 0, -1)
-                replies = await pipe.execute()
-        pool.outputs.borrow(LengthSource.REPLICAS, _lengths(replies[-1]))
+        # with the other calls of the moment, in one pipeline (gateway/redis_batch.py)
+        listed = await self._batch.submit(
+            EXCHANGE, [key(name)], [WINDOW, TTL_S, *new], budget_s=self._timeout_s
+        )
+        pool.outputs.borrow(LengthSource.REPLICAS, _lengths(listed))
 
     async def start(self) -> None:
         """Borrow what the replicas saw before the first request, then keep sharing."""
