@@ -96,24 +96,21 @@ def _timeout_max_s(settings: Settings) -> float:
     return max(settings.redis.timeout_ms, settings.redis.timeout_max_ms) / 1000
 
 
-def _limiter(
+def _shared_limiter(
     settings: Settings,
-    redis: RedisBatcher | None,
+    redis: RedisBatcher,
     metrics: GatewayMetrics,
     clock: Clock,
     *,
     workers: int,
     for_providers: bool = False,
-) -> RateLimiter:
-    """Token buckets, shared through Redis when there is one.
+) -> ResilientRateLimiter:
+    """Token buckets shared through Redis.
 
     Tenants' buckets follow the configured failure mode; providers' budgets always fall
     back to this process's share, so a Redis outage neither stops spilling nor multiplies
     a provider's budget by the replica count.
     """
-    local = LocalRateLimiter(clock)
-    if redis is None:
-        return local
     rl = settings.ratelimit
     return ResilientRateLimiter(
         RedisRateLimiter(
@@ -123,7 +120,7 @@ def _limiter(
             timeout_max_s=_timeout_max_s(settings),
             slice_s=settings.ratelimit.slice_s,
         ),
-        fallback=local,
+        fallback=LocalRateLimiter(clock),
         failure_mode="local" if for_providers else rl.failure_mode,
         replicas=rl.replicas * workers,
         timeout_s=settings.redis.timeout_ms / 1000,
@@ -204,7 +201,10 @@ def create_app(
     url = redis_url or env.get(settings.redis.url_env)
     redis = redis_client(settings, url) if url else None
     batcher = RedisBatcher(redis) if redis is not None else None
-    limiter = _limiter(settings, batcher, metrics, clock, workers=workers)
+    shared_limiter = None
+    if batcher is not None:
+        shared_limiter = _shared_limiter(settings, batcher, metrics, clock, workers=workers)
+    limiter: RateLimiter = shared_limiter or LocalRateLimiter(clock)
     pools = build_pools(settings.pools, clock=clock)
     shared = None
     feed = None
@@ -233,9 +233,11 @@ def create_app(
     provider_slots = None
     if batcher is not None and settings.providers:
         provider_slots = _provider_slots(settings, batcher, metrics, clock, workers=workers)
-    provider_limiter = _limiter(
-        settings, batcher, metrics, clock, workers=workers, for_providers=True
-    )
+    provider_limiter: RateLimiter = LocalRateLimiter(clock)
+    if batcher is not None:
+        provider_limiter = _shared_limiter(
+            settings, batcher, metrics, clock, workers=workers, for_providers=True
+        )
     upstream = UpstreamPool(max_connections=settings.server.upstream_max_connections)
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))  # capacity discovery and probes
     store: BatchStore = DirStore(settings.batch.dir)
@@ -327,6 +329,8 @@ def create_app(
             stack.push_async_callback(history.stop)
             if shared is not None:
                 await shared.start()
+            if shared_limiter is not None:
+                shared_limiter.start()  # stopped by its close, above
             if provider_slots is not None:
                 await provider_slots.start()
             if lengths is not None:

@@ -42,6 +42,10 @@ from gateway.redis_batch import BatchScript, RedisBatcher, batcher_of, forget
 
 CLOSE_WAIT_S = 1.0  # what closing waits for the slices' give-back without a time budget
 _REASONS: dict[int, Reason] = {0: "", 1: "requests", 2: "tokens", 3: "too_large"}
+# A write, not a PING: a Redis that answers but refuses writes (a primary demoted by a
+# failover, maxmemory reached) fails every decision as a dead one does. The key is
+# touched by nothing else and lapses by itself.
+_PROBE = BatchScript("redis.call('SET', KEYS[1], '1', 'PX', 1000) return 1")
 
 
 def bucket_script() -> str:
@@ -127,6 +131,11 @@ class RedisRateLimiter:
         decided = f"{self._prefix}:ratelimit:{{{tenant}}}:decided:{self._id_prefix}"
         return requests, tokens, f"{decided}:{next(self._ids)}"
 
+    def _budget_s(self) -> float | None:
+        if self._timeout_s is None:
+            return None
+        return self._batch.latency.budget_s(floor_s=self._timeout_s, ceiling_s=self._timeout_max_s)
+
     async def _run(
         self, op: str, limits: TenantLimits, cost: int, *extra: int
     ) -> tuple[Reason, float, float, int, int]:
@@ -141,17 +150,12 @@ class RedisRateLimiter:
                     refund = self._args("refund", limits, cost)  # its slice included
                     forget(self._batch.submit(self._script, keys, refund))
 
-        budget = None
-        if self._timeout_s is not None:
-            budget = self._batch.latency.budget_s(
-                floor_s=self._timeout_s, ceiling_s=self._timeout_max_s
-            )
         future = self._batch.submit(
             self._script,
             keys,
             self._args(op, limits, cost, *extra),
             on_late=on_late,
-            budget_s=budget,
+            budget_s=self._budget_s(),
             ceiling_s=self._timeout_max_s,
         )
         try:
@@ -268,6 +272,21 @@ class RedisRateLimiter:
         if held is not None:  # this process's unspent slice is the tenant's still
             requests, tokens = requests + held.requests, tokens + held.tokens
         return bucket.judged(limits, requests=requests, tokens=tokens, cost=0)
+
+    async def probe(self) -> None:
+        """Raises StoreError unless Redis takes a write (within the time budget, given
+        `timeout_s`): whether decisions can be made here again."""
+        future = self._batch.submit(
+            _PROBE,
+            (f"{self._prefix}:ratelimit:probe",),
+            (),
+            budget_s=self._budget_s(),
+            ceiling_s=self._timeout_max_s,
+        )
+        try:
+            await future
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise StoreError(f"rate-limit store failed a probe: {exc}") from exc
 
     async def close(self) -> None:
         """Give back every slice still held, within the time budget's ceiling."""

@@ -14,7 +14,10 @@ for `cooldown_s`, then one call probes it. Only while the circuit is open does t
 mode decide: `local` as above, `allow`, or `deny`: refused with reason "store_unavailable"
 (a 503, not a 429) and the circuit's remaining cooldown as its Retry-After. So `deny`
 never refuses because one call was slow. When the store answers again, shared limiting
-resumes by itself.
+resumes by itself: at the first call that finds it back, or (once `start`ed) at the probe
+sent every PROBE_S while the mode is not "shared", off the request path, so an idle
+replica reports "shared" again too. A probe that fails changes nothing: the requests' own
+calls count the failures and keep the circuit.
 
 Never admitting twice. A decision whose outcome is unknown (cut by its budget, or its
 connection lost) is undone in Redis if it turns out to have admitted (the Redis limiter
@@ -41,11 +44,15 @@ from gateway.ratelimit import bucket
 from gateway.ratelimit.base import Decision, StoreError, TenantLimits
 from gateway.ratelimit.local import LocalRateLimiter
 from gateway.ratelimit.redis_limiter import RedisRateLimiter
+from gateway.tasks import Periodic
 from gateway.upstream.deadline import Deadline
 
 FailureMode = Literal["local", "allow", "deny"]
 Mode = Literal["shared", "local", "allow", "deny"]
 FAILURE_MODES: tuple[FailureMode, ...] = ("local", "allow", "deny")
+# How soon an idle replica reports Redis back: well within any alert's `for`, and one
+# small write a second per process is nothing to a Redis that is back, or still away.
+PROBE_S = 1.0
 
 T = TypeVar("T")
 
@@ -101,6 +108,7 @@ class ResilientRateLimiter:
         self._known: dict[str, tuple[int, int]] = {}  # tenant: levels the store last reported
         self._owed: dict[str, tuple[TenantLimits, int, int]] = {}  # admitted by the share
         self._settling: set[asyncio.Task[None]] = set()
+        self._probes = Periodic(self.probe, every_s=PROBE_S, name="ratelimit-probe")
         on_mode_change(self._mode)
 
     @property
@@ -195,7 +203,24 @@ class ResilientRateLimiter:
             return bucket.full(limits)
         return self._unavailable(limits)
 
+    def start(self) -> None:
+        """Probe the store every PROBE_S while degraded, until `close`."""
+        self._probes.start()
+
+    async def probe(self) -> None:
+        """While degraded, ask the store whether it is back; if it answers, resume as a
+        decision that found it would."""
+        if self._mode == "shared":
+            return
+        try:
+            async with asyncio.timeout(self._timeout_max_s):
+                await self._primary.probe()
+        except (TimeoutError, StoreError):
+            return
+        self._answered()
+
     async def close(self) -> None:
+        await self._probes.stop()
         try:
             await self._primary.close()
         finally:

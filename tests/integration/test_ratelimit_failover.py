@@ -20,7 +20,7 @@ from gateway.ratelimit import (
     ResilientRateLimiter,
     TenantLimits,
 )
-from loadtest.procs import RedisProcess
+from loadtest.procs import RedisProcess, free_port
 
 TIMEOUT_S = 0.05
 COOLDOWN_S = 0.2
@@ -246,6 +246,43 @@ def test_local_share_admits_a_request_the_whole_bucket_holds(redis_proc: RedisPr
         assert refused.retry_after_s == pytest.approx(2_001 * 60 / 4_000)
         too_large = await gw.acquire(12_001)
         assert (too_large.allowed, too_large.reason) == (False, "too_large")
+        await gw.client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_probe_resumes_shared_limiting_and_charges_what_the_share_admitted(
+    redis_proc: RedisProcess,
+) -> None:
+    """The background probe: while Redis is away it changes nothing (no store error, the
+    circuit as it was); a Redis that answers but refuses writes is still away; once Redis
+    takes writes the limiter is shared again, as if a decision had found it back."""
+
+    async def scenario() -> None:
+        gw = await gateway(redis_proc, "local")
+        redis_proc.stop()
+        decisions = [await gw.acquire() for _ in range(3)]
+        assert [d.allowed for d in decisions] == [True] * 3
+        assert (gw.limiter.mode, gw.limiter.circuit_open, gw.store_errors) == ("local", True, 3)
+        await gw.timed(gw.limiter.probe)
+        assert (gw.limiter.mode, gw.limiter.circuit_open, gw.store_errors) == ("local", True, 3)
+
+        redis_proc.start()  # empty: the buckets are full again
+        admin = aioredis.Redis.from_url(redis_proc.url, socket_timeout=5)
+        await admin.replicaof("127.0.0.1", free_port())  # read-only; PING still answers
+        await gw.timed(gw.limiter.probe)
+        assert (gw.limiter.mode, gw.limiter.circuit_open) == ("local", True)
+
+        await admin.replicaof("NO", "ONE")
+        await gw.timed(gw.limiter.probe)
+        assert (gw.limiter.mode, gw.limiter.circuit_open, gw.store_errors) == ("shared", False, 3)
+        assert gw.modes == ["shared", "local", "shared"]
+        await asyncio.sleep(0.1)  # the owed charge goes out after the probe's answer
+        requests_key, tokens_key = RedisRateLimiter(gw.client).keys("acme")
+        assert float(await admin.hget(requests_key, "level")) == 12 - 3
+        assert float(await admin.hget(tokens_key, "level")) == 12_000 - 300
+        await admin.aclose()
+        await gw.limiter.close()
         await gw.client.aclose()
 
     asyncio.run(scenario())
