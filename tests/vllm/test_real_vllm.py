@@ -47,7 +47,8 @@ def test_discovery_reads_the_block_size(vllm_url: str) -> None:
             chunks = r.iter_bytes()  # kept: a dropped iterator closes the stream
             next(chunks)
             assert gw.backend()["tokens_in_flight"] == 31 * BLOCK_SIZE  # "hi" and 3,900
-        assert gw.backend()["tokens_in_flight"] == 0
+        # released once the gateway sees the client gone, moments after it closed
+        eventually(lambda: gw.backend()["tokens_in_flight"] == 0)
 
 
 def test_max_model_len_is_discovered_and_enforced(vllm_url: str) -> None:
