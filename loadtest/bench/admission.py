@@ -354,15 +354,20 @@ async def _main(args: argparse.Namespace, plan: BenchPlan, workdir: Path) -> dic
     }
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, BenchPlan]:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench.admission", description=__doc__)
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    """The options `backend` reads: which backend, and its size."""
     p.add_argument("--real-vllm", action="store_true", help="a real vLLM instead of the simulator")
     p.add_argument("--port", type=int, default=8101, help="the real vLLM's port")
     p.add_argument("--kv-tokens", type=int, default=16_384, help="the backend's KV cache")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--sim-speed", type=float, default=1.0, help="the simulator's speed-up")
     p.add_argument("--sim-block-size", type=int, default=16)
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, BenchPlan]:
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench.admission", description=__doc__)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    add_backend_args(p)
     p.add_argument("--bursts", default="24,48")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--spike-factor", type=int, default=5)

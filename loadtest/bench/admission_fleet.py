@@ -211,12 +211,17 @@ def wait_ready(url: str, *, timeout_s: float = START_TIMEOUT_S) -> None:
 
 
 @contextlib.contextmanager
-def gateway(config: dict[str, Any], *, workdir: Path, arm: str) -> Iterator[str]:
+def gateway(
+    config: dict[str, Any], *, workdir: Path, arm: str, redis_url: str | None = None
+) -> Iterator[str]:
+    """A `spillgate serve` of `config` (sharing `redis_url`, when given), once ready."""
     path = workdir / f"gateway-{arm}.yaml"
     path.write_text(yaml.safe_dump(config))
     port = free_port()
     env = {"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN, PROVIDER_KEY_ENV: PROVIDER_KEY}
     cmd = [*serve_command(sys.executable, path), "--port", str(port)]
+    if redis_url is not None:
+        cmd += ["--redis", redis_url]
     with process(cmd, port, log=workdir / f"gateway-{arm}.log", env=env) as url:
         wait_ready(url)
         yield url

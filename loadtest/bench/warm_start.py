@@ -34,21 +34,18 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 from loadtest.bench import admission_fleet as fleet
-from loadtest.bench.admission import Bench, backend, medians
-from loadtest.bench.admission_fleet import ADMIN_TOKEN, PROVIDER_KEY, PROVIDER_KEY_ENV
+from loadtest.bench.admission import Bench, add_backend_args, backend, medians
 from loadtest.bench.admission_watch import Watch, summarize
-from loadtest.bench.overhead import serve_command
 from loadtest.loadgen.run import run_schedule
 from loadtest.loadgen.workload import LengthDist, PlannedRequest, TenantKey, Workload, plan_requests
-from loadtest.procs import RedisProcess, free_port
+from loadtest.procs import RedisProcess
 
 DIRECT, FRESH, WARM, REPLICA = "direct", "fresh", "warm", "replica"
 ARMS = (DIRECT, FRESH, WARM, REPLICA)
@@ -67,23 +64,6 @@ def at_rate(
     count: int, rate: float, model: str, args: argparse.Namespace, *, seed: int
 ) -> list[PlannedRequest]:
     return plan_requests([i / rate for i in range(count)], workload(model, args), seed=seed)
-
-
-@contextlib.contextmanager
-def gateway(
-    config: dict[str, Any], *, workdir: Path, name: str, redis_url: str | None = None
-) -> Iterator[str]:
-    """A `spillgate serve` of `config`, yielded once ready."""
-    path = workdir / f"gateway-{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    port = free_port()
-    cmd = [*serve_command(sys.executable, path), "--port", str(port)]
-    if redis_url is not None:
-        cmd += ["--redis", redis_url]
-    env = {"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN, PROVIDER_KEY_ENV: PROVIDER_KEY}
-    with fleet.process(cmd, port, log=workdir / f"gateway-{name}.log", env=env) as url:
-        fleet.wait_ready(url)
-        yield url
 
 
 async def source(bench: Bench, arm: str) -> str | None:
@@ -141,9 +121,9 @@ class Run:
         self.config = fleet.gateway_config(
             backend=self.backend, provider_url=self.provider, arm="learned"
         )
-        self.warm = stack.enter_context(gateway(self.config, workdir=workdir, name=WARM))
+        self.warm = stack.enter_context(fleet.gateway(self.config, workdir=workdir, arm=WARM))
         self.first = stack.enter_context(
-            gateway(self.config, workdir=workdir, name="first", redis_url=self.redis.url)
+            fleet.gateway(self.config, workdir=workdir, arm="first", redis_url=self.redis.url)
         )
 
     def bench(self, client: httpx.AsyncClient, **gateways: str) -> Bench:
@@ -174,7 +154,7 @@ class Run:
         self, client: httpx.AsyncClient, plans: Sequence[PlannedRequest], run: int
     ) -> dict[str, Any]:
         await self.bench(client).idle()
-        with gateway(self.config, workdir=self.workdir, name=f"fresh-{run}") as url:
+        with fleet.gateway(self.config, workdir=self.workdir, arm=f"fresh-{run}") as url:
             return await measure(self.bench(client, fresh=url), FRESH, plans)
 
     async def replica(
@@ -201,10 +181,10 @@ class Run:
             with contextlib.ExitStack() as stack:
                 url = await asyncio.to_thread(
                     stack.enter_context,
-                    gateway(
+                    fleet.gateway(
                         self.config,
                         workdir=self.workdir,
-                        name=f"replica-{run}",
+                        arm=f"replica-{run}",
                         redis_url=self.redis.url,
                     ),
                 )
@@ -332,12 +312,7 @@ def progress(message: str) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench.warm_start", description=__doc__)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("--real-vllm", action="store_true", help="a real vLLM instead of the simulator")
-    p.add_argument("--port", type=int, default=8101, help="the real vLLM's port")
-    p.add_argument("--kv-tokens", type=int, default=16_384, help="the backend's KV cache")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--sim-speed", type=float, default=1.0, help="the simulator's speed-up")
-    p.add_argument("--sim-block-size", type=int, default=16)
+    add_backend_args(p)
     p.add_argument("--burst", type=int, default=48)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--warmup", type=int, default=72, help="answers the warm gateway has seen")
