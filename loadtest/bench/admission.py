@@ -222,28 +222,28 @@ class Bench:
         return out
 
 
-def _progress(message: str) -> None:
+def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
 async def run_bench(bench: Bench, plan: BenchPlan) -> dict[str, Any]:
     out: dict[str, Any] = {"bursts": {}, "spike": {"runs": {arm: [] for arm in ARMS}}}
     if plan.warmup:
-        _progress(f"warm-up: {plan.warmup} seeded requests through each pool of the learning arms")
+        progress(f"warm-up: {plan.warmup} seeded requests through each pool of the learning arms")
         out["warmup"] = await bench.warm(plan)
     for size in plan.bursts:
         runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
         for run in range(plan.runs):
             plans = plan.burst(size, run, bench.backend.model)
             for arm in ARMS:  # arms interleaved: the machine's drift hits all alike
-                _progress(f"burst of {size}, run {run + 1}/{plan.runs}: {arm}")
+                progress(f"burst of {size}, run {run + 1}/{plan.runs}: {arm}")
                 runs[arm].append(await bench.measure(arm, plans))
         out["bursts"][str(size)] = {"runs": runs, "median": medians(runs)}
     spike_runs = out["spike"]["runs"]
     for run in range(plan.runs):
         plans = plan.spike(run, bench.backend.model)
         for arm in ARMS:
-            _progress(f"spike of {len(plans)}, run {run + 1}/{plan.runs}: {arm}")
+            progress(f"spike of {len(plans)}, run {run + 1}/{plan.runs}: {arm}")
             spike_runs[arm].append(await bench.measure(arm, plans, spike=True))
     out["spike"]["median"] = medians(spike_runs)
     out["spike"]["requests"] = plan.spike_factor * min(plan.bursts)
@@ -399,15 +399,22 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, BenchPla
     return args, plan
 
 
+@contextlib.contextmanager
+def logs_dir(kept: Path | None, *, prefix: str) -> Iterator[Path]:
+    """Where the bench's processes write their output: `kept` (`--logs`), else a
+    temporary folder removed after."""
+    if kept is not None:
+        kept.mkdir(parents=True, exist_ok=True)
+        yield kept
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield Path(tmp)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, plan = parse_args(argv)
     load_before = os.getloadavg()[0]
-    with contextlib.ExitStack() as stack:
-        if args.logs is None:
-            logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-admission-")))
-        else:
-            logs = args.logs
-            logs.mkdir(parents=True, exist_ok=True)
+    with logs_dir(args.logs, prefix="bench-admission-") as logs:
         figures = asyncio.run(_main(args, plan, logs))
     figures["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
     figures["queue_wait_s"] = args.queue_wait
@@ -415,7 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report(figures))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1) + "\n")
-        _progress(f"wrote {args.json.resolve()}")
+        progress(f"wrote {args.json.resolve()}")
     return 0
 
 

@@ -32,7 +32,6 @@ import contextlib
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,7 +40,14 @@ from typing import Any
 import httpx
 
 from loadtest.bench import admission_fleet as fleet
-from loadtest.bench.admission import Bench, add_backend_args, backend, medians
+from loadtest.bench.admission import (
+    Bench,
+    add_backend_args,
+    backend,
+    logs_dir,
+    medians,
+    progress,
+)
 from loadtest.bench.admission_watch import Watch, summarize
 from loadtest.loadgen.run import run_schedule
 from loadtest.loadgen.workload import LengthDist, PlannedRequest, TenantKey, Workload, plan_requests
@@ -305,10 +311,6 @@ def targets(figures: dict[str, Any]) -> list[tuple[bool, str]]:
     return out
 
 
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench.warm_start", description=__doc__)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -333,12 +335,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
-    with contextlib.ExitStack() as stack:
-        if args.logs is None:
-            logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-warm-")))
-        else:
-            logs = args.logs
-            logs.mkdir(parents=True, exist_ok=True)
+    with logs_dir(args.logs, prefix="bench-warm-") as logs:
         figures = asyncio.run(run_bench(args, logs))
     figures["targets"] = targets(figures)
     figures["elapsed_s"] = time.monotonic() - started
