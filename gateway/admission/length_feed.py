@@ -4,11 +4,11 @@ A replica started in the middle of a spike (a deploy, an autoscaler adding one) 
 answer of its own, and would reserve the configured prior for each request until it had
 `min_samples`. So every `every_s`, off the request path, each replica appends the lengths
 its own answers had since its last pass to its pool's list (the last WINDOW kept: a few
-KB) and reads the list back, in one script call that travels with the process's other
-Redis calls; a pool without enough answers of its own reserves by it
-(gateway/admission/output_lengths.py). A replica reads it once before it serves its first
-request. A pass lost to a slow or absent Redis only leaves the borrowed lengths as they
-were.
+KB) and, while its pool lacks answers of its own, reads the list back: one script call
+that travels with the process's other Redis calls. A pool without enough answers of its
+own reserves by it (gateway/admission/output_lengths.py). A replica reads it once before
+it serves its first request. A pass lost to a slow or absent Redis only leaves the
+borrowed lengths as they were.
 """
 
 from __future__ import annotations
@@ -29,15 +29,19 @@ log = logging.getLogger("spillgate.lengths")
 KEY_PREFIX = "spillgate:lengths:"
 # a pool no replica has answered for in a day keeps nothing: its model may have changed
 TTL_S = 86_400
-# one call per pool: append this replica's new lengths, keep the last WINDOW, read them all
+# one call per pool: append this replica's new lengths, keep the last WINDOW, and read them
+# all back when asked (ARGV[3] = 1): a pool with enough answers of its own only shares
 EXCHANGE = BatchScript(
     """
-if #ARGV > 2 then
-  redis.call('RPUSH', KEYS[1], unpack(ARGV, 3))
+if #ARGV > 3 then
+  redis.call('RPUSH', KEYS[1], unpack(ARGV, 4))
   redis.call('LTRIM', KEYS[1], -tonumber(ARGV[1]), -1)
   redis.call('EXPIRE', KEYS[1], ARGV[2])
 end
-return redis.call('LRANGE', KEYS[1], 0, -1)
+if ARGV[3] == '1' then
+  return redis.call('LRANGE', KEYS[1], 0, -1)
+end
+return {}
 """
 )
 
@@ -74,11 +78,18 @@ class LengthFeed:
 
     async def _exchange(self, name: str, pool: Pool) -> None:
         new = pool.outputs.unshared()
+        learning = pool.outputs.learning()
+        if not new and not learning:
+            return
         # with the other calls of the moment, in one pipeline (gateway/redis_batch.py)
         listed = await self._batch.submit(
-            EXCHANGE, [key(name)], [WINDOW, TTL_S, *new], budget_s=self._timeout_s
+            EXCHANGE,
+            [key(name)],
+            [WINDOW, TTL_S, int(learning), *new],
+            budget_s=self._timeout_s,
         )
-        pool.outputs.borrow(LengthSource.REPLICAS, _lengths(listed))
+        if learning:
+            pool.outputs.borrow(LengthSource.REPLICAS, _lengths(listed))
 
     async def start(self) -> None:
         """Borrow what the replicas saw before the first request, then keep sharing."""
