@@ -21,7 +21,7 @@ from loadtest.sim.config import SimConfig
 from tests.support.fault import chat
 from tests.support.fleet import ADMIN_TOKEN, tenant
 from tests.support.harness import ServerThread
-from tests.support.metrics import metric_sum
+from tests.support.metrics import metric_sum, metrics_text, text_sum
 
 KEY = "sk-" + secrets.token_hex(8)
 # Far longer than the test: once the circuit is open no request's call would reach Redis
@@ -80,11 +80,12 @@ def settings(backend_url: str) -> Settings:
 
 
 def mode(url: str) -> str:
-    """The one mode the gauge reads 1 for."""
+    """The one mode the gauge reads 1 for, in one scrape: a mode can change between two."""
+    text = metrics_text(url)
     on = [
         name
         for name in ("shared", "local", "allow", "deny")
-        if metric_sum(url, "spillgate_ratelimit_mode", mode=name) == 1
+        if text_sum(text, "spillgate_ratelimit_mode", mode=name) == 1
     ]
     assert len(on) == 1, on
     return on[0]
