@@ -148,10 +148,12 @@ def test_measure_sends_text_any_vocabulary_takes_and_times_every_token(
     ]
     # the words of each prompt were sized on the endpoint's own count: exactly as asked
     assert [lv["prompt_tokens"] for lv in levels] == [100, 100]
-    # the simulator writes the tokens of 50 ms at once; each still took one decode step
+    # the simulator writes the tokens of 50 ms at once; each still took one decode step.
+    # On a loaded machine the simulator runs steps it fell behind on back to back (up to
+    # its MAX_LAG_S), so a stream's mean gap can come out a little under one step.
     step_ms = DEFAULT_STEP_COST.decode_step_s(0) / TINY_SPEED * 1e3
     for level in levels:
-        assert level["itl_p50_ms"] == pytest.approx(step_ms, rel=0.1), level
+        assert level["itl_p50_ms"] == pytest.approx(step_ms, rel=0.2), level
 
 
 def test_an_error_event_in_a_200_stream_is_reported_with_its_message(tiny_url: str) -> None:
