@@ -163,7 +163,10 @@ class TenantSettings(_Model):
     token_burst: int | None = Field(None, gt=0)
     priority: Priority = "standard"
     pools: list[str] = Field(default_factory=list)  # empty: every pool
+    # the tenant's default time-to-first-token target (a request's x-spillgate-ttft-ms wins)
     ttft_budget_ms: float | None = Field(None, gt=0)
+    # the same for the time per output token after the first (x-spillgate-tpot-ms)
+    tpot_budget_ms: float | None = Field(None, gt=0)
     batchable: bool = False  # overflow may answer its requests 202 with a batch (policy batch)
 
     @field_validator("key_sha256")

@@ -20,6 +20,7 @@ class Tenant:
     pools: frozenset[str]  # empty: every pool
     limits: TenantLimits
     ttft_budget_s: float | None
+    tpot_budget_s: float | None = None
     batchable: bool = False  # its requests may wait, as batches, when their pool overflows
 
     def may_use(self, pool: str) -> bool:
@@ -40,6 +41,7 @@ def _tenant(t: TenantSettings, environ: Mapping[str, str]) -> Tenant:
             token_burst=t.token_burst,
         ),
         ttft_budget_s=None if t.ttft_budget_ms is None else t.ttft_budget_ms / 1000,
+        tpot_budget_s=None if t.tpot_budget_ms is None else t.tpot_budget_ms / 1000,
         batchable=t.batchable,
     )
 

@@ -36,12 +36,15 @@ from gateway.front.request import (
     BATCHABLE_HEADER,
     PRIORITY_HEADER,
     SESSION_HEADER,
+    TPOT_HEADER,
+    TTFT_HEADER,
     Endpoint,
     InferenceRequest,
     check_pool_kind,
     effective_priority,
     header_text,
     request_headers,
+    slo_seconds,
 )
 from gateway.front.watch import ClientGone, RequestWatch, read_body
 from gateway.metrics import GatewayMetrics
@@ -59,6 +62,8 @@ log = logging.getLogger("spillgate.pipeline")
 PRIORITY_HEADER_BYTES = PRIORITY_HEADER.encode()
 BATCHABLE_HEADER_BYTES = BATCHABLE_HEADER.encode()
 SESSION_HEADER_BYTES = SESSION_HEADER.encode()
+TTFT_HEADER_BYTES = TTFT_HEADER.encode()
+TPOT_HEADER_BYTES = TPOT_HEADER.encode()
 SPILL_POLICIES = frozenset({"degrade", "provider"})  # may serve what the pool cannot hold
 
 
@@ -173,6 +178,7 @@ class CompletionsEndpoint:
             request = self._locate(request, pool, fields)
         if tenant.batchable or fields.get(BATCHABLE_HEADER_BYTES) == b"true":
             request = request._replace(batchable=True)
+        request = self._objectives(request, tenant, fields)
         if trace is not None:
             trace.parsed(request)
         reserved = request.reserved_tokens
@@ -253,6 +259,20 @@ class CompletionsEndpoint:
             streaming=request.stream,
         )
         return request._replace(output_reserve=reserve.output, headroom=reserve.headroom)
+
+    @staticmethod
+    def _objectives(
+        request: InferenceRequest, tenant: Tenant, fields: Mapping[bytes, bytes]
+    ) -> InferenceRequest:
+        """`request` with its TTFT and TPOT objectives: its headers', else its tenant's."""
+        ttft = header_text(fields, TTFT_HEADER_BYTES)
+        tpot = header_text(fields, TPOT_HEADER_BYTES)
+        if ttft is None and tpot is None and tenant.ttft_budget_s is tenant.tpot_budget_s is None:
+            return request  # the common case: no objective at all
+        return request._replace(
+            ttft_slo_s=slo_seconds(ttft, TTFT_HEADER, tenant.ttft_budget_s),
+            tpot_slo_s=slo_seconds(tpot, TPOT_HEADER, tenant.tpot_budget_s),
+        )
 
     @staticmethod
     def _locate(

@@ -16,6 +16,11 @@ from gateway.errors import InvalidRequest
 BATCHABLE_HEADER = "x-spillgate-batchable"  # "true": the request may wait, as a batch
 PRIORITY_HEADER = "x-spillgate-priority"
 SESSION_HEADER = "x-spillgate-session"  # a conversation's turns go where its prefix is cached
+# the request's service-level objectives, in milliseconds: time to its first token, and per
+# output token after it; each overrides its tenant's default (ttft_budget_ms, tpot_budget_ms)
+TTFT_HEADER = "x-spillgate-ttft-ms"
+TPOT_HEADER = "x-spillgate-tpot-ms"
+MAX_SLO_MS = 3_600_000.0  # an hour: beyond it a target is a typo, not an objective
 
 
 def request_headers(scope: Scope) -> dict[bytes, bytes]:
@@ -71,6 +76,10 @@ class InferenceRequest(NamedTuple):
     # prefix (gateway/admission/prefix_index.py)
     prefix: tuple[bytes, ...] = ()
     session: str | None = None
+    # its objectives in seconds: time to first token from its arrival, and per output token
+    # after it (None: none); the header's, else its tenant's default
+    ttft_slo_s: float | None = None
+    tpot_slo_s: float | None = None
 
     @property
     def sequence_tokens(self) -> int:
@@ -101,6 +110,25 @@ class PromptEstimator:
         seen = prompt_chars / prompt_tokens
         estimate = self.chars_per_token + self._weight * (seen - self.chars_per_token)
         self.chars_per_token = 1.0 if estimate < 1.0 else 16.0 if estimate > 16.0 else estimate
+
+
+def slo_seconds(header: str | None, name: str, default_s: float | None) -> float | None:
+    """A request's objective from its header (milliseconds), else `default_s`; a value that
+    is not a positive number of milliseconds up to an hour is a 400 naming the header."""
+    if header is None:
+        return default_s
+    try:
+        ms = float(header)
+    except ValueError:
+        ms = -1.0
+    if not 0 < ms <= MAX_SLO_MS:  # also false for NaN
+        raise InvalidRequest(
+            f"The header {name} should be a positive number of milliseconds up to "
+            f"{MAX_SLO_MS:.0f}, not {header!r}.",
+            param=name,
+            code="invalid_header",
+        )
+    return ms / 1000
 
 
 def effective_priority(tenant_priority: Priority, header: str | None) -> Priority:

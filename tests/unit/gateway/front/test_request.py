@@ -2,7 +2,13 @@ import pytest
 
 from gateway.errors import InvalidRequest
 from gateway.front.parse import decode_body, parse_request
-from gateway.front.request import Endpoint, PromptEstimator, effective_priority
+from gateway.front.request import (
+    TTFT_HEADER,
+    Endpoint,
+    PromptEstimator,
+    effective_priority,
+    slo_seconds,
+)
 
 
 def _parse(body: dict[str, object], **kw: object) -> object:
@@ -81,3 +87,29 @@ def test_estimator_moves_toward_observed_ratio() -> None:
     for _ in range(20):
         est.observe(prompt_chars=300, prompt_tokens=100)
     assert est.chars_per_token == pytest.approx(3.0, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    ("header", "default_s", "expected_s"),
+    [
+        (None, None, None),
+        (None, 1.5, 1.5),  # the tenant's default
+        ("250", 1.5, 0.25),  # the header wins, tighter or looser
+        ("2500.5", 1.5, 2.5005),
+        ("3600000", None, 3600.0),
+    ],
+)
+def test_a_requests_objective_is_its_headers_else_its_tenants(
+    header: str | None, default_s: float | None, expected_s: float | None
+) -> None:
+    assert slo_seconds(header, TTFT_HEADER, default_s) == expected_s
+
+
+@pytest.mark.parametrize("header", ["0", "-5", "soon", "nan", "inf", "3600001", ""])
+def test_an_objective_that_is_no_positive_number_of_ms_is_refused_naming_its_header(
+    header: str,
+) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        slo_seconds(header, TTFT_HEADER, 1.0)
+    assert caught.value.param == TTFT_HEADER
+    assert TTFT_HEADER in str(caught.value) and repr(header) in str(caught.value)
