@@ -48,6 +48,7 @@ from gateway.ops.openapi import openapi_route
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
 from gateway.ratelimit.budget import provider_budgets
 from gateway.redis_batch import RedisBatcher
+from gateway.slo import Latencies
 from gateway.tracing import build_tracing
 from gateway.upstream.forward import Forwarder
 from gateway.upstream.session import UpstreamPool
@@ -244,8 +245,10 @@ def create_app(
     if url:
         store = RedisStore.connect(url, timeout_s=settings.batch.redis_timeout_s)
     batches = Batches(store, settings=settings.batch, pools=pools, clock=clock)
+    latencies = Latencies(clock)  # measured on the request path, read by the TTFT ladder
     policy_deps = PolicyDeps(
         settings=settings,
+        latencies=latencies,
         room=router,
         metrics=metrics,
         clock=clock,
@@ -277,6 +280,7 @@ def create_app(
         request_read_timeout_s=settings.server.request_read_timeout_s,
         tracing=tracing,
         shared=redis is not None,
+        latencies=latencies,
     )
     runner = BatchRunner(batches, deps=deps, tenants=auth.by_name)
     batch_api = BatchEndpoints(batches, auth=auth, max_upload_bytes=settings.batch.max_file_bytes)
@@ -296,6 +300,7 @@ def create_app(
         auth=auth,
         admin=admin_auth,
         watcher=watcher,
+        latencies=latencies,
     )
     history = OutcomeHistory(metrics=metrics, router=router, clock=clock)
     dashboard = Dashboard(admin=admin_auth, history=history)

@@ -32,6 +32,9 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0
 # a batch's creation to its completion: seconds (a valley now) to its 24 h window
 BATCH_BUCKETS = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 86400.0)
 TTFT_HELD = 1024  # TTFTs a series keeps before observing them (RequestTally)
+# signed: a prediction is as often too long as too short
+_ERROR_SIDE = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+ERROR_BUCKETS = (*(-x for x in reversed(_ERROR_SIDE)), 0.0, *_ERROR_SIDE)
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
@@ -229,6 +232,29 @@ class GatewayMetrics:
         self.batch_completion = Histogram(
             "spillgate_batch_completion_seconds", "From a batch's creation to its completion",
             buckets=BATCH_BUCKETS, registry=r,
+        )  # fmt: skip
+        # requests with a TTFT objective (gateway/slo.py)
+        self.slo_requests = Counter(
+            "spillgate_slo_requests",
+            "Requests with a TTFT objective, by result: met (first token and pace in time), "
+            "missed, refused (no tier was predicted to meet it)",
+            ["pool", "result"], registry=r,
+        )  # fmt: skip
+        self.slo_predicted_ttft = Histogram(
+            "spillgate_slo_predicted_ttft_seconds",
+            "The time to first token predicted for a request at an overflow tier it was "
+            "weighed for",
+            ["pool", "tier"], buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.slo_prediction_error = Histogram(
+            "spillgate_slo_prediction_error_seconds",
+            "Time to first token at the tier that served, less what was predicted for it",
+            ["pool", "tier"], buckets=ERROR_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.slo_passed_over = Counter(
+            "spillgate_slo_passed_over",
+            "Overflow tiers passed over because they were predicted to miss an objective",
+            ["pool", "tier"], registry=r,
         )  # fmt: skip
         # the request path's metrics, counted in bulk
         self.tally = RequestTally(self.requests, self.tokens, self.ttft)

@@ -15,6 +15,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
+
+# not only for the checker: a policy predicts its time to first token from the places'
+# recent answers (PredictsTtft)
+from gateway.slo import Latencies as Latencies
+from gateway.slo import predict as predict
 from gateway.upstream.relay import AnswerRecorder
 
 # not only for the checker: a policy that forwards elsewhere builds the Target it hands
@@ -102,6 +107,18 @@ class ArrivalCheck(Protocol):
 LetsIn = Callable[[InferenceRequest], bool]
 
 
+@runtime_checkable
+class PredictsTtft(Protocol):
+    """A policy that can tell how long a request would wait for its first token if it served
+    it now, so that a request with a TTFT objective passes over it when it would miss
+    (gateway/slo.py)."""
+
+    def predict_ttft_s(self, request: InferenceRequest) -> float | None:
+        """Seconds to the first token; math.inf when it cannot serve the request now; None
+        when nothing is measured yet to predict by (the request tries it)."""
+        ...
+
+
 class PoolRoom(Protocol):
     """Room in the pools as a policy that waits for it sees it (admission/router.py's
     Router): what a request takes, whether it fits now or ever, and word of every release.
@@ -133,6 +150,11 @@ class PoolRoom(Protocol):
 
     def hold_s(self, pool: str) -> float | None:
         """How long the pool's reservations are held on average (None: none ended yet)."""
+        ...
+
+    def wait_s(self, pool: str, tokens: int, *, sequences: int = 1) -> float:
+        """Seconds until a request of `sequences` × `tokens` likely fits in the pool, behind
+        the requests already waiting there."""
         ...
 
 

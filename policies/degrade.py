@@ -1,7 +1,11 @@
-"""Answer with the pool's smaller model when that pool has room; the answer names that model."""
+"""Answer with the pool's smaller model when that pool has room; the answer names that model.
+
+Its prediction for a request with a TTFT objective: the smaller pool's recent time to first
+token when it has room now, else never (gateway/slo.py)."""
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 from gateway.config import PoolSettings
@@ -9,21 +13,28 @@ from gateway.errors import UpstreamError
 from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
-from gateway.overflow import OverflowContext
+from gateway.overflow import Latencies, OverflowContext, PoolRoom, predict
 from policies.deps import PolicyDeps
 
 
 class DegradePolicy:
     name: ClassVar[str] = "degrade"
 
-    def __init__(self, *, to_pool: str) -> None:
+    def __init__(self, *, to_pool: str, room: PoolRoom, latencies: Latencies) -> None:
         self._to = to_pool
+        self._room = room
+        self._latencies = latencies
 
     @classmethod
     def build(cls, pool: PoolSettings, deps: PolicyDeps) -> DegradePolicy:
         if pool.degrade_to is None:
             raise ValueError(f"pool {pool.name!r}: the degrade policy needs degrade_to")
-        return cls(to_pool=pool.degrade_to)
+        return cls(to_pool=pool.degrade_to, room=deps.room, latencies=deps.latencies)
+
+    def predict_ttft_s(self, request: InferenceRequest) -> float | None:
+        if not self._room.has_room(self._to, request.sequence_tokens, sequences=request.n):
+            return math.inf
+        return predict(self._latencies.local, self._to, request)
 
     async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         smaller = exchange.degraded(request, self._to)

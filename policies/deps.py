@@ -14,7 +14,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from gateway.clock import Clock
 from gateway.config import PoolSettings, Settings
-from gateway.overflow import BatchIntake, OverflowPolicy, PolicyMetrics, PoolRoom
+from gateway.overflow import BatchIntake, Latencies, OverflowPolicy, PolicyMetrics, PoolRoom
 from policies.provider.gate import ProviderGate
 
 
@@ -29,6 +29,8 @@ class PolicyDeps:
     redis: aioredis.Redis | RedisCluster | None = None  # shared state when configured, else local
     providers: Mapping[str, ProviderGate] = field(default_factory=dict)  # one per provider
     batches: BatchIntake | None = None  # the batch tier, which the `batch` step hands work to
+    # what each place's answers took lately, for the steps' predictions (gateway/slo.py)
+    latencies: Latencies = field(default_factory=Latencies)
 
 
 PolicyFactory = Callable[[PoolSettings, PolicyDeps], OverflowPolicy]

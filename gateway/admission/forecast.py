@@ -55,8 +55,10 @@ def seconds_until_fits(
     unaged_tokens: int,
     waiting: Iterable[int],
     hold_s: float,
+    floor_s: float = FLOOR_S,
 ) -> float:
-    """Seconds until `tokens` more fit, clamped to [FLOOR_S, CEILING_S].
+    """Seconds until `tokens` more fit, clamped to [floor_s, CEILING_S] (a Retry-After is
+    at least FLOOR_S; a prediction of a queue's wait may be shorter).
 
     `room`: tokens free now (under the target fill); `held`: (age in seconds, tokens) of the
     reservations this process holds; `unaged_tokens`: tokens in flight of unknown age;
@@ -72,7 +74,7 @@ def seconds_until_fits(
         while i < len(ahead) and ahead[i] <= free:
             free -= ahead[i]
             if i == len(ahead) - 1:
-                return min(CEILING_S, max(FLOOR_S, t))
+                return min(CEILING_S, max(floor_s, t))
             heapq.heappush(ends, (t + hold_s, ahead[i]))
             i += 1
         if not ends or t >= CEILING_S:

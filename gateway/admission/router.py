@@ -7,7 +7,12 @@ import math
 from collections.abc import Callable, Collection, Sequence
 
 from gateway.admission.backends import Backend, Pool
-from gateway.admission.forecast import HoldTimes, expected_hold_s, seconds_until_fits
+from gateway.admission.forecast import (
+    FLOOR_S,
+    HoldTimes,
+    expected_hold_s,
+    seconds_until_fits,
+)
 from gateway.admission.ledger import Ledger, Reservation
 from gateway.clock import Clock
 from gateway.upstream.target import Target
@@ -328,7 +333,13 @@ class Router:
         self._forecasts[(pool, need)] = (now, seconds)
         return seconds
 
-    def _forecast(self, pool: str, need: int, now: float) -> float:
+    def wait_s(self, pool: str, tokens: int, *, sequences: int = 1) -> float:
+        """The same forecast without Retry-After's one-second floor: how long a request
+        queued now is expected to wait for room (a TTFT objective's prediction)."""
+        need = self.pool_kv_tokens(pool, tokens, sequences=sequences)
+        return self._forecast(pool, need, self.clock.monotonic(), floor_s=0.0)
+
+    def _forecast(self, pool: str, need: int, now: float, *, floor_s: float = FLOOR_S) -> float:
         backends = self.pools[pool].backends
         in_flight = self.ledger.tokens_in_flight
         limits = [self.limit(b) for b in backends]
@@ -346,6 +357,7 @@ class Router:
             unaged_tokens=unaged,
             waiting=waiting() if waiting is not None else (),
             hold_s=expected_hold_s(self._holds[pool], (age for age, _ in held)),
+            floor_s=floor_s,
         )
 
     def hold_s(self, pool: str) -> float | None:

@@ -33,6 +33,7 @@ from gateway.front.pipeline import CompletionsEndpoint, PipelineDeps
 from gateway.front.request import Endpoint, InferenceRequest
 from gateway.outcome import Outcome
 from gateway.overflow import LetsIn
+from gateway.slo import Prediction
 from gateway.tasks import Periodic, stop_task
 
 log = logging.getLogger("spillgate.batch")
@@ -63,14 +64,19 @@ class ItemEndpoint(CompletionsEndpoint):
     autoscalers read."""
 
     def _record(
-        self, request: InferenceRequest, served: Served | None, outcome: Outcome, t0: float
+        self,
+        request: InferenceRequest,
+        served: Served | None,
+        outcome: Outcome,
+        t0: float,
+        prediction: Prediction | None = None,
     ) -> None:
         if outcome is Outcome.REJECTED:
             return
         if served is not None:
             relayed = dataclasses.replace(served.relayed, first_byte_at=None)
             served = dataclasses.replace(served, relayed=relayed)
-        super()._record(request, served, outcome, t0)
+        super()._record(request, served, outcome, t0, prediction)
 
 
 class BatchRunner:

@@ -103,15 +103,18 @@ class ResponsesEndpoint(CompletionsEndpoint):
         *,
         admitted: bool | None = None,
         trace: RequestTrace | None = None,
+        arrived: float = 0.0,
     ) -> Served:
         previous = request.body.get("previous_response_id")
         others = frozenset[str]()
         if isinstance(previous, str):
             others = await self._elsewhere(request.pool, previous)
         recorder = ResponseIdRecorder(self._homes, exchange.holding)
-        served = await super()._dispatch(
-            request, PinnedExchange(exchange, recorder=recorder, others=others), trace=trace
-        )
+        pinned = PinnedExchange(exchange, recorder=recorder, others=others)
+        try:
+            served = await super()._dispatch(request, pinned, trace=trace, arrived=arrived)
+        finally:
+            exchange.prediction = pinned.prediction
         await recorder.shared()
         return served
 

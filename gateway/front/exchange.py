@@ -16,6 +16,7 @@ from gateway.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
+from gateway.slo import Prediction
 from gateway.upstream.forward import Forwards
 from gateway.upstream.relay import JSON_HEADERS, AnswerRecorder, Relayed
 from gateway.upstream.retry import tried_again
@@ -28,6 +29,7 @@ class Served:
     target: str
     pool: str  # the pool whose model answered
     relayed: Relayed
+    started_at: float = 0.0  # Clock time when it was forwarded (after any wait for room)
 
 
 async def _nothing() -> None:
@@ -59,6 +61,7 @@ class Exchange:
         "forwarder",
         "holding",
         "metrics",
+        "prediction",
         "recorder",
         "router",
         "send",
@@ -86,6 +89,8 @@ class Exchange:
         self.holding = holding
         self.recorder = recorder
         self.timings: dict[str, float] = {}  # phase → seconds, told as `server-timing`
+        # what the TTFT ladder predicted for the step now serving, if it weighed one
+        self.prediction: Prediction | None = None
 
     def headers(self, outcome: Outcome) -> list[tuple[bytes, bytes]]:
         """The gateway's own response headers, as ASGI wants them."""
@@ -195,6 +200,7 @@ class Exchange:
         if reservation is None:
             raise UpstreamUnavailable("no backend of the pool has room to retry")
         backend = self.router.backend(reservation.backend)
+        started = self.clock.monotonic()
         try:
             relayed = await self.forwarder.forward(
                 self.router.target(backend),
@@ -215,7 +221,13 @@ class Exchange:
             await self.holding.release()
             raise
         backend.record_success()
-        return Served(outcome=outcome, target=backend.name, pool=request.pool, relayed=relayed)
+        return Served(
+            outcome=outcome,
+            target=backend.name,
+            pool=request.pool,
+            relayed=relayed,
+            started_at=started,
+        )
 
     def _growth(self, request: InferenceRequest, block_size: int) -> Growth | None:
         """What grows a streaming request's reservation with its answer (in `learned`
@@ -236,6 +248,7 @@ class Exchange:
         self, target: Target, request: InferenceRequest, *, outcome: Outcome, public_model: str
     ) -> Served:
         """Forward once to a target outside the pools (an external provider)."""
+        started = self.clock.monotonic()
         relayed = await self.forwarder.forward(
             target,
             request,
@@ -244,7 +257,13 @@ class Exchange:
             headers=self.headers(outcome),
             recorder=self.recorder,
         )
-        return Served(outcome=outcome, target=target.name, pool=request.pool, relayed=relayed)
+        return Served(
+            outcome=outcome,
+            target=target.name,
+            pool=request.pool,
+            relayed=relayed,
+            started_at=started,
+        )
 
     def degraded(self, request: InferenceRequest, pool: str) -> InferenceRequest | None:
         """`request` sent to `pool` instead, or None if that pool's model cannot hold it."""

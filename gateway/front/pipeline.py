@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -49,8 +50,9 @@ from gateway.front.request import (
 from gateway.front.watch import ClientGone, RequestWatch, read_body
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
-from gateway.overflow import LetsIn, OverflowPolicy, RecorderFor
+from gateway.overflow import LetsIn, OverflowPolicy, PredictsTtft, RecorderFor
 from gateway.ratelimit import Decision, RateLimiter
+from gateway.slo import Latencies, Prediction, unattainable
 from gateway.upstream.forward import Forwarder
 from gateway.upstream.relay import AnswerRecorder
 
@@ -88,6 +90,9 @@ class PipelineDeps:
     # batch, one round trip (gateway/redis_batch.py). In-process each call finishes at
     # once, and two tasks would only cost more.
     shared: bool = False
+    # what each place's answers took lately: measured on every answer, read by the TTFT
+    # ladder (gateway/slo.py)
+    latencies: Latencies = field(default_factory=Latencies)
 
 
 class CompletionsEndpoint:
@@ -204,7 +209,9 @@ class CompletionsEndpoint:
         outcome = Outcome.ERROR
         began = pool.demand.begin(reserved)
         try:
-            served = await self._dispatch(request, exchange, admitted=admitted, trace=trace)
+            served = await self._dispatch(
+                request, exchange, admitted=admitted, trace=trace, arrived=t0
+            )
             outcome = served.outcome
         except Rejected:
             outcome = Outcome.REJECTED
@@ -231,7 +238,7 @@ class CompletionsEndpoint:
                 pool.demand.end(
                     reserved, started=began, used=used, refused=outcome is Outcome.REJECTED
                 )
-                self._record(request, served, outcome, t0)
+                self._record(request, served, outcome, t0, exchange.prediction)
                 if trace is not None:
                     trace.settled(served, outcome)
 
@@ -345,28 +352,107 @@ class CompletionsEndpoint:
         *,
         admitted: bool | None = None,
         trace: RequestTrace | None = None,
+        arrived: float = 0.0,
     ) -> Served:
         """Serve `request` from its pool, else through its overflow chain. `admitted` tells
-        the outcome of a first try made already (None: none was)."""
+        the outcome of a first try made already (None: none was); `arrived`, when the
+        request came, from which its TTFT objective counts."""
         if admitted is None:
             admitted = await self._first_try(request, exchange)
-        if admitted:
-            return await exchange.serve_local(request, Outcome.LOCAL)
         chain = self._d.chains[request.pool]
+        if admitted:
+            if request.ttft_slo_s is None or not self._faster_elsewhere(request, chain, arrived):
+                return await exchange.serve_local(request, Outcome.LOCAL)
+            await exchange.release()
         self._check_fits(request, chain)
         outage = self._d.router.pools[request.pool].outage
+        passed_over: list[tuple[str, float]] = []  # the steps predicted to miss the objective
         try:
             for policy in chain:
+                if request.ttft_slo_s is not None and self._misses(
+                    policy, request, exchange, arrived, passed_over
+                ):
+                    continue
                 if trace is None:
                     served = await policy.serve(request, exchange)
                 else:  # each policy tried is a span
                     served = await trace.spill(policy, request, exchange)
                 if served is not None:
                     return served
+                exchange.prediction = None
         except Rejected as refused:
-            raise outage() or refused from None  # a pool with no backend up is not full
-        raise outage() or Rejected(
-            f"Pool {request.pool!r} is at capacity.", retry_after=exchange.retry_after(request)
+            # a pool with no backend up is not full
+            raise (
+                outage() or self._unattainable(request, exchange, passed_over) or refused
+            ) from None
+        raise (
+            outage()
+            or self._unattainable(request, exchange, passed_over)
+            or Rejected(
+                f"Pool {request.pool!r} is at capacity.", retry_after=exchange.retry_after(request)
+            )
+        )
+
+    def _faster_elsewhere(
+        self, request: InferenceRequest, chain: list[OverflowPolicy], arrived: float
+    ) -> bool:
+        """Whether the pool's own backends, though they have room, are measured too slow for
+        the request's TTFT objective while a step of its chain is measured in time. With
+        nothing measured, or nowhere faster, the request stays: room at hand is not refused.
+        """
+        assert request.ttft_slo_s is not None
+        left = request.ttft_slo_s - (self._d.clock.monotonic() - arrived)
+        local = self._d.latencies.local.ttft_s(request.pool)
+        if local is None or local <= left:
+            return False
+        for policy in chain:
+            if isinstance(policy, PredictsTtft) and policy.name != "queue":
+                predicted = policy.predict_ttft_s(request)
+                if predicted is not None and predicted <= left:
+                    return True
+        return False
+
+    def _misses(
+        self,
+        policy: OverflowPolicy,
+        request: InferenceRequest,
+        exchange: Exchange,
+        arrived: float,
+        passed_over: list[tuple[str, float]],
+    ) -> bool:
+        """Whether `policy` is predicted to give the first token after the objective; if
+        so it is noted in `passed_over`, else its prediction is kept to measure its error."""
+        if not isinstance(policy, PredictsTtft):
+            return False
+        predicted = policy.predict_ttft_s(request)
+        if predicted is None:  # nothing measured yet: tried, as without an objective
+            return False
+        assert request.ttft_slo_s is not None
+        metrics = self._d.metrics
+        if predicted != math.inf:
+            metrics.slo_predicted_ttft.labels(request.pool, policy.name).observe(predicted)
+        now = self._d.clock.monotonic()
+        if predicted > request.ttft_slo_s - (now - arrived):
+            metrics.slo_passed_over.labels(request.pool, policy.name).inc()
+            passed_over.append((policy.name, predicted))
+            return True
+        exchange.prediction = Prediction(tier=policy.name, ttft_s=predicted, at=now)
+        return False
+
+    def _unattainable(
+        self, request: InferenceRequest, exchange: Exchange, passed_over: list[tuple[str, float]]
+    ) -> Rejected | None:
+        """The refusal of a request whose chain ended after passing over a step predicted to
+        miss its objective: it is told so, with the pool's Retry-After (None: none was)."""
+        if not passed_over:
+            return None
+        assert request.ttft_slo_s is not None
+        self._d.metrics.slo_requests.labels(request.pool, "refused").inc()
+        return unattainable(
+            request.pool,
+            request.ttft_slo_s,
+            passed_over,
+            retry_after=exchange.retry_after(request),
         )
 
     def _check_fits(self, request: InferenceRequest, chain: list[OverflowPolicy]) -> None:
@@ -394,17 +480,59 @@ class CompletionsEndpoint:
             return served.relayed.usage.total
         return request.reserved_tokens
 
+    def _measure(
+        self,
+        request: InferenceRequest,
+        served: Served,
+        t0: float,
+        prediction: Prediction | None,
+    ) -> None:
+        """Time the place that served: to its first byte from forwarding, and per output
+        token after it; and, for a request with an objective, whether it was met."""
+        relayed = served.relayed
+        assert relayed.first_byte_at is not None
+        tpot = None
+        usage = relayed.usage
+        if request.stream and relayed.completed and usage.completion_tokens > 1:
+            now = self._d.clock.monotonic()
+            tpot = (now - relayed.first_byte_at) / (usage.completion_tokens - 1)
+        ttft = relayed.first_byte_at - served.started_at
+        outcome = served.outcome
+        latencies = self._d.latencies
+        if outcome is Outcome.LOCAL or outcome is Outcome.QUEUED or outcome is Outcome.DEGRADED:
+            latencies.local.observe(served.pool, ttft, tpot)
+        elif outcome is Outcome.PROVIDER:
+            latencies.provider.observe(served.target, ttft, tpot)
+        slo = request.ttft_slo_s
+        if slo is None and request.tpot_slo_s is None:
+            return
+        metrics = self._d.metrics
+        if prediction is not None:
+            error = relayed.first_byte_at - prediction.at - prediction.ttft_s
+            metrics.slo_prediction_error.labels(request.pool, prediction.tier).observe(error)
+        met = (slo is None or relayed.first_byte_at - t0 <= slo) and (
+            request.tpot_slo_s is None or tpot is None or tpot <= request.tpot_slo_s
+        )
+        metrics.slo_requests.labels(request.pool, "met" if met else "missed").inc()
+
     def _record(
-        self, request: InferenceRequest, served: Served | None, outcome: Outcome, t0: float
+        self,
+        request: InferenceRequest,
+        served: Served | None,
+        outcome: Outcome,
+        t0: float,
+        prediction: Prediction | None = None,
     ) -> None:
         tally = self._d.metrics.tally
         tally.request(request.pool, request.tenant, outcome)
         if served is None:
             return
         relayed = served.relayed
+        usage = relayed.usage
         if relayed.first_byte_at is not None:
             tally.ttft(request.pool, outcome, relayed.first_byte_at - t0)
-        usage = relayed.usage
+            self._measure(request, served, t0, prediction)
+
         if usage.known:
             tally.tokens(served.target, usage.prompt_tokens, usage.completion_tokens)
             pool = self._d.router.pools.get(served.pool)

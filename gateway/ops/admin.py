@@ -18,6 +18,7 @@ from gateway.config import Settings
 from gateway.errors import SpillgateError, error_response
 from gateway.front.auth import AdminAuth, Authenticator
 from gateway.metrics import GatewayMetrics
+from gateway.slo import Latencies
 
 STARTED = int(time.time())
 
@@ -36,7 +37,9 @@ class AdminEndpoints:
         auth: Authenticator,
         admin: AdminAuth,
         watcher: FleetWatcher,
+        latencies: Latencies | None = None,
     ) -> None:
+        self._latencies = Latencies() if latencies is None else latencies
         self._settings = settings
         self._router = router
         self._metrics = metrics
@@ -217,4 +220,4 @@ class AdminEndpoints:
                     "backends": backends,
                 }
             )
-        return json_response({"pools": pools})
+        return json_response({"pools": pools, "latencies": self._latencies.snapshot()})

@@ -7,11 +7,15 @@ and the request passes to the next policy. The client never sees the provider's 
 it names the provider's model and account. A 429's `Retry-After` keeps the breaker open
 that long; a refusal of this one request (400, 413, 422) leaves the breaker as it was, so
 no client can open it for everyone. Spend is counted per provider from the real usage.
+
+Its prediction for a request with a TTFT objective (gateway/slo.py): the provider's recent
+time to first token, or never while its breaker is open or its concurrency is spent.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import ClassVar
 
 from gateway.config import PoolSettings
@@ -19,7 +23,7 @@ from gateway.errors import UpstreamUnavailable
 from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
-from gateway.overflow import OverflowContext, ProviderMetrics
+from gateway.overflow import Latencies, OverflowContext, ProviderMetrics, predict
 from policies.deps import PolicyDeps
 from policies.provider.gate import ProviderGate, Refusal
 
@@ -34,15 +38,30 @@ MID_STREAM = "mid-stream"  # the reason label of a failure after the first byte
 class ProviderPolicy:
     name: ClassVar[str] = "provider"
 
-    def __init__(self, *, gate: ProviderGate, metrics: ProviderMetrics) -> None:
+    def __init__(
+        self,
+        *,
+        gate: ProviderGate,
+        metrics: ProviderMetrics,
+        latencies: Latencies | None = None,
+    ) -> None:
         self._gate = gate
         self._metrics = metrics
+        self._latencies = Latencies() if latencies is None else latencies
 
     @classmethod
     def build(cls, pool: PoolSettings, deps: PolicyDeps) -> ProviderPolicy:
         if pool.provider is None or pool.provider not in deps.providers:
             raise ValueError(f"pool {pool.name!r}: the provider policy needs a configured provider")
-        return cls(gate=deps.providers[pool.provider], metrics=deps.metrics)
+        return cls(
+            gate=deps.providers[pool.provider], metrics=deps.metrics, latencies=deps.latencies
+        )
+
+    def predict_ttft_s(self, request: InferenceRequest) -> float | None:
+        gate = self._gate
+        if gate.in_flight >= gate.settings.max_concurrency or gate.breaker.open_for() > 0:
+            return math.inf
+        return predict(self._latencies.provider, gate.name, request)
 
     async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         gate = self._gate

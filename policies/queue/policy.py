@@ -12,6 +12,10 @@ fleet most of what it queues. It waits twice the pool's average hold (the time f
 reservation to its release), within [AUTO_FLOOR_S, AUTO_CEILING_S]: long enough for the
 running answers to end and the drain to reach a waiter behind others, short enough that a
 spike the pool cannot absorb still moves on to the next policy.
+
+Its prediction for a request with a TTFT objective (gateway/slo.py): the pool's forecast of
+when the request fits behind those already waiting, plus the pool's recent time to first
+token once forwarded.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from gateway.config import PoolSettings
 from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
-from gateway.overflow import OverflowContext, PoolRoom, QueueMetrics
+from gateway.overflow import Latencies, OverflowContext, PoolRoom, QueueMetrics, predict
 from policies.deps import PolicyDeps
 from policies.queue.fair_queue import FairQueue, QueueResult, Waiter
 
@@ -57,6 +61,7 @@ class QueuePolicy:
         metrics: QueueMetrics,
         clock: Clock,
         ttft_budgets_s: Mapping[str, float],
+        latencies: Latencies | None = None,
     ) -> None:
         self._pool = pool.name
         self._max_wait_s = pool.queue.max_wait_s
@@ -64,6 +69,7 @@ class QueuePolicy:
         self._metrics = metrics
         self._clock = clock
         self._budgets = ttft_budgets_s
+        self._latencies = Latencies(clock) if latencies is None else latencies
         self._queue: FairQueue[QueueEntry] = FairQueue(max_depth=pool.queue.max_depth)
         self._drainer: asyncio.Task[None] | None = None
         room.on_release(self._on_release)
@@ -77,7 +83,12 @@ class QueuePolicy:
             if t.ttft_budget_ms is not None
         }
         return cls(
-            pool, room=deps.room, metrics=deps.metrics, clock=deps.clock, ttft_budgets_s=budgets
+            pool,
+            room=deps.room,
+            metrics=deps.metrics,
+            clock=deps.clock,
+            ttft_budgets_s=budgets,
+            latencies=deps.latencies,
         )
 
     def __len__(self) -> int:
@@ -88,13 +99,20 @@ class QueuePolicy:
         one is waiting. Otherwise it queues, so arrivals never overtake waiters."""
         return not self._queue.waiting_at_or_above(request.priority)
 
+    def predict_ttft_s(self, request: InferenceRequest) -> float | None:
+        wait = self._room.wait_s(self._pool, request.sequence_tokens, sequences=request.n)
+        forwarded = predict(self._latencies.local, self._pool, request)
+        return wait + (forwarded or 0.0)
+
     def max_wait_s(self, request: InferenceRequest) -> float:
         if self._max_wait_s == "auto":
             hold = self._room.hold_s(self._pool) or 0.0
             wait = min(max(AUTO_HOLDS * hold, AUTO_FLOOR_S), AUTO_CEILING_S)
         else:
             wait = self._max_wait_s
-        return min(wait, self._budgets.get(request.tenant, math.inf))
+        # the request's own TTFT objective, else its tenant's
+        slo = request.ttft_slo_s
+        return min(wait, self._budgets.get(request.tenant, math.inf) if slo is None else slo)
 
     async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         started = self._clock.monotonic()
