@@ -1,13 +1,24 @@
-"""The order queued requests get capacity in: class first, tenants in turn, arrival within."""
+"""The order queued requests get capacity in: class first, then the tenant with the least
+service (in turn among equals), then each tenant's earliest deadline and arrival."""
 
 from __future__ import annotations
+
+import math
 
 from gateway.config import Priority
 from policies.queue.fair_queue import FairQueue, Waiter
 
 
-def waiter(tenant: str, priority: Priority = "standard", tokens: int = 10) -> Waiter[str]:
-    return Waiter(tenant=tenant, priority=priority, tokens=tokens, item=f"{tenant}-{priority}")
+def waiter(
+    tenant: str, priority: Priority = "standard", tokens: int = 10, deadline: float = math.inf
+) -> Waiter[str]:
+    return Waiter(
+        tenant=tenant,
+        priority=priority,
+        tokens=tokens,
+        item=f"{tenant}-{priority}",
+        deadline=deadline,
+    )
 
 
 def drain(queue: FairQueue[str]) -> list[Waiter[str]]:
@@ -74,8 +85,82 @@ def test_depth_is_bounded_and_the_newest_lowest_waiter_is_the_victim() -> None:
     for w in (old_shed, new_shed, std):
         assert q.push(w)
     assert not q.push(waiter("d", "critical"))
-    assert q.victim_for("critical") is new_shed
-    assert q.victim_for("standard") is new_shed
-    assert q.victim_for("sheddable") is None
+    assert q.victims_for(waiter("d", "critical")) == [new_shed]
+    assert q.victims_for(waiter("d", "standard")) == [new_shed]
+    assert q.victims_for(waiter("d", "sheddable")) is None
     assert q.remove(new_shed) and not q.remove(new_shed)
     assert len(q) == 2
+    assert q.victims_for(waiter("d", "sheddable")) == []  # fits now
+
+
+def test_the_tenant_with_the_least_service_goes_first() -> None:
+    service = {"heavy": 5000.0, "light": 40.0}
+    q: FairQueue[str] = FairQueue(max_depth=10, service=lambda t: service.get(t, 0.0))
+    heavy = [waiter("heavy") for _ in range(3)]
+    for w in heavy:
+        q.push(w)
+    q.push(waiter("light"))  # arrives last, but has been served least
+    q.push(waiter("new"))  # never served at all
+    assert [w.tenant for w in drain(q)] == ["new", "light", "heavy", "heavy", "heavy"]
+    # a higher class still goes first whatever its tenant's service
+    q.push(waiter("light"))
+    q.push(waiter("heavy", "critical"))
+    assert [w.tenant for w in drain(q)] == ["heavy", "light"]
+
+
+def test_within_a_tenant_the_earliest_deadline_goes_first_then_arrival() -> None:
+    q: FairQueue[str] = FairQueue(max_depth=10)
+    patient, hurried, also_patient = (
+        waiter("a", deadline=30),
+        waiter("a", deadline=2),
+        waiter("a", deadline=30),
+    )
+    for w in (patient, hurried, also_patient):
+        q.push(w)
+    assert drain(q) == [hurried, patient, also_patient]
+
+
+def test_a_removed_waiter_leaves_its_tenants_order_intact() -> None:
+    q: FairQueue[str] = FairQueue(max_depth=10)
+    ws = [waiter("a", deadline=d) for d in (5, 1, 4, 2, 3)]
+    for w in ws:
+        q.push(w)
+    assert q.remove(ws[2]) and q.tokens_waiting == 40
+    assert [w.deadline for w in drain(q)] == [1, 2, 3, 5]
+    assert q.tokens_waiting == 0
+
+
+def test_the_tokens_waiting_are_bounded_and_lower_classes_make_room() -> None:
+    q: FairQueue[str] = FairQueue(max_depth=10, max_tokens=100)
+    shed_old, shed_new = waiter("s", "sheddable", tokens=30), waiter("s", "sheddable", tokens=30)
+    std = waiter("t", tokens=30)
+    for w in (shed_old, shed_new, std):
+        assert q.push(w)
+    assert q.tokens_waiting == 90
+    big = waiter("u", tokens=20)
+    assert not q.push(big)  # 110 > 100, though only 3 of 10 places are taken
+    assert q.victims_for(big) == [shed_new]
+    # 60 tokens must go: both sheddable waiters, the newest first
+    assert q.victims_for(waiter("u", "standard", tokens=70)) == [shed_new, shed_old]
+    # a critical one may also displace the standard one
+    assert q.victims_for(waiter("u", "critical", tokens=80)) == [shed_new, shed_old, std]
+    # none would do: evicting every lower waiter leaves too little, or it exceeds the bound
+    assert q.victims_for(waiter("u", "standard", tokens=90)) is None
+    assert q.victims_for(waiter("u", "critical", tokens=101)) is None
+    assert q.push(waiter("u", tokens=10))
+
+
+def test_ahead_of_counts_who_would_go_before_a_request_queued_now() -> None:
+    service = {"heavy": 5000.0, "light": 40.0}
+    q: FairQueue[str] = FairQueue(max_depth=20, service=lambda t: service.get(t, 0.0))
+    for deadline in (1, 2, 3):
+        q.push(waiter("heavy", deadline=deadline))
+    q.push(waiter("light", deadline=9))
+    q.push(waiter("vip", "critical"))
+    q.push(waiter("light", "sheddable"))
+    # the critical one, then light's one, then heavy's with earlier deadlines
+    assert q.ahead_of("heavy", "standard", deadline=2.5) == 1 + 1 + 2
+    assert q.ahead_of("light", "standard", deadline=10) == 1 + 1  # heavy comes after it
+    assert q.ahead_of("new", "standard", deadline=10) == 1  # never served: only the class above
+    assert q.ahead_of("light", "sheddable", deadline=1) == 5
+    assert q.ahead_of("vip", "critical", deadline=math.inf) == 1
