@@ -1,0 +1,213 @@
+"""The queues' attained service and waiting tenants, shared by the replicas through Redis.
+
+Every `every_s`, off the request path, each replica makes one script call per pool, which
+travels with the process's other Redis calls (gateway/redis_batch.py):
+
+- it adds what its tenants were served since its last pass to the pool's hash
+  `spillgate:service:{POOL}` and reads the whole hash back, so every replica orders its
+  queue by the fleet's figures. The hash holds each tenant's figure in units that grow
+  with Redis's own clock from the hash's stamp (field ""), so adding is one HINCRBYFLOAT
+  and nothing decays in place; the stamp moves forward, rescaling every figure and
+  dropping those worth nothing, once the growth passes 2^32.
+- it writes the tenants waiting in its queue (each with its class and its next request's
+  size) under its own field of `spillgate:waiting:{POOL}`, stamped with Redis's time, and
+  reads the other replicas' fields not older than `fresh_s`; older ones are deleted (a
+  replica that died or lost Redis stops counting within `fresh_s`).
+
+A failed or slow pass leaves the queues on this replica's own figures and with no rivals
+elsewhere: the local order, never a failed request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+from gateway.config import PRIORITIES, Priority
+from gateway.redis_batch import BatchScript, RedisBatcher
+from gateway.tasks import Periodic
+from policies.queue.service import Service
+
+log = logging.getLogger("spillgate.queue")
+
+SERVICE_PREFIX = "spillgate:service:"
+WAITING_PREFIX = "spillgate:waiting:"
+WAITING_TTL_S = 60  # the waiting hash of a pool no replica queues for goes
+# ARGV: half-life, the service hash's TTL, replica id, freshness (s), this replica's
+# waiters (JSON, "" for none), then tenant, delta pairs
+EXCHANGE = BatchScript(
+    """
+local h = tonumber(ARGV[1])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local stamp = tonumber(redis.call('HGET', KEYS[1], '') or '')
+if stamp == nil or (now - stamp) / h > 32 then
+  if stamp ~= nil then
+    local scale = 2 ^ (-(now - stamp) / h)
+    local all = redis.call('HGETALL', KEYS[1])
+    for i = 1, #all, 2 do
+      if all[i] ~= '' then
+        local v = tonumber(all[i + 1]) * scale
+        if v < 0.001 then
+          redis.call('HDEL', KEYS[1], all[i])
+        else
+          redis.call('HSET', KEYS[1], all[i], string.format('%.17g', v))
+        end
+      end
+    end
+  end
+  stamp = tonumber(string.format('%.6f', now))
+  redis.call('HSET', KEYS[1], '', string.format('%.6f', stamp))
+end
+local growth = 2 ^ ((now - stamp) / h)
+for i = 6, #ARGV, 2 do
+  local add = string.format('%.17g', tonumber(ARGV[i + 1]) * growth)
+  redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], add)
+end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+if ARGV[5] == '' then
+  redis.call('HDEL', KEYS[2], ARGV[3])
+else
+  redis.call('HSET', KEYS[2], ARGV[3], string.format('%.6f', now) .. ' ' .. ARGV[5])
+  redis.call('EXPIRE', KEYS[2], WAITING_TTL_S)
+end
+local others = {}
+local waiting = redis.call('HGETALL', KEYS[2])
+for i = 1, #waiting, 2 do
+  if waiting[i] ~= ARGV[3] then
+    local at, heads = string.match(waiting[i + 1], '^(%S+) (.*)$')
+    if at == nil or now - tonumber(at) > tonumber(ARGV[4]) then
+      redis.call('HDEL', KEYS[2], waiting[i])
+    else
+      others[#others + 1] = heads
+    end
+  end
+end
+return {string.format('%.6f', now), string.format('%.6f', stamp),
+        redis.call('HGETALL', KEYS[1]), others}
+""".replace("WAITING_TTL_S", str(WAITING_TTL_S))
+)
+
+
+def service_key(pool: str) -> str:
+    """One key per pool; the pool's two keys share a hash slot on a Redis Cluster."""
+    return f"{SERVICE_PREFIX}{{{pool}}}"
+
+
+def waiting_key(pool: str) -> str:
+    return f"{WAITING_PREFIX}{{{pool}}}"
+
+
+@dataclass(frozen=True, slots=True)
+class Rival:
+    """A tenant waiting in another replica's queue for the same pool."""
+
+    priority: Priority
+    tenant: str
+    tokens: int  # its next request's sequence tokens
+    sequences: int
+
+
+class SharedQueue(Protocol):
+    """A pool's queue as the feed sees it (policies/queue/policy.py)."""
+
+    @property
+    def service(self) -> Service: ...
+
+    def waiting_heads(self) -> list[tuple[Priority, str, int, int]]: ...
+
+    def rivals_seen(self, rivals: list[Rival]) -> None: ...
+
+
+class ServiceFeed:
+    def __init__(
+        self,
+        *,
+        batcher: RedisBatcher,
+        timeout_s: float,
+        every_s: float = 0.2,
+        replica_id: str | None = None,
+    ) -> None:
+        self._batch = batcher
+        self._timeout_s = timeout_s
+        self.every_s = every_s
+        # a waiter list older than three passes is a replica gone, or cut off from Redis
+        self.fresh_s = 3 * every_s
+        self.replica_id = replica_id or secrets.token_hex(6)
+        self._queues: dict[str, SharedQueue] = {}
+        self._periodic = Periodic(self.exchange, every_s=every_s, name="service-feed")
+
+    def register(self, pool: str, queue: SharedQueue) -> None:
+        self._queues[pool] = queue
+
+    async def exchange(self) -> None:
+        """One pass over every pool at once; raises the first pool's failure."""
+        results = await asyncio.gather(
+            *(self._exchange(pool, queue) for pool, queue in self._queues.items()),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _exchange(self, pool: str, queue: SharedQueue) -> None:
+        service = queue.service
+        deltas = service.take_unshared()
+        heads = queue.waiting_heads()
+        args: list[str | int | float] = [
+            service.half_life_s,
+            math.ceil(32 * service.half_life_s),
+            self.replica_id,
+            self.fresh_s,
+            orjson.dumps(heads).decode() if heads else "",
+        ]
+        for tenant, delta in deltas.items():
+            args += [tenant, delta]
+        try:
+            reply = await self._batch.submit(
+                EXCHANGE, [service_key(pool), waiting_key(pool)], args, budget_s=self._timeout_s
+            )
+            fleet, rivals = _parsed(reply, half_life_s=service.half_life_s)
+        except BaseException:
+            service.keep_sent()
+            queue.rivals_seen([])  # unknown now: the local order
+            raise
+        service.replace_base(fleet)
+        queue.rivals_seen(rivals)
+
+    def start(self) -> None:
+        self._periodic.start()
+
+    async def stop(self) -> None:
+        await self._periodic.stop()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _parsed(reply: Any, *, half_life_s: float) -> tuple[dict[str, float], list[Rival]]:
+    """The fleet's figures as of the reply, and the rivals it names; a malformed entry
+    (written by something else) is skipped."""
+    now, stamp, flat, others = reply
+    decay = 2.0 ** (-(float(_text(now)) - float(_text(stamp))) / half_life_s)
+    fleet: dict[str, float] = {}
+    for name, value in zip(flat[::2], flat[1::2], strict=True):
+        tenant = _text(name)
+        if tenant:
+            fleet[tenant] = float(_text(value)) * decay
+    rivals = []
+    for heads in others:
+        try:
+            for priority, tenant, tokens, sequences in orjson.loads(heads):
+                if priority in PRIORITIES:
+                    rivals.append(Rival(priority, str(tenant), int(tokens), int(sequences)))
+        except (ValueError, TypeError):
+            log.debug("skipped a malformed waiter list in Redis: %r", heads)
+    return fleet, rivals
