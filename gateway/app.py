@@ -54,7 +54,8 @@ from gateway.upstream.forward import Forwarder
 from gateway.upstream.session import UpstreamPool
 from policies.deps import PolicyDeps
 from policies.provider.gate import build_gates
-from policies.registry import answer_recorders, arrival_checks, build_chain
+from policies.queue.service_feed import ServiceFeed
+from policies.registry import answer_recorders, arrival_checks, build_chain, service_counters
 
 REDIS_POOL_SIZE = 64  # connections per process
 
@@ -246,6 +247,9 @@ def create_app(
         store = RedisStore.connect(url, timeout_s=settings.batch.redis_timeout_s)
     batches = Batches(store, settings=settings.batch, pools=pools, clock=clock)
     latencies = Latencies(clock)  # measured on the request path, read by the TTFT ladder
+    service_feed = None  # the queues' tenants' service and waiters, shared (policies/queue/)
+    if batcher is not None:
+        service_feed = ServiceFeed(batcher=batcher, timeout_s=settings.redis.timeout_ms / 1000)
     policy_deps = PolicyDeps(
         settings=settings,
         latencies=latencies,
@@ -254,6 +258,7 @@ def create_app(
         clock=clock,
         redis=redis,
         batches=batches,
+        service_feed=service_feed,
         providers=build_gates(
             settings.providers,
             environ=env,
@@ -273,6 +278,7 @@ def create_app(
         chains=chains,
         recorders=answer_recorders(chains),
         arrival_checks=arrival_checks(chains),
+        services=service_counters(chains),
         forwarder=Forwarder(upstream, clock=clock),
         metrics=metrics,
         clock=clock,
@@ -341,7 +347,7 @@ def create_app(
             if lengths is not None:
                 await lengths.start()
                 stack.push_async_callback(lengths.stop)
-            for background in (feed, prefix_feed):
+            for background in (feed, prefix_feed, service_feed):
                 if background is not None:
                     background.start()
                     stack.push_async_callback(background.stop)

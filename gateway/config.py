@@ -71,11 +71,29 @@ class BackendSettings(_Model):
         return _positive_or_auto(value, unit="tokens", kind=int)
 
 
+class FairnessSettings(_Model):
+    """How a pool's queue weighs the tokens its tenants were served lately
+    (policies/queue/service.py)."""
+
+    # an output token costs the backend a decode step each; a prompt token a share of one
+    # prefill: output counts this many times an input token
+    output_weight: float = Field(4.0, ge=1, le=1000)
+    # what a tenant was served halves every half_life_s: long enough that a flood is
+    # remembered through a spike, short enough that a tenant idle a few minutes is new again
+    half_life_s: float = Field(60.0, ge=1, le=86_400)
+    # in shared mode, a replica lets room go for at most this long to a tenant with clearly
+    # less service waiting at another replica (0: each replica drains in its own order)
+    give_way_s: float = Field(0.5, ge=0, le=5)
+
+
 class QueueSettings(_Model):
     max_depth: int = Field(64, ge=0)
+    # the KV tokens the waiters would reserve, all together; None: only max_depth bounds it
+    max_tokens: int | None = Field(None, gt=0)
     # seconds, or "auto": twice the pool's average answer time (how long its reservations
     # are held), within [2 s, 30 s]; 2 s until an answer has ended (policies/queue/policy.py)
     max_wait_s: float | Literal["auto"] = "auto"
+    fairness: FairnessSettings = FairnessSettings()
 
     @field_validator("max_wait_s", mode="before")
     @classmethod

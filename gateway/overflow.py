@@ -108,6 +108,19 @@ LetsIn = Callable[[InferenceRequest], bool]
 
 
 @runtime_checkable
+class CountsService(Protocol):
+    """A policy that keeps what each tenant of its pool was served lately (the queue, which
+    orders by it): told of each request the pool admits directly, and of each answer of
+    the pool's backends as it settles with its usage."""
+
+    def admitted(self, request: InferenceRequest) -> None: ...
+
+    def settled(
+        self, request: InferenceRequest, prompt_tokens: int, completion_tokens: int
+    ) -> None: ...
+
+
+@runtime_checkable
 class PredictsTtft(Protocol):
     """A policy that can tell how long a request would wait for its first token if it served
     it now, so that a request with a TTFT objective passes over it when it would miss

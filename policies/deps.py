@@ -16,6 +16,7 @@ from gateway.clock import Clock
 from gateway.config import PoolSettings, Settings
 from gateway.overflow import BatchIntake, Latencies, OverflowPolicy, PolicyMetrics, PoolRoom
 from policies.provider.gate import ProviderGate
+from policies.queue.service_feed import ServiceFeed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +32,8 @@ class PolicyDeps:
     batches: BatchIntake | None = None  # the batch tier, which the `batch` step hands work to
     # what each place's answers took lately, for the steps' predictions (gateway/slo.py)
     latencies: Latencies = field(default_factory=Latencies)
+    # shared mode: where the queues share their tenants' service and waiters (None: local)
+    service_feed: ServiceFeed | None = None
 
 
 PolicyFactory = Callable[[PoolSettings, PolicyDeps], OverflowPolicy]

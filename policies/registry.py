@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from gateway.config import PoolSettings
-from gateway.overflow import ArrivalCheck, LetsIn, OverflowPolicy, RecorderFor, RecordsAnswers
+from gateway.overflow import (
+    ArrivalCheck,
+    CountsService,
+    LetsIn,
+    OverflowPolicy,
+    RecorderFor,
+    RecordsAnswers,
+)
 from policies.batch import BatchPolicy
 from policies.cache.policy import CachePolicy
 from policies.degrade import DegradePolicy
@@ -52,3 +59,13 @@ def arrival_checks(chains: Mapping[str, list[OverflowPolicy]]) -> dict[str, Lets
         if found:
             checks[pool] = found[0].lets_in
     return checks
+
+
+def service_counters(chains: Mapping[str, list[OverflowPolicy]]) -> dict[str, CountsService]:
+    """Per pool, what counts its tenants' service: the first such policy in its chain."""
+    counters: dict[str, CountsService] = {}
+    for pool, chain in chains.items():
+        found = [p for p in chain if isinstance(p, CountsService)]
+        if found:
+            counters[pool] = found[0]
+    return counters

@@ -50,7 +50,7 @@ from gateway.front.request import (
 from gateway.front.watch import ClientGone, RequestWatch, read_body
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
-from gateway.overflow import LetsIn, OverflowPolicy, PredictsTtft, RecorderFor
+from gateway.overflow import CountsService, LetsIn, OverflowPolicy, PredictsTtft, RecorderFor
 from gateway.ratelimit import Decision, RateLimiter
 from gateway.slo import Latencies, Prediction, unattainable
 from gateway.upstream.forward import Forwarder
@@ -93,6 +93,8 @@ class PipelineDeps:
     # what each place's answers took lately: measured on every answer, read by the TTFT
     # ladder (gateway/slo.py)
     latencies: Latencies = field(default_factory=Latencies)
+    # pool → what counts its tenants' service, which its queue orders by
+    services: Mapping[str, CountsService] = field(default_factory=dict)
 
 
 class CompletionsEndpoint:
@@ -362,6 +364,9 @@ class CompletionsEndpoint:
         chain = self._d.chains[request.pool]
         if admitted:
             if request.ttft_slo_s is None or not self._faster_elsewhere(request, chain, arrived):
+                service = self._d.services.get(request.pool)
+                if service is not None:
+                    service.admitted(request)
                 return await exchange.serve_local(request, Outcome.LOCAL)
             await exchange.release()
         self._check_fits(request, chain)
@@ -538,6 +543,9 @@ class CompletionsEndpoint:
             pool = self._d.router.pools.get(served.pool)
             # only this pool's own backends count its prompts with its tokenizer
             if pool is not None and served.outcome in (Outcome.LOCAL, Outcome.QUEUED):
+                service = self._d.services.get(served.pool)
+                if service is not None:
+                    service.settled(request, usage.prompt_tokens, usage.completion_tokens)
                 pool.estimator.observe(
                     prompt_chars=request.prompt_chars, prompt_tokens=usage.prompt_tokens
                 )

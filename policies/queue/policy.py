@@ -15,7 +15,19 @@ spike the pool cannot absorb still moves on to the next policy.
 
 Its prediction for a request with a TTFT objective (gateway/slo.py): the pool's forecast of
 when the request fits behind those already waiting, plus the pool's recent time to first
-token once forwarded.
+token once forwarded. `predicted_wait_s` is the queue's own count: the waiters that would
+go before the request, times the measured interval between the queue's admissions.
+
+The order among waiters follows each tenant's attained service (policies/queue/service.py):
+the queue counts every request its pool admits, directly (`admitted`, from the request
+path) or from the queue, and corrects it when the answer settles (`settled`).
+
+Across replicas (shared mode, policies/queue/service_feed.py) every replica orders by the
+fleet's figures, and each publishes the tenants waiting in its queue. When room frees,
+every replica's drain competes for it: a replica whose turn is a tenant's with clearly more
+service than one waiting elsewhere, whose next request would fit now, lets the room go to
+that replica, for at most `fairness.give_way_s` at a time, then takes it; an arrival here
+queues rather than take that room. Without Redis, each replica drains in its own order.
 """
 
 from __future__ import annotations
@@ -28,18 +40,24 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from gateway.clock import Clock
-from gateway.config import PoolSettings
+from gateway.config import PRIORITIES, PoolSettings, Priority
 from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
 from gateway.overflow import Latencies, OverflowContext, PoolRoom, QueueMetrics, predict
 from policies.deps import PolicyDeps
 from policies.queue.fair_queue import FairQueue, QueueResult, Waiter
+from policies.queue.service import Service
+from policies.queue.service_feed import Rival, ServiceFeed
 
 log = logging.getLogger("spillgate.queue")
 AUTO_FLOOR_S = 2.0  # also the wait before any answer has ended
 AUTO_CEILING_S = 30.0
 AUTO_HOLDS = 2.0  # average holds a waiter may wait
+# a tenant waiting elsewhere with at most this share of the service of the tenant whose turn
+# it is here has clearly less: between tenants of about the same service the replicas do
+# not hand room back and forth
+CLEARLY_LESS = 0.5
 
 
 @dataclass(eq=False, kw_only=True)
@@ -62,6 +80,7 @@ class QueuePolicy:
         clock: Clock,
         ttft_budgets_s: Mapping[str, float],
         latencies: Latencies | None = None,
+        feed: ServiceFeed | None = None,
     ) -> None:
         self._pool = pool.name
         self._max_wait_s = pool.queue.max_wait_s
@@ -70,10 +89,26 @@ class QueuePolicy:
         self._clock = clock
         self._budgets = ttft_budgets_s
         self._latencies = Latencies(clock) if latencies is None else latencies
-        self._queue: FairQueue[QueueEntry] = FairQueue(max_depth=pool.queue.max_depth)
+        fairness = pool.queue.fairness
+        self.service = Service(
+            clock=clock, output_weight=fairness.output_weight, half_life_s=fairness.half_life_s
+        )
+        self._queue: FairQueue[QueueEntry] = FairQueue(
+            max_depth=pool.queue.max_depth,
+            max_tokens=pool.queue.max_tokens,
+            service=self.service.of,
+        )
         self._drainer: asyncio.Task[None] | None = None
+        self._give_way_s = fairness.give_way_s
+        self._rivals: list[Rival] = []  # waiting at other replicas, as last read
+        self._giving_way_since: float | None = None
+        self._look_again: asyncio.TimerHandle | None = None
+        self._release_gaps = Gaps()
+        self._admission_gaps = Gaps()
         room.on_release(self._on_release)
         room.on_waiting(pool.name, self._queue.tokens)
+        if feed is not None:
+            feed.register(pool.name, self)
 
     @classmethod
     def build(cls, pool: PoolSettings, deps: PolicyDeps) -> QueuePolicy:
@@ -89,6 +124,7 @@ class QueuePolicy:
             clock=deps.clock,
             ttft_budgets_s=budgets,
             latencies=deps.latencies,
+            feed=deps.service_feed,
         )
 
     def __len__(self) -> int:
@@ -96,8 +132,67 @@ class QueuePolicy:
 
     def lets_in(self, request: InferenceRequest) -> bool:
         """Whether a new arrival may take free room at once: nobody of its class or a higher
-        one is waiting. Otherwise it queues, so arrivals never overtake waiters."""
-        return not self._queue.waiting_at_or_above(request.priority)
+        one is waiting, here or (clearly ahead of it) at another replica. Otherwise it
+        queues, so arrivals never overtake waiters."""
+        if self._queue.waiting_at_or_above(request.priority):
+            return False
+        return not self._rivals or self._rival(request.priority, request.tenant) is None
+
+    def admitted(self, request: InferenceRequest) -> None:
+        """The pool admitted `request` directly (CountsService)."""
+        self.service.charge(request)
+
+    def settled(
+        self, request: InferenceRequest, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        """An answer of the pool settled with its usage (CountsService)."""
+        self.service.settle(request, prompt_tokens, completion_tokens)
+
+    def waiting_heads(self) -> list[tuple[Priority, str, int, int]]:
+        """Each tenant waiting here by class, with its next request's sequence tokens and
+        sequences: what the other replicas weigh their own turns against."""
+        heads = []
+        for waiter in self._queue.heads():
+            request = waiter.item.request
+            heads.append((waiter.priority, waiter.tenant, request.sequence_tokens, request.n))
+        return heads
+
+    def rivals_seen(self, rivals: list[Rival]) -> None:
+        """The tenants waiting at the other replicas, as last read ([]: none, or unknown)."""
+        self._rivals = rivals
+        if rivals:
+            self._kick()  # one of them may have left, or been served
+
+    def _rival(self, priority: Priority, tenant: str) -> Rival | None:
+        """A tenant waiting at another replica that should have the room before `tenant`
+        of class `priority`: of a higher class, or of the same class with clearly less
+        service; and whose next request would fit now."""
+        rank = PRIORITIES.index(priority)
+        mine = self.service.of(tenant)
+        for rival in self._rivals:
+            theirs = PRIORITIES.index(rival.priority)
+            if theirs > rank or rival.tenant == tenant:
+                continue
+            if theirs == rank and self.service.of(rival.tenant) > CLEARLY_LESS * mine:
+                continue
+            if self._room.has_room(self._pool, rival.tokens, sequences=rival.sequences):
+                return rival
+        return None
+
+    def predicted_wait_s(self, request: InferenceRequest) -> float | None:
+        """The queue wait of `request` were it queued now: the waiters that would go before
+        it, times the measured interval between the queue's admissions (between the pool's
+        releases while none was measured); with none before it, the interval between
+        releases. None while neither was measured."""
+        now = self._clock.monotonic()
+        ahead = self._queue.ahead_of(
+            request.tenant, request.priority, now + self.max_wait_s(request)
+        )
+        release = self._release_gaps.mean_s
+        if ahead == 0:
+            return release
+        interval = self._admission_gaps.mean_s or release
+        return None if interval is None else ahead * interval
 
     def predict_ttft_s(self, request: InferenceRequest) -> float | None:
         wait = self._room.wait_s(self._pool, request.sequence_tokens, sequences=request.n)
@@ -121,6 +216,7 @@ class QueuePolicy:
             log.debug("%s/%s left the queue: %s", request.pool, request.tenant, result)
             return None
         exchange.note_time("queue", self._clock.monotonic() - started)
+        self.service.charge(request)
         return await exchange.serve_local(request, Outcome.QUEUED)
 
     async def wait(self, request: InferenceRequest, exchange: OverflowContext) -> QueueResult:
@@ -133,6 +229,7 @@ class QueuePolicy:
             decided=asyncio.get_running_loop().create_future(),
             enqueued_at=self._clock.monotonic(),
         )
+        max_wait_s = self.max_wait_s(request)
         waiter = Waiter(
             tenant=request.tenant,
             priority=request.priority,
@@ -140,13 +237,14 @@ class QueuePolicy:
                 request.pool, request.sequence_tokens, sequences=request.n
             ),
             item=entry,
+            deadline=entry.enqueued_at + max_wait_s,
         )
         if not self._enqueue(waiter):
             return QueueResult.REJECTED_FULL
         try:
             # asyncio's own timeout, not the request path's Deadline: one per queued
             # request, off the path every request takes
-            async with asyncio.timeout(self.max_wait_s(request)):
+            async with asyncio.timeout(max_wait_s):
                 await entry.decided
         except TimeoutError:
             pass
@@ -161,11 +259,12 @@ class QueuePolicy:
 
     def _enqueue(self, waiter: Waiter[QueueEntry]) -> bool:
         if not self._queue.push(waiter):
-            victim = self._queue.victim_for(waiter.priority)
-            if victim is None:
+            victims = self._queue.victims_for(waiter)
+            if not victims:  # None: evicting every lower waiter would not make room
                 return False
-            self._queue.remove(victim)
-            victim.item.decided.set_result(QueueResult.EVICTED_PREEMPTED)
+            for victim in victims:
+                self._queue.remove(victim)
+                victim.item.decided.set_result(QueueResult.EVICTED_PREEMPTED)
             self._queue.push(waiter)
         self._depth_changed()
         self._kick()
@@ -186,6 +285,9 @@ class QueuePolicy:
 
     def _on_release(self, pool: str) -> None:
         if pool == self._pool:
+            # an idle stretch is no interval of a busy pool: a full pool releases at
+            # least once per average hold
+            self._release_gaps.note(self._clock.monotonic(), cap_s=self._room.hold_s(pool))
             self._kick()
 
     def _kick(self) -> None:
@@ -204,6 +306,8 @@ class QueuePolicy:
                     self._pool, request.sequence_tokens, sequences=request.n
                 ):
                     return  # the next release, or this waiter leaving, drains again
+                if self._rivals and self._gives_way(waiter):
+                    return  # a timer, a release or the next read drains again
                 reservation = await entry.exchange.reserve(entry.request)
                 if reservation is None:
                     return  # the room went elsewhere; the next release drains again
@@ -213,6 +317,50 @@ class QueuePolicy:
                     continue
                 entry.exchange.hold(reservation)
                 entry.decided.set_result(QueueResult.ADMITTED)
+                self._giving_way_since = None
+                now = self._clock.monotonic()
+                self._admission_gaps.note(now)
+                if not len(self._queue):  # the next admission's gap would include idle time
+                    self._admission_gaps.pause()
                 self._depth_changed()
         except Exception:
             log.exception("draining the queue of pool %s failed", self._pool)
+
+    def _gives_way(self, waiter: Waiter[QueueEntry]) -> bool:
+        """Whether to leave the room to a rival waiting elsewhere: for at most give_way_s
+        from when this replica first let it go, then the waiter here takes it."""
+        if self._give_way_s <= 0 or self._rival(waiter.priority, waiter.tenant) is None:
+            self._giving_way_since = None
+            return False
+        now = self._clock.monotonic()
+        if self._giving_way_since is None:
+            self._giving_way_since = now
+        left = self._giving_way_since + self._give_way_s - now
+        if left <= 0:
+            return False
+        if self._look_again is None or self._look_again.cancelled():
+            loop = asyncio.get_running_loop()
+            self._look_again = loop.call_later(left, self._looked_again)
+        return True
+
+    def _looked_again(self) -> None:
+        self._look_again = None
+        self._kick()
+
+
+class Gaps:
+    """The mean interval between events (an average moving a fifth of the way to each)."""
+
+    def __init__(self) -> None:
+        self.mean_s: float | None = None
+        self._last: float | None = None
+
+    def note(self, now: float, *, cap_s: float | None = None) -> None:
+        if self._last is not None:
+            gap = now - self._last if cap_s is None else min(now - self._last, cap_s)
+            self.mean_s = gap if self.mean_s is None else self.mean_s + 0.2 * (gap - self.mean_s)
+        self._last = now
+
+    def pause(self) -> None:
+        """The next event starts a new interval rather than end one."""
+        self._last = None
