@@ -48,13 +48,13 @@ from gateway.ops.openapi import openapi_route
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
 from gateway.ratelimit.budget import provider_budgets
 from gateway.redis_batch import RedisBatcher
+from gateway.service_feed import ServiceFeed
 from gateway.slo import Latencies
 from gateway.tracing import build_tracing
 from gateway.upstream.forward import Forwarder
 from gateway.upstream.session import UpstreamPool
 from policies.deps import PolicyDeps
 from policies.provider.gate import build_gates
-from policies.queue.service_feed import ServiceFeed
 from policies.registry import answer_recorders, arrival_checks, build_chain, service_counters
 
 REDIS_POOL_SIZE = 64  # connections per process
@@ -247,7 +247,9 @@ def create_app(
         store = RedisStore.connect(url, timeout_s=settings.batch.redis_timeout_s)
     batches = Batches(store, settings=settings.batch, pools=pools, clock=clock)
     latencies = Latencies(clock)  # measured on the request path, read by the TTFT ladder
-    service_feed = None  # the queues' tenants' service and waiters, shared (policies/queue/)
+    service_feed = (
+        None  # the queues' tenants' service and waiters, shared (gateway/service_feed.py)
+    )
     if batcher is not None:
         service_feed = ServiceFeed(batcher=batcher, timeout_s=settings.redis.timeout_ms / 1000)
     policy_deps = PolicyDeps(

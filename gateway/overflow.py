@@ -10,8 +10,10 @@ through these; `gateway/app.py` builds the chains and hands each the concrete pa
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
+from gateway.config import Priority
 from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
@@ -130,6 +132,57 @@ class PredictsTtft(Protocol):
         """Seconds to the first token; math.inf when it cannot serve the request now; None
         when nothing is measured yet to predict by (the request tries it)."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class Rival:
+    """A tenant waiting in another replica's queue for the same pool."""
+
+    priority: Priority
+    tenant: str
+    tokens: int  # its next request's sequence tokens
+    sequences: int
+
+
+class SharedService(Protocol):
+    """A pool's attained service as the replicas share it (policies/queue/service.py)."""
+
+    @property
+    def half_life_s(self) -> float: ...
+
+    def take_unshared(self) -> dict[str, float]:
+        """What this replica counted since its last pass, held as sent until one of:"""
+        ...
+
+    def replace_base(self, fleet: dict[str, float]) -> None:
+        """The fleet's figures came back (this replica's sent counts included)."""
+        ...
+
+    def keep_sent(self) -> None:
+        """The pass failed: what was sent stays in this replica's own figures."""
+        ...
+
+
+class SharedQueue(Protocol):
+    """A pool's queue as the replicas' shared view of the queues sees it."""
+
+    @property
+    def service(self) -> SharedService: ...
+
+    def waiting_heads(self) -> list[tuple[Priority, str, int, int]]:
+        """Each tenant waiting here: class, tenant, next request's sequence tokens and n."""
+        ...
+
+    def rivals_seen(self, rivals: list[Rival]) -> None:
+        """The tenants waiting at the other replicas ([]: none, or unknown)."""
+        ...
+
+
+class QueueFeed(Protocol):
+    """Where the queues share their service and waiters with the other replicas
+    (gateway/service_feed.py); only in shared mode."""
+
+    def register(self, pool: str, queue: SharedQueue) -> None: ...
 
 
 class PoolRoom(Protocol):

@@ -14,9 +14,15 @@ from redis.asyncio.cluster import RedisCluster
 
 from gateway.clock import Clock
 from gateway.config import PoolSettings, Settings
-from gateway.overflow import BatchIntake, Latencies, OverflowPolicy, PolicyMetrics, PoolRoom
+from gateway.overflow import (
+    BatchIntake,
+    Latencies,
+    OverflowPolicy,
+    PolicyMetrics,
+    PoolRoom,
+    QueueFeed,
+)
 from policies.provider.gate import ProviderGate
-from policies.queue.service_feed import ServiceFeed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,7 +39,7 @@ class PolicyDeps:
     # what each place's answers took lately, for the steps' predictions (gateway/slo.py)
     latencies: Latencies = field(default_factory=Latencies)
     # shared mode: where the queues share their tenants' service and waiters (None: local)
-    service_feed: ServiceFeed | None = None
+    service_feed: QueueFeed | None = None
 
 
 PolicyFactory = Callable[[PoolSettings, PolicyDeps], OverflowPolicy]

@@ -22,7 +22,7 @@ The order among waiters follows each tenant's attained service (policies/queue/s
 the queue counts every request its pool admits, directly (`admitted`, from the request
 path) or from the queue, and corrects it when the answer settles (`settled`).
 
-Across replicas (shared mode, policies/queue/service_feed.py) every replica orders by the
+Across replicas (shared mode, gateway/service_feed.py) every replica orders by the
 fleet's figures, and each publishes the tenants waiting in its queue. When room frees,
 every replica's drain competes for it: a replica whose turn is a tenant's with clearly more
 service than one waiting elsewhere, whose next request would fit now, lets the room go to
@@ -44,11 +44,18 @@ from gateway.config import PRIORITIES, PoolSettings, Priority
 from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
-from gateway.overflow import Latencies, OverflowContext, PoolRoom, QueueMetrics, predict
+from gateway.overflow import (
+    Latencies,
+    OverflowContext,
+    PoolRoom,
+    QueueFeed,
+    QueueMetrics,
+    Rival,
+    predict,
+)
 from policies.deps import PolicyDeps
 from policies.queue.fair_queue import FairQueue, QueueResult, Waiter
 from policies.queue.service import Service
-from policies.queue.service_feed import Rival, ServiceFeed
 
 log = logging.getLogger("spillgate.queue")
 AUTO_FLOOR_S = 2.0  # also the wait before any answer has ended
@@ -80,7 +87,7 @@ class QueuePolicy:
         clock: Clock,
         ttft_budgets_s: Mapping[str, float],
         latencies: Latencies | None = None,
-        feed: ServiceFeed | None = None,
+        feed: QueueFeed | None = None,
     ) -> None:
         self._pool = pool.name
         self._max_wait_s = pool.queue.max_wait_s

@@ -145,4 +145,3 @@ def test_one_replica_keeps_a_light_tenants_wait_under_a_flood(tmp_path: Path) ->
 def test_three_replicas_keep_a_light_tenants_wait_under_a_flood(tmp_path: Path) -> None:
     with replicas(tmp_path, 3) as (urls, keys):
         check(asyncio.run(b_waits(urls, urls[0], keys)))
-

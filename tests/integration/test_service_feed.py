@@ -1,5 +1,5 @@
 """Replicas share their queues' attained service and waiting tenants through a real Redis
-(policies/queue/service_feed.py); without Redis each keeps its own figures."""
+(gateway/service_feed.py); without Redis each keeps its own figures."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from redis.exceptions import RedisError
 from gateway.clock import SystemClock
 from gateway.config import Priority
 from gateway.front.request import InferenceRequest
+from gateway.overflow import Rival
 from gateway.redis_batch import RedisBatcher
+from gateway.service_feed import ServiceFeed, service_key
 from loadtest.procs import RedisProcess
 from policies.queue.service import Service
-from policies.queue.service_feed import Rival, ServiceFeed, service_key
 from tests.support.upstream import chat_request
 
 TIMEOUT_S = 0.5

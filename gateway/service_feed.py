@@ -1,4 +1,5 @@
-"""The queues' attained service and waiting tenants, shared by the replicas through Redis.
+"""The queues' attained service and waiting tenants, shared by the replicas through Redis
+(the queue's side: policies/queue/policy.py and policies/queue/service.py).
 
 Every `every_s`, off the request path, each replica makes one script call per pool, which
 travels with the process's other Redis calls (gateway/redis_batch.py):
@@ -24,15 +25,14 @@ import asyncio
 import logging
 import math
 import secrets
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 
-from gateway.config import PRIORITIES, Priority
+from gateway.config import PRIORITIES
+from gateway.overflow import Rival, SharedQueue
 from gateway.redis_batch import BatchScript, RedisBatcher
 from gateway.tasks import Periodic
-from policies.queue.service import Service
 
 log = logging.getLogger("spillgate.queue")
 
@@ -104,28 +104,9 @@ def waiting_key(pool: str) -> str:
     return f"{WAITING_PREFIX}{{{pool}}}"
 
 
-@dataclass(frozen=True, slots=True)
-class Rival:
-    """A tenant waiting in another replica's queue for the same pool."""
-
-    priority: Priority
-    tenant: str
-    tokens: int  # its next request's sequence tokens
-    sequences: int
-
-
-class SharedQueue(Protocol):
-    """A pool's queue as the feed sees it (policies/queue/policy.py)."""
-
-    @property
-    def service(self) -> Service: ...
-
-    def waiting_heads(self) -> list[tuple[Priority, str, int, int]]: ...
-
-    def rivals_seen(self, rivals: list[Rival]) -> None: ...
-
-
 class ServiceFeed:
+    """The queues' side of Redis (QueueFeed, gateway/overflow.py): one pass every `every_s`."""
+
     def __init__(
         self,
         *,
