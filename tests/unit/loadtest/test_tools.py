@@ -108,7 +108,7 @@ def test_inference_perf_config_per_arm(tmp_path: Path) -> None:
     assert config["load"]["stages"] == [{"rate": 2.0, "duration": 9}]
     assert config["storage"] == {"local_storage": {"path": str(tmp_path / "inference-perf")}}
     assert config["report"]["request_lifecycle"]["use_server_output_tokens"] is True
-    assert config["report"]["goodput"]["constraints"] == {"ttft": 0.1, "tpot": 0.02}
+    assert config["report"]["goodput"]["constraints"] == {"ttft": 0.05, "tpot": 0.02}
     direct = configs.inference_perf_config(base, DIRECT, out=tmp_path, seed=1)
     assert "api_key" not in direct["server"]
 
