@@ -122,6 +122,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     w.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
     w.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
+    w.add_argument("--header", action="append", default=[], type=header, metavar="NAME:VALUE",
+                   help="send this header with every request to the gateway (repeatable), "
+                   "e.g. 'x-spillgate-ttft-ms: 2000'")  # fmt: skip
     r = p.add_argument_group("report")
     r.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     r.add_argument("--slo-itl-ms", type=float, default=100.0)
@@ -231,6 +234,14 @@ async def _replay(
     )
 
 
+def header(text: str) -> tuple[str, str]:
+    """`NAME:VALUE` as a header pair."""
+    name, colon, value = text.partition(":")
+    if not colon or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME:VALUE, not {text!r}")
+    return name.strip().lower(), value.strip()
+
+
 async def _direct_target(
     args: argparse.Namespace, keys: dict[str, str], pool_backends: list[str]
 ) -> RunTarget:
@@ -252,7 +263,8 @@ async def run_all(args: argparse.Namespace) -> tuple[ArrivalProfile, list[RunDat
     if args.admin_token:
         pool_backends = await gateway_backends(args.url, args.admin_token, args.model)
     backends = list(args.backend) or pool_backends
-    shape = RequestShape(model=args.model, endpoint=args.endpoint, timeout_s=args.timeout)
+    shape = RequestShape(model=args.model, endpoint=args.endpoint, timeout_s=args.timeout,
+                         headers=tuple(args.header))  # fmt: skip
     gateway = RunTarget(label="gateway", urls=[args.url], keys=keys, shape=shape,
                      admin_token=args.admin_token, backend_urls=backends)  # fmt: skip
     runs = [await _replay(args, plans, gateway, profile.duration_s)]

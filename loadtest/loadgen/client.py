@@ -54,6 +54,7 @@ class RequestShape:
     model: str
     endpoint: str = "chat"  # chat | completions
     timeout_s: float = 120.0
+    headers: tuple[tuple[str, str], ...] = ()  # sent with every request, beside the key
 
     @property
     def path(self) -> str:
@@ -166,6 +167,7 @@ async def send(
         max_tokens=plan.max_tokens,
     )  # fmt: skip
     headers = {"content-type": "application/json", "accept": "text/event-stream"}
+    headers.update(shape.headers)
     if key:
         headers["authorization"] = f"Bearer {key}"
     start = t0 + result.sent_s
