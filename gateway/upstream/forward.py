@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Mapping, Sequence
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
-import aiohttp
 import orjson
 from starlette.types import Send
-from yarl import URL
 
 from gateway.clock import Clock
 from gateway.errors import UpstreamUnavailable
 from gateway.front.request import Endpoint, InferenceRequest
 from gateway.upstream.deadline import Deadline
+from gateway.upstream.http import ConnectFailed, Response, Route, TransportError, UpstreamPool
 from gateway.upstream.relay import (
     JSON_HEADERS,
     SSE_HEADERS,
@@ -25,7 +24,6 @@ from gateway.upstream.relay import (
     relay_stream,
     send_json_body,
 )
-from gateway.upstream.session import UpstreamPool
 from gateway.upstream.target import Target
 
 # Fields some SDKs and proxies read to pick the upstream or its credentials. The gateway
@@ -35,9 +33,8 @@ UPSTREAM_CHOOSING_FIELDS = frozenset(
 )
 
 
-# answers are relayed as the upstream sent them, so none may come compressed (aiohttp
-# would otherwise offer gzip and deflate, and a compressing proxy in front of a backend
-# would hand the client gzip labelled as JSON)
+# answers are relayed as the upstream sent them, so none may come compressed (a
+# compressing proxy in front of a backend would hand the client gzip labelled as JSON)
 UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "identity"}
 
 
@@ -58,20 +55,12 @@ def upstream_body(request: InferenceRequest, model: str) -> bytes:
     return orjson.dumps(body)
 
 
-def _retry_after(response: aiohttp.ClientResponse) -> float | None:
-    value = response.headers.get("retry-after")
+def _retry_after(response: Response) -> float | None:
+    value = response.headers.get(b"retry-after")
     try:
         return float(value) if value is not None else None
     except ValueError:
         return None
-
-
-class _Route(NamedTuple):
-    """What posting to one target's endpoint needs, worked out on the first request."""
-
-    url: URL
-    headers: Mapping[str, str]
-    timeout: aiohttp.ClientTimeout  # the connect budget only: the caller's deadline bounds the rest
 
 
 class Forwards(Protocol):
@@ -97,13 +86,14 @@ class Forwarder:
         self._pool = pool
         self._clock = clock
         # by target name, base and endpoint: a target's headers and timeouts never change
-        self._routes: dict[tuple[str, str, str], _Route] = {}
+        self._routes: dict[tuple[str, str, str], Route] = {}
 
-    def _route(self, target: Target, endpoint: str) -> _Route:
-        route = self._routes[(target.name, target.api_base, endpoint)] = _Route(
-            url=URL(target.api_base + endpoint.removeprefix("/v1")),
-            headers={**UPSTREAM_HEADERS, **target.headers},
-            timeout=aiohttp.ClientTimeout(sock_connect=target.timeouts.connect),
+    def _route(self, target: Target, endpoint: str) -> Route:
+        # the connect budget only: the caller's deadline bounds the rest
+        route = self._routes[(target.name, target.api_base, endpoint)] = Route.post(
+            target.api_base + endpoint.removeprefix("/v1"),
+            {**UPSTREAM_HEADERS, **target.headers},
+            connect_s=target.timeouts.connect,
         )
         return route
 
@@ -112,17 +102,12 @@ class Forwarder:
         target: Target,
         request: InferenceRequest,
         trace_headers: Mapping[str, str] | None,
-    ) -> Awaitable[aiohttp.ClientResponse]:
+    ) -> Awaitable[Response]:
         route = self._routes.get((target.name, target.api_base, request.endpoint))
         if route is None:
             route = self._route(target, request.endpoint)
-        return self._pool.session.post(
-            route.url,
-            data=upstream_body(request, target.model),
-            # `traceparent` (gateway/tracing.py) only when tracing is on
-            headers=route.headers if trace_headers is None else {**route.headers, **trace_headers},
-            timeout=route.timeout,
-        )
+        # `traceparent` (gateway/tracing.py) only when tracing is on
+        return self._pool.post(route, upstream_body(request, target.model), trace_headers)
 
     async def forward(
         self,
@@ -167,7 +152,7 @@ class Forwarder:
         try:
             with Deadline.after(min(t.first_token, deadline - now)):
                 response = await self._post(target, request, trace_headers)
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, TransportError) as exc:
             raise _unavailable(exc, answered=False, target=target) from None
         done = False
         try:
@@ -186,11 +171,11 @@ class Forwarder:
                     recorder=None,
                     clock=clock,
                 )
-            chunks = response.content.iter_any()
+            chunks = aiter(response)
             try:
                 with Deadline.after(min(t.first_token, deadline - clock.monotonic())):
                     first = await anext(chunks)
-            except (TimeoutError, StopAsyncIteration, aiohttp.ClientError) as exc:
+            except (TimeoutError, StopAsyncIteration, TransportError) as exc:
                 raise UpstreamUnavailable(
                     f"no first token: {type(exc).__name__}", timed_out=isinstance(exc, TimeoutError)
                 ) from None
@@ -235,30 +220,28 @@ class Forwarder:
         longer has hung, and the request may go elsewhere, as nothing reached the client."""
         clock = self._clock
         t = target.timeouts
-        response: aiohttp.ClientResponse | None = None
-        read = False
+        response: Response | None = None
         try:
             with Deadline.after(min(t.first_token, deadline - clock.monotonic())) as budget:
                 response = await self._post(target, request, trace_headers)
                 _check_status(response)
                 chunks: list[bytes] = []
                 budget.push(min(t.idle, deadline - clock.monotonic()))
-                async for chunk in response.content.iter_any():
+                async for chunk in response:
                     chunks.append(chunk)
                     budget.push(min(t.idle, deadline - clock.monotonic()))
-                read = True
                 return response.status, b"".join(chunks)
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, TransportError) as exc:
             raise _unavailable(exc, answered=response is not None, target=target) from None
         finally:
-            if response is not None and not read:
-                response.close()  # see forward: an unread response closes its connection
+            if response is not None:  # see forward: an unread response closes its connection
+                response.release()
 
-    async def _read_body(self, response: aiohttp.ClientResponse, deadline: float) -> bytes:
+    async def _read_body(self, response: Response, deadline: float) -> bytes:
         try:
             with Deadline.after(deadline - self._clock.monotonic()):
                 return await response.read()
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, TransportError) as exc:
             raise _unavailable(exc, answered=True, target=None) from None
 
 
@@ -270,7 +253,7 @@ def _unavailable(exc: Exception, *, answered: bool, target: Target | None) -> Up
         return UpstreamUnavailable(f"body not read: {type(exc).__name__}", timed_out=timed_out)
     if timed_out:
         return UpstreamUnavailable("timeout before the first byte", timed_out=True)
-    if isinstance(exc, aiohttp.ClientConnectorError) and target is not None:
+    if isinstance(exc, ConnectFailed) and target is not None:
         why = unreachable_reason(target.api_base.removesuffix("/v1"), exc.os_error)
         return UpstreamUnavailable(f"{type(exc).__name__}: {why}", unreachable=why)
     return UpstreamUnavailable(type(exc).__name__)
@@ -286,7 +269,7 @@ def unreachable_reason(url: str, exc: BaseException) -> str:
     return f"cannot connect to {url}"
 
 
-def _check_status(response: aiohttp.ClientResponse) -> None:
+def _check_status(response: Response) -> None:
     """5xx and 429 are the upstream's failures before the answer: worth trying elsewhere."""
     if response.status >= 500 or response.status == 429:
         raise UpstreamUnavailable(

@@ -19,12 +19,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
 import orjson
 from starlette.types import Send
 
 from gateway.clock import Clock
 from gateway.upstream.deadline import Deadline
+from gateway.upstream.http import TransportError
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -303,7 +303,7 @@ async def relay_stream(
             async for chunk in chunks:
                 await relay.feed(chunk)
                 budget.push(min(idle_s, deadline - clock.monotonic()))
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+    except (TimeoutError, TransportError, OSError) as exc:
         await relay.flush()
         message = "The upstream stopped responding mid-stream; the response is incomplete."
         if not isinstance(exc, TimeoutError):

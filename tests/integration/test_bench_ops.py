@@ -6,15 +6,15 @@ from __future__ import annotations
 from loadtest.bench.ops import TRACED, count
 
 
-def test_counts_each_arms_own_bytecode_and_the_gateway_runs_more_than_the_raw_relay() -> None:
+def test_counts_each_arms_own_bytecode_by_package() -> None:
     result = count(requests=20, warmup=5)
     raw, gateway = result["raw relay"], result["spillgate"]
-    # both relay through aiohttp; only the gateway runs its own pipeline
+    # the raw relay forwards with aiohttp; the gateway with its own client, and runs its
+    # own pipeline
     assert raw["by_package"]["aiohttp"] > 1000
-    assert gateway["by_package"]["aiohttp"] > 1000
-    assert raw["by_package"].get("gateway", 0) < 50  # its connection pool's property only
+    assert gateway["by_package"].get("aiohttp", 0) == 0
+    assert raw["by_package"].get("gateway", 0) == 0
     assert gateway["by_package"]["gateway"] > 1000
-    assert gateway["opcodes_per_request"] > raw["opcodes_per_request"]
     assert any(name.startswith("gateway:") for name in gateway["top_functions"])
 
 

@@ -1,0 +1,254 @@
+"""The upstream client against servers on loopback that answer byte by byte as each test
+needs: keep-alive, streaming, closing, refusing, breaking the protocol."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import uvloop
+
+from gateway.upstream.http import (
+    HIGH_WATER,
+    ConnectFailed,
+    ConnectionClosed,
+    ProtocolError,
+    Route,
+    UpstreamPool,
+)
+from loadtest.procs import free_port
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+
+class Server:
+    """A TCP server whose every connection runs `handler`; counts the connections."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.closed_by_client = asyncio.Event()
+        self.requests: list[bytes] = []
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Server:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        port = self._server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}/v1/chat/completions"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer)
+        finally:
+            writer.close()
+
+    async def request(self, reader: asyncio.StreamReader) -> bytes:
+        """One request's head and body, as the client sent them; b"" once it has gone."""
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        raw = head + await reader.readexactly(length)
+        self.requests.append(raw)
+        return raw
+
+
+def route(url: str, **headers: str) -> Route:
+    return Route.post(url, {"content-type": "application/json", **headers}, connect_s=1.0)
+
+
+def run(test: Callable[[], Awaitable[Any]]) -> Any:
+    """The test on asyncio's own loop, then on uvloop's, which the gateway serves with and
+    whose transports are not asyncio's classes; both must give the same answer."""
+    mine = asyncio.run(asyncio.wait_for(test(), 10))
+    assert uvloop.run(asyncio.wait_for(test(), 10)) == mine
+    return mine
+
+
+def answering(server_answer: bytes, *, times: int = 100) -> Callable[[Server], Handler]:
+    def handler_for(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            for _ in range(times):
+                try:
+                    await server.request(reader)
+                except asyncio.IncompleteReadError:
+                    return
+                writer.write(server_answer)
+                await writer.drain()
+
+        return handler
+
+    return handler_for
+
+
+def serve(handler_for: Callable[[Server], Handler]) -> Server:
+    server = Server(lambda r, w: asyncio.sleep(0))
+    server.handler = handler_for(server)
+    return server
+
+
+def test_requests_one_after_another_share_one_connection() -> None:
+    async def test() -> None:
+        async with serve(answering(OK)) as server:
+            pool = UpstreamPool(max_connections=8)
+            for body in (b'{"a":1}', b'{"b":22}'):
+                response = await pool.post(route(server.url), body, {"traceparent": "00-x"})
+                assert (response.status, await response.read()) == (200, b"{}")
+                assert response.headers[b"content-type"] == b"application/json"
+                response.release()
+            await pool.aclose()
+            port = server.url.split(":")[2].split("/")[0]
+        assert server.connections == 1
+        assert server.requests[1] == (
+            b"POST /v1/chat/completions HTTP/1.1\r\n"
+            b"host: 127.0.0.1:" + port.encode() + b"\r\n"
+            b"content-type: application/json\r\n"
+            b"traceparent: 00-x\r\n"
+            b'content-length: 8\r\n\r\n{"b":22}'
+        )
+
+    run(test)
+
+
+def test_a_connection_idle_past_the_keepalive_or_closed_by_the_server_is_not_reused() -> None:
+    closing = OK.replace(b"content-length", b"connection: close\r\ncontent-length")
+
+    async def test() -> tuple[int, int]:
+        async with serve(answering(OK)) as kept, serve(answering(closing)) as closed:
+            pool = UpstreamPool(max_connections=8, keepalive_s=0.05)
+            for server in (kept, kept, closed, closed):
+                response = await pool.post(route(server.url), b"{}")
+                assert await response.read() == b"{}"
+                response.release()
+                await asyncio.sleep(0.1)
+            await pool.aclose()
+            return kept.connections, closed.connections
+
+    assert run(test) == (2, 2)
+
+
+def test_a_stream_arrives_as_sent_and_closing_it_early_closes_the_connection() -> None:
+    async def test() -> list[bytes]:
+        def handler_for(server: Server) -> Handler:
+            async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                await server.request(reader)
+                writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+                for i in range(50):
+                    event = b"data: %d\n\n" % i
+                    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                    await writer.drain()
+                    await asyncio.sleep(0.02)
+                    if reader.at_eof():
+                        break
+                if await reader.read() == b"":
+                    server.closed_by_client.set()
+
+            return handler
+
+        async with serve(handler_for) as server:
+            pool = UpstreamPool(max_connections=8)
+            response = await pool.post(route(server.url), b"{}")
+            seen = [await anext(response), await anext(response)]
+            response.close()
+            await asyncio.wait_for(server.closed_by_client.wait(), 2)
+            return seen
+
+    assert run(test) == [b"data: 0\n\n", b"data: 1\n\n"]
+
+
+def test_a_refused_connection_and_a_server_that_speaks_no_http_say_what_failed() -> None:
+    async def test() -> None:
+        pool = UpstreamPool(max_connections=8)
+        with pytest.raises(ConnectFailed) as refused:
+            await pool.post(route(f"http://127.0.0.1:{free_port()}/v1/x"), b"{}")
+        assert isinstance(refused.value.os_error, ConnectionRefusedError)
+        async with serve(answering(b"not HTTP at all\r\n\r\n")) as garbage:
+            with pytest.raises(ProtocolError):
+                await pool.post(route(garbage.url), b"{}")
+        await pool.aclose()
+
+    run(test)
+
+
+def test_a_body_cut_short_fails_the_read() -> None:
+    def handler_for(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n0123456789")
+            await writer.drain()
+
+        return handler
+
+    async def test() -> None:
+        async with serve(handler_for) as server:
+            pool = UpstreamPool(max_connections=8)
+            response = await pool.post(route(server.url), b"{}")
+            with pytest.raises(ConnectionClosed):
+                await response.read()
+            response.release()  # not read to its end: closed, not kept
+            await pool.aclose()
+
+    run(test)
+
+
+def test_a_body_larger_than_the_high_water_mark_is_read_whole() -> None:
+    size = 4 * HIGH_WATER
+    big = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (size, b"x" * size)
+
+    async def test() -> int:
+        async with serve(answering(big)) as server:
+            pool = UpstreamPool(max_connections=8)
+            response = await pool.post(route(server.url), b"{}")
+            body = await response.read()
+            response.release()
+            await pool.aclose()
+            return len(body)
+
+    assert run(test) == size
+
+
+def test_no_more_connections_in_use_than_allowed_and_a_caller_that_gives_up_frees_its_own() -> None:
+    def handler_for(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                try:
+                    raw = await server.request(reader)
+                except asyncio.IncompleteReadError:
+                    return
+                if b"silent" not in raw:
+                    writer.write(OK)
+                    await writer.drain()
+
+        return handler
+
+    async def test() -> None:
+        async with serve(handler_for) as server:
+            pool = UpstreamPool(max_connections=1)
+            first = await pool.post(route(server.url), b"{}")
+            second = asyncio.ensure_future(pool.post(route(server.url), b"{}"))
+            await asyncio.sleep(0.1)
+            assert not second.done()  # the only connection is the first's
+            await first.read()
+            first.release()
+            assert await (await second).read() == b"{}"
+            (await second).release()
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.1):
+                    await pool.post(route(server.url), b'"silent"')
+            third = await pool.post(route(server.url), b"{}")  # the slot came back
+            assert await third.read() == b"{}"
+            third.release()
+            await pool.aclose()
+
+    run(test)
