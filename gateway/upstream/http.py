@@ -73,6 +73,9 @@ class Route(NamedTuple):
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         lines = [f"POST {target} HTTP/1.1", f"host: {host}"]
         lines += [f"{name}: {value}" for name, value in headers.items()]
+        if any("\r" in line or "\n" in line for line in lines):
+            # a key read from the environment with a line break in it would add headers
+            raise ValueError(f"a header for {url} has a line break in it")
         head = ("\r\n".join(lines) + "\r\n").encode("latin-1")
         return cls(origin=(parts.hostname, port, tls), head=head, connect_s=connect_s)
 

@@ -30,7 +30,7 @@ import orjson
 from loadtest.bench.overhead import _uvicorn
 from loadtest.procs import free_port, serving_process
 
-ARMS = ("raw relay", "spillgate")
+ARMS = ("raw relay", "lean relay", "spillgate")  # lean: the raw relay on the gateway's client
 TICK_PAST_RUN_S = 3600.0
 
 

@@ -33,8 +33,9 @@ from loadtest.bench.overhead import BODY, KEY, _spillgate_config, _uvicorn
 from loadtest.procs import free_port, serving_process
 
 ARMS = ("raw relay", "spillgate")
+LEAN = "lean relay"  # the raw relay on the gateway's own upstream client
 TRACED = "spillgate, traced"  # tracing on, every span sampled and handed to an exporter
-ALL_ARMS = (*ARMS, TRACED)
+ALL_ARMS = (*ARMS, LEAN, TRACED)
 DRIVER = "driver"  # this script's own ASGI calls: counted apart, left out of the total
 # installed packages first: a virtualenv's site-packages may sit under the stdlib's prefix
 LIBRARIES = [Path(p) for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"])]
@@ -153,6 +154,10 @@ def _app(arm: str, backend: str, tmp: Path) -> ASGIApp:
         from loadtest.bench.apps import RawRelay
 
         return RawRelay(backend)
+    if arm == LEAN:
+        from loadtest.bench.apps import LeanRelay
+
+        return LeanRelay(backend)
     from gateway.app import create_app
     from gateway.config import TracingSettings, load_settings
 

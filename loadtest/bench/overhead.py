@@ -1,6 +1,7 @@
 """`spillgate bench`: what the gateway costs, arm beside arm, on loopback.
 
-Arms: direct to a zero-delay backend; the smallest raw relay on the same libraries;
+Arms: direct to a zero-delay backend; the smallest raw relay, on uvicorn and aiohttp; the
+same relay on the gateway's own upstream client (`lean relay`, loadtest/bench/apps.py);
 Spillgate with a realistic config (auth, rate limiting, admission, metrics), Redis off
 and on; and LiteLLM's proxy with `--with-litellm`. The arm under test runs on core 0,
 the load generator (wrk, and a separate streaming client process) and the backend on
@@ -256,6 +257,10 @@ def _arms(args: argparse.Namespace, backend: str, tmp: Path) -> Iterator[list[Ar
         procs.append(_pinned(0, _uvicorn("loadtest.bench.apps:relay", port),
                              {"BENCH_UPSTREAM": backend}))  # fmt: skip
         arms.append(Arm("raw relay", f"http://127.0.0.1:{port}", procs[-1].pid))
+        port = free_port()
+        procs.append(_pinned(0, _uvicorn("loadtest.bench.apps:lean_relay", port),
+                             {"BENCH_UPSTREAM": backend}))  # fmt: skip
+        arms.append(Arm("lean relay", f"http://127.0.0.1:{port}", procs[-1].pid))
         config = tmp / "spillgate.yaml"
         _spillgate_config(backend, config)
         serve = serve_command(sys.executable, config)

@@ -252,3 +252,9 @@ def test_no_more_connections_in_use_than_allowed_and_a_caller_that_gives_up_free
             await pool.aclose()
 
     run(test)
+
+
+def test_a_header_with_a_line_break_is_refused_rather_than_split_into_two() -> None:
+    with pytest.raises(ValueError, match="line break"):
+        route("http://127.0.0.1:1/v1/x", authorization="Bearer sk-1\r\nx-evil: 1")
+    assert route("https://[::1]/v1/x").head.startswith(b"POST /v1/x HTTP/1.1\r\nhost: [::1]\r\n")
