@@ -223,6 +223,10 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.lost(self)
+        response = self._response
+        if response is not None and response.status and _ends_with_connection(response):
+            response._ended()  # a body of no stated length ends where the connection does
+            return
         self._fail(ConnectionClosed("the upstream closed the connection before the answer ended"))
 
     def _fail(self, failure: TransportError) -> None:
@@ -255,6 +259,11 @@ class _Connection(asyncio.Protocol):
         self._keep_alive = self._parser.should_keep_alive()
         if self._response is not None:
             self._response._ended()
+
+
+def _ends_with_connection(response: Response) -> bool:
+    headers = response.headers
+    return b"content-length" not in headers and b"transfer-encoding" not in headers
 
 
 class _OriginPool:

@@ -258,3 +258,25 @@ def test_a_header_with_a_line_break_is_refused_rather_than_split_into_two() -> N
     with pytest.raises(ValueError, match="line break"):
         route("http://127.0.0.1:1/v1/x", authorization="Bearer sk-1\r\nx-evil: 1")
     assert route("https://[::1]/v1/x").head.startswith(b"POST /v1/x HTTP/1.1\r\nhost: [::1]\r\n")
+
+
+def test_a_body_of_no_stated_length_ends_where_the_connection_does() -> None:
+    def handler_for(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nhello, ")
+            await writer.drain()
+            writer.write(b"world")
+
+        return handler
+
+    async def test() -> bytes:
+        async with serve(handler_for) as server:
+            pool = UpstreamPool(max_connections=8)
+            response = await pool.post(route(server.url), b"{}")
+            body = await response.read()
+            response.release()
+            await pool.aclose()
+            return body
+
+    assert run(test) == b"hello, world"
