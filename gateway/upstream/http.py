@@ -130,6 +130,8 @@ class Response:
         server keeps it open; else close it."""
         connection, self._connection = self._connection, None
         if connection is not None:
+            if self._buffered > HIGH_WATER:  # paused on a body no one read: not for the next
+                connection.transport.resume_reading()
             connection.done(reuse=self.complete)
 
     def close(self) -> None:
@@ -238,6 +240,11 @@ class _Connection(asyncio.Protocol):
             response._failed(failure)
 
     # httptools' callbacks
+
+    def on_message_begin(self) -> None:
+        if self._response is None or self._response.complete:
+            # an answer after the one asked for: the connection's bytes cannot be trusted
+            raise ProtocolError("the upstream sent an answer that was not asked for")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self._response is not None:

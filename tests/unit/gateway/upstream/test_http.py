@@ -280,3 +280,19 @@ def test_a_body_of_no_stated_length_ends_where_the_connection_does() -> None:
             return body
 
     assert run(test) == b"hello, world"
+
+
+def test_an_answer_nobody_asked_for_closes_the_connection_and_touches_no_other() -> None:
+    async def test() -> tuple[bytes, bytes, int]:
+        async with serve(answering(OK + OK.replace(b"{}", b"[]"))) as server:
+            pool = UpstreamPool(max_connections=8)
+            bodies = []
+            for _ in range(2):
+                response = await pool.post(route(server.url), b"{}")
+                bodies.append(await response.read())
+                response.release()
+                await asyncio.sleep(0.05)
+            await pool.aclose()
+            return bodies[0], bodies[1], server.connections
+
+    assert run(test) == (b"{}", b"{}", 2)
