@@ -4,9 +4,10 @@ A request may name a time to first token (`x-spillgate-ttft-ms`) and a time per 
 token after it (`x-spillgate-tpot-ms`), or inherit its tenant's (`ttft_budget_ms`,
 `tpot_budget_ms`). When its pool has no room, the overflow chain is then walked as a ladder:
 each step that can predict says how long this request would wait for its first token there
-(the queue: the pool's forecast of when the request fits, plus the pool's own time to first
-token; a smaller model: its pool's, if it has room; a provider: its measured latency, if its
-gate would let the request through), and a step predicted to miss the time left is passed
+(the queue: the later of the pool's forecast of when the request fits and its turn in
+the fair order, plus the pool's own time to first token; a smaller model: its pool's, if
+it has room; a provider: its measured latency, if its gate would let the request
+through), and a step predicted to miss the time left is passed
 over. The chain's order is the operator's order of cost, so the first step predicted to
 meet the objective is the cheapest that will. A step with nothing measured yet is tried, as
 without an objective. When every step was passed over, the request is refused at once with

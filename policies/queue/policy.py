@@ -202,7 +202,12 @@ class QueuePolicy:
         return None if interval is None else ahead * interval
 
     def predict_ttft_s(self, request: InferenceRequest) -> float | None:
+        # room for its tokens, and its turn: the pool's forecast of when the request fits
+        # knows nothing of the waiters the fair order puts before it
         wait = self._room.wait_s(self._pool, request.sequence_tokens, sequences=request.n)
+        turn = self.predicted_wait_s(request)
+        if turn is not None and turn > wait:
+            wait = turn
         forwarded = predict(self._latencies.local, self._pool, request)
         return wait + (forwarded or 0.0)
 

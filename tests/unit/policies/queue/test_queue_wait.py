@@ -402,6 +402,10 @@ def test_predicted_wait_counts_the_waiters_ahead_times_the_admission_interval() 
         # a lower class waits behind both standard waiters
         sheddable = request(tenant="c", priority="sheddable")
         assert s.queue.predicted_wait_s(sheddable) == pytest.approx(2 * 2.0)
+        # the ladder's prediction waits for the request's turn, not only for room
+        room = s.router.wait_s("p", sheddable.sequence_tokens, sequences=sheddable.n)
+        assert room < 2 * 2.0
+        assert s.queue.predict_ttft_s(sheddable) == pytest.approx(2 * 2.0)
         for task in waiting:
             task.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
