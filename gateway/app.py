@@ -273,6 +273,7 @@ def create_app(
     chains = {name: build_chain(pool.settings, policy_deps) for name, pool in pools.items()}
     auth = Authenticator(settings, env)
     tracing = build_tracing(settings.tracing, environ=env, exporter=span_exporter)
+    services = service_counters(chains)
     deps = PipelineDeps(
         auth=auth,
         limiter=limiter,
@@ -280,7 +281,7 @@ def create_app(
         chains=chains,
         recorders=answer_recorders(chains),
         arrival_checks=arrival_checks(chains),
-        services=service_counters(chains),
+        services=services,
         forwarder=Forwarder(upstream, clock=clock),
         metrics=metrics,
         clock=clock,
@@ -309,6 +310,7 @@ def create_app(
         admin=admin_auth,
         watcher=watcher,
         latencies=latencies,
+        services=services,
     )
     history = OutcomeHistory(metrics=metrics, router=router, clock=clock)
     dashboard = Dashboard(admin=admin_auth, history=history)

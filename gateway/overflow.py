@@ -121,6 +121,10 @@ class CountsService(Protocol):
         self, request: InferenceRequest, prompt_tokens: int, completion_tokens: int
     ) -> None: ...
 
+    def attained(self) -> dict[str, float]:
+        """Each tenant's attained service now, in weighted tokens (/admin/status)."""
+        ...
+
 
 @runtime_checkable
 class PredictsTtft(Protocol):

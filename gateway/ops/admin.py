@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -18,6 +19,7 @@ from gateway.config import Settings
 from gateway.errors import SpillgateError, error_response
 from gateway.front.auth import AdminAuth, Authenticator
 from gateway.metrics import GatewayMetrics
+from gateway.overflow import CountsService
 from gateway.slo import Latencies
 
 STARTED = int(time.time())
@@ -38,8 +40,10 @@ class AdminEndpoints:
         admin: AdminAuth,
         watcher: FleetWatcher,
         latencies: Latencies | None = None,
+        services: Mapping[str, CountsService] | None = None,
     ) -> None:
         self._latencies = Latencies() if latencies is None else latencies
+        self._services = services or {}
         self._settings = settings
         self._router = router
         self._metrics = metrics
@@ -194,6 +198,7 @@ class AdminEndpoints:
                 for b in pool.backends
             ]
             down = pool.outage() is not None
+            service = self._services.get(name)
             pools.append(
                 {
                     "name": name,
@@ -217,6 +222,9 @@ class AdminEndpoints:
                         # backends or prior
                         "source": pool.outputs.source(),
                     },
+                    # the queue's order: what each tenant was served lately (None: the
+                    # pool has no queue), the fleet's figures in shared mode
+                    "attained_service": None if service is None else service.attained(),
                     "backends": backends,
                 }
             )

@@ -155,6 +155,9 @@ class QueuePolicy:
         """An answer of the pool settled with its usage (CountsService)."""
         self.service.settle(request, prompt_tokens, completion_tokens)
 
+    def attained(self) -> dict[str, float]:
+        return self.service.figures()
+
     def waiting_heads(self) -> list[tuple[Priority, str, int, int]]:
         """Each tenant waiting here by class, with its next request's sequence tokens and
         sequences: what the other replicas weigh their own turns against."""

@@ -33,7 +33,7 @@ import yaml
 from loadtest.procs import RedisProcess
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
-from tests.support.fleet import tenant
+from tests.support.fleet import admin_status, tenant
 from tests.support.harness import ServerThread
 from tests.support.overflow import chat, flooding, queue_wait_s, steady
 from tests.support.replica import start_gateways
@@ -137,11 +137,25 @@ def replicas(
         sim.stop()
 
 
+def attained(url: str) -> dict[str, float]:
+    """What the gateway's /admin/status says each tenant was served in the pool."""
+    (pool,) = admin_status(url, timeout=5)["pools"]
+    figures: dict[str, float] = pool["attained_service"]
+    return figures
+
+
 def test_one_replica_keeps_a_light_tenants_wait_under_a_flood(tmp_path: Path) -> None:
     with replicas(tmp_path, 1) as (urls, keys):
         check(asyncio.run(b_waits(urls, urls[0], keys)))
+        served = attained(urls[0])
+        assert served["a"] > 3 * served["b"] > 0  # what the order went by
 
 
 def test_three_replicas_keep_a_light_tenants_wait_under_a_flood(tmp_path: Path) -> None:
     with replicas(tmp_path, 3) as (urls, keys):
         check(asyncio.run(b_waits(urls, urls[0], keys)))
+        # every replica shows the fleet's figures: B's service, all of it at the first
+        # replica, is seen at the other two (within the feed's 0.2 s and the decay)
+        seen = [attained(url) for url in urls]
+        assert all(s["a"] > 3 * s["b"] > 0 for s in seen), seen
+        assert max(s["b"] for s in seen) < 1.5 * min(s["b"] for s in seen), seen
