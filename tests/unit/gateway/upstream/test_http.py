@@ -4,7 +4,12 @@ needs: keep-alive, streaming, closing, refusing, breaking the protocol."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import shutil
+import ssl
+import subprocess
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -296,3 +301,50 @@ def test_an_answer_nobody_asked_for_closes_the_connection_and_touches_no_other()
             return bodies[0], bodies[1], server.connections
 
     assert run(test) == (b"{}", b"{}", 2)
+
+
+@pytest.mark.skipif(
+    shutil.which("openssl") is None, reason="needs openssl (apt-get install openssl)"
+)
+def test_tls_verifies_the_server_against_the_system_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An https provider: trusted (its CA in the store OpenSSL reads, `SSL_CERT_FILE`), the
+    request goes through; not trusted, no connection is made."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_side.load_cert_chain(cert, key)
+
+    async def test() -> int | str:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(2)
+                writer.write(OK)
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handler, "127.0.0.1", 0, ssl=server_side)
+        port = server.sockets[0].getsockname()[1]
+        pool = UpstreamPool(max_connections=8)  # reads the store at its first https request
+        try:
+            response = await pool.post(route(f"https://localhost:{port}/v1/x"), b"{}")
+            assert await response.read() == b"{}"
+            response.release()
+            return response.status
+        except ConnectFailed as exc:
+            return type(exc.os_error).__name__
+        finally:
+            await pool.aclose()
+            server.close()
+
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    assert asyncio.run(test()) == 200
+    monkeypatch.delenv("SSL_CERT_FILE")
+    assert asyncio.run(test()) == "SSLCertVerificationError"
