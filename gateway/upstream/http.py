@@ -326,10 +326,10 @@ class UpstreamPool:
     """Every upstream connection of the process, at most `max_connections` in use at once."""
 
     def __init__(self, *, max_connections: int, keepalive_s: float = KEEPALIVE_S) -> None:
-        self._max_connections = max_connections
         self._keepalive_s = keepalive_s
         self._origins: dict[tuple[str, int, bool], _OriginPool] = {}
-        self._slots: asyncio.Semaphore | None = None  # made in the event loop
+        # bound to the event loop that first has to wait on it
+        self._slots = asyncio.Semaphore(max_connections)
 
     async def post(
         self, route: Route, body: bytes, extra_headers: Mapping[str, str] | None = None
@@ -338,7 +338,12 @@ class UpstreamPool:
         caller that gives up meanwhile (cancelled, timed out) leaves nothing open."""
         pool = self._origins.get(route.origin)
         if pool is None:
-            pool = self._origin(route.origin)
+            pool = self._origins[route.origin] = _OriginPool(
+                route.origin, self._slots, self._keepalive_s
+            )
+        head = route.head
+        if extra_headers:
+            head += "".join(f"{k}: {v}\r\n" for k, v in extra_headers.items()).encode("latin-1")
         await pool.slots.acquire()
         try:
             connection = pool.take(_now())
@@ -347,21 +352,14 @@ class UpstreamPool:
         except BaseException:
             pool.slots.release()
             raise
-        head = route.head
-        if extra_headers:
-            head += "".join(f"{k}: {v}\r\n" for k, v in extra_headers.items()).encode("latin-1")
-        answer = connection.request(b"%scontent-length: %d\r\n\r\n%s" % (head, len(body), body))
+        # from here the connection holds the slot, and gives it back when it is done
         try:
-            return await answer
+            return await connection.request(
+                b"%scontent-length: %d\r\n\r\n%s" % (head, len(body), body)
+            )
         except BaseException:
             connection.done(reuse=False)
             raise
-
-    def _origin(self, origin: tuple[str, int, bool]) -> _OriginPool:
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self._max_connections)
-        pool = self._origins[origin] = _OriginPool(origin, self._slots, self._keepalive_s)
-        return pool
 
     async def aclose(self) -> None:
         for pool in self._origins.values():
