@@ -103,6 +103,19 @@ def serve(handler_for: Callable[[Server], Handler]) -> Server:
     return server
 
 
+async def fetched(handler_for: Callable[[Server], Handler]) -> bytes:
+    """One request to a fresh server that runs `handler_for`: its answer's body, read to
+    the end (released either way: closed when not read to its end)."""
+    async with serve(handler_for) as server:
+        pool = UpstreamPool(max_connections=8)
+        response = await pool.post(route(server.url), b"{}")
+        try:
+            return await response.read()
+        finally:
+            response.release()
+            await pool.aclose()
+
+
 def test_requests_one_after_another_share_one_connection() -> None:
     async def test() -> None:
         async with serve(answering(OK)) as server:
@@ -196,13 +209,8 @@ def test_a_body_cut_short_fails_the_read() -> None:
         return handler
 
     async def test() -> None:
-        async with serve(handler_for) as server:
-            pool = UpstreamPool(max_connections=8)
-            response = await pool.post(route(server.url), b"{}")
-            with pytest.raises(ConnectionClosed):
-                await response.read()
-            response.release()  # not read to its end: closed, not kept
-            await pool.aclose()
+        with pytest.raises(ConnectionClosed):
+            await fetched(handler_for)
 
     run(test)
 
@@ -212,13 +220,7 @@ def test_a_body_larger_than_the_high_water_mark_is_read_whole() -> None:
     big = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (size, b"x" * size)
 
     async def test() -> int:
-        async with serve(answering(big)) as server:
-            pool = UpstreamPool(max_connections=8)
-            response = await pool.post(route(server.url), b"{}")
-            body = await response.read()
-            response.release()
-            await pool.aclose()
-            return len(body)
+        return len(await fetched(answering(big)))
 
     assert run(test) == size
 
@@ -276,13 +278,7 @@ def test_a_body_of_no_stated_length_ends_where_the_connection_does() -> None:
         return handler
 
     async def test() -> bytes:
-        async with serve(handler_for) as server:
-            pool = UpstreamPool(max_connections=8)
-            response = await pool.post(route(server.url), b"{}")
-            body = await response.read()
-            response.release()
-            await pool.aclose()
-            return body
+        return await fetched(handler_for)
 
     assert run(test) == b"hello, world"
 
