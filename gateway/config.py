@@ -149,6 +149,9 @@ class PoolSettings(_Model):
     # least_filled: the backend with the most room; prefix: the one likeliest to hold the
     # prompt's prefix in its cache, unless that piles load on it (gateway/admission/router.py)
     routing: Literal["least_filled", "prefix"] = "prefix"
+    # how many times a stream whose backend broke off mid-answer goes on on another backend
+    # of the pool (gateway/upstream/resume.py); 0: never (backends with no continuation)
+    continue_streams: int = Field(2, ge=0, le=5)
 
 
 class ProviderSettings(_Model):

@@ -184,6 +184,17 @@ class GatewayMetrics:
             "spillgate_upstream_errors", "Failed upstream attempts", ["target", "reason"],
             registry=r,
         )  # fmt: skip
+        self.stream_continuations = Counter(
+            "spillgate_stream_continuations",
+            "Streams continued on another backend after theirs broke off mid-answer, by "
+            "result: succeeded (the stream went on there) or failed (that backend failed too)",
+            ["pool", "result"], registry=r,
+        )  # fmt: skip
+        self.stream_continuations_refused = Counter(
+            "spillgate_stream_continuations_refused",
+            "Streams cut mid-answer that were not continued, by reason",
+            ["pool", "reason"], registry=r,
+        )  # fmt: skip
         self.ratelimit_store_errors = Counter(
             "spillgate_ratelimit_store_errors", "Rate-limit store calls that failed", registry=r
         )

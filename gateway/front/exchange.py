@@ -18,7 +18,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
 from gateway.slo import Prediction
 from gateway.upstream.forward import Forwards
-from gateway.upstream.relay import JSON_HEADERS, AnswerRecorder, Relayed
+from gateway.upstream.relay import JSON_HEADERS, AnswerRecorder, Relayed, StreamCut
+from gateway.upstream.resume import ContinuationLeg, Partial, continued, read_partial, refusal
 from gateway.upstream.retry import tried_again
 from gateway.upstream.target import Target
 
@@ -30,6 +31,13 @@ class Served:
     pool: str  # the pool whose model answered
     relayed: Relayed
     started_at: float = 0.0  # Clock time when it was forwarded (after any wait for room)
+
+
+def _ended(served: Served, *, completed: bool) -> Served:
+    """`served`, its stream ended by the gateway after its upstream broke off."""
+    relayed = served.relayed
+    ended = Relayed(relayed.usage, relayed.first_byte_at, completed)
+    return Served(served.outcome, served.target, served.pool, ended, served.started_at)
 
 
 async def _nothing() -> None:
@@ -201,6 +209,7 @@ class Exchange:
             raise UpstreamUnavailable("no backend of the pool has room to retry")
         backend = self.router.backend(reservation.backend)
         started = self.clock.monotonic()
+        resumable = self._resumable(request)
         try:
             relayed = await self.forwarder.forward(
                 self.router.target(backend),
@@ -211,23 +220,127 @@ class Exchange:
                 recorder=self.recorder,
                 deadline=deadline,
                 growth=self._growth(request, backend.block_size),
+                resumable=resumable,
             )
         except UpstreamUnavailable as exc:
-            backend.record_failure(
-                self.clock.monotonic(), reason=exc.reason, unreachable=exc.unreachable
-            )
-            self.metrics.upstream_errors.labels(backend.name, exc.reason.split(":")[0]).inc()
-            tried.add(backend.name)
-            await self.holding.release()
+            await self._failed(backend.name, exc.reason, tried, unreachable=exc.unreachable)
             raise
-        backend.record_success()
-        return Served(
+        served = Served(
             outcome=outcome,
             target=backend.name,
             pool=request.pool,
             relayed=relayed,
             started_at=started,
         )
+        if relayed.cut is not None:
+            return await self._go_on(request, served, relayed.cut, tried, deadline=deadline)
+        if request.stream and not relayed.completed:  # cut, and ended with an error event
+            why = (refusal(request) if self._continues(request) else None) or "off"
+            self.metrics.stream_continuations_refused.labels(request.pool, why).inc()
+            await self._failed(backend.name, "mid-stream", tried)
+        else:
+            backend.record_success()
+        return served
+
+    def _continues(self, request: InferenceRequest) -> bool:
+        return self.router.pools[request.pool].settings.continue_streams > 0
+
+    def _resumable(self, request: InferenceRequest) -> bool:
+        """Whether `request`'s stream, cut mid-answer, may go on on another backend."""
+        return request.stream and self._continues(request) and refusal(request) is None
+
+    async def _failed(
+        self, name: str, reason: str, tried: set[str], *, unreachable: str | None = None
+    ) -> None:
+        """Backend `name` failed this request: counted against it, not tried again, and
+        the request's reservation on it given back."""
+        self.router.backend(name).record_failure(
+            self.clock.monotonic(), reason=reason, unreachable=unreachable
+        )
+        self.metrics.upstream_errors.labels(name, reason.split(":")[0]).inc()
+        tried.add(name)
+        await self.holding.release()
+
+    async def _go_on(
+        self,
+        request: InferenceRequest,
+        served: Served,
+        cut: StreamCut,
+        tried: set[str],
+        *,
+        deadline: float,
+    ) -> Served:
+        """Continue a stream whose backend broke off mid-answer on another backend of the
+        pool, as often as the pool allows within the request's deadline
+        (gateway/upstream/resume.py); else end it with an error event."""
+        pool = request.pool
+        tries = self.router.pools[pool].settings.continue_streams
+        await self._failed(served.target, "mid-stream", tried)
+        while True:
+            partial = read_partial(cut.relay.kept or [], request.endpoint)
+            if partial.finished or cut.relay.finished:  # it broke off after its last token
+                await cut.finish()
+                return _ended(served, completed=True)
+            why, follow = partial.refusal, None
+            if why is None:
+                follow = continued(request, partial)
+                why = "output_limit" if follow is None else None
+            if why is None and tries == 0:
+                why = "tries"
+            if why is None and self.clock.monotonic() >= deadline:
+                why = "deadline"
+            if follow is not None and why is None:
+                self.holding.reservation = await self.reserve(follow, exclude=tried)
+                why = "no_room" if self.holding.reservation is None else None
+            if follow is None or why is not None:
+                self.metrics.stream_continuations_refused.labels(pool, why or "").inc()
+                await cut.fail()
+                return _ended(served, completed=False)
+            tries -= 1
+            served, next_cut = await self._continue(follow, served, cut, partial, tried, deadline)
+            if next_cut is None:
+                return served
+            cut = next_cut
+
+    async def _continue(
+        self,
+        follow: InferenceRequest,
+        served: Served,
+        cut: StreamCut,
+        partial: Partial,
+        tried: set[str],
+        deadline: float,
+    ) -> tuple[Served, StreamCut | None]:
+        """One continuation on the backend `follow` holds a reservation on: the stream as
+        it then is, and its cut if it broke off again (or never began there)."""
+        reservation = self.holding.reservation
+        assert reservation is not None
+        backend = self.router.backend(reservation.backend)
+        growth = self._growth(follow, backend.block_size)
+        cut.relay.next_leg(ContinuationLeg(partial), carried=partial.tokens, growth=growth)
+        try:
+            relayed = await self.forwarder.forward(
+                self.router.target(backend),
+                follow,
+                public_model=follow.pool,
+                send=self.send,
+                headers=self.headers(served.outcome),
+                recorder=self.recorder,
+                deadline=deadline,
+                growth=growth,
+                relay=cut.relay,
+            )
+        except UpstreamUnavailable as exc:
+            self.metrics.stream_continuations.labels(follow.pool, "failed").inc()
+            await self._failed(backend.name, exc.reason, tried, unreachable=exc.unreachable)
+            return served, cut
+        self.metrics.stream_continuations.labels(follow.pool, "succeeded").inc()
+        went_on = Served(served.outcome, backend.name, served.pool, relayed, served.started_at)
+        if relayed.cut is None:
+            backend.record_success()
+        else:
+            await self._failed(backend.name, "mid-stream", tried)
+        return went_on, relayed.cut
 
     def _growth(self, request: InferenceRequest, block_size: int) -> Growth | None:
         """What grows a streaming request's reservation with its answer (in `learned`

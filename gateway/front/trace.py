@@ -20,7 +20,7 @@ from starlette.types import Message, Send
 from gateway.errors import SpillgateError, UpstreamUnavailable
 from gateway.outcome import Outcome
 from gateway.upstream.forward import Forwards
-from gateway.upstream.relay import AnswerRecorder, Relayed, StreamWatch, Usage
+from gateway.upstream.relay import AnswerRecorder, Relayed, StreamRelay, StreamWatch, Usage
 
 if TYPE_CHECKING:
     from gateway.front.exchange import Exchange, Served
@@ -250,6 +250,8 @@ class _TracedForwarder:
         deadline: float | None = None,
         trace_headers: Mapping[str, str] | None = None,
         growth: StreamWatch | None = None,
+        resumable: bool = False,
+        relay: StreamRelay | None = None,
     ) -> Relayed:
         trace = self._trace
         if not trace.recording:
@@ -263,6 +265,8 @@ class _TracedForwarder:
                 deadline=deadline,
                 trace_headers=trace.unsampled_headers(),
                 growth=growth,
+                resumable=resumable,
+                relay=relay,
             )
         span, carrier = trace.attempt(target)
         status: list[int] = []
@@ -284,6 +288,8 @@ class _TracedForwarder:
                 deadline=deadline,
                 trace_headers=carrier,
                 growth=growth,
+                resumable=resumable,
+                relay=relay,
             )
         except UpstreamUnavailable as exc:
             if exc.status is not None:

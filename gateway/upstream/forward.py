@@ -19,6 +19,7 @@ from gateway.upstream.relay import (
     SSE_HEADERS,
     AnswerRecorder,
     Relayed,
+    StreamRelay,
     StreamWatch,
     model_swap,
     relay_stream,
@@ -78,6 +79,8 @@ class Forwards(Protocol):
         deadline: float | None = None,
         trace_headers: Mapping[str, str] | None = None,
         growth: StreamWatch | None = None,
+        resumable: bool = False,
+        relay: StreamRelay | None = None,
     ) -> Relayed: ...
 
 
@@ -121,11 +124,15 @@ class Forwarder:
         deadline: float | None = None,
         trace_headers: Mapping[str, str] | None = None,
         growth: StreamWatch | None = None,
+        resumable: bool = False,
+        relay: StreamRelay | None = None,
     ) -> Relayed:
         """Relay `request` via `target` to the client; raise UpstreamUnavailable before any byte.
 
         `deadline` (Clock time) ends the whole exchange, earlier attempts included;
         by default it is `timeouts.total` from now. `trace_headers` go to the upstream too.
+        A `resumable` stream that breaks off mid-answer is left open (`Relayed.cut`);
+        `relay` is such a stream, which this request continues (gateway/upstream/resume.py).
         """
         clock = self._clock
         now = clock.monotonic()
@@ -160,7 +167,7 @@ class Forwarder:
             if response.status >= 400:
                 body = await self._read_body(response, deadline)
                 done = True
-                if target.external:
+                if target.external or relay is not None:  # a continuation: nothing to relay
                     _check_external_body(response.status, body)
                 return await send_json_body(
                     body,
@@ -181,20 +188,24 @@ class Forwarder:
                 ) from None
             if target.external:
                 _check_external_first_chunk(first)
+            if relay is None:
+                relay = StreamRelay(
+                    send=send,
+                    swap=swap,
+                    keep_usage=request.client_wants_usage,
+                    recorder=recorder,
+                    hide_errors=target.external,
+                    growth=growth,
+                    resumable=resumable,
+                )
+                await relay.start(status=200, headers=[*SSE_HEADERS, *headers])
             relayed = await relay_stream(
                 chunks,
-                send=send,
-                status=200,
-                headers=[*SSE_HEADERS, *headers],
+                relay=relay,
                 first_chunk=first,
-                swap=swap,
-                keep_usage=request.client_wants_usage,
                 idle_s=t.idle,
                 deadline=deadline,
                 clock=clock,
-                recorder=recorder,
-                hide_errors=target.external,
-                growth=growth,
             )
             done = relayed.completed
             return relayed

@@ -85,6 +85,9 @@ class Relayed:
     first_byte_at: float | None  # Clock time when the first byte reached the client
     completed: bool  # False when the upstream broke mid-stream
     upstream_error: bytes = b""  # an error event the upstream sent, hidden from the client
+    # a stream whose upstream broke off, still open to the client: the caller continues it
+    # on another backend, or ends it (StreamCut)
+    cut: StreamCut | None = None
 
 
 # puts the public model name in place of the served one in every `"model"` field of the
@@ -142,7 +145,12 @@ HIDDEN_ERROR = (
 
 
 class StreamRelay:
-    """Cuts upstream chunks at event boundaries and relays them; reads the usage event."""
+    """Cuts upstream chunks at event boundaries and relays them; reads the usage event.
+
+    One relay serves the client's whole stream: where the stream is continued on another
+    backend after its own broke off (gateway/upstream/resume.py), each continuation is a
+    leg of the same relay (`next_leg`).
+    """
 
     def __init__(
         self,
@@ -153,10 +161,12 @@ class StreamRelay:
         recorder: AnswerRecorder | None,
         hide_errors: bool = False,
         growth: StreamWatch | None = None,
+        resumable: bool = False,
     ) -> None:
         """`hide_errors`: the upstream's error events (an external provider's, which name
         its model and account) are replaced by the gateway's own; the caller logs them.
-        `growth` sees every batch of events before it goes out."""
+        `growth` sees every batch of events before it goes out. `resumable`: the events
+        the client got are kept, so that a stream cut mid-answer can be continued."""
         self._send = send
         self._growth = growth
         self._swap = swap
@@ -166,8 +176,44 @@ class StreamRelay:
         self._pending = b""
         self._notable = _NOTABLE[(keep_usage, hide_errors)]
         self._held: bytes | None = None  # a finishing event, until the next event arrives
+        self._leg: Leg | None = None  # a continuation's rewriting, from its second leg on
         self.usage = Usage()
         self.upstream_error = b""  # the error event the upstream sent, hidden from the client
+        self.first_byte_at: float | None = None  # Clock time the client got its first byte
+        # what the client got, event batches as sent (only when resumable)
+        self.kept: list[bytes] | None = [] if resumable else None
+        # output tokens the client got from earlier legs: the usage event's counts are
+        # told as the client's, not the continuation's (whose prompt holds them)
+        self.carried = 0
+
+    async def start(self, *, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+
+    def next_leg(self, leg: Leg, *, carried: int, growth: StreamWatch | None) -> None:
+        """Relay a continuation from here on: `leg` rewrites its events as the client's
+        stream had them, `carried` output tokens came before it."""
+        self._pending = b""  # the broken leg's unfinished event never reaches the client
+        self._leg = leg
+        self.carried = carried
+        self._growth = growth
+
+    def recorded(self) -> None:
+        """The answer ended whole: the recorder may keep it."""
+        if self._recorder is not None:
+            self._recorder.finish(self.usage)
+
+    @property
+    def finished(self) -> bool:
+        """A finishing event arrived and is held: the answer ended before the cut."""
+        return self._held is not None
+
+    async def end(self, last: bytes = b"") -> None:
+        """Close the client's stream with `last`, what is held going first."""
+        self._pending = b""
+        if self._held is not None:
+            last = self._outgoing(self._held + b"\n\n") + last
+            self._held = None
+        await self._send({"type": "http.response.body", "body": last, "more_body": False})
 
     async def feed(self, chunk: bytes) -> None:
         data = self._pending + chunk if self._pending else chunk
@@ -189,12 +235,16 @@ class StreamRelay:
             await self._send({"type": "http.response.body", "body": held, "more_body": True})
 
     async def _emit(self, out: bytes) -> None:
+        if self._leg is not None:
+            out = self._leg.rewrite(out)
         if self._held is not None or self._notable.search(out):
             out = self._rewrite(out)
         out = self._outgoing(out)
         if self._growth is not None and self._growth.seen(out):
             await self._growth.grow()
         if out:
+            if self.kept is not None:
+                self.kept.append(out)
             await self._send({"type": "http.response.body", "body": out, "more_body": True})
 
     def _outgoing(self, out: bytes) -> bytes:
@@ -216,6 +266,9 @@ class StreamRelay:
             if payload is None and event.startswith(b"event: "):
                 self._typed_event(event)
             if payload is not None:
+                if self.carried:
+                    _carry_over(payload["usage"], self.carried)
+                    event = b"data: " + orjson.dumps(payload)
                 self.usage = Usage.from_json(payload["usage"])
                 if not self._keep_usage and not payload.get("choices"):
                     if self._held is not None:
@@ -266,6 +319,39 @@ class StreamRelay:
         return None
 
 
+def _carry_over(usage: dict[str, Any], carried: int) -> None:
+    """A continuation's usage as the client's: its prompt held the `carried` tokens the
+    client got before it, which the client counts as output. The total is the same."""
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens")
+    if isinstance(prompt, int) and isinstance(completion, int):
+        moved = min(carried, prompt)
+        usage["prompt_tokens"] = prompt - moved
+        usage["completion_tokens"] = completion + moved
+
+
+class Leg(Protocol):
+    """A continuation's events as the client's stream had them (gateway/upstream/resume.py)."""
+
+    def rewrite(self, out: bytes) -> bytes: ...
+
+
+@dataclass(slots=True)
+class StreamCut:
+    """A stream whose upstream broke off mid-answer, still open to the client."""
+
+    relay: StreamRelay
+    message: str  # why, as the client is told if the stream cannot go on
+
+    async def fail(self) -> None:
+        """End the client's stream with an error event: it cannot go on."""
+        await self.relay.end(sse_error_event(self.message))
+
+    async def finish(self) -> None:
+        """End the client's stream as it would have ended: its answer had finished."""
+        await self.relay.end(DONE)
+
+
 def _with_fingerprint(event: bytes, usage_chunk: dict[str, Any]) -> bytes:
     """`event` with the usage chunk's `system_fingerprint` added, where it has none."""
     fingerprint = usage_chunk.get("system_fingerprint")
@@ -278,45 +364,40 @@ def _with_fingerprint(event: bytes, usage_chunk: dict[str, Any]) -> bytes:
 async def relay_stream(
     chunks: AsyncIterator[bytes],
     *,
-    send: Send,
-    status: int,
-    headers: list[tuple[bytes, bytes]],
+    relay: StreamRelay,
     first_chunk: bytes,
-    swap: ModelSwap | None,
-    keep_usage: bool,
     idle_s: float,
     deadline: float,  # Clock time
     clock: Clock,
-    recorder: AnswerRecorder | None,
-    hide_errors: bool = False,
-    growth: StreamWatch | None = None,
 ) -> Relayed:
-    relay = StreamRelay(
-        send=send, swap=swap, keep_usage=keep_usage, recorder=recorder, hide_errors=hide_errors,
-        growth=growth,
-    )  # fmt: skip
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+    """Relay one upstream's stream through `relay`, its response already started. An
+    upstream that breaks off leaves a resumable relay's stream open (`Relayed.cut`), and
+    ends any other with an error event."""
     await relay.feed(first_chunk)
-    first_byte_at = clock.monotonic()
+    if relay.first_byte_at is None:
+        relay.first_byte_at = clock.monotonic()
     try:
-        with Deadline.after(min(idle_s, deadline - first_byte_at)) as budget:
+        with Deadline.after(min(idle_s, deadline - clock.monotonic())) as budget:
             async for chunk in chunks:
                 await relay.feed(chunk)
                 budget.push(min(idle_s, deadline - clock.monotonic()))
     except (TimeoutError, TransportError, OSError) as exc:
-        await relay.flush()
         message = "The upstream stopped responding mid-stream; the response is incomplete."
         if not isinstance(exc, TimeoutError):
             message = f"The upstream connection failed mid-stream: {type(exc).__name__}."
-        body = sse_error_event(message)
-        await send({"type": "http.response.body", "body": body, "more_body": False})
-        return Relayed(relay.usage, first_byte_at, False)  # not completed
+        if relay.kept is not None:
+            return Relayed(relay.usage, relay.first_byte_at, False, cut=StreamCut(relay, message))
+        await relay.flush()
+        await relay.end(sse_error_event(message))
+        return Relayed(relay.usage, relay.first_byte_at, False)  # not completed
     await relay.flush()
     failed = bool(relay.upstream_error)
-    if recorder is not None and not failed:
-        recorder.finish(relay.usage)
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
-    return Relayed(relay.usage, first_byte_at, not failed, upstream_error=relay.upstream_error)
+    if not failed:
+        relay.recorded()
+    await relay.end()
+    return Relayed(
+        relay.usage, relay.first_byte_at, not failed, upstream_error=relay.upstream_error
+    )
 
 
 async def send_json_body(

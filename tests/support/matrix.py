@@ -88,7 +88,9 @@ def pools(faults_url: str, steady: str, crash_url: str) -> list[dict[str, Any]]:
          "backends": [at("st0", "stall")]},
         {"name": "mute", "timeouts": {"first_token": 30, "total": 60},
          "backends": [at("mu0", "silent")]},
-        {"name": "crash",
+        # streams cut here are not continued: the pool's error path is what is tested
+        # (tests/integration/test_stream_continuation.py continues them)
+        {"name": "crash", "continue_streams": 0,
          "backends": [{"url": crash_url, "served_model": "c", "capacity": 4096},
                       at("spare", "c")]},
         {"name": "spill", "overflow": ["provider", "reject"], "provider": "hosted",
