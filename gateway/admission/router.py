@@ -182,6 +182,7 @@ class Router:
         exclude: Collection[str] = (),
         prefix: Sequence[bytes] = (),
         session: str | None = None,
+        running: bool = False,
     ) -> Reservation | None:
         """Reserve `sequences` sequences of up to `tokens` tokens each, in whole KV blocks, on
         the least-filled backend with room under the target fill, else None. With `prefix`
@@ -189,9 +190,14 @@ class Router:
         hold them goes first, within the herding guard (`_by_prefix`).
 
         A request larger than the target fill allows but within a backend's KV cache is
-        reserved on an idle backend, alone: the ledger's limit is then its own size.
+        reserved on an idle backend, alone: the ledger's limit is then its own size. A
+        `running` request (a stream continued from a backend that failed) was admitted
+        already: it may fill a backend's KV cache past the target fill, as a stream that
+        grows does.
         """
         ranked = self._ranked(pool, exclude)
+        if running:
+            ranked = [(fill, i, b, capacity, capacity) for fill, i, b, _, capacity in ranked]
         if prefix or session:
             if self.pools[pool].settings.routing != "prefix":
                 prefix, session = (), None

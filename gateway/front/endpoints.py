@@ -81,9 +81,9 @@ class PinnedExchange(Exchange):
         self.others = others
 
     def reserve(
-        self, request: InferenceRequest, *, exclude: Collection[str] = ()
+        self, request: InferenceRequest, *, exclude: Collection[str] = (), running: bool = False
     ) -> Awaitable[Reservation | None]:
-        return super().reserve(request, exclude=self.others.union(exclude))
+        return super().reserve(request, exclude=self.others.union(exclude), running=running)
 
 
 class ResponsesEndpoint(CompletionsEndpoint):

@@ -137,7 +137,7 @@ class Exchange:
         return self.holding.reservation is not None
 
     def reserve(
-        self, request: InferenceRequest, *, exclude: Collection[str] = ()
+        self, request: InferenceRequest, *, exclude: Collection[str] = (), running: bool = False
     ) -> Awaitable[Reservation | None]:
         """Room for `request` in its pool, not yet held, to await; None if there is none.
 
@@ -146,8 +146,10 @@ class Exchange:
         itself: it hands back the router's, one frame fewer on every admission.)
         """
         pool = self.router.pools[request.pool].settings
-        if request.priority == "sheddable" and (
-            self.router.pool_fill(request.pool) >= pool.sheddable_max_fill
+        if (
+            request.priority == "sheddable"
+            and not running
+            and (self.router.pool_fill(request.pool) >= pool.sheddable_max_fill)
         ):
             return _nothing()
         return self.router.reserve(
@@ -157,6 +159,7 @@ class Exchange:
             exclude=exclude,
             prefix=request.prefix,
             session=request.session,
+            running=running,
         )
 
     def retry_after(self, request: InferenceRequest) -> float:
@@ -290,7 +293,7 @@ class Exchange:
             if why is None and self.clock.monotonic() >= deadline:
                 why = "deadline"
             if follow is not None and why is None:
-                self.holding.reservation = await self.reserve(follow, exclude=tried)
+                self.holding.reservation = await self.reserve(follow, exclude=tried, running=True)
                 why = "no_room" if self.holding.reservation is None else None
             if follow is None or why is not None:
                 self.metrics.stream_continuations_refused.labels(pool, why or "").inc()
