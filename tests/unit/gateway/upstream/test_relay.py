@@ -6,7 +6,16 @@ import pytest
 from starlette.types import Message
 
 from gateway.clock import ManualClock
-from gateway.upstream.relay import HIDDEN_ERROR, StreamRelay, model_swap, send_json_body
+from gateway.front.request import Endpoint
+from gateway.upstream.relay import (
+    HIDDEN_ERROR,
+    Relayed,
+    StreamRelay,
+    model_swap,
+    relay_stream,
+    send_json_body,
+)
+from gateway.upstream.resume import ContinuationLeg, read_partial
 from tests.vllm_capture import sse
 
 CHUNK = b'data: {"id":"c","model":"served","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
@@ -203,3 +212,85 @@ def test_an_error_event_is_replaced_only_where_the_upstreams_errors_are_hidden(
     else:
         assert b"".join(sent) == CHUNK + PROVIDER_ERROR + DONE
         assert relay.upstream_error == b""
+
+
+class _Chunks:
+    """An upstream's chunks, then the connection failing (as the client's relay sees it)."""
+
+    def __init__(self, chunks: list[bytes], *, fails: bool) -> None:
+        self._chunks = list(chunks)
+        self._fails = fails
+
+    def __aiter__(self) -> "_Chunks":
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._chunks:
+            return self._chunks.pop(0)
+        if self._fails:
+            raise ConnectionResetError
+        raise StopAsyncIteration
+
+
+def test_a_resumable_stream_cut_mid_event_stays_open_and_goes_on_as_one_stream() -> None:
+    """The cut leg's unfinished event never reaches the client; the continuation's role
+    event is dropped, its id is the first leg's, and its usage counts the text the
+    client got before the cut as output, once."""
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def go() -> tuple[Relayed, Relayed, StreamRelay]:
+        relay = StreamRelay(send=send, swap=None, keep_usage=True, recorder=None, resumable=True)
+        await relay.start(status=200, headers=[])
+        first = await relay_stream(
+            _Chunks([CHUNK, CHUNK[:20]], fails=True),
+            relay=relay, first_chunk=CHUNK, idle_s=5, deadline=2000, clock=ManualClock(),
+        )  # fmt: skip
+        assert first.cut is not None and not first.completed
+        partial = read_partial(relay.kept or [], Endpoint.CHAT)
+        assert (partial.text, partial.tokens) == ("hihi", 2)
+        relay.next_leg(ContinuationLeg(partial), carried=partial.tokens, growth=None)
+        role = b'data: {"id":"d","choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n'
+        usage = USAGE.replace(b'"c"', b'"d"')  # the continuation's prompt held the 2 tokens
+        second = await relay_stream(
+            _Chunks([CHUNK.replace(b'"c"', b'"d"'), usage, DONE], fails=False),
+            relay=relay, first_chunk=role, idle_s=5, deadline=2000, clock=ManualClock(),
+        )  # fmt: skip
+        return first, second, relay
+
+    first, second, relay = asyncio.run(go())
+    assert second.completed and second.cut is None
+    assert second.first_byte_at == first.first_byte_at
+    body = b"".join(m.get("body", b"") for m in sent)
+    assert (
+        body
+        == CHUNK * 3
+        + USAGE.replace(
+            b'"prompt_tokens":10,"total_tokens":18,"completion_tokens":8',
+            b'"prompt_tokens":8,"total_tokens":18,"completion_tokens":10',
+        )
+        + DONE
+    )
+    assert (relay.usage.prompt_tokens, relay.usage.completion_tokens) == (8, 10)
+    assert [m["type"] for m in sent].count("http.response.start") == 1
+    assert sent[-1]["more_body"] is False
+
+
+def test_a_stream_that_is_not_resumable_ends_with_the_error_event_at_the_cut() -> None:
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def go() -> Relayed:
+        relay = StreamRelay(send=send, swap=None, keep_usage=True, recorder=None)
+        return await relay_stream(
+            _Chunks([], fails=True),
+            relay=relay, first_chunk=CHUNK, idle_s=5, deadline=2000, clock=ManualClock(),
+        )  # fmt: skip
+
+    relayed = asyncio.run(go())
+    assert relayed.cut is None and not relayed.completed
+    assert b"mid-stream" in sent[-1]["body"] and sent[-1]["more_body"] is False
