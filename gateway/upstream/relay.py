@@ -174,7 +174,10 @@ class StreamRelay:
         self._recorder = recorder
         self._hide_errors = hide_errors
         self._pending = b""
-        self._notable = _NOTABLE[(keep_usage, hide_errors)]
+        # a resumable stream looks for error events too: one of the upstream's own failing
+        # (an engine that died or aborted it) breaks the leg off like a lost connection
+        self._notable = _NOTABLE[(keep_usage, hide_errors or resumable)]
+        self._broken: str | None = None  # why the upstream's own error event broke the leg
         self._held: bytes | None = None  # a finishing event, until the next event arrives
         self._leg: Leg | None = None  # a continuation's rewriting, from its second leg on
         self.usage = Usage()
@@ -193,6 +196,7 @@ class StreamRelay:
         """Relay a continuation from here on: `leg` rewrites its events as the client's
         stream had them, `carried` output tokens came before it."""
         self._pending = b""  # the broken leg's unfinished event never reaches the client
+        self._broken = None
         self._leg = leg
         self.carried = carried
         self._growth = growth
@@ -246,6 +250,8 @@ class StreamRelay:
             if self.kept is not None:
                 self.kept.append(out)
             await self._send({"type": "http.response.body", "body": out, "more_body": True})
+        if self._broken is not None:
+            raise UpstreamFailed(self._broken)
 
     def _outgoing(self, out: bytes) -> bytes:
         """`out` as the client gets it (the model name swapped back), shown to the recorder."""
@@ -260,6 +266,10 @@ class StreamRelay:
         its fingerprint to the finishing event before it, held back until now."""
         kept: list[bytes] = []
         for event in out.split(b"\n\n"):
+            if self.kept is not None and _failure_event(event):
+                self._broken = "The upstream failed mid-stream; the response is incomplete."
+                kept.append(b"")  # the events before it end as they came, with a blank line
+                break  # what follows it, its [DONE] included, is the broken leg's
             if self._hide_errors and _ERROR_EVENT.match(event):
                 event = self._hidden(event)
             payload = self._usage_payload(event)
@@ -319,6 +329,25 @@ class StreamRelay:
         return None
 
 
+class UpstreamFailed(TransportError):
+    """The upstream's stream carried an error event of its own failing (a 5xx, or none)."""
+
+
+def _failure_event(event: bytes) -> bool:
+    """An error event for a failure of the upstream's, not of the request: its code is a
+    5xx, or it has none."""
+    if not _ERROR_EVENT.match(event):
+        return False
+    try:
+        error = orjson.loads(event[event.index(b"{") :]).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return True
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, str) and code.isdigit():
+        code = int(code)
+    return not isinstance(code, int) or code >= 500
+
+
 def _carry_over(usage: dict[str, Any], carried: int) -> None:
     """A continuation's usage as the client's: its prompt held the `carried` tokens the
     client got before it, which the client counts as output. The total is the same."""
@@ -373,17 +402,19 @@ async def relay_stream(
     """Relay one upstream's stream through `relay`, its response already started. An
     upstream that breaks off leaves a resumable relay's stream open (`Relayed.cut`), and
     ends any other with an error event."""
-    await relay.feed(first_chunk)
     if relay.first_byte_at is None:
         relay.first_byte_at = clock.monotonic()
     try:
+        await relay.feed(first_chunk)
         with Deadline.after(min(idle_s, deadline - clock.monotonic())) as budget:
             async for chunk in chunks:
                 await relay.feed(chunk)
                 budget.push(min(idle_s, deadline - clock.monotonic()))
     except (TimeoutError, TransportError, OSError) as exc:
         message = "The upstream stopped responding mid-stream; the response is incomplete."
-        if not isinstance(exc, TimeoutError):
+        if isinstance(exc, UpstreamFailed):
+            message = str(exc)
+        elif not isinstance(exc, TimeoutError):
             message = f"The upstream connection failed mid-stream: {type(exc).__name__}."
         if relay.kept is not None:
             return Relayed(relay.usage, relay.first_byte_at, False, cut=StreamCut(relay, message))

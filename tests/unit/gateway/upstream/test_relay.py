@@ -294,3 +294,28 @@ def test_a_stream_that_is_not_resumable_ends_with_the_error_event_at_the_cut() -
     relayed = asyncio.run(go())
     assert relayed.cut is None and not relayed.completed
     assert b"mid-stream" in sent[-1]["body"] and sent[-1]["more_body"] is False
+
+
+def test_an_upstream_error_event_of_its_own_failing_cuts_a_resumable_stream() -> None:
+    """vLLM tells a request its engine aborted in an error event, code 500: for a stream
+    that can go on elsewhere that is a cut, not the answer; a 400 is the request's own."""
+    failing = b'data: {"error":{"message":"engine died","type":"x","param":null,"code":500}}\n\n'
+    refused = failing.replace(b"500", b"400")
+
+    async def go(event: bytes) -> tuple[Relayed, bytes]:
+        sent: list[bytes] = []
+
+        async def send(message: Message) -> None:
+            sent.append(message.get("body", b""))
+
+        relay = StreamRelay(send=send, swap=None, keep_usage=True, recorder=None, resumable=True)
+        relayed = await relay_stream(
+            _Chunks([CHUNK + event + DONE], fails=False),
+            relay=relay, first_chunk=CHUNK, idle_s=5, deadline=2000, clock=ManualClock(),
+        )  # fmt: skip
+        return relayed, b"".join(sent)
+
+    cut, out = asyncio.run(go(failing))
+    assert cut.cut is not None and out == CHUNK * 2
+    whole, out = asyncio.run(go(refused))
+    assert whole.cut is None and out == CHUNK * 2 + refused + DONE
