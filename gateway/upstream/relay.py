@@ -120,20 +120,27 @@ def sse_error_event(message: str, *, code: str = "upstream_error") -> bytes:
 
 
 # an event that carries a usage object (providers send `"usage":null` on every chunk once
-# usage is asked for: only an object is worth parsing), one that finishes a choice, and an
-# error event
+# usage is asked for: only an object is worth parsing), one that finishes a choice, an
+# error event, and a choice the engine gave up on (vLLM aborts its requests on SIGTERM)
 _USAGE = rb'"usage"\s*:\s*\{'
 _FINISH = rb'"finish_reason"\s*:\s*"'
 _ERROR = rb'data:\s*\{\s*"error"\s*:'
-# what is worth a look, by (keep_usage, hide_errors): a finishing event only when the
-# usage chunk is dropped, an error event only from an upstream whose errors are hidden
+_ABORTED = rb'"finish_reason"\s*:\s*"(?:abort|error)"'
+# what is worth a look, by (keep_usage, hide_errors, resumable): a finishing event only
+# when the usage chunk is dropped, an error event from an upstream whose errors are hidden
+# or whose failure a resumable stream goes on from, and an aborted choice for the latter
 _NOTABLE = {
-    (keep, hide): re.compile(b"|".join(p for p, wanted in parts if wanted))
+    (keep, hide, resume): re.compile(b"|".join(p for p, wanted in parts if wanted))
     for keep in (False, True)
     for hide in (False, True)
-    for parts in [((_USAGE, True), (_FINISH, not keep), (_ERROR, hide))]
+    for resume in (False, True)
+    for parts in [
+        ((_USAGE, True), (_FINISH, not keep), (_ERROR, hide or resume), (_ABORTED, resume))
+    ]
 }
-_USAGE_EVENT, _FINISH_EVENT, _ERROR_EVENT = map(re.compile, (_USAGE, _FINISH, _ERROR))
+_USAGE_EVENT, _FINISH_EVENT, _ERROR_EVENT, _ABORTED_EVENT = map(
+    re.compile, (_USAGE, _FINISH, _ERROR, _ABORTED)
+)
 # the Responses API's last event, whichever way the response ended: each carries its usage
 FINAL_RESPONSE_EVENTS = frozenset(
     b"event: response." + end for end in (b"completed", b"incomplete", b"failed")
@@ -176,7 +183,7 @@ class StreamRelay:
         self._pending = b""
         # a resumable stream looks for error events too: one of the upstream's own failing
         # (an engine that died or aborted it) breaks the leg off like a lost connection
-        self._notable = _NOTABLE[(keep_usage, hide_errors or resumable)]
+        self._notable = _NOTABLE[(keep_usage, hide_errors, resumable)]
         self._broken: str | None = None  # why the upstream's own error event broke the leg
         self._held: bytes | None = None  # a finishing event, until the next event arrives
         self._leg: Leg | None = None  # a continuation's rewriting, from its second leg on
@@ -266,7 +273,7 @@ class StreamRelay:
         its fingerprint to the finishing event before it, held back until now."""
         kept: list[bytes] = []
         for event in out.split(b"\n\n"):
-            if self.kept is not None and _failure_event(event):
+            if self.kept is not None and (_failure_event(event) or _ABORTED_EVENT.search(event)):
                 self._broken = "The upstream failed mid-stream; the response is incomplete."
                 kept.append(b"")  # the events before it end as they came, with a blank line
                 break  # what follows it, its [DONE] included, is the broken leg's

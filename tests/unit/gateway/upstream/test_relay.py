@@ -319,3 +319,22 @@ def test_an_upstream_error_event_of_its_own_failing_cuts_a_resumable_stream() ->
     assert cut.cut is not None and out == CHUNK * 2
     whole, out = asyncio.run(go(refused))
     assert whole.cut is None and out == CHUNK * 2 + refused + DONE
+
+
+def test_a_choice_the_engine_aborted_cuts_a_resumable_stream() -> None:
+    """vLLM's answer to SIGTERM (no --shutdown-timeout): every running request finishes
+    with `"finish_reason":"abort"`; that is no end of the answer for the client."""
+    aborted = CHUNK.replace(b'"delta":{"content":"hi"}', b'"delta":{},"finish_reason":"abort"')
+
+    async def go() -> Relayed:
+        relay = StreamRelay(send=_ignore, swap=None, keep_usage=True, recorder=None, resumable=True)
+        return await relay_stream(
+            _Chunks([aborted, USAGE, DONE], fails=False),
+            relay=relay, first_chunk=CHUNK, idle_s=5, deadline=2000, clock=ManualClock(),
+        )  # fmt: skip
+
+    assert asyncio.run(go()).cut is not None
+
+
+async def _ignore(message: Message) -> None:
+    pass
