@@ -240,7 +240,7 @@ class Exchange:
         if request.stream and not relayed.completed:  # cut, and ended with an error event
             why = (refusal(request) if self._continues(request) else None) or "off"
             self.metrics.stream_continuations_refused.labels(request.pool, why).inc()
-            await self._failed(backend.name, "mid-stream", tried)
+            await self._broke_off(backend.name, tried)
         else:
             backend.record_success()
         return served
@@ -264,6 +264,15 @@ class Exchange:
         tried.add(name)
         await self.holding.release()
 
+    async def _broke_off(self, name: str, tried: set[str]) -> None:
+        """Backend `name` broke off a stream mid-answer: most likely it is going away (a
+        restart, a drain, a crash), so it takes no new request until a probe finds it
+        serving again (gateway/admission/backends.py)."""
+        await self._failed(name, "mid-stream", tried)
+        self.router.backend(name).mark_down(
+            "it broke off a stream mid-answer", now=self.clock.monotonic()
+        )
+
     async def _go_on(
         self,
         request: InferenceRequest,
@@ -278,7 +287,7 @@ class Exchange:
         (gateway/upstream/resume.py); else end it with an error event."""
         pool = request.pool
         tries = self.router.pools[pool].settings.continue_streams
-        await self._failed(served.target, "mid-stream", tried)
+        await self._broke_off(served.target, tried)
         while True:
             partial = read_partial(cut.relay.kept or [], request.endpoint)
             if partial.finished or cut.relay.finished:  # it broke off after its last token
@@ -342,7 +351,7 @@ class Exchange:
         if relayed.cut is None:
             backend.record_success()
         else:
-            await self._failed(backend.name, "mid-stream", tried)
+            await self._broke_off(backend.name, tried)
         return went_on, relayed.cut
 
     def _growth(self, request: InferenceRequest, block_size: int) -> Growth | None:
