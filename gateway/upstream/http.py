@@ -1,5 +1,11 @@
 """The upstream HTTP/1.1 client: keep-alive connections to each backend and provider.
 
+This is security-sensitive code. It reads bytes from servers the gateway does not control
+(a provider across the internet, a backend behind someone else's proxy, a process that is
+dying), and every request of the process passes through it. Every hostile answer anyone
+finds becomes a test in tests/integration/test_upstream_hostile.py, against a real server
+that answers that way, and what the client does then is what h11, aiohttp and Envoy do.
+
 The gateway sends one kind of request upstream, a POST of a JSON body, and relays the
 answer as it arrives. It does so on asyncio protocols with httptools, the parser uvicorn
 serves with, instead of a general client: a general client's request and response
@@ -12,16 +18,38 @@ A connection serves one request at a time and goes back to the pool when its ans
 been read to the end and the server keeps it open. An answer not read to its end closes
 its connection (`Response.close`), which is also how a request the client abandoned is
 cancelled upstream: the server sees the connection go.
+
+What it does with an upstream that answers in ways it should not:
+
+- informational answers (1xx) before the answer are skipped (RFC 9110 §15.2); a 101 is a
+  ProtocolError, as nothing asked to switch protocols;
+- an answer's heads (informational ones included) and its trailers hold at most
+  `max_header_bytes` of names and values and `max_headers` fields between them (Envoy's
+  60 KiB and 100); past either, ProtocolError, and the connection closes. Trailers are
+  counted, never read;
+- a body of no stated length ends at an orderly close only: a reset is ConnectionClosed;
+- a request on a kept-alive connection that closed before any byte of its answer goes
+  once more on a new connection (`UpstreamPool.post` says why that is safe);
+- a host's addresses are tried as RFC 8305's Happy Eyeballs does, so an address that
+  drops connections costs a quarter of a second, not the whole connect budget;
+- idle connections are let go after `keepalive_s`, the oldest first;
+- a request header whose name is not a token, or whose value holds a line break or
+  another control character, is refused before anything is sent;
+- the first failure of a connection is the one its caller sees, not what followed it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
+import socket
 import ssl
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
+import aiohappyeyeballs
 import httptools
 
 # uvicorn, which vLLM and SGLang serve with, closes a connection idle for 5 s: one taken
@@ -31,6 +59,24 @@ KEEPALIVE_S = 4.0
 # past this many bytes read and not yet taken by the relay, the connection stops reading
 # until the relay catches up (a slow client slows its upstream, as TCP would)
 HIGH_WATER = 1 << 18
+# Envoy's bounds on a response head: 60 KiB of names and values, and 100 fields
+MAX_HEADER_BYTES = 60 * 1024
+MAX_HEADERS = 100
+# RFC 8305's connection attempt delay: the next address is tried once the one before it
+# has not connected for this long
+HAPPY_EYEBALLS_DELAY_S = 0.25
+# httptools hands a header over only once its line has ended, and keeps it till then: a
+# value that never ends is bounded by the bytes received that carried no body. Beyond the
+# names and values they hold the status line, each field's ": " and CRLF, chunk framing.
+_HEAD_FRAMING = 8192
+# a request header's name is a token, its value holds no control character but HTAB
+# (RFC 9110 §5.1, §5.5): one with a line break would add headers, or end the head early
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_FIELD_VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
+_REQUEST_TARGET = re.compile(r"[^\x00-\x20\x7f]+")
+
+Addresses = Sequence[aiohappyeyeballs.AddrInfoType]
+Resolve = Callable[[str, int], Awaitable[Addresses]]
 
 
 class TransportError(Exception):
@@ -50,7 +96,18 @@ class ConnectionClosed(TransportError):
 
 
 class ProtocolError(TransportError):
-    """The upstream's bytes were not HTTP/1.1."""
+    """The upstream's bytes were not HTTP/1.1, or not within the client's bounds."""
+
+
+def header_line(name: str, value: str) -> str:
+    """`name: value` and its CRLF; ValueError for a name that is not a token, or a value
+    with a line break or another control character in it (HTAB aside)."""
+    if not _TOKEN.fullmatch(name):
+        raise ValueError(f"not a header name: {name!r}")
+    if not _FIELD_VALUE.fullmatch(value):
+        # the value is not shown: it may be a key
+        raise ValueError(f"header {name!r} has a line break or other control character in it")
+    return f"{name}: {value}\r\n"
 
 
 class Route(NamedTuple):
@@ -71,12 +128,12 @@ class Route(NamedTuple):
         if parts.port is not None:
             host = f"{host}:{port}"
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        lines = [f"POST {target} HTTP/1.1", f"host: {host}"]
-        lines += [f"{name}: {value}" for name, value in headers.items()]
-        if any("\r" in line or "\n" in line for line in lines):
-            # a key read from the environment with a line break in it would add headers
-            raise ValueError(f"a header for {url} has a line break in it")
-        head = ("\r\n".join(lines) + "\r\n").encode("latin-1")
+        if not _REQUEST_TARGET.fullmatch(target):
+            raise ValueError(f"a space or control character in the path of {url!r}")
+        # a key read from the environment with a line break in it would add headers
+        lines = [f"POST {target} HTTP/1.1\r\n", header_line("host", host)]
+        lines += [header_line(name, value) for name, value in headers.items()]
+        head = "".join(lines).encode("latin-1")
         return cls(origin=(parts.hostname, port, tls), head=head, connect_s=connect_s)
 
 
@@ -97,7 +154,7 @@ class Response:
     )
 
     def __init__(self, connection: _Connection) -> None:
-        self.status = 0
+        self.status = 0  # until the answer's head, informational answers aside, has arrived
         self.headers: dict[bytes, bytes] = {}  # names lower-cased
         self.complete = False  # the body has arrived to its end
         self._connection: _Connection | None = connection
@@ -180,11 +237,20 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # until made
         self.closed = False
         self.idle_since = 0.0
+        self.answered = False  # a byte of the current request's answer has arrived
         self._pool = pool
         self._parser = httptools.HttpResponseParser(self)
         self._response: Response | None = None
         self._head: asyncio.Future[Response] | None = None
         self._keep_alive = False  # the last answer let the connection stay open
+        self._failure: TransportError | None = None  # the first; the connection is over
+        self._max_header_bytes = pool.max_header_bytes
+        self._max_headers = pool.max_headers
+        self._max_unbodied = pool.max_header_bytes + 4 * pool.max_headers + _HEAD_FRAMING
+        # of the current answer: names and values of its heads and trailers, and fields
+        self._header_bytes = 0
+        self._headers = 0
+        self._unbodied = 0  # bytes received since the last that carried body
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, though they are one
@@ -194,6 +260,8 @@ class _Connection(asyncio.Protocol):
         """Send a request; the future is its answer's head."""
         self._response = Response(self)
         self._head = head = asyncio.get_running_loop().create_future()
+        self.answered = False
+        self._header_bytes = self._headers = self._unbodied = 0
         self.transport.write(data)
         return head
 
@@ -212,60 +280,114 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
-        if self._response is None:  # nothing was asked: a server closing an idle connection
+        response = self._response
+        if response is None:  # nothing was asked: a server closing an idle connection
             self.close()
             return
+        buffered = response._buffered
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(ProtocolError("the upstream upgraded the connection"))
+            return
         except httptools.HttpParserError as exc:
-            self._fail(ProtocolError(f"bad HTTP from the upstream: {exc}"))
+            # a callback's own refusal (a bound, a 101) travels as the parser's context
+            refusal = exc.__context__
+            if not isinstance(refusal, ProtocolError):
+                refusal = ProtocolError(f"bad HTTP from the upstream: {exc}")
+            self._fail(refusal)
+            return
+        if response._buffered != buffered:
+            self._unbodied = 0
+        else:  # a head, trailers, framing: what httptools may be holding of a header
+            self._unbodied += len(data)
+            if self._unbodied > self._max_unbodied:
+                self._fail(self._too_large())
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.lost(self)
         response = self._response
-        if response is not None and response.status and _ends_with_connection(response):
-            response._ended()  # a body of no stated length ends where the connection does
+        if (
+            exc is None
+            and self._failure is None
+            and response is not None
+            and response.status
+            and _ends_with_connection(response)
+        ):
+            # a body of no stated length ends where the connection does, when it ends in
+            # order: a reset cuts it short, whatever arrived before it
+            response._ended()
             return
-        self._fail(ConnectionClosed("the upstream closed the connection before the answer ended"))
+        if exc is None:
+            why = "the upstream closed the connection before the answer ended"
+        else:
+            why = f"the upstream reset the connection before the answer ended ({exc})"
+        self._fail(ConnectionClosed(why))
 
     def _fail(self, failure: TransportError) -> None:
         self.close()
+        if self._failure is not None:
+            return  # the first failure is the cause; what follows it (the close) is not
+        self._failure = failure
         head, response = self._head, self._response
         if head is not None and not head.done():
             head.set_exception(failure)
         elif response is not None and not response.complete:
             response._failed(failure)
 
-    # httptools' callbacks
+    def _too_large(self) -> ProtocolError:
+        if self._headers > self._max_headers:
+            return ProtocolError(
+                f"the upstream's response head had more than {self._max_headers} fields"
+            )
+        return ProtocolError(
+            f"the upstream's response head exceeded {self._max_header_bytes} bytes"
+        )
+
+    # httptools' callbacks; one that raises stops the parser, and data_received reports it
 
     def on_message_begin(self) -> None:
-        if self._response is None or self._response.complete:
+        response = self._response
+        if response is None or response.complete:
             # an answer after the one asked for: the connection's bytes cannot be trusted
             raise ProtocolError("the upstream sent an answer that was not asked for")
+        self.answered = True
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self._response is not None:
-            self._response.headers[name.lower()] = value
+        self._header_bytes += len(name) + len(value)
+        self._headers += 1
+        if self._header_bytes > self._max_header_bytes or self._headers > self._max_headers:
+            raise self._too_large()
+        response = self._response
+        if response is not None and not response.status:  # after the head: a trailer
+            response.headers[name.lower()] = value
 
     def on_headers_complete(self) -> None:
         response, head = self._response, self._head
-        if response is None or head is None or head.done():
+        if response is None or head is None:
             return
-        response.status = self._parser.get_status_code()
-        head.set_result(response)
+        status = self._parser.get_status_code()
+        if status < 200:
+            if status == 101:
+                raise ProtocolError("the upstream switched protocols, which nothing asked for")
+            response.headers.clear()  # an informational answer's: the answer follows
+            return
+        response.status = status
+        if not head.done():
+            head.set_result(response)
 
     def on_body(self, body: bytes) -> None:
         if self._response is not None:
             self._response._body(body)
 
     def on_message_complete(self) -> None:
+        response = self._response
+        if response is None or not response.status:
+            return  # an informational answer ended; the answer follows it
         # asked here: the parser forgets once it is ready for the next message
         self._keep_alive = self._parser.should_keep_alive()
-        if self._response is not None:
-            self._response._ended()
+        response._ended()
 
 
 def _ends_with_connection(response: Response) -> bool:
@@ -273,48 +395,102 @@ def _ends_with_connection(response: Response) -> bool:
     return b"content-length" not in headers and b"transfer-encoding" not in headers
 
 
-class _OriginPool:
-    """The idle connections to one origin, most recently used last."""
+async def resolve_host(host: str, port: int) -> Addresses:
+    """The host's addresses, of every family, as the system's resolver gives them."""
+    try:
+        # an address written as one needs no lookup, nor a trip to the resolver's thread
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        pass
+    return await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
 
-    def __init__(self, origin: tuple[str, int, bool], slots: asyncio.Semaphore, keepalive_s: float):
+
+class _OriginPool:
+    """The connections to one origin: every one open, and the idle ones, oldest first."""
+
+    def __init__(
+        self,
+        origin: tuple[str, int, bool],
+        slots: asyncio.Semaphore,
+        *,
+        keepalive_s: float,
+        max_header_bytes: int,
+        max_headers: int,
+        resolve: Resolve,
+    ) -> None:
         self.origin = origin
         self.slots = slots
+        self.max_header_bytes = max_header_bytes
+        self.max_headers = max_headers
         self._keepalive_s = keepalive_s
-        self._idle: list[_Connection] = []
+        self._resolve = resolve
+        self._idle: deque[_Connection] = deque()
+        self._open: set[_Connection] = set()
+        self._closed = False
         self._tls = ssl.create_default_context() if origin[2] else None
 
     def take(self, now: float) -> _Connection | None:
+        self._prune(now)
         idle = self._idle
         while idle:
-            connection = idle.pop()
-            if now - connection.idle_since < self._keepalive_s:
+            connection = idle.pop()  # the most recently used: the likeliest to be open
+            if not connection.closed and not connection.transport.is_closing():
                 return connection
-            connection.close()  # kept too long: the server may be closing it now
         return None
 
     def put_back(self, connection: _Connection) -> None:
-        connection.idle_since = _now()
+        if self._closed:  # made for a request still on its way as the pool closed
+            connection.close()
+            return
+        now = _now()
+        connection.idle_since = now
         self._idle.append(connection)
+        self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        """Close the connections idle for `keepalive_s`: the server may be closing them
+        now, and one it never closes would stay open for nothing."""
+        idle = self._idle
+        kept_since = now - self._keepalive_s
+        while idle and idle[0].idle_since <= kept_since:
+            idle.popleft().close()
 
     def lost(self, connection: _Connection) -> None:
+        self._open.discard(connection)
         if connection in self._idle:
             self._idle.remove(connection)
 
     async def connect(self, connect_s: float) -> _Connection:
-        host, port, _ = self.origin
+        host, port, tls = self.origin
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(connect_s):
-                _, connection = await loop.create_connection(
-                    lambda: _Connection(self), host, port, ssl=self._tls
+                addresses = await self._resolve(host, port)
+                sock = await aiohappyeyeballs.start_connection(
+                    addresses, happy_eyeballs_delay=HAPPY_EYEBALLS_DELAY_S, interleave=1
                 )
-        except OSError as exc:
-            raise ConnectFailed(f"cannot connect to {host}:{port}: {exc}", exc) from exc
+                try:
+                    _, connection = await loop.create_connection(
+                        lambda: _Connection(self),
+                        sock=sock,
+                        ssl=self._tls,
+                        server_hostname=host if tls else None,
+                    )
+                except BaseException:
+                    sock.close()
+                    raise
+        except (OSError, RuntimeError) as exc:
+            # aiohappyeyeballs passes on uvloop's RuntimeError where asyncio raises OSError
+            os_error = exc if isinstance(exc, OSError) else OSError(str(exc))
+            raise ConnectFailed(f"cannot connect to {host}:{port}: {exc}", os_error) from exc
+        self._open.add(connection)
         return connection
 
-    def close_idle(self) -> None:
-        for connection in self._idle:
+    def close_all(self) -> None:
+        self._closed = True
+        for connection in list(self._open):
             connection.close()
+        self._open.clear()
         self._idle.clear()
 
 
@@ -323,10 +499,24 @@ def _now() -> float:
 
 
 class UpstreamPool:
-    """Every upstream connection of the process, at most `max_connections` in use at once."""
+    """Every upstream connection of the process, at most `max_connections` in use at once.
 
-    def __init__(self, *, max_connections: int, keepalive_s: float = KEEPALIVE_S) -> None:
+    `max_header_bytes` and `max_headers` bound each answer's head (trailers included);
+    `resolve` gives a host's addresses (the system's resolver by default)."""
+
+    def __init__(
+        self,
+        *,
+        max_connections: int,
+        keepalive_s: float = KEEPALIVE_S,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+        max_headers: int = MAX_HEADERS,
+        resolve: Resolve = resolve_host,
+    ) -> None:
         self._keepalive_s = keepalive_s
+        self._max_header_bytes = max_header_bytes
+        self._max_headers = max_headers
+        self._resolve = resolve
         self._origins: dict[tuple[str, int, bool], _OriginPool] = {}
         # bound to the event loop that first has to wait on it
         self._slots = asyncio.Semaphore(max_connections)
@@ -335,33 +525,53 @@ class UpstreamPool:
         self, route: Route, body: bytes, extra_headers: Mapping[str, str] | None = None
     ) -> Response:
         """Send `body` to `route` and return its answer once its head has arrived. A
-        caller that gives up meanwhile (cancelled, timed out) leaves nothing open."""
+        caller that gives up meanwhile (cancelled, timed out) leaves nothing open.
+        ValueError for an `extra_headers` line `header_line` refuses."""
         pool = self._origins.get(route.origin)
         if pool is None:
             pool = self._origins[route.origin] = _OriginPool(
-                route.origin, self._slots, self._keepalive_s
+                route.origin,
+                self._slots,
+                keepalive_s=self._keepalive_s,
+                max_header_bytes=self._max_header_bytes,
+                max_headers=self._max_headers,
+                resolve=self._resolve,
             )
         head = route.head
         if extra_headers:
-            head += "".join(f"{k}: {v}\r\n" for k, v in extra_headers.items()).encode("latin-1")
+            lines = [header_line(name, value) for name, value in extra_headers.items()]
+            head += "".join(lines).encode("latin-1")
+        data = b"%scontent-length: %d\r\n\r\n%s" % (head, len(body), body)
+        # the slot is this call's until an answer's head is returned: from then on the
+        # connection holds it, and gives it back when it is done
         await pool.slots.acquire()
+        connection: _Connection | None = None
         try:
             connection = pool.take(_now())
-            if connection is None:
-                connection = await pool.connect(route.connect_s)
+            if connection is not None:
+                try:
+                    return await connection.request(data)
+                except ConnectionClosed:
+                    if connection.answered:
+                        raise
+                # The server closed the kept-alive connection as the request went out (its
+                # idle timer, a rolling restart) and not a byte of an answer came. The
+                # request is a POST, which aiohttp sends again only for idempotent methods
+                # (RFC 9112 §9.3.1); an inference request is idempotent in effect: it
+                # changes nothing at the server, and a failure before the first byte is
+                # sent to another backend anyway. Once, on a new connection: a new one
+                # that closes unanswered is the server's answer.
+                connection.close()
+            connection = await pool.connect(route.connect_s)
+            return await connection.request(data)
         except BaseException:
+            if connection is not None:
+                connection.close()
             pool.slots.release()
-            raise
-        # from here the connection holds the slot, and gives it back when it is done
-        try:
-            return await connection.request(
-                b"%scontent-length: %d\r\n\r\n%s" % (head, len(body), body)
-            )
-        except BaseException:
-            connection.done(reuse=False)
             raise
 
     async def aclose(self) -> None:
+        """Close every connection, those whose answers are being read too."""
         for pool in self._origins.values():
-            pool.close_idle()
+            pool.close_all()
         self._origins.clear()

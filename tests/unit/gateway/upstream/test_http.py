@@ -8,112 +8,19 @@ import contextlib
 import shutil
 import ssl
 import subprocess
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-import uvloop
 
 from gateway.upstream.http import (
     HIGH_WATER,
     ConnectFailed,
     ConnectionClosed,
     ProtocolError,
-    Route,
     UpstreamPool,
 )
 from loadtest.procs import free_port
-
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
-
-
-class Server:
-    """A TCP server whose every connection runs `handler`; counts the connections."""
-
-    def __init__(self, handler: Handler) -> None:
-        self.handler = handler
-        self.connections = 0
-        self.closed_by_client = asyncio.Event()
-        self.requests: list[bytes] = []
-        self._server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> Server:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-
-    @property
-    def url(self) -> str:
-        assert self._server is not None
-        port = self._server.sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}/v1/chat/completions"
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            await self.handler(reader, writer)
-        finally:
-            writer.close()
-
-    async def request(self, reader: asyncio.StreamReader) -> bytes:
-        """One request's head and body, as the client sent them; b"" once it has gone."""
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-        raw = head + await reader.readexactly(length)
-        self.requests.append(raw)
-        return raw
-
-
-def route(url: str, **headers: str) -> Route:
-    return Route.post(url, {"content-type": "application/json", **headers}, connect_s=1.0)
-
-
-def run(test: Callable[[], Awaitable[Any]]) -> Any:
-    """The test on asyncio's own loop, then on uvloop's, which the gateway serves with and
-    whose transports are not asyncio's classes; both must give the same answer."""
-    mine = asyncio.run(asyncio.wait_for(test(), 10))
-    assert uvloop.run(asyncio.wait_for(test(), 10)) == mine
-    return mine
-
-
-def answering(server_answer: bytes, *, times: int = 100) -> Callable[[Server], Handler]:
-    def handler_for(server: Server) -> Handler:
-        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            for _ in range(times):
-                try:
-                    await server.request(reader)
-                except asyncio.IncompleteReadError:
-                    return
-                writer.write(server_answer)
-                await writer.drain()
-
-        return handler
-
-    return handler_for
-
-
-def serve(handler_for: Callable[[Server], Handler]) -> Server:
-    server = Server(lambda r, w: asyncio.sleep(0))
-    server.handler = handler_for(server)
-    return server
-
-
-async def fetched(handler_for: Callable[[Server], Handler]) -> bytes:
-    """One request to a fresh server that runs `handler_for`: its answer's body, read to
-    the end (released either way: closed when not read to its end)."""
-    async with serve(handler_for) as server:
-        pool = UpstreamPool(max_connections=8)
-        response = await pool.post(route(server.url), b"{}")
-        try:
-            return await response.read()
-        finally:
-            response.release()
-            await pool.aclose()
+from tests.support.raw_server import OK, Handler, Server, answering, fetched, route, run, serve
 
 
 def test_requests_one_after_another_share_one_connection() -> None:
@@ -265,6 +172,38 @@ def test_a_header_with_a_line_break_is_refused_rather_than_split_into_two() -> N
     with pytest.raises(ValueError, match="line break"):
         route("http://127.0.0.1:1/v1/x", authorization="Bearer sk-1\r\nx-evil: 1")
     assert route("https://[::1]/v1/x").head.startswith(b"POST /v1/x HTTP/1.1\r\nhost: [::1]\r\n")
+
+
+BAD_HEADERS = [
+    {"traceparent": "00-x\r\nx-evil: 1"},  # a second header
+    {"traceparent": "00-x\n\r\nPOST /admin HTTP/1.1"},  # a second request
+    {"traceparent": "00-x\x00"},
+    {"traceparent": "00-x\x1b[2J"},
+    {"x evil": "1"},
+    {"x-evil:": "1"},
+    {"": "1"},
+]
+
+
+def test_a_per_request_header_is_checked_as_the_fixed_ones_are_and_nothing_is_sent() -> None:
+    """A name that is not a token, or a value with a line break or any control character
+    but HTAB, is refused by `post` (and by `Route.post`) before a byte leaves; HTAB passes."""
+
+    async def test() -> list[bytes]:
+        async with serve(answering(OK)) as server:
+            pool = UpstreamPool(max_connections=8)
+            for headers in BAD_HEADERS:
+                with pytest.raises(ValueError):
+                    await pool.post(route(server.url), b"{}", headers)
+                with pytest.raises(ValueError):
+                    route(server.url, **headers)
+            response = await pool.post(route(server.url), b"{}", {"x-tab": "a\tb"})
+            assert await response.read() == b"{}"
+            response.release()
+            await pool.aclose()
+        return [line for raw in server.requests for line in raw.split(b"\r\n")[2:-2]]
+
+    assert run(test) == [b"content-type: application/json", b"x-tab: a\tb", b"content-length: 2"]
 
 
 def test_a_body_of_no_stated_length_ends_where_the_connection_does() -> None:

@@ -1,0 +1,460 @@
+"""Upstreams that answer the way they should not, each a real server on loopback, against
+the gateway's own HTTP/1.1 client (gateway/upstream/http.py) and, where a client would
+see it, the gateway in front of it. Every hostile answer anyone finds gets a test here.
+
+The client-level tests run on asyncio's loop and on uvloop's (`run`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from gateway.upstream.http import (
+    ConnectFailed,
+    ConnectionClosed,
+    ProtocolError,
+    Route,
+    UpstreamPool,
+)
+from tests.support.raw_server import (
+    OK,
+    Handler,
+    Server,
+    answering,
+    fetched,
+    reset,
+    route,
+    run,
+    serve,
+)
+
+CHUNKED = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def endless(head: bytes) -> Callable[[Server], Handler]:
+    """Answers the first request with `head`, then with 64 KiB pieces of `a` for as long
+    as the client reads them, up to 100 MB: a header or a trailer that never ends."""
+
+    def handler_for(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.request(reader)
+            writer.write(head)
+            piece = b"a" * 65536
+            with contextlib.suppress(ConnectionError):
+                for _ in range(100 * 16):
+                    writer.write(piece)
+                    await writer.drain()
+
+        return handler
+
+    return handler_for
+
+
+# informational answers
+
+
+def test_informational_answers_before_the_answer_are_skipped() -> None:
+    """100 Continue and 103 Early Hints (its own headers with it) come before the answer:
+    the answer is the 200 after them, with only its own headers, and the connection
+    serves the next request."""
+    early = (
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>; rel=preload\r\n\r\n"
+    )
+
+    async def test() -> tuple[list[Any], int]:
+        async with serve(answering(early + OK)) as server:
+            pool = UpstreamPool(max_connections=8)
+            seen = []
+            for _ in range(2):
+                response = await pool.post(route(server.url), b"{}")
+                seen.append((response.status, await response.read(), sorted(response.headers)))
+                response.release()
+            await pool.aclose()
+            return seen, server.connections
+
+    answer = (200, b"{}", [b"content-length", b"content-type"])
+    assert run(test) == ([answer, answer], 1)
+
+
+def test_a_101_switching_protocols_nobody_asked_for_is_a_protocol_error() -> None:
+    switch = (
+        b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n"
+    )
+
+    async def test() -> str:
+        with pytest.raises(ProtocolError) as refused:
+            await fetched(answering(switch))
+        return str(refused.value)
+
+    assert run(test) == "the upstream switched protocols, which nothing asked for"
+
+
+# bounds on the head and the trailers
+
+
+def test_a_header_value_that_never_ends_is_refused_at_the_bound() -> None:
+    """A value of up to 100 MB, sent for as long as the client reads: the client stops
+    once what it holds of the head passes the 60 KiB bound, and closes the connection."""
+
+    async def test() -> str:
+        with pytest.raises(ProtocolError) as refused:
+            await fetched(endless(b"HTTP/1.1 200 OK\r\nx-big: "))
+        return str(refused.value)
+
+    assert run(test) == "the upstream's response head exceeded 61440 bytes"
+
+
+def test_too_many_header_fields_or_bytes_are_refused_and_the_bounds_are_settings() -> None:
+    """20 MB of small headers passes the 100 fields first; 40 headers of 2000 bytes pass
+    the 61440 bytes first. A head of exactly 100 fields and 61440 bytes of names and
+    values is read; a pool with tighter bounds refuses a head the default one reads."""
+
+    def head_of(fields: list[tuple[bytes, bytes]]) -> bytes:
+        lines = b"".join(b"%s: %s\r\n" % field for field in fields)
+        return b"HTTP/1.1 200 OK\r\n" + lines + b"content-length: 2\r\n\r\n{}"
+
+    many = head_of([(b"x-h-%06d" % i, b"v" * 190) for i in range(100_000)])
+    wide = head_of([(b"x-w-%02d" % i, b"v" * 2000) for i in range(40)])
+    # content-length and its value take 15 of the 61440; 99 names of 4 bytes, 396
+    at_bound = [(b"x-%02d" % i, b"v" * 616) for i in range(98)]
+    at_bound.append((b"x-98", b"v" * (61440 - 15 - 396 - 98 * 616)))
+    one_more = [*at_bound[:-1], (b"x-98", at_bound[-1][1] + b"v")]
+
+    async def refusal(answer: bytes, **bounds: int) -> str:
+        with pytest.raises(ProtocolError) as refused:
+            await fetched(answering(answer), **bounds)
+        return str(refused.value)
+
+    async def test() -> list[Any]:
+        return [
+            await refusal(many),
+            await refusal(wide),
+            await fetched(answering(head_of(at_bound))),
+            await refusal(head_of(one_more)),
+            await fetched(answering(head_of(at_bound[:3]))),
+            await refusal(head_of(at_bound[:3]), max_header_bytes=1024),
+            await refusal(head_of(at_bound[:3]), max_headers=3),
+        ]
+
+    assert run(test) == [
+        "the upstream's response head had more than 100 fields",
+        "the upstream's response head exceeded 61440 bytes",
+        b"{}",
+        "the upstream's response head exceeded 61440 bytes",
+        b"{}",
+        "the upstream's response head exceeded 1024 bytes",
+        "the upstream's response head had more than 3 fields",
+    ]
+
+
+def test_trailers_count_against_the_bounds_and_never_overwrite_the_head() -> None:
+    """A trailer named as a header of the head leaves the head's value; trailers of 70 KB,
+    101 trailers, or one that never ends fail the read."""
+    body = b"2\r\nhi\r\n0\r\n"
+    named = CHUNKED.replace(b"\r\n\r\n", b"\r\nx-request-id: head\r\n\r\n")
+    huge = b"x-t: " + b"v" * 70_000 + b"\r\n"
+    many = b"".join(b"x-t-%03d: v\r\n" % i for i in range(101))
+
+    async def test() -> list[Any]:
+        kept = []
+
+        def handler_for(server: Server) -> Handler:
+            async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                await server.request(reader)
+                writer.write(named + body + b"x-request-id: trailer\r\n\r\n")
+                await writer.drain()
+
+            return handler
+
+        async with serve(handler_for) as server:
+            pool = UpstreamPool(max_connections=8)
+            response = await pool.post(route(server.url), b"{}")
+            kept.append(await response.read())
+            kept.append(response.headers[b"x-request-id"])
+            response.release()
+            await pool.aclose()
+        for trailers in (huge, many):
+            with pytest.raises(ProtocolError) as refused:
+                await fetched(answering(CHUNKED + body + trailers + b"\r\n"))
+            kept.append(str(refused.value))
+        with pytest.raises(ProtocolError) as refused:
+            await fetched(endless(CHUNKED + body + b"x-t: "))
+        kept.append(str(refused.value))
+        return kept
+
+    assert run(test) == [
+        b"hi",
+        b"head",
+        "the upstream's response head exceeded 61440 bytes",
+        "the upstream's response head had more than 100 fields",
+        "the upstream's response head exceeded 61440 bytes",
+    ]
+
+
+# connections the server closed or reset
+
+
+def test_a_kept_alive_connection_the_server_closed_is_replaced_not_failed() -> None:
+    """A server that closes each connection once it has answered (with no `connection:
+    close`), and one that takes the next request's bytes and closes unanswered: each
+    request is answered, each on a new connection once the last one went."""
+
+    def closes_after_first(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.request(reader)
+            writer.write(OK)
+            await writer.drain()
+
+        return handler
+
+    def takes_the_second_and_closes(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.request(reader)
+            writer.write(OK)
+            await writer.drain()
+            await server.request(reader)
+
+        return handler
+
+    async def test() -> list[int]:
+        counts = []
+        for handler_for in (closes_after_first, takes_the_second_and_closes):
+            async with serve(handler_for) as server:
+                pool = UpstreamPool(max_connections=8)
+                for _ in range(3):
+                    response = await pool.post(route(server.url), b"{}")
+                    assert (response.status, await response.read()) == (200, b"{}")
+                    response.release()
+                await pool.aclose()
+                counts.append(server.connections)
+        return counts
+
+    assert run(test) == [3, 3]
+
+
+def test_a_request_closed_unanswered_goes_once_more_on_a_new_connection_and_no_more() -> None:
+    """The first connection answers, then closes on the second request; the new one the
+    client makes for it closes unanswered too: that is the server's answer, no third."""
+
+    def handler_for(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            first = server.connections == 1
+            await server.request(reader)
+            if first:
+                writer.write(OK)
+                await writer.drain()
+                await server.request(reader)
+
+        return handler
+
+    async def test() -> int:
+        async with serve(handler_for) as server:
+            pool = UpstreamPool(max_connections=8)
+            response = await pool.post(route(server.url), b"{}")
+            assert await response.read() == b"{}"
+            response.release()
+            with pytest.raises(ConnectionClosed):
+                await pool.post(route(server.url), b"{}")
+            await pool.aclose()
+            return server.connections
+
+    assert run(test) == 2
+
+
+def test_a_reset_cuts_a_body_of_no_stated_length_short() -> None:
+    """A body read to the close ends at an orderly close (FIN); a reset (RST) after part
+    of it is a failure, not a shorter answer."""
+
+    def handler_for(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\npartial")
+            await writer.drain()
+            await asyncio.sleep(0.1)  # the client has the part by now
+            reset(writer)
+
+        return handler
+
+    async def test() -> str:
+        with pytest.raises(ConnectionClosed) as cut:
+            await fetched(handler_for)
+        return str(cut.value).split(" (")[0]
+
+    assert run(test) == "the upstream reset the connection before the answer ended"
+
+
+def test_the_first_failure_is_the_one_the_caller_sees() -> None:
+    """Bad chunk framing is a ProtocolError; the connection's close that follows it must
+    not turn it into a ConnectionClosed."""
+
+    def handler_for(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.request(reader)
+            writer.write(CHUNKED + b"2\r\nhi\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(b"zz\r\n")
+            await writer.drain()
+            await reader.read()
+
+        return handler
+
+    async def test() -> list[Any]:
+        async with serve(handler_for) as server:
+            pool = UpstreamPool(max_connections=8)
+            response = await pool.post(route(server.url), b"{}")
+            first = await anext(response)
+            with pytest.raises(ProtocolError):
+                await anext(response)
+            response.close()
+            await pool.aclose()
+            return [first]
+
+    assert run(test) == [b"hi"]
+
+
+# connecting
+
+
+@contextlib.contextmanager
+def dropping_connections() -> Iterator[int]:
+    """A port on loopback whose listener's backlog is full and never accepted from: Linux
+    drops each new SYN (net.ipv4.tcp_abort_on_overflow is 0 by default), and the client's
+    connect waits, as on an address that is down."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(3):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+            fillers.append(filler)
+        yield port
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+
+
+def on(*ports: int) -> Callable[[str, int], Any]:
+    """A resolver that gives these loopback ports, in order, for any name."""
+
+    async def resolve(host: str, port: int) -> list[Any]:
+        return [
+            (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", p))
+            for p in ports
+        ]
+
+    return resolve
+
+
+def test_an_address_that_drops_connections_costs_a_quarter_second_not_the_budget() -> None:
+    """A name's first address drops SYNs, its second answers: the connection is made on
+    the second 0.25 s on (Happy Eyeballs), well within a 5 s connect budget. Alone, the
+    dropping address would take the whole budget."""
+
+    async def test() -> tuple[str, bool, int]:
+        async with serve(answering(OK)) as server:
+            with dropping_connections() as dropping:
+                alone = UpstreamPool(max_connections=8, resolve=on(dropping))
+                short = Route.post("http://backend.test/v1/x", {}, connect_s=0.5)
+                with pytest.raises(ConnectFailed) as waited:
+                    await alone.post(short, b"{}")
+                pool = UpstreamPool(max_connections=8, resolve=on(dropping, server.port))
+                started = time.monotonic()
+                patient = Route.post("http://backend.test/v1/x", {}, connect_s=5.0)
+                response = await pool.post(patient, b"{}")
+                took = time.monotonic() - started
+                assert await response.read() == b"{}"
+                response.release()
+                await pool.aclose()
+            return type(waited.value.os_error).__name__, 0.2 < took < 1.0, response.status
+
+    assert run(test) == ("TimeoutError", True, 200)
+
+
+def test_a_name_is_resolved_and_reached_on_the_address_that_answers() -> None:
+    """`localhost` through the system's resolver (::1 and 127.0.0.1 on many hosts) to a
+    server on 127.0.0.1 only: reached at once."""
+
+    async def test() -> int:
+        async with serve(answering(OK)) as server:
+            pool = UpstreamPool(max_connections=8)
+            started = time.monotonic()
+            response = await pool.post(route(f"http://localhost:{server.port}/v1/x"), b"{}")
+            assert time.monotonic() - started < 0.5
+            assert await response.read() == b"{}"
+            response.release()
+            await pool.aclose()
+            return response.status
+
+    assert run(test) == 200
+
+
+# connections kept and let go
+
+
+def test_idle_connections_past_the_keepalive_are_closed_oldest_first() -> None:
+    """A burst of 20 at once, then one request at a time for longer than the keepalive
+    (0.3 s), against a server with no idle timer of its own: the 19 the client no longer
+    needs are closed, and the one in use is kept."""
+
+    async def test() -> tuple[int, int, int]:
+        async with serve(answering(OK, times=1000)) as server:
+            pool = UpstreamPool(max_connections=32, keepalive_s=0.3)
+
+            async def one() -> None:
+                response = await pool.post(route(server.url), b"{}")
+                assert await response.read() == b"{}"
+                response.release()
+
+            await asyncio.gather(*(one() for _ in range(20)))
+            burst = server.open
+            until = time.monotonic() + 0.6
+            while time.monotonic() < until:
+                await one()
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)  # the server sees the closes
+            still_open = server.open
+            await pool.aclose()
+            return burst, still_open, server.connections
+
+    assert run(test) == (20, 1, 20)
+
+
+def test_closing_the_pool_closes_the_connections_in_use_too() -> None:
+    """A stream still being read when the pool closes: its connection closes, and the
+    reader learns it."""
+
+    def handler_for(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.request(reader)
+            writer.write(CHUNKED + b"2\r\nhi\r\n")
+            await writer.drain()
+            if await reader.read() == b"":
+                server.closed_by_client.set()
+
+        return handler
+
+    async def test() -> bytes:
+        async with serve(handler_for) as server:
+            pool = UpstreamPool(max_connections=8)
+            response = await pool.post(route(server.url), b"{}")
+            first = await anext(response)
+            await pool.aclose()
+            await asyncio.wait_for(server.closed_by_client.wait(), 2)
+            with pytest.raises(ConnectionClosed):
+                await anext(response)
+            response.close()
+            return first
+
+    assert run(test) == b"hi"
