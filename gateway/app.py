@@ -240,7 +240,11 @@ def create_app(
         provider_limiter = _shared_limiter(
             settings, batcher, metrics, clock, workers=workers, for_providers=True
         )
-    upstream = UpstreamPool(max_connections=settings.server.upstream_max_connections)
+    upstream = UpstreamPool(
+        max_connections=settings.server.upstream_max_connections,
+        max_header_bytes=settings.server.upstream_max_header_bytes,
+        max_headers=settings.server.upstream_max_headers,
+    )
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))  # capacity discovery and probes
     store: BatchStore = DirStore(settings.batch.dir)
     if url:

@@ -254,6 +254,10 @@ class ServerSettings(_Model):
     request_read_timeout_s: float = Field(30.0, gt=0)  # the whole request body must arrive by then
     admin_token_env: str = "SPILLGATE_ADMIN_TOKEN"
     upstream_max_connections: int = Field(1024, gt=0)
+    # bounds on each upstream answer's head, trailers included (Envoy's defaults): past
+    # either the answer fails and its connection closes (gateway/upstream/http.py)
+    upstream_max_header_bytes: int = Field(60 * 1024, gt=0)  # names and values
+    upstream_max_headers: int = Field(100, gt=0)  # fields
 
 
 class TracingSettings(_Model):
