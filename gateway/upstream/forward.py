@@ -56,12 +56,25 @@ def upstream_body(request: InferenceRequest, model: str) -> bytes:
     return orjson.dumps(body)
 
 
+# a refusal's Retry-After keeps a provider's breaker open that long: never longer than this,
+# whatever it says (a breaker open for a day is an outage the provider did not mean)
+RETRY_AFTER_MAX_S = 3600.0
+# a refusal's body (a JSON error) is read so that its connection can serve the next request;
+# one longer than this, or slower than REFUSAL_READ_S, is not worth it: the connection closes
+REFUSAL_BODY_MAX = 64 * 1024
+REFUSAL_READ_S = 1.0
+
+
 def _retry_after(response: Response) -> float | None:
+    """`Retry-After` in seconds, at most RETRY_AFTER_MAX_S, when it is delta-seconds: digits
+    only (RFC 9110 §10.2.3), so no `inf`, `nan`, `1e400`, `-5` or `1.5e3`. An HTTP-date is
+    not read: the providers the gateway forwards to send seconds, and a date would count on
+    their clock and ours agreeing. Anything else is None: no pause asked for."""
     value = response.headers.get(b"retry-after")
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
+    if value is None:
         return None
+    value = value.strip()
+    return min(float(value), RETRY_AFTER_MAX_S) if value.isdigit() else None
 
 
 class Forwards(Protocol):
@@ -163,7 +176,11 @@ class Forwarder:
             raise _unavailable(exc, answered=False, target=target) from None
         done = False
         try:
-            _check_status(response)
+            if _refused(response):
+                # its connection serves the next request if the refusal is read to its end
+                await self._drain(response, deadline)
+                done = response.complete
+                raise _refusal(response)
             if response.status >= 400:
                 body = await self._read_body(response, deadline)
                 done = True
@@ -235,7 +252,9 @@ class Forwarder:
         try:
             with Deadline.after(min(t.first_token, deadline - clock.monotonic())) as budget:
                 response = await self._post(target, request, trace_headers)
-                _check_status(response)
+                if _refused(response):
+                    await self._drain(response, deadline)  # see forward
+                    raise _refusal(response)
                 chunks: list[bytes] = []
                 budget.push(min(t.idle, deadline - clock.monotonic()))
                 async for chunk in response:
@@ -247,6 +266,18 @@ class Forwarder:
         finally:
             if response is not None:  # see forward: an unread response closes its connection
                 response.release()
+
+    async def _drain(self, response: Response, deadline: float) -> None:
+        """Read a refusal's body to its end, if it is short and comes soon; else leave it."""
+        read = 0
+        try:
+            with Deadline.after(min(REFUSAL_READ_S, deadline - self._clock.monotonic())):
+                async for chunk in response:
+                    read += len(chunk)
+                    if read > REFUSAL_BODY_MAX:
+                        return
+        except (TimeoutError, TransportError):
+            return
 
     async def _read_body(self, response: Response, deadline: float) -> bytes:
         try:
@@ -280,14 +311,16 @@ def unreachable_reason(url: str, exc: BaseException) -> str:
     return f"cannot connect to {url}"
 
 
-def _check_status(response: Response) -> None:
+def _refused(response: Response) -> bool:
     """5xx and 429 are the upstream's failures before the answer: worth trying elsewhere."""
-    if response.status >= 500 or response.status == 429:
-        raise UpstreamUnavailable(
-            f"status {response.status}",
-            status=response.status,
-            retry_after=_retry_after(response),
-        )
+    return response.status >= 500 or response.status == 429
+
+
+def _refusal(response: Response) -> UpstreamUnavailable:
+    """A refusal (`_refused`) as the failure the caller may try elsewhere."""
+    return UpstreamUnavailable(
+        f"status {response.status}", status=response.status, retry_after=_retry_after(response)
+    )
 
 
 # an answer that opens with an error event instead of tokens

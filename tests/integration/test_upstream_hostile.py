@@ -13,8 +13,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import orjson
 import pytest
 
+from gateway.clock import SystemClock
+from gateway.config import Timeouts
+from gateway.errors import UpstreamUnavailable
+from gateway.upstream.forward import Forwarder
 from gateway.upstream.http import (
     ConnectFailed,
     ConnectionClosed,
@@ -22,17 +27,21 @@ from gateway.upstream.http import (
     Route,
     UpstreamPool,
 )
+from gateway.upstream.target import Target
 from tests.support.raw_server import (
     OK,
     Handler,
+    Post,
     Server,
     answering,
+    chat_answer,
     fetched,
     reset,
     route,
     run,
     serve,
 )
+from tests.support.upstream import Client, chat_request
 
 CHUNKED = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
 
@@ -458,3 +467,102 @@ def test_closing_the_pool_closes_the_connections_in_use_too() -> None:
             return first
 
     assert run(test) == b"hi"
+
+
+# refusals, through the forwarder
+
+
+def target(server: Server) -> Target:
+    return Target(
+        name="b-0",
+        api_base=f"http://127.0.0.1:{server.port}/v1",
+        model="m",
+        timeouts=Timeouts(connect=1, first_token=2, idle=2, total=5),
+    )
+
+
+def answers(*replies: Callable[[Post], bytes]) -> Callable[[Server], Handler]:
+    """Each request, on whichever connection, gets the next reply (the last one again
+    once they run out)."""
+
+    def handler_for(server: Server) -> Handler:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                try:
+                    raw = await server.request(reader)
+                except asyncio.IncompleteReadError:
+                    return
+                index = len(server.requests) - 1
+                post = Post(0, 0, index, orjson.loads(raw.partition(b"\r\n\r\n")[2]))
+                writer.write(replies[min(index, len(replies) - 1)](post))
+                await writer.drain()
+
+        return handler
+
+    return handler_for
+
+
+def refusal(status: int, *headers: bytes) -> Callable[[Post], bytes]:
+    body = b'{"error":{"message":"busy","type":"server_error"}}'
+    extra = b"".join(h + b"\r\n" for h in headers)
+    head = b"HTTP/1.1 %d Busy\r\ncontent-type: application/json\r\n%scontent-length: %d\r\n\r\n"
+    return lambda post: head % (status, extra, len(body)) + body
+
+
+async def forwarded(
+    forwarder: Forwarder, server: Server, *, stream: bool
+) -> int | UpstreamUnavailable:
+    """The client's status, or the failure the forwarder reported before any byte."""
+    client = Client()
+    try:
+        await forwarder.forward(
+            target(server),
+            chat_request(stream=stream),
+            public_model="big",
+            send=client.send,
+            headers=[],
+        )
+    except UpstreamUnavailable as exc:
+        return exc
+    return client.status
+
+
+def test_a_refusal_is_read_and_its_connection_serves_the_next_request() -> None:
+    """A 503 and a 429 with a short JSON body, streamed or not, then an answer: all on one
+    connection."""
+
+    async def test() -> tuple[list[int | str], int]:
+        replies = [refusal(503), refusal(429)] * 2 + [chat_answer]
+        async with serve(answers(*replies)) as server:
+            pool = UpstreamPool(max_connections=8)
+            forwarder = Forwarder(pool, clock=SystemClock())
+            seen = []
+            for stream in (True, True, False, False, True):
+                outcome = await forwarded(forwarder, server, stream=stream)
+                seen.append(outcome if isinstance(outcome, int) else outcome.reason)
+            await pool.aclose()
+            return seen, server.connections
+
+    assert run(test) == (["status 503", "status 429"] * 2 + [200], 1)
+
+
+def test_retry_after_is_delta_seconds_and_bounded() -> None:
+    """What a provider's 429 says in Retry-After, and the pause the gateway takes from it:
+    seconds in digits only, at most an hour; anything else asks for none."""
+    said = [b"7", b" 12 ", b"0", b"99999999", b"inf", b"nan", b"1e400", b"-5", b"1.5e3",
+            b"Wed, 21 Oct 2037 07:28:00 GMT", b""]  # fmt: skip
+
+    async def test() -> list[float | None]:
+        replies = [refusal(429, b"retry-after: " + value) for value in said]
+        async with serve(answers(*replies)) as server:
+            pool = UpstreamPool(max_connections=8)
+            forwarder = Forwarder(pool, clock=SystemClock())
+            taken = []
+            for _ in said:
+                refused = await forwarded(forwarder, server, stream=False)
+                assert isinstance(refused, UpstreamUnavailable)
+                taken.append(refused.retry_after)
+            await pool.aclose()
+            return taken
+
+    assert run(test) == [7.0, 12.0, 0.0, 3600.0, None, None, None, None, None, None, None]
