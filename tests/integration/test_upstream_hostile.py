@@ -2,7 +2,8 @@
 the gateway's own HTTP/1.1 client (gateway/upstream/http.py) and, where a client would
 see it, the gateway in front of it. Every hostile answer anyone finds gets a test here.
 
-The client-level tests run on asyncio's loop and on uvloop's (`run`)."""
+The client-level tests run on asyncio's loop and on uvloop's (`run`); the gateway-level
+ones run the gateway on each of the two loops (the `loop` fixture)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
+import openai
 import orjson
 import pytest
+import uvloop
 
+from gateway.app import create_app
 from gateway.clock import SystemClock
-from gateway.config import Timeouts
+from gateway.config import Timeouts, parse_settings
 from gateway.errors import UpstreamUnavailable
 from gateway.upstream.forward import Forwarder
 from gateway.upstream.http import (
@@ -28,8 +33,12 @@ from gateway.upstream.http import (
     UpstreamPool,
 )
 from gateway.upstream.target import Target
+from tests.support.fleet import ADMIN_TOKEN, admin_status, tenant
+from tests.support.harness import ServerThread
+from tests.support.metrics import text_sum
 from tests.support.raw_server import (
     OK,
+    Backend,
     Handler,
     Post,
     Server,
@@ -566,3 +575,113 @@ def test_retry_after_is_delta_seconds_and_bounded() -> None:
             return taken
 
     assert run(test) == [7.0, 12.0, 0.0, 3600.0, None, None, None, None, None, None, None]
+
+
+# the gateway in front of a hostile backend
+
+
+KEY = "sk-hostile-test-key"
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def loop(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@contextlib.contextmanager
+def gateway_before(backend: Backend, loop: str) -> Iterator[str]:
+    """The gateway under uvicorn, on `loop`'s event loop, with one backend; its URL.
+    ServerThread runs `asyncio.run`, which makes its loop by the policy in force as the
+    thread starts."""
+    settings = parse_settings({
+        "tenants": [tenant("acme", KEY)],
+        "pools": [{
+            "name": "big",
+            # a fixed capacity: the gateway probes /health, and needs no /metrics
+            "backends": [{"url": backend.url, "served_model": "m", "capacity": 65_536}],
+        }],
+    })  # fmt: skip
+    app = create_app(settings, environ={"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN})
+    policy = asyncio.get_event_loop_policy()
+    if loop == "uvloop":
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    try:
+        server = ServerThread(app).start()
+    finally:
+        asyncio.set_event_loop_policy(policy)
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+def chat(url: str, *, stream: bool) -> str:
+    """A chat completion through the official client: the answer's text."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=10)
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [
+        {"role": "user", "content": "hi"}
+    ]
+    if not stream:
+        answer = client.chat.completions.create(model="big", messages=messages, max_tokens=8)
+        assert answer.model == "big"
+        return answer.choices[0].message.content or ""
+    events = client.chat.completions.create(
+        model="big", messages=messages, max_tokens=8, stream=True
+    )
+    return "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+
+
+def backend_health(url: str) -> tuple[list[tuple[str, str | None]], float]:
+    """The backend's state in /admin/status, and the upstream errors counted against it."""
+    states = [
+        (b["state"], b["down_reason"])
+        for pool in admin_status(url)["pools"]
+        for b in pool["backends"]
+    ]
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    return states, text_sum(metrics, "spillgate_upstream_errors_total", target="big-0")
+
+
+def test_gateway_answers_with_the_answer_that_follows_informational_ones(loop: str) -> None:
+    early = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n"
+    backend = Backend(lambda post: chat_answer(post, before=early))
+    with backend, gateway_before(backend, loop) as url:
+        texts = [chat(url, stream=False), chat(url, stream=True)]
+        health = backend_health(url)
+    assert texts == ["Hello there", "Hello there"]
+    assert health == ([("up", None)], 0.0)
+    assert backend.post_connections == 1
+
+
+def test_gateway_a_streamed_refusal_leaves_the_backend_connection_for_the_next(
+    loop: str,
+) -> None:
+    """The backend refuses a stream with a 503 and a JSON body: the client is refused,
+    and the next stream goes on the same backend connection."""
+
+    def answer(post: Post) -> bytes:
+        return refusal(503)(post) if post.index == 0 else chat_answer(post)
+
+    with Backend(answer) as backend, gateway_before(backend, loop) as url:
+        with pytest.raises(openai.APIStatusError):
+            chat(url, stream=True)
+        text = chat(url, stream=True)
+    assert text == "Hello there"
+    assert [post.on_connection for post in backend.posts] == [0, 1]
+    assert backend.post_connections == 1
+
+
+def test_gateway_a_kept_alive_connection_closed_by_the_backend_costs_nothing(loop: str) -> None:
+    """The backend closes its kept-alive connection as each second request on it arrives
+    (its idle timer, a restart): every client request is answered, and the backend is
+    neither ejected nor charged an upstream error."""
+
+    def answer(post: Post) -> bytes | None:
+        return None if post.on_connection == 1 else chat_answer(post)
+
+    with Backend(answer) as backend, gateway_before(backend, loop) as url:
+        texts = [chat(url, stream=stream) for stream in (False, False, True, True)]
+        health = backend_health(url)
+    assert texts == ["Hello there"] * 4
+    assert health == ([("up", None)], 0.0)
+    assert backend.post_connections == 4
