@@ -8,6 +8,10 @@ EOS (geometric, mean 256 tokens, as real vLLM stopping on 16 of ~4,096 token ids
 `max_tokens`; `--answer-lengths max_tokens` runs every answer to its cap instead. Prompts'
 leading full blocks are cached and reused as by vLLM V1's prefix caching, unless
 `--no-enable-prefix-caching`.
+
+A prompt that holds the start of an answer (a chat's last message, the assistant's, with
+`continue_final_message`; a completion prompt that ends with the filler's first words) is
+answered with the rest of it, as a deterministic model would (loadtest/sim/tokens.py).
 """
 
 from __future__ import annotations

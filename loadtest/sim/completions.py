@@ -113,7 +113,9 @@ class CompletionsEndpoint:
         they share one progress event, so one reader follows them all."""
         seqs = []
         for index in range(req.n):
-            answer = self._lengths.answer(cap=req.max_tokens, rule=req.stop, index=index)
+            answer = self._lengths.answer(
+                cap=req.max_tokens, rule=req.stop, index=index, given=req.answer_start
+            )
             reason = req.finish_reason if answer.finish is Finish.LENGTH else answer.finish
             seqs.append(
                 LiveSequence(
@@ -158,6 +160,7 @@ class CompletionsEndpoint:
     async def _stream(self, req: SimRequest, seqs: list[LiveSequence], send: Send) -> None:
         frames = self._frames(req)
         progress = seqs[0].progress
+        start = req.answer_start
         sent = [0] * len(seqs)
         started = False
         while True:
@@ -182,8 +185,8 @@ class CompletionsEndpoint:
                     last = seq.state is SeqState.FINISHED
                     parts.append(
                         frames[i].tokens(
-                            sent[i],
-                            generated,
+                            start + sent[i],
+                            start + generated,
                             finish_reason=seq.finish_reason if last else None,
                             stop_reason=seq.stop_reason,
                         )
@@ -212,7 +215,11 @@ class CompletionsEndpoint:
             kind=self._kind,
             model=self._config.model,
             answers=[
-                (self._filler.text(0, seq.answer_tokens), seq.finish_reason, seq.stop_reason)
+                (
+                    self._filler.text(req.answer_start, req.answer_start + seq.answer_tokens),
+                    seq.finish_reason,
+                    seq.stop_reason,
+                )
                 for seq in seqs
             ],
             prompt_tokens=req.prompt_tokens,
@@ -230,9 +237,13 @@ class CompletionsEndpoint:
             return
         frames = self._frames(req)
         head = b"".join(f.role_chunk() for f in frames) if self._kind is Kind.CHAT else b""
+        start = req.answer_start
         tokens = b"".join(
             f.tokens(
-                0, seq.answer_tokens, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason
+                start,
+                start + seq.answer_tokens,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
             )
             for f, seq in zip(frames, seqs, strict=True)
         )

@@ -12,7 +12,11 @@ the request arrives:
 - `min_tokens` tokens come before either can end the answer.
 
 An answer that reaches its cap first ends with `length`, else with `stop` (its stop reason,
-as vLLM reports it, is the stop id drawn, or none for EOS). A request's
+as vLLM reports it, is the stop id drawn, or none for EOS). A request that continues an
+answer (its prompt holds the answer's first `given` words, loadtest/sim/tokens.py) gets the
+rest of the answer its first request would have got: the whole is drawn, capped at `given`
++ its `max_tokens`, so an answer cut short and continued with `max_tokens` less the words
+given ends where and as it would have ended uncut. A request's
 `seed` makes its lengths reproducible (choice `i` of `n` draws from `seed:i`); without one
 they come from the replica's own generator (seeded by its config, when given).
 """
@@ -83,8 +87,20 @@ class LengthSampler:
         self._vocab = vocab_size
         self._rng = rng or random.Random()
 
-    def answer(self, *, cap: int, rule: StopRule, index: int = 0) -> Answer:
-        """The answer of choice `index`, at most `cap` tokens."""
+    def answer(self, *, cap: int, rule: StopRule, index: int = 0, given: int = 0) -> Answer:
+        """What choice `index` generates, at most `cap` tokens, after the `given` tokens of
+        its answer the prompt already holds. An end drawn among those (the model would have
+        stopped already) ends it at its first token."""
+        whole = self._whole(cap=given + cap, rule=rule, index=index)
+        if given == 0:
+            return whole
+        if whole.tokens > given:
+            return Answer(
+                tokens=whole.tokens - given, finish=whole.finish, stop_reason=whole.stop_reason
+            )
+        return Answer(tokens=1, finish=Finish.STOP, stop_reason=whole.stop_reason)
+
+    def _whole(self, *, cap: int, rule: StopRule, index: int) -> Answer:
         rng = self._rng if rule.seed is None else random.Random(f"{rule.seed}:{index}")
         eos = None if rule.ignore_eos else self._eos(rng)
         by_id, stop_id = None, None

@@ -8,8 +8,11 @@ import orjson
 
 from loadtest.sim.lengths import StopRule
 from loadtest.sim.tokens import (
+    PromptEnd,
+    chat_answer_start,
     chat_prompt_ids,
     chat_prompt_tokens,
+    completion_answer_start,
     completion_prompt_ids,
     completion_prompt_tokens,
 )
@@ -40,6 +43,9 @@ class SimRequest:
     n: int = 1  # choices: one sequence each, as vLLM runs them
     stop: StopRule = field(default_factory=StopRule)
     prompt_token_ids: list[int] | None = None  # when asked for: what the prefix cache hashes
+    # the answer's first word in the filler: the words of it the prompt already holds, when
+    # it continues an answer (loadtest/sim/tokens.py), else 0
+    answer_start: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,25 +55,75 @@ class Limits:
     default_max_tokens: int | None  # None: vLLM's, the room left after the prompt
 
 
-def _prompt(kind: Kind, body: dict[str, object], *, token_ids: bool) -> list[int] | int:
+@dataclass(frozen=True, kw_only=True)
+class _Prompt:
+    tokens: int
+    ids: list[int] | None  # when asked for
+    answer_start: int
+
+
+def _prompt(kind: Kind, body: dict[str, object], *, token_ids: bool) -> _Prompt:
     """The prompt's token ids when `token_ids`, else only how many there are: counting is
     cheaper, and a replica without a prefix cache needs nothing more."""
     if kind is Kind.CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise SimRequestError("messages must be a non-empty list", param="messages")
-        return chat_prompt_ids(messages) if token_ids else chat_prompt_tokens(messages)
+        end = _chat_prompt_end(body, messages)
+        start = chat_answer_start(messages) if end is PromptEnd.CONTINUED else 0
+        if token_ids:
+            ids = chat_prompt_ids(messages, end=end)
+            return _Prompt(tokens=len(ids), ids=ids, answer_start=start)
+        return _Prompt(tokens=chat_prompt_tokens(messages, end=end), ids=None, answer_start=start)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str) or (
         isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
     ):
-        return completion_prompt_ids(prompt) if token_ids else completion_prompt_tokens(prompt)
+        start = completion_answer_start(prompt)
+        if token_ids:
+            ids = completion_prompt_ids(prompt)
+            return _Prompt(tokens=len(ids), ids=ids, answer_start=start)
+        count = completion_prompt_tokens(prompt)
+        return _Prompt(tokens=count, ids=None, answer_start=start)
     raise SimRequestError(
         "prompt must be a string or a list of token ids (one prompt per request)",
         param="prompt",
     )
+
+
+def _chat_prompt_end(body: dict[str, object], messages: list[object]) -> PromptEnd:
+    """Where the chat template stops, with vLLM's refusals of what cannot be rendered.
+
+    `add_generation_prompt` is true unless sent false, so `continue_final_message` needs it
+    sent false; vLLM's own check names both when both are sent true, and the chat template
+    refuses the default. A last message not the assistant's is refused with the words vLLM
+    uses for Mistral tokenizers (with a Hugging Face chat template, vLLM continues whatever
+    message comes last, under its role).
+    """
+    continued = body.get("continue_final_message")
+    generation = body.get("add_generation_prompt", True)
+    if not continued:
+        return PromptEnd.LAST_MESSAGE if generation is False else PromptEnd.NEW_TURN
+    if body.get("add_generation_prompt"):
+        raise SimRequestError(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    if generation:
+        raise SimRequestError(
+            "continue_final_message and add_generation_prompt are not compatible. Use "
+            "continue_final_message when you want the model to continue the final message, "
+            "and add_generation_prompt when you want to add a header that will prompt it to "
+            "start a new assistant message instead."
+        )
+    last = messages[-1]
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        raise SimRequestError(
+            "Cannot set `continue_final_message` to True when the last message is not from "
+            "the assistant."
+        )
+    return PromptEnd.CONTINUED
 
 
 def _requested_max_tokens(body: dict[str, object]) -> int | None:
@@ -125,16 +181,20 @@ def parse_request(kind: Kind, raw: bytes, limits: Limits, *, token_ids: bool = F
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise SimRequestError("n must be at least 1.", param="n")
     prompt = _prompt(kind, body, token_ids=token_ids)
-    ids = prompt if isinstance(prompt, list) else None
-    prompt_tokens = len(prompt) if isinstance(prompt, list) else prompt
+    prompt_tokens = prompt.tokens
     requested = _requested_max_tokens(body)
     _check_length(prompt_tokens, requested, limits)
     room = limits.max_model_len - prompt_tokens
+    # left uncapped, the model ends its answer by itself, continued or not
+    uncapped = (
+        None
+        if limits.default_max_tokens is None
+        else max(1, limits.default_max_tokens - prompt.answer_start)
+    )
     if requested is not None:
         max_tokens, finish_reason = requested, "length"
-    elif limits.default_max_tokens is not None and limits.default_max_tokens <= room:
-        # left uncapped, the model ends its answer by itself
-        max_tokens, finish_reason = limits.default_max_tokens, "stop"
+    elif uncapped is not None and uncapped <= room:
+        max_tokens, finish_reason = uncapped, "stop"
     else:
         max_tokens, finish_reason = room, "length"
     stop = _stop_rule(body)
@@ -155,7 +215,8 @@ def parse_request(kind: Kind, raw: bytes, limits: Limits, *, token_ids: bool = F
         include_usage=isinstance(options, dict) and options.get("include_usage") is True,
         n=n,
         stop=stop,
-        prompt_token_ids=ids,
+        prompt_token_ids=prompt.ids,
+        answer_start=prompt.answer_start,
     )
 
 

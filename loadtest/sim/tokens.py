@@ -12,12 +12,22 @@ blocks for the same text: each 4 characters of text are one id (the same charact
 same id, in every process), and template tokens are fixed ids of their own.
 
 Generated text is one filler word per token, each with its leading space, like a BPE stream.
+The model reads its own words back the same way, one token a word, so a prompt that holds the
+start of an answer continues it (vLLM's way of going on with an answer cut short):
+
+- a chat request with `continue_final_message` ends inside its last message, the
+  assistant's: no generation prompt, and that message's framing is the assistant turn's
+  own, so the prompt costs what the answer's request cost plus the answer so far;
+- a completion prompt that ends with the filler's first words (the longest such end)
+  costs one token for each of them.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from enum import StrEnum
+from itertools import accumulate
 
 CHARS_PER_TOKEN = 4
 TOKENS_PER_MESSAGE = 4
@@ -39,6 +49,57 @@ _WORDS = (
 BOS, MESSAGE_START, MESSAGE_END, SEPARATOR = -1, -2, -3, -4
 ROLE_IDS = {"system": -10, "user": -11, "assistant": -12, "tool": -13, "developer": -14}
 OTHER_ROLE = -19
+
+
+# The filler's words repeat with this period: token i is _WORDS[i % len(_WORDS)].
+_CYCLE = "".join(" " + w for w in _WORDS)
+# characters of the cycle's first n words -> n, for n in 1..len(_WORDS)
+_CYCLE_WORDS = {chars: n for n, chars in enumerate(accumulate(len(w) + 1 for w in _WORDS), start=1)}
+# one id a filler word, the same in every process (a tuple of ints hashes alike everywhere)
+_CYCLE_IDS = [hash((-100, *map(ord, w))) for w in _WORDS]
+
+
+class PromptEnd(StrEnum):
+    """Where a chat prompt stops: with the assistant's turn opened (vLLM's default), after
+    the last message (`add_generation_prompt: false`), or inside the last message, the
+    assistant's, which the answer goes on with (`continue_final_message: true`)."""
+
+    NEW_TURN = "new_turn"
+    LAST_MESSAGE = "last_message"
+    CONTINUED = "continued"
+
+
+def filler_words(text: str) -> int | None:
+    """n where `text` is the filler's first n words (0 for no text), else None."""
+    words, chars = filler_end(text)
+    return words if chars == len(text) else None
+
+
+def filler_end(text: str) -> tuple[int, int]:
+    """The most words n such that `text` ends with the filler's first n words, and their
+    characters; (0, 0) when it ends with none.
+
+    Such an end is whole cycles of the filler's words after the cycle's first
+    n % len(_WORDS) words (or all of them): each of those short ends is tried, then
+    stretched back a whole cycle at a time while the text before it is one. Linear in the
+    text.
+    """
+    size, best = len(_CYCLE), (0, 0)
+    for chars, n in _CYCLE_WORDS.items():
+        if not text.endswith(_CYCLE[:chars]):
+            continue
+        start = len(text) - chars
+        while start >= size and text.startswith(_CYCLE, start - size):
+            start -= size
+            n += len(_WORDS)
+        best = max(best, (n, len(text) - start))
+    return best
+
+
+def _words_ids(n: int) -> list[int]:
+    """The ids of the filler's first n words: one each."""
+    whole, rest = divmod(n, len(_WORDS))
+    return _CYCLE_IDS * whole + _CYCLE_IDS[:rest]
 
 
 def text_tokens(text: str) -> int:
@@ -81,41 +142,85 @@ def _content_chars(content: object) -> int:
     return 0
 
 
-def chat_prompt_tokens(messages: Sequence[object]) -> int:
-    """Prompt tokens of a chat request: content, per-message template, assistant priming."""
-    total = TOKENS_PER_CHAT_PROMPT
-    for message in messages:
+def _continued(
+    messages: Sequence[object], end: PromptEnd
+) -> tuple[Sequence[object], dict[str, object] | None]:
+    """The messages framed whole, and the one the prompt ends inside (None: no such one)."""
+    if end is PromptEnd.CONTINUED and messages and isinstance(messages[-1], dict):
+        return messages[:-1], messages[-1]
+    return messages, None
+
+
+def chat_prompt_tokens(messages: Sequence[object], *, end: PromptEnd = PromptEnd.NEW_TURN) -> int:
+    """Prompt tokens of a chat request: content, per-message template, assistant priming.
+
+    Continued (`PromptEnd.CONTINUED`), the last message costs its content, one token a word
+    when it is the filler's start, and the assistant turn's framing in place of its own.
+    """
+    before, last = _continued(messages, end)
+    total = 0 if end is PromptEnd.LAST_MESSAGE else TOKENS_PER_CHAT_PROMPT
+    for message in before:
         chars = _content_chars(message.get("content")) if isinstance(message, dict) else 0
         total += -(-chars // CHARS_PER_TOKEN) + TOKENS_PER_MESSAGE
+    if last is not None:
+        text = _content_text(last.get("content"))
+        words = filler_words(text)
+        total += text_tokens(text) if words is None else words
     return total
 
 
-def chat_prompt_ids(messages: Sequence[object]) -> list[int]:
+def chat_prompt_ids(
+    messages: Sequence[object], *, end: PromptEnd = PromptEnd.NEW_TURN
+) -> list[int]:
     """The ids of `chat_prompt_tokens`: each message framed by its role, then the assistant
-    turn, so a shared system prompt leads every prompt with the same ids."""
+    turn, so a shared system prompt leads every prompt with the same ids. Continued, the
+    last message's ids follow the assistant turn's opening: the answer's own prompt leads."""
+    before, last = _continued(messages, end)
     ids: list[int] = []
-    for message in messages:
+    for message in before:
         role = message.get("role") if isinstance(message, dict) else None
         content = message.get("content") if isinstance(message, dict) else None
         role_id = ROLE_IDS.get(role, OTHER_ROLE) if isinstance(role, str) else OTHER_ROLE
         ids += (MESSAGE_START, role_id, SEPARATOR)
         ids += text_ids(_content_text(content))
         ids.append(MESSAGE_END)
-    ids += (MESSAGE_START, ROLE_IDS["assistant"], SEPARATOR)
+    if end is not PromptEnd.LAST_MESSAGE:
+        ids += (MESSAGE_START, ROLE_IDS["assistant"], SEPARATOR)
+    if last is not None:
+        text = _content_text(last.get("content"))
+        words = filler_words(text)
+        ids += text_ids(text) if words is None else _words_ids(words)
     return ids
 
 
+def chat_answer_start(messages: Sequence[object]) -> int:
+    """Where an answer that continues the last message starts in the filler: after its
+    words when it is the filler's start, else at 0."""
+    last = messages[-1] if messages else None
+    content = last.get("content") if isinstance(last, dict) else None
+    return filler_words(_content_text(content)) or 0
+
+
 def completion_prompt_tokens(prompt: str | Sequence[int]) -> int:
+    """BOS, the text, and a word a token for the filler words it ends with; ids as given."""
     if isinstance(prompt, str):
-        return text_tokens(prompt) + TOKENS_PER_COMPLETION_PROMPT
+        words, chars = filler_end(prompt)
+        return text_tokens(prompt[: len(prompt) - chars]) + words + TOKENS_PER_COMPLETION_PROMPT
     return len(prompt)
 
 
 def completion_prompt_ids(prompt: str | Sequence[int]) -> list[int]:
     """The ids of `completion_prompt_tokens`: BOS then the text's, or the ids as given."""
     if isinstance(prompt, str):
-        return [BOS, *text_ids(prompt)]
+        words, chars = filler_end(prompt)
+        return [BOS, *text_ids(prompt[: len(prompt) - chars]), *_words_ids(words)]
     return list(prompt)
+
+
+def completion_answer_start(prompt: str | Sequence[int]) -> int:
+    """Where an answer to `prompt` starts in the filler: after the filler words the prompt
+    ends with (0 for none, and for a prompt of token ids)."""
+    return filler_end(prompt)[0] if isinstance(prompt, str) else 0
 
 
 class FillerText:

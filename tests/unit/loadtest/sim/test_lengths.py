@@ -107,3 +107,26 @@ def test_geometric_counts_the_stopping_token() -> None:
     assert geometric(random.Random(0), 1.0) == 1
     values = [geometric(random.Random(i), 0.5) for i in range(4000)]
     assert min(values) == 1 and statistics.fmean(values) == pytest.approx(2, rel=0.05)
+
+
+@pytest.mark.parametrize("mode", list(AnswerLengths))
+def test_a_continued_answer_ends_where_and_as_the_whole_one_would(mode: AnswerLengths) -> None:
+    """An answer cut after `given` tokens and continued with `max_tokens` less those gets
+    the rest of the same answer: never past the first request's cap, its finish unchanged."""
+    sampler = LengthSampler(mode=mode, mean_tokens=40)
+    for seed in range(200):
+        rule = StopRule(seed=seed, stop_token_ids=IDS)
+        whole = sampler.answer(cap=100, rule=rule)
+        for given in range(0, whole.tokens, 7):
+            rest = sampler.answer(cap=100 - given, rule=rule, given=given)
+            assert (given + rest.tokens, rest.finish, rest.stop_reason) == (
+                whole.tokens,
+                whole.finish,
+                whole.stop_reason,
+            )
+
+
+def test_a_continuation_past_where_the_answer_would_have_ended_stops_at_once() -> None:
+    sampler = LengthSampler(mode=AnswerLengths.GEOMETRIC, mean_tokens=1)
+    rest = sampler.answer(cap=50, rule=StopRule(seed=1), given=30)
+    assert (rest.tokens, rest.finish) == (1, Finish.STOP)
