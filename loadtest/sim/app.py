@@ -11,10 +11,12 @@ import contextlib
 import random
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -29,6 +31,7 @@ from loadtest.sim.metrics import SimMetrics
 from loadtest.sim.protocol import Limits
 from loadtest.sim.responses import ResponsesEndpoint
 from loadtest.sim.scheduler import Scheduler, SchedulerLimits
+from loadtest.sim.shutdown import RefuseWhileStopping, Shutdown
 from loadtest.sim.tokens import FillerText
 from loadtest.sim.wire import Kind
 
@@ -100,8 +103,21 @@ def _api_routes(
     return [Route(path, app, methods=["POST"]) for path, app in zip(paths, apps, strict=True)]
 
 
+@dataclass(frozen=True, kw_only=True)
+class SimReplica:
+    """A replica's app, and what its server calls on SIGTERM (loadtest/sim/shutdown.py)."""
+
+    app: Starlette
+    shutdown: Shutdown
+
+
 def create_sim_app(config: SimConfig) -> Starlette:
     """One simulated vLLM replica; its engine loop runs for the app's lifespan."""
+    return create_sim_replica(config).app
+
+
+def create_sim_replica(config: SimConfig) -> SimReplica:
+    """The replica of `create_sim_app`, with its `Shutdown` for the server to call."""
     resolved = resolve(config)
     scheduler: Scheduler[LiveSequence] = Scheduler(
         SchedulerLimits(
@@ -179,4 +195,11 @@ def create_sim_app(config: SimConfig) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})
+    shutdown = Shutdown(engine=engine, timeout_s=config.shutdown_timeout_s)
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={404: not_found},
+        middleware=[Middleware(RefuseWhileStopping, shutdown=shutdown)],
+    )
+    return SimReplica(app=app, shutdown=shutdown)

@@ -12,6 +12,10 @@ leading full blocks are cached and reused as by vLLM V1's prefix caching, unless
 A prompt that holds the start of an answer (a chat's last message, the assistant's, with
 `continue_final_message`; a completion prompt that ends with the filler's first words) is
 answered with the rest of it, as a deterministic model would (loadtest/sim/tokens.py).
+SIGTERM stops the replica as it stops vLLM 0.32: by default the requests in flight end at
+once with vLLM's dead-engine error and the server stops listening; with
+`--shutdown-timeout N` they may run N more seconds while new requests are refused with a
+500 (loadtest/sim/shutdown.py).
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ import sys
 
 import uvicorn
 
-from loadtest.sim.app import create_sim_app
+from loadtest.sim.app import create_sim_replica
 from loadtest.sim.config import SimConfig, resolve
 from loadtest.sim.lengths import DEFAULT_MEAN_TOKENS, DEFAULT_SIGMA, AnswerLengths
 from loadtest.sim.provider import DEFAULT_API_KEY, ProviderConfig, create_provider_app
+from loadtest.sim.shutdown import Shutdown, SimServer
 
 PROVIDER_KEY_ENV = "SPILLGATE_SIM_PROVIDER_KEY"
 
@@ -91,6 +96,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="reuse the KV blocks of prompt prefixes computed before, as vLLM V1 does "
         "(default: on)",
     )
+    replica.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=0.0,
+        help="vLLM's: on SIGTERM, 0 (default) ends the requests in flight at once with an "
+        "error; N lets them run N more seconds while new ones are refused",
+    )
     provider = parser.add_argument_group("simulated external provider")
     provider.add_argument("--provider", action="store_true", help="run the provider instead")
     provider.add_argument(
@@ -129,6 +141,7 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         seed=args.seed,
         embedding_dim=args.embedding_dim,
         enable_prefix_caching=args.enable_prefix_caching,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
 
 
@@ -147,6 +160,7 @@ def provider_config(args: argparse.Namespace) -> ProviderConfig:
 
 def run(args: argparse.Namespace) -> int:
     url = f"http://{args.host}:{args.port}"
+    shutdown: Shutdown | None = None
     try:
         if args.provider:
             config = provider_config(args)
@@ -160,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             replica = sim_config(args)
             resolved = resolve(replica)
-            app = create_sim_app(replica)
+            built = create_sim_replica(replica)
+            app, shutdown = built.app, built.shutdown
             info = {
                 "kind": "vllm",
                 "url": url,
@@ -180,5 +195,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(info), flush=True)
     else:
         print(" ".join(f"{k}={v}" for k, v in info.items()), flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    served = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    server = uvicorn.Server(served) if shutdown is None else SimServer(served, shutdown=shutdown)
+    server.run()
     return 0

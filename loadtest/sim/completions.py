@@ -17,7 +17,7 @@ from loadtest.sim.asgi import (
     start_sse,
 )
 from loadtest.sim.config import SimConfig
-from loadtest.sim.engine import Engine, LiveSequence
+from loadtest.sim.engine import Engine, EngineStopped, LiveSequence
 from loadtest.sim.lengths import Finish, LengthSampler
 from loadtest.sim.protocol import (
     Limits,
@@ -27,6 +27,7 @@ from loadtest.sim.protocol import (
     parse_request,
 )
 from loadtest.sim.scheduler import SeqState
+from loadtest.sim.shutdown import ENGINE_DEAD_BODY, ENGINE_DEAD_EVENT
 from loadtest.sim.tokens import FillerText
 from loadtest.sim.wire import (
     DONE,
@@ -99,6 +100,9 @@ class CompletionsEndpoint:
             return
         try:
             self._submit(seqs)
+        except EngineStopped:  # stopping (loadtest/sim/shutdown.py)
+            await send_json(send, 500, ENGINE_DEAD_BODY)
+            return
         except ValueError as exc:  # an answer longer than the whole KV cache
             await send_error(send, SimRequestError(str(exc)))
             return
@@ -167,8 +171,11 @@ class CompletionsEndpoint:
             await progress.wait()
             progress.clear()
             if any(seq.state is SeqState.ABORTED for seq in seqs):
-                # client gone (writes are dropped) or shutdown
-                if started:
+                if self._engine.stopped:  # vLLM's headers went out with the request
+                    if not started:
+                        await start_sse(send)
+                    await send_chunk(send, ENGINE_DEAD_EVENT, last=True)
+                elif started:  # the client is gone: writes are dropped
                     await send_chunk(send, b"", last=True)
                 else:
                     await send_error(send, _aborted())
@@ -206,7 +213,10 @@ class CompletionsEndpoint:
             await progress.wait()
             progress.clear()
         if any(seq.state is SeqState.ABORTED for seq in seqs):
-            await send_error(send, _aborted())
+            if self._engine.stopped:
+                await send_json(send, 500, ENGINE_DEAD_BODY)
+            else:
+                await send_error(send, _aborted())
             return
         await send_json(send, 200, self._full(req, seqs))
 
@@ -253,4 +263,5 @@ class CompletionsEndpoint:
 
 
 def _aborted() -> SimRequestError:
-    return SimRequestError("request aborted: the engine is shutting down", status=503)
+    """For a client that has left: it never reads this."""
+    return SimRequestError("request aborted", status=503)

@@ -52,6 +52,10 @@ class SimConfig:
     `enable_prefix_caching` (on by default, as in vLLM V1) reuses the cached KV blocks of
     a prompt's leading full blocks that an earlier prompt computed (chat and completions
     prompts; see loadtest/sim/blocks.py).
+    `shutdown_timeout_s` is vLLM's `--shutdown-timeout`: what SIGTERM does to the requests
+    in flight under `spillgate sim` (0, vLLM's default: they end with vLLM's dead-engine
+    error; N: they may run N more seconds while new ones are refused; see
+    loadtest/sim/shutdown.py).
     """
 
     model: str = "sim-model"
@@ -78,6 +82,7 @@ class SimConfig:
     # an embedding model's vector size: it then serves /v1/embeddings only
     embedding_dim: int | None = None
     enable_prefix_caching: bool = True
+    shutdown_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.speed <= 0:
@@ -86,8 +91,8 @@ class SimConfig:
             raise ValueError("block_size, max_num_seqs and default_max_tokens must be positive")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be positive")
-        if self.flush_interval_s < 0:
-            raise ValueError("flush_interval_s cannot be negative")
+        if self.flush_interval_s < 0 or self.shutdown_timeout_s < 0:
+            raise ValueError("flush_interval_s and shutdown_timeout_s cannot be negative")
         if self.kv_tokens is not None and self.kv_tokens < self.block_size:
             raise ValueError("kv_tokens must hold at least one block")
         if not 0 < self.gpu_memory_utilization <= 1:

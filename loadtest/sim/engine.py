@@ -23,6 +23,10 @@ MAX_LAG_S = 0.5  # simulated time owed after a stall is caught up, up to this mu
 MAX_BURST_S = 0.005  # longest run of back-to-back steps before yielding to the event loop
 
 
+class EngineStopped(RuntimeError):
+    """The engine takes no more sequences: it was closed, or its loop failed."""
+
+
 class LiveSequence(Sequence):
     """A sequence with a reader waiting on it.
 
@@ -94,7 +98,7 @@ class Engine:
 
     def submit(self, seq: LiveSequence) -> None:
         if self.stopped:
-            raise RuntimeError("the engine loop has stopped")
+            raise EngineStopped("the engine loop has stopped")
         seq.arrived = asyncio.get_running_loop().time()
         self.scheduler.add(seq)
         self._wake.set()
@@ -127,7 +131,9 @@ class Engine:
             abort_unfinished()
 
     def close(self) -> None:
-        """Abort everything, so every reader returns."""
+        """Stop taking sequences and abort everything, so every reader returns; readers
+        tell an abort of this kind by `stopped`."""
+        self.stopped = True
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
             self.abort(seq)
 
@@ -136,7 +142,6 @@ class Engine:
         try:
             await self._run()
         except Exception:
-            self.stopped = True
             self.close()
             raise
 
