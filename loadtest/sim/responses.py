@@ -92,7 +92,8 @@ class ResponsesEndpoint:
         max_tokens = body.get("max_output_tokens")
         room = self._limits.max_model_len - prompt_tokens
         if max_tokens is None:
-            max_tokens = min(self._limits.default_max_tokens, room)
+            default = self._limits.default_max_tokens
+            max_tokens = room if default is None else min(default, room)
         if not isinstance(max_tokens, int) or max_tokens < 1 or max_tokens > room:
             raise SimRequestError(
                 f"This model's maximum context length is {self._limits.max_model_len} tokens "
