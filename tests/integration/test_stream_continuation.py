@@ -1,0 +1,166 @@
+"""A stream whose backend dies mid-answer goes on on the other backend of its pool: the
+client, the official `openai` client here, sees one unbroken stream, its text continuous,
+its id unchanged, its usage counted once. Two simulated vLLMs in processes of their own,
+one killed with SIGKILL while it streams; the simulator continues an answer as a
+deterministic model does (its word i is always the same)."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.config import parse_settings
+from loadtest.sim.tokens import FillerText, chat_prompt_tokens, completion_prompt_tokens
+from tests.support.fault import backend_process, wait_for_process
+from tests.support.fleet import ADMIN_TOKEN, Fleet, tenant
+from tests.support.harness import ServerThread
+from tests.support.matrix import wait_until_up
+from tests.support.metrics import metric_sum
+
+MESSAGES = [{"role": "user", "content": "Tell me about the fleet."}]
+PROMPT = "The fleet"
+MAX_TOKENS = 60
+CUT_AFTER = 8  # chunks the client reads before the serving backend is killed
+
+
+@dataclass
+class Pair:
+    fleet: Fleet
+    procs: list[subprocess.Popen[bytes]]
+    urls: list[str]
+
+    def client(self) -> openai.OpenAI:
+        key = self.fleet.keys["acme"]
+        return openai.OpenAI(base_url=self.fleet.url + "/v1", api_key=key, max_retries=0)
+
+    def kill_the_busy_one(self) -> None:
+        """SIGKILL the backend that is generating now (its own metrics say which)."""
+        for proc, url in zip(self.procs, self.urls, strict=True):
+            if metric_sum(url, "vllm:num_requests_running") > 0:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(timeout=10)
+                return
+        raise AssertionError("no backend is generating")
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric_sum(self.fleet.url, name, **labels)
+
+
+@contextlib.contextmanager
+def pair(**pool: Any) -> Iterator[Pair]:
+    """Two simulated backends (at half real speed) behind a gateway."""
+    with (
+        backend_process(model="big", speed=0.5) as (a, a_url),
+        backend_process(model="big", speed=0.5) as (b, b_url),
+    ):
+        keys = {"acme": "sk-" + secrets.token_hex(8)}
+        backends = [{"url": url, "capacity": 8192} for url in (a_url, b_url)]
+        settings = parse_settings(
+            {
+                "tenants": [tenant("acme", keys["acme"])],
+                "pools": [{"name": "big", "backends": backends, **pool}],
+            }
+        )
+        gateway = ServerThread(create_app(settings, environ={"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN}))
+        with gateway:
+            for proc, url in ((a, a_url), (b, b_url)):
+                wait_for_process(proc, url)
+            fleet = Fleet(gateway=gateway, backends={}, settings=settings, keys=keys)
+            for name in ("big-0", "big-1"):
+                wait_until_up(fleet, name)
+            yield Pair(fleet, [a, b], [a_url, b_url])
+
+
+def read_chat(p: Pair, **extra: Any) -> tuple[list[Any], str]:
+    stream = p.client().chat.completions.create(
+        model="big",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+        **extra,
+    )
+    chunks = []
+    for i, chunk in enumerate(stream):
+        chunks.append(chunk)
+        if i == CUT_AFTER:
+            p.kill_the_busy_one()
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return chunks, text
+
+
+def test_a_chat_stream_goes_on_on_the_other_backend_whole_and_counted_once() -> None:
+    with pair() as p:
+        chunks, text = read_chat(p)
+        usage = chunks[-1].usage
+        assert usage is not None
+        assert text == FillerText().text(0, MAX_TOKENS)  # continuous: no word lost or twice
+        assert usage.completion_tokens == MAX_TOKENS
+        assert usage.prompt_tokens == chat_prompt_tokens(MESSAGES)
+        assert {c.id for c in chunks} == {chunks[0].id}
+        assert [c.choices[0].delta.role for c in chunks if c.choices].count("assistant") == 1
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert p.metric("spillgate_stream_continuations_total", result="succeeded") == 1
+        assert p.metric("spillgate_requests_total", outcome="local") == 1
+        time.sleep(0.1)
+        assert p.metric("spillgate_inflight_tokens") == 0  # nothing left reserved
+
+
+def test_a_completion_stream_goes_on_with_its_prompt_and_the_text_so_far() -> None:
+    with pair() as p:
+        stream = p.client().completions.create(
+            model="big",
+            prompt=PROMPT,
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = []
+        for i, chunk in enumerate(stream):
+            chunks.append(chunk)
+            if i == CUT_AFTER:
+                p.kill_the_busy_one()
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == FillerText().text(0, MAX_TOKENS)
+        usage = chunks[-1].usage
+        assert usage is not None
+        assert usage.completion_tokens == MAX_TOKENS
+        assert usage.prompt_tokens == completion_prompt_tokens(PROMPT)
+
+
+def test_a_stream_that_cannot_be_continued_ends_with_the_error_event() -> None:
+    with pair() as p:
+        with pytest.raises(openai.APIError, match="mid-stream"):
+            read_chat(p, n=2)
+        assert p.metric("spillgate_stream_continuations_refused_total", reason="choices") == 1
+        assert p.metric("spillgate_stream_continuations_total") == 0
+
+
+def test_a_pool_that_turns_it_off_ends_the_stream_with_the_error_event() -> None:
+    with pair(continue_streams=0) as p:
+        with pytest.raises(openai.APIError, match="mid-stream"):
+            read_chat(p)
+        assert p.metric("spillgate_stream_continuations_refused_total", reason="off") == 1
+
+
+def test_admin_status_and_a_cut_backend_are_told() -> None:
+    with pair() as p:
+        read_chat(p)
+        status = httpx.get(
+            p.fleet.url + "/admin/status",
+            headers={"authorization": f"Bearer {ADMIN_TOKEN}"},
+            timeout=5,
+        ).json()
+        states = {b["name"]: b["state"] for pool in status["pools"] for b in pool["backends"]}
+        assert sorted(states.values()) == ["down", "up"]  # the killed one is out of rotation
