@@ -255,11 +255,14 @@ class Exchange:
     async def _failed(
         self, name: str, reason: str, tried: set[str], *, unreachable: str | None = None
     ) -> None:
-        """Backend `name` failed this request: counted against it, not tried again, and
-        the request's reservation on it given back."""
+        """Backend `name` failed this request before its first byte: counted against it,
+        not tried again, and the request's reservation on it given back."""
         self.router.backend(name).record_failure(
             self.clock.monotonic(), reason=reason, unreachable=unreachable
         )
+        await self._leave(name, reason, tried)
+
+    async def _leave(self, name: str, reason: str, tried: set[str]) -> None:
         self.metrics.upstream_errors.labels(name, reason.split(":")[0]).inc()
         tried.add(name)
         await self.holding.release()
@@ -268,10 +271,12 @@ class Exchange:
         """Backend `name` broke off a stream mid-answer: most likely it is going away (a
         restart, a drain, a crash), so it takes no new request until a probe finds it
         serving again (gateway/admission/backends.py)."""
-        await self._failed(name, "mid-stream", tried)
+        # out until its next good probe, not held out as a backend failing in a row is: a
+        # restart that cut many streams is back as soon as it serves
         self.router.backend(name).mark_down(
             "it broke off a stream mid-answer", now=self.clock.monotonic()
         )
+        await self._leave(name, "mid-stream", tried)
 
     async def _go_on(
         self,
