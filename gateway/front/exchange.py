@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Awaitable, Collection, Sequence
 from dataclasses import dataclass
@@ -290,34 +291,62 @@ class Exchange:
         """Continue a stream whose backend broke off mid-answer on another backend of the
         pool, as often as the pool allows within the request's deadline
         (gateway/upstream/resume.py); else end it with an error event."""
-        pool = request.pool
-        tries = self.router.pools[pool].settings.continue_streams
+        tries = self.router.pools[request.pool].settings.continue_streams
         await self._broke_off(served.target, tried)
-        while True:
-            partial = read_partial(cut.relay.kept or [], request.endpoint)
-            if partial.finished or cut.relay.finished:  # it broke off after its last token
-                await cut.finish()
-                return _ended(served, completed=True)
-            why, follow = partial.refusal, None
-            if why is None:
-                follow = continued(request, partial)
-                why = "output_limit" if follow is None else None
-            if why is None and tries == 0:
-                why = "tries"
-            if why is None and self.clock.monotonic() >= deadline:
-                why = "deadline"
-            if follow is not None and why is None:
-                self.holding.reservation = await self.reserve(follow, exclude=tried, running=True)
-                why = "no_room" if self.holding.reservation is None else None
-            if follow is None or why is not None:
-                self.metrics.stream_continuations_refused.labels(pool, why or "").inc()
-                await cut.fail()
-                return _ended(served, completed=False)
-            tries -= 1
-            served, next_cut = await self._continue(follow, served, cut, partial, tried, deadline)
-            if next_cut is None:
-                return served
-            cut = next_cut
+        count: asyncio.Task[int | None] | None = None  # the original prompt's tokens
+        try:
+            while True:
+                partial = read_partial(cut.relay.kept or [], request.endpoint)
+                if partial.finished or cut.relay.finished:  # broke off after its last token
+                    await cut.finish()
+                    return _ended(served, completed=True)
+                follow, why = await self._follow(request, partial, tried, tries, deadline)
+                if follow is None:
+                    self.metrics.stream_continuations_refused.labels(request.pool, why).inc()
+                    await cut.fail()
+                    return _ended(served, completed=False)
+                tries -= 1
+                if count is None:
+                    target = self._held_target()
+                    count = asyncio.create_task(self.forwarder.prompt_tokens(target, request))
+                served, next_cut = await self._continue(
+                    follow, served, cut, partial, tried, deadline=deadline, count=count
+                )
+                if next_cut is None:
+                    return served
+                cut = next_cut
+        finally:
+            if count is not None:
+                count.cancel()
+
+    async def _follow(
+        self,
+        request: InferenceRequest,
+        partial: Partial,
+        tried: set[str],
+        tries: int,
+        deadline: float,
+    ) -> tuple[InferenceRequest | None, str]:
+        """The continuation of `request` from `partial`, holding room on a backend not yet
+        tried; else None and why not."""
+        if partial.refusal is not None:
+            return None, partial.refusal
+        follow = continued(request, partial)
+        if follow is None:
+            return None, "output_limit"
+        if tries == 0:
+            return None, "tries"
+        if self.clock.monotonic() >= deadline:
+            return None, "deadline"
+        self.holding.reservation = await self.reserve(follow, exclude=tried, running=True)
+        if self.holding.reservation is None:
+            return None, "no_room"
+        return follow, ""
+
+    def _held_target(self) -> Target:
+        reservation = self.holding.reservation
+        assert reservation is not None
+        return self.router.target(self.router.backend(reservation.backend))
 
     async def _continue(
         self,
@@ -326,7 +355,9 @@ class Exchange:
         cut: StreamCut,
         partial: Partial,
         tried: set[str],
+        *,
         deadline: float,
+        count: asyncio.Future[int | None],
     ) -> tuple[Served, StreamCut | None]:
         """One continuation on the backend `follow` holds a reservation on: the stream as
         it then is, and its cut if it broke off again (or never began there)."""
@@ -334,7 +365,8 @@ class Exchange:
         assert reservation is not None
         backend = self.router.backend(reservation.backend)
         growth = self._growth(follow, backend.block_size)
-        cut.relay.next_leg(ContinuationLeg(partial), carried=partial.tokens, growth=growth)
+        leg = ContinuationLeg(partial)
+        cut.relay.next_leg(leg, carried=partial.tokens, growth=growth, prompt=count)
         try:
             relayed = await self.forwarder.forward(
                 self.router.target(backend),

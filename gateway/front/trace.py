@@ -238,6 +238,9 @@ class _TracedForwarder:
         self._inner = inner
         self._trace = trace
 
+    async def prompt_tokens(self, target: Target, request: InferenceRequest) -> int | None:
+        return await self._inner.prompt_tokens(target, request)
+
     async def forward(
         self,
         target: Target,

@@ -25,6 +25,7 @@ from gateway.upstream.relay import (
     relay_stream,
     send_json_body,
 )
+from gateway.upstream.resume import count_body
 from gateway.upstream.target import Target
 
 # Fields some SDKs and proxies read to pick the upstream or its credentials. The gateway
@@ -96,6 +97,12 @@ class Forwards(Protocol):
         relay: StreamRelay | None = None,
     ) -> Relayed: ...
 
+    async def prompt_tokens(self, target: Target, request: InferenceRequest) -> int | None: ...
+
+
+# a prompt's count is worth this long: past it, a continued stream's usage does without
+COUNT_S = 2.0
+
 
 class Forwarder:
     def __init__(self, pool: UpstreamPool, *, clock: Clock) -> None:
@@ -124,6 +131,33 @@ class Forwarder:
             route = self._route(target, request.endpoint)
         # `traceparent` (gateway/tracing.py) only when tracing is on
         return self._pool.post(route, upstream_body(request, target.model), trace_headers)
+
+    async def prompt_tokens(self, target: Target, request: InferenceRequest) -> int | None:
+        """`request`'s prompt tokens as `target` counts them (`POST /tokenize`, vLLM's and
+        SGLang's), None when it cannot tell: no such route, an error, no answer in time."""
+        key = (target.name, target.api_base, "/tokenize")
+        route = self._routes.get(key)
+        if route is None:
+            route = self._routes[key] = Route.post(
+                target.api_base.removesuffix("/v1") + "/tokenize",
+                {**UPSTREAM_HEADERS, **target.headers},
+                connect_s=target.timeouts.connect,
+            )
+        response: Response | None = None
+        try:
+            with Deadline.after(COUNT_S):
+                response = await self._pool.post(route, count_body(request, target.model))
+                body = await response.read()
+        except (TimeoutError, TransportError):
+            return None
+        finally:
+            if response is not None:
+                response.release()
+        try:
+            count = orjson.loads(body).get("count") if response.status == 200 else None
+        except (orjson.JSONDecodeError, AttributeError):
+            return None
+        return count if isinstance(count, int) and not isinstance(count, bool) else None
 
     async def forward(
         self,

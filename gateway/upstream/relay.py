@@ -12,6 +12,7 @@ follows, and gets the fingerprint back: the client's stream is the one it would 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import re
@@ -195,18 +196,28 @@ class StreamRelay:
         # output tokens the client got from earlier legs: the usage event's counts are
         # told as the client's, not the continuation's (whose prompt holds them)
         self.carried = 0
+        self._prompt: asyncio.Future[int | None] | None = None
 
     async def start(self, *, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
 
-    def next_leg(self, leg: Leg, *, carried: int, growth: StreamWatch | None) -> None:
+    def next_leg(
+        self,
+        leg: Leg,
+        *,
+        carried: int,
+        growth: StreamWatch | None,
+        prompt: asyncio.Future[int | None] | None = None,
+    ) -> None:
         """Relay a continuation from here on: `leg` rewrites its events as the client's
-        stream had them, `carried` output tokens came before it."""
+        stream had them, `carried` output tokens came before it, and `prompt` counts the
+        original prompt's tokens, if it has by the time the usage event comes."""
         self._pending = b""  # the broken leg's unfinished event never reaches the client
         self._broken = None
         self._leg = leg
         self.carried = carried
         self._growth = growth
+        self._prompt = prompt
 
     def recorded(self) -> None:
         """The answer ended whole: the recorder may keep it."""
@@ -284,7 +295,9 @@ class StreamRelay:
                 self._typed_event(event)
             if payload is not None:
                 if self.carried:
-                    _carry_over(payload["usage"], self.carried)
+                    prompt = self._prompt
+                    counted = prompt.result() if prompt is not None and prompt.done() else None
+                    _carry_over(payload["usage"], self.carried, prompt=counted)
                     event = b"data: " + orjson.dumps(payload)
                 self.usage = Usage.from_json(payload["usage"])
                 if not self._keep_usage and not payload.get("choices"):
@@ -355,15 +368,18 @@ def _failure_event(event: bytes) -> bool:
     return not isinstance(code, int) or code >= 500
 
 
-def _carry_over(usage: dict[str, Any], carried: int) -> None:
-    """A continuation's usage as the client's: its prompt held the `carried` tokens the
-    client got before it, which the client counts as output. The total is the same."""
-    prompt = usage.get("prompt_tokens")
+def _carry_over(usage: dict[str, Any], carried: int, *, prompt: int | None) -> None:
+    """A continuation's usage as the client's: the `carried` tokens the client got before
+    it are output, once. Its prompt held them, re-tokenized: the client's prompt is
+    `prompt` where the backend counted it, else the continuation's less the carried."""
+    prompt_c = usage.get("prompt_tokens")
     completion = usage.get("completion_tokens")
-    if isinstance(prompt, int) and isinstance(completion, int):
-        moved = min(carried, prompt)
-        usage["prompt_tokens"] = prompt - moved
-        usage["completion_tokens"] = completion + moved
+    if isinstance(prompt_c, int) and isinstance(completion, int):
+        if prompt is None:
+            prompt = max(0, prompt_c - carried)
+        usage["prompt_tokens"] = prompt
+        usage["completion_tokens"] = completion + carried
+        usage["total_tokens"] = prompt + completion + carried
 
 
 class Leg(Protocol):

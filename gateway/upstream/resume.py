@@ -177,6 +177,34 @@ def _with_answer(messages: list[Any], text: str, body: dict[str, Any]) -> list[A
     return [*messages, {"role": "assistant", "content": text}]
 
 
+# what of a chat request its prompt's tokens depend on, besides its messages
+_TEMPLATE_FIELDS = (
+    "tools",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "documents",
+)
+
+
+def count_body(request: InferenceRequest, model: str) -> bytes:
+    """The body of a `/tokenize` request that counts `request`'s prompt as its endpoint
+    would: a continued stream's usage tells the client's prompt, not the continuation's,
+    whose re-tokenized text so far need not be as many tokens as were streamed."""
+    body = request.body
+    count: dict[str, Any] = {"model": model}
+    if request.endpoint is Endpoint.CHAT:
+        count["messages"] = body.get("messages")
+        count.update((key, body[key]) for key in _TEMPLATE_FIELDS if key in body)
+    else:
+        count["prompt"] = body.get("prompt")
+        if "add_special_tokens" in body:
+            count["add_special_tokens"] = body["add_special_tokens"]
+    return orjson.dumps(count)
+
+
 class ContinuationLeg:
     """A continuation's events as the client's stream had them: the opening role event
     (a chat stream's first, which the client already had) dropped, and the first leg's

@@ -22,13 +22,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from loadtest.sim.apis import EmbeddingsEndpoint, unsupported
+from loadtest.sim.apis import EmbeddingsEndpoint, json_body, unsupported
 from loadtest.sim.completions import CompletionsEndpoint
 from loadtest.sim.config import ResolvedSim, SimConfig, resolve
 from loadtest.sim.engine import Engine, LiveSequence
 from loadtest.sim.lengths import DEFAULT_VOCAB_SIZE, AnswerLengths, LengthSampler
 from loadtest.sim.metrics import SimMetrics
-from loadtest.sim.protocol import Limits
+from loadtest.sim.protocol import Limits, SimRequestError, tokenized
 from loadtest.sim.responses import ResponsesEndpoint
 from loadtest.sim.scheduler import Scheduler, SchedulerLimits
 from loadtest.sim.shutdown import RefuseWhileStopping, Shutdown
@@ -169,6 +169,15 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
     async def health(request: Request) -> Response:
         return Response(b"", status_code=200)
 
+    async def tokenize(request: Request) -> Response:
+        try:
+            ids = tokenized(json_body(await request.body()))
+        except SimRequestError as exc:
+            error = {"message": exc.message, "type": exc.error_type, "param": exc.param}
+            return JSONResponse({"error": {**error, "code": exc.status}}, status_code=exc.status)
+        body = {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids}
+        return Response(orjson.dumps(body), media_type="application/json")
+
     async def metrics_endpoint(request: Request) -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -193,6 +202,7 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
         *_api_routes(config, limits=limits, engine=engine, filler=filler, endpoint=endpoint),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
     ]
     shutdown = Shutdown(engine=engine, timeout_s=config.shutdown_timeout_s)

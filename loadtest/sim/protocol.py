@@ -93,6 +93,15 @@ def _prompt(kind: Kind, body: dict[str, object], *, token_ids: bool) -> _Prompt:
     )
 
 
+def tokenized(body: dict[str, object]) -> list[int]:
+    """vLLM's `POST /tokenize`: the token ids of a chat's prompt (`messages`) or a
+    completion's (`prompt`), as the engine would count them."""
+    kind = Kind.CHAT if "messages" in body else Kind.COMPLETION
+    ids = _prompt(kind, body, token_ids=True).ids
+    assert ids is not None
+    return ids
+
+
 def _chat_prompt_end(body: dict[str, object], messages: list[object]) -> PromptEnd:
     """Where the chat template stops, with vLLM's refusals of what cannot be rendered.
 

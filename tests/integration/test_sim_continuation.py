@@ -238,3 +238,14 @@ def test_a_continuation_finds_its_answers_prompt_in_the_prefix_cache() -> None:
             if s.name == "vllm:prefix_cache_hits_total"
         ]
     assert hits == [96]
+
+
+def test_tokenize_counts_a_prompt_as_the_engine_does(sim: ServerThread) -> None:
+    """vLLM's `POST /tokenize`, which the gateway asks for a continued stream's prompt."""
+    chat = httpx.post(f"{sim.url}/tokenize", json={"model": MODEL, "messages": MESSAGES})
+    assert chat.status_code == 200
+    assert chat.json()["count"] == chat_prompt_tokens(MESSAGES) == len(chat.json()["tokens"])
+    text = httpx.post(f"{sim.url}/tokenize", json={"model": MODEL, "prompt": PROMPT})
+    assert text.json()["count"] == completion_prompt_tokens(PROMPT)
+    bad = httpx.post(f"{sim.url}/tokenize", json={"model": MODEL, "messages": []})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"

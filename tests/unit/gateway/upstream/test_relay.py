@@ -338,3 +338,30 @@ def test_a_choice_the_engine_aborted_cuts_a_resumable_stream() -> None:
 
 async def _ignore(message: Message) -> None:
     pass
+
+
+def test_a_continuation_tells_the_prompt_the_backend_counted_for_the_original() -> None:
+    """vLLM re-tokenizes the text so far into more tokens than were streamed (or fewer):
+    the client's prompt is the original's as the backend counts it, when it did in time."""
+    sent: list[bytes] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message.get("body", b""))
+
+    async def go(counted: int | None) -> StreamRelay:
+        relay = StreamRelay(send=send, swap=None, keep_usage=True, recorder=None, resumable=True)
+        count: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        count.set_result(counted)
+        leg = ContinuationLeg(read_partial([CHUNK], Endpoint.CHAT))
+        relay.next_leg(leg, carried=3, growth=None, prompt=count)
+        await relay_stream(
+            _Chunks([USAGE, DONE], fails=False),
+            relay=relay, first_chunk=CHUNK, idle_s=5, deadline=2000, clock=ManualClock(),
+        )  # fmt: skip
+        return relay
+
+    exact = asyncio.run(go(6))  # the continuation's 10 prompt tokens held 4 of the text
+    assert (exact.usage.prompt_tokens, exact.usage.completion_tokens) == (6, 11)
+    assert b'"prompt_tokens":6,"total_tokens":17,"completion_tokens":11' in b"".join(sent)
+    guessed = asyncio.run(go(None))  # no count: the continuation's less what was streamed
+    assert (guessed.usage.prompt_tokens, guessed.usage.completion_tokens) == (7, 11)
