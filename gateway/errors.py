@@ -135,6 +135,14 @@ class UpstreamTimeout(UpstreamError):
     code = "upstream_timeout"
 
 
+class NoRoomToRetry(UpstreamError):
+    """A backend failed a request before its first byte (it is going away, or failing) and
+    no other backend of the pool has room for it now. Nothing reached the client: the
+    pipeline passes the request on to its pool's overflow chain, as an arrival that found
+    no room, and so does a policy that passes on an UpstreamError; what nothing catches is
+    a 502."""
+
+
 class UpstreamUnavailable(Exception):
     """The upstream failed before the first byte: safe to try elsewhere.
 

@@ -13,7 +13,7 @@ from gateway.admission.growth import Growth
 from gateway.admission.ledger import Reservation
 from gateway.admission.router import Router
 from gateway.clock import Clock
-from gateway.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from gateway.errors import NoRoomToRetry, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
@@ -32,6 +32,10 @@ class Served:
     pool: str  # the pool whose model answered
     relayed: Relayed
     started_at: float = 0.0  # Clock time when it was forwarded (after any wait for room)
+
+
+class _NoRoom(UpstreamUnavailable):
+    """No backend of the pool not yet tried has room for a retry."""
 
 
 def _ended(served: Served, *, completed: bool) -> Served:
@@ -196,6 +200,8 @@ class Exchange:
             if outage is not None:
                 raise outage from None
             error = UpstreamTimeout if last.timed_out else UpstreamError
+            if isinstance(last, _NoRoom):
+                error = NoRoomToRetry
             raise error(
                 f"The backends of pool {request.pool!r} failed before answering "
                 f"({first.reason}; then {last.reason}).",
@@ -210,7 +216,9 @@ class Exchange:
             self.holding.reservation = await self.reserve(request, exclude=tried)
         reservation = self.holding.reservation
         if reservation is None:
-            raise UpstreamUnavailable("no backend of the pool has room to retry")
+            if self.router.candidates(request.pool, exclude=tried):
+                raise _NoRoom("no backend of the pool has room to retry")
+            raise UpstreamUnavailable("no other backend of the pool to retry on")
         backend = self.router.backend(reservation.backend)
         started = self.clock.monotonic()
         resumable = self._resumable(request)

@@ -24,6 +24,7 @@ from gateway.admission.router import Router
 from gateway.clock import Clock
 from gateway.errors import (
     ModelNotFound,
+    NoRoomToRetry,
     Rejected,
     RequestTimeout,
     SpillgateError,
@@ -367,7 +368,12 @@ class CompletionsEndpoint:
                 service = self._d.services.get(request.pool)
                 if service is not None:
                     service.admitted(request)
-                return await exchange.serve_local(request, Outcome.LOCAL)
+                try:
+                    return await exchange.serve_local(request, Outcome.LOCAL)
+                except NoRoomToRetry:
+                    # its backend failed it before a byte (going away) and the rest are full:
+                    # nothing was sent, so it overflows as an arrival that found no room
+                    pass
             await exchange.release()
         self._check_fits(request, chain)
         outage = self._d.router.pools[request.pool].outage

@@ -41,6 +41,7 @@ from typing import ClassVar
 
 from gateway.clock import Clock
 from gateway.config import PRIORITIES, PoolSettings, Priority
+from gateway.errors import NoRoomToRetry
 from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
@@ -232,7 +233,10 @@ class QueuePolicy:
             return None
         exchange.note_time("queue", self._clock.monotonic() - started)
         self.service.charge(request)
-        return await exchange.serve_local(request, Outcome.QUEUED)
+        try:
+            return await exchange.serve_local(request, Outcome.QUEUED)
+        except NoRoomToRetry:
+            return None  # its backend failed it before a byte, the rest are full: pass it on
 
     async def wait(self, request: InferenceRequest, exchange: OverflowContext) -> QueueResult:
         """Wait until the request holds a reservation in its pool (ADMITTED), or say why not."""

@@ -105,7 +105,7 @@ def test_when_every_backend_fails_the_client_gets_nothing_and_nothing_is_held(ur
         assert caught.value.retry_after == 1.0
         assert str(caught.value) == (
             "The backends of pool 'big' failed before answering "
-            "(status 503; then no backend of the pool has room to retry)."
+            "(status 503; then no other backend of the pool to retry on)."
         )
         assert s.client.messages == []
         assert s.holding.reservation is None
