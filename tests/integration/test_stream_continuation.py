@@ -11,7 +11,7 @@ import secrets
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,15 @@ class Pair:
                 return
         raise AssertionError("no backend is generating")
 
+    def read_killing(self, stream: Iterable[Any]) -> list[Any]:
+        """The stream's chunks, its backend killed once CUT_AFTER of them have come."""
+        chunks = []
+        for i, chunk in enumerate(stream):
+            chunks.append(chunk)
+            if i == CUT_AFTER:
+                self.kill_the_busy_one()
+        return chunks
+
     def metric(self, name: str, **labels: str) -> float:
         return metric_sum(self.fleet.url, name, **labels)
 
@@ -91,11 +100,7 @@ def read_chat(p: Pair, **extra: Any) -> tuple[list[Any], str]:
         stream_options={"include_usage": True},
         **extra,
     )
-    chunks = []
-    for i, chunk in enumerate(stream):
-        chunks.append(chunk)
-        if i == CUT_AFTER:
-            p.kill_the_busy_one()
+    chunks = p.read_killing(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     return chunks, text
 
@@ -126,11 +131,7 @@ def test_a_completion_stream_goes_on_with_its_prompt_and_the_text_so_far() -> No
             stream=True,
             stream_options={"include_usage": True},
         )
-        chunks = []
-        for i, chunk in enumerate(stream):
-            chunks.append(chunk)
-            if i == CUT_AFTER:
-                p.kill_the_busy_one()
+        chunks = p.read_killing(stream)
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         assert text == FillerText().text(0, MAX_TOKENS)
         usage = chunks[-1].usage
