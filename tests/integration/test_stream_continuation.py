@@ -44,22 +44,23 @@ class Pair:
         key = self.fleet.keys["acme"]
         return openai.OpenAI(base_url=self.fleet.url + "/v1", api_key=key, max_retries=0)
 
-    def kill_the_busy_one(self) -> None:
-        """SIGKILL the backend that is generating now (its own metrics say which)."""
-        for proc, url in zip(self.procs, self.urls, strict=True):
-            if metric_sum(url, "vllm:num_requests_running") > 0:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait(timeout=10)
-                return
-        raise AssertionError("no backend is generating")
+    def kill_the_busy_one(self, *, and_idle: int = 0) -> None:
+        """SIGKILL the backend that is generating now (its own metrics say which), and the
+        first `and_idle` of the others, which the gateway still takes for up."""
+        busy = [metric_sum(url, "vllm:num_requests_running") > 0 for url in self.urls]
+        assert busy.count(True) == 1, "one backend should be generating"
+        idle = [proc for proc, b in zip(self.procs, busy, strict=True) if not b]
+        for proc in [self.procs[busy.index(True)], *idle[:and_idle]]:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
 
-    def read_killing(self, stream: Iterable[Any]) -> list[Any]:
+    def read_killing(self, stream: Iterable[Any], *, and_idle: int = 0) -> list[Any]:
         """The stream's chunks, its backend killed once CUT_AFTER of them have come."""
         chunks = []
         for i, chunk in enumerate(stream):
             chunks.append(chunk)
             if i == CUT_AFTER:
-                self.kill_the_busy_one()
+                self.kill_the_busy_one(and_idle=and_idle)
         return chunks
 
     def metric(self, name: str, **labels: str) -> float:
@@ -67,31 +68,36 @@ class Pair:
 
 
 @contextlib.contextmanager
-def pair(**pool: Any) -> Iterator[Pair]:
-    """Two simulated backends (at half real speed) behind a gateway."""
-    with (
-        backend_process(model="big", speed=0.5) as (a, a_url),
-        backend_process(model="big", speed=0.5) as (b, b_url),
-    ):
+def pair(backends: int = 2, **pool: Any) -> Iterator[Pair]:
+    """Simulated backends (two by default, at half real speed) behind a gateway."""
+    with contextlib.ExitStack() as stack:
+        started = [
+            stack.enter_context(backend_process(model="big", speed=0.5)) for _ in range(backends)
+        ]
         keys = {"acme": "sk-" + secrets.token_hex(8)}
-        backends = [{"url": url, "capacity": 8192} for url in (a_url, b_url)]
         settings = parse_settings(
             {
                 "tenants": [tenant("acme", keys["acme"])],
-                "pools": [{"name": "big", "backends": backends, **pool}],
+                "pools": [
+                    {
+                        "name": "big",
+                        "backends": [{"url": url, "capacity": 8192} for _, url in started],
+                        **pool,
+                    }
+                ],
             }
         )
         gateway = ServerThread(create_app(settings, environ={"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN}))
         with gateway:
-            for proc, url in ((a, a_url), (b, b_url)):
+            for proc, url in started:
                 wait_for_process(proc, url)
             fleet = Fleet(gateway=gateway, backends={}, settings=settings, keys=keys)
-            for name in ("big-0", "big-1"):
-                wait_until_up(fleet, name)
-            yield Pair(fleet, [a, b], [a_url, b_url])
+            for i in range(backends):
+                wait_until_up(fleet, f"big-{i}")
+            yield Pair(fleet, [proc for proc, _ in started], [url for _, url in started])
 
 
-def read_chat(p: Pair, **extra: Any) -> tuple[list[Any], str]:
+def read_chat(p: Pair, *, and_idle: int = 0, **extra: Any) -> tuple[list[Any], str]:
     stream = p.client().chat.completions.create(
         model="big",
         messages=MESSAGES,  # type: ignore[arg-type]
@@ -100,7 +106,7 @@ def read_chat(p: Pair, **extra: Any) -> tuple[list[Any], str]:
         stream_options={"include_usage": True},
         **extra,
     )
-    chunks = p.read_killing(stream)
+    chunks = p.read_killing(stream, and_idle=and_idle)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     return chunks, text
 
@@ -165,3 +171,15 @@ def test_admin_status_and_a_cut_backend_are_told() -> None:
         ).json()
         states = {b["name"]: b["state"] for pool in status["pools"] for b in pool["backends"]}
         assert sorted(states.values()) == ["down", "up"]  # the killed one is out of rotation
+
+
+def test_a_continuation_whose_backend_is_gone_too_goes_on_on_a_third() -> None:
+    """The backend the continuation goes to died with the first (the gateway has not
+    noticed yet): that try fails before its first byte, and the next backend continues.
+    By least fill, the idle backend first in the pool is tried first: the one killed."""
+    with pair(backends=3, routing="least_filled") as p:
+        chunks, text = read_chat(p, and_idle=1)
+        assert text == FillerText().text(0, MAX_TOKENS)
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == MAX_TOKENS
+        assert p.metric("spillgate_stream_continuations_total", result="failed") == 1
+        assert p.metric("spillgate_stream_continuations_total", result="succeeded") == 1
