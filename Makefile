@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # than cores finish sooner; TEST_WORKERS=0 runs them in one process.
 TEST_WORKERS ?= 4
 
-.PHONY: demo test lint typecheck unit clean test-vllm
+.PHONY: demo test lint typecheck unit docs clean test-vllm
 
 $(BIN)/spillgate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,14 @@ typecheck: $(VENV)/.dev
 unit: $(VENV)/.dev
 	$(BIN)/pytest -q tests/unit
 
-test: lint typecheck
+# The documentation site (mkdocs.yml), built with warnings as errors into a directory that
+# is thrown away: it checks the pages and their links, it publishes nothing (not -q:
+# mkdocs then drops the warnings --strict counts).
+docs: $(VENV)/.dev
+	@site=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d $$site; \
+	  status=$$?; rm -rf $$site; exit $$status
+
+test: lint typecheck docs
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Opt-in, not part of `test`: a real vLLM (CPU build, a tiny random Llama; the first run
