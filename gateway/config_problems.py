@@ -42,7 +42,7 @@ class Problems(ValueError):
 
 
 def key_path(loc: Loc) -> str:
-    """`pools[0].overflow[1]`, as the README's configuration reference writes keys."""
+    """`pools[0].overflow[1]`, as docs/configuration.md writes keys."""
     text = ""
     for part in loc:
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
