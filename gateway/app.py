@@ -52,7 +52,7 @@ from gateway.service_feed import ServiceFeed
 from gateway.slo import Latencies
 from gateway.tracing import build_tracing
 from gateway.upstream.forward import Forwarder
-from gateway.upstream.http import UpstreamPool
+from gateway.upstream.pool import UpstreamPool
 from policies.deps import PolicyDeps
 from policies.provider.gate import build_gates
 from policies.registry import answer_recorders, arrival_checks, build_chain, service_counters

@@ -13,7 +13,9 @@ from gateway.clock import Clock
 from gateway.errors import UpstreamUnavailable
 from gateway.front.request import Endpoint, InferenceRequest
 from gateway.upstream.deadline import Deadline
-from gateway.upstream.http import ConnectFailed, Response, Route, TransportError, UpstreamPool
+from gateway.upstream.http import Response
+from gateway.upstream.http_head import ConnectFailed, Route, TransportError
+from gateway.upstream.pool import UpstreamPool
 from gateway.upstream.relay import (
     JSON_HEADERS,
     SSE_HEADERS,

@@ -1,10 +1,12 @@
 """The upstream HTTP/1.1 client: keep-alive connections to each backend and provider.
 
-This is security-sensitive code. It reads bytes from servers the gateway does not control
-(a provider across the internet, a backend behind someone else's proxy, a process that is
-dying), and every request of the process passes through it. Every hostile answer anyone
-finds becomes a test in tests/integration/test_upstream_hostile.py, against a real server
-that answers that way, and what the client does then is what h11, aiohttp and Envoy do.
+This is security-sensitive code, and so are gateway/upstream/http_head.py (what it
+sends) and gateway/upstream/pool.py (its connections). It reads bytes from servers the
+gateway does not control (a provider across the internet, a backend behind someone else's
+proxy, a process that is dying), and every request of the process passes through it. Every
+hostile answer anyone finds becomes a test in tests/integration/test_upstream_hostile.py,
+against a real server that answers that way, and what the client does then is what h11,
+aiohttp and Envoy do.
 
 The gateway sends one kind of request upstream, a POST of a JSON body, and relays the
 answer as it arrives. It does so on asyncio protocols with httptools, the parser uvicorn
@@ -29,7 +31,8 @@ What it does with an upstream that answers in ways it should not:
   counted, never read;
 - a body of no stated length ends at an orderly close only: a reset is ConnectionClosed;
 - a request on a kept-alive connection that closed before any byte of its answer goes
-  once more on a new connection (`UpstreamPool.post` says why that is safe);
+  once more on a new connection (`UpstreamPool.post` in gateway/upstream/pool.py says why
+  that is safe);
 - a host's addresses are tried as RFC 8305's Happy Eyeballs does, so an address that
   drops connections costs a quarter of a second, not the whole connect budget;
 - idle connections are let go after `keepalive_s`, the oldest first;
@@ -41,100 +44,31 @@ What it does with an upstream that answers in ways it should not:
 from __future__ import annotations
 
 import asyncio
-import re
-import socket
-import ssl
-from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import NamedTuple
-from urllib.parse import urlsplit
+from typing import Protocol
 
-import aiohappyeyeballs
 import httptools
 
-# uvicorn, which vLLM and SGLang serve with, closes a connection idle for 5 s: one taken
-# from the pool as the server closes it fails before its first byte, and with one backend
-# there is no other to try. The pool lets its idle connections go sooner.
-KEEPALIVE_S = 4.0
+from gateway.upstream.http_head import ConnectionClosed, ProtocolError, TransportError
+
 # past this many bytes read and not yet taken by the relay, the connection stops reading
 # until the relay catches up (a slow client slows its upstream, as TCP would)
 HIGH_WATER = 1 << 18
-# Envoy's bounds on a response head: 60 KiB of names and values, and 100 fields
-MAX_HEADER_BYTES = 60 * 1024
-MAX_HEADERS = 100
-# RFC 8305's connection attempt delay: the next address is tried once the one before it
-# has not connected for this long
-HAPPY_EYEBALLS_DELAY_S = 0.25
 # httptools hands a header over only once its line has ended, and keeps it till then: a
 # value that never ends is bounded by the bytes received that carried no body. Beyond the
 # names and values they hold the status line, each field's ": " and CRLF, chunk framing.
 _HEAD_FRAMING = 8192
-# a request header's name is a token, its value holds no control character but HTAB
-# (RFC 9110 §5.1, §5.5): one with a line break would add headers, or end the head early
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_FIELD_VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
-_REQUEST_TARGET = re.compile(r"[^\x00-\x20\x7f]+")
-
-Addresses = Sequence[aiohappyeyeballs.AddrInfoType]
-Resolve = Callable[[str, int], Awaitable[Addresses]]
 
 
-class TransportError(Exception):
-    """The upstream could not be reached, or its connection failed before the answer ended."""
+class Home(Protocol):
+    """What a connection needs of the pool that made it (gateway/upstream/pool.py)."""
 
+    max_header_bytes: int
+    max_headers: int
+    slots: asyncio.Semaphore
 
-class ConnectFailed(TransportError):
-    """No connection could be made; `os_error` says why."""
+    def put_back(self, connection: Connection) -> None: ...
 
-    def __init__(self, message: str, os_error: OSError) -> None:
-        super().__init__(message)
-        self.os_error = os_error
-
-
-class ConnectionClosed(TransportError):
-    """The connection closed before the answer ended."""
-
-
-class ProtocolError(TransportError):
-    """The upstream's bytes were not HTTP/1.1, or not within the client's bounds."""
-
-
-def header_line(name: str, value: str) -> str:
-    """`name: value` and its CRLF; ValueError for a name that is not a token, or a value
-    with a line break or another control character in it (HTAB aside)."""
-    if not _TOKEN.fullmatch(name):
-        raise ValueError(f"not a header name: {name!r}")
-    if not _FIELD_VALUE.fullmatch(value):
-        # the value is not shown: it may be a key
-        raise ValueError(f"header {name!r} has a line break or other control character in it")
-    return f"{name}: {value}\r\n"
-
-
-class Route(NamedTuple):
-    """Where requests to one URL go, and the head each of them starts with."""
-
-    origin: tuple[str, int, bool]  # host, port, TLS
-    head: bytes  # request line, host, and the fixed headers, each line ending in CRLF
-    connect_s: float
-
-    @classmethod
-    def post(cls, url: str, headers: Mapping[str, str], *, connect_s: float) -> Route:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {url!r}")
-        tls = parts.scheme == "https"
-        port = parts.port or (443 if tls else 80)
-        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # IPv6
-        if parts.port is not None:
-            host = f"{host}:{port}"
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        if not _REQUEST_TARGET.fullmatch(target):
-            raise ValueError(f"a space or control character in the path of {url!r}")
-        # a key read from the environment with a line break in it would add headers
-        lines = [f"POST {target} HTTP/1.1\r\n", header_line("host", host)]
-        lines += [header_line(name, value) for name, value in headers.items()]
-        head = "".join(lines).encode("latin-1")
-        return cls(origin=(parts.hostname, port, tls), head=head, connect_s=connect_s)
+    def lost(self, connection: Connection) -> None: ...
 
 
 class Response:
@@ -153,11 +87,11 @@ class Response:
         "status",
     )
 
-    def __init__(self, connection: _Connection) -> None:
+    def __init__(self, connection: Connection) -> None:
         self.status = 0  # until the answer's head, informational answers aside, has arrived
         self.headers: dict[bytes, bytes] = {}  # names lower-cased
         self.complete = False  # the body has arrived to its end
-        self._connection: _Connection | None = connection
+        self._connection: Connection | None = connection
         self._chunks: list[bytes] = []
         self._buffered = 0
         self._failure: TransportError | None = None
@@ -230,10 +164,10 @@ class Response:
             waiter.set_result(None)
 
 
-class _Connection(asyncio.Protocol):
+class Connection(asyncio.Protocol):
     """One connection to an origin, with its parser; serves one request at a time."""
 
-    def __init__(self, pool: _OriginPool) -> None:
+    def __init__(self, pool: Home) -> None:
         self.transport: asyncio.Transport = None  # type: ignore[assignment]  # until made
         self.closed = False
         self.idle_since = 0.0
@@ -393,185 +327,3 @@ class _Connection(asyncio.Protocol):
 def _ends_with_connection(response: Response) -> bool:
     headers = response.headers
     return b"content-length" not in headers and b"transfer-encoding" not in headers
-
-
-async def resolve_host(host: str, port: int) -> Addresses:
-    """The host's addresses, of every family, as the system's resolver gives them."""
-    try:
-        # an address written as one needs no lookup, nor a trip to the resolver's thread
-        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
-    except socket.gaierror:
-        pass
-    return await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-
-
-class _OriginPool:
-    """The connections to one origin: every one open, and the idle ones, oldest first."""
-
-    def __init__(
-        self,
-        origin: tuple[str, int, bool],
-        slots: asyncio.Semaphore,
-        *,
-        keepalive_s: float,
-        max_header_bytes: int,
-        max_headers: int,
-        resolve: Resolve,
-    ) -> None:
-        self.origin = origin
-        self.slots = slots
-        self.max_header_bytes = max_header_bytes
-        self.max_headers = max_headers
-        self._keepalive_s = keepalive_s
-        self._resolve = resolve
-        self._idle: deque[_Connection] = deque()
-        self._open: set[_Connection] = set()
-        self._closed = False
-        self._tls = ssl.create_default_context() if origin[2] else None
-
-    def take(self, now: float) -> _Connection | None:
-        self._prune(now)
-        idle = self._idle
-        while idle:
-            connection = idle.pop()  # the most recently used: the likeliest to be open
-            if not connection.closed and not connection.transport.is_closing():
-                return connection
-        return None
-
-    def put_back(self, connection: _Connection) -> None:
-        if self._closed:  # made for a request still on its way as the pool closed
-            connection.close()
-            return
-        now = _now()
-        connection.idle_since = now
-        self._idle.append(connection)
-        self._prune(now)
-
-    def _prune(self, now: float) -> None:
-        """Close the connections idle for `keepalive_s`: the server may be closing them
-        now, and one it never closes would stay open for nothing."""
-        idle = self._idle
-        kept_since = now - self._keepalive_s
-        while idle and idle[0].idle_since <= kept_since:
-            idle.popleft().close()
-
-    def lost(self, connection: _Connection) -> None:
-        self._open.discard(connection)
-        if connection in self._idle:
-            self._idle.remove(connection)
-
-    async def connect(self, connect_s: float) -> _Connection:
-        host, port, tls = self.origin
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(connect_s):
-                addresses = await self._resolve(host, port)
-                sock = await aiohappyeyeballs.start_connection(
-                    addresses, happy_eyeballs_delay=HAPPY_EYEBALLS_DELAY_S, interleave=1
-                )
-                try:
-                    _, connection = await loop.create_connection(
-                        lambda: _Connection(self),
-                        sock=sock,
-                        ssl=self._tls,
-                        server_hostname=host if tls else None,
-                    )
-                except BaseException:
-                    sock.close()
-                    raise
-        except (OSError, RuntimeError) as exc:
-            # aiohappyeyeballs passes on uvloop's RuntimeError where asyncio raises OSError
-            os_error = exc if isinstance(exc, OSError) else OSError(str(exc))
-            raise ConnectFailed(f"cannot connect to {host}:{port}: {exc}", os_error) from exc
-        self._open.add(connection)
-        return connection
-
-    def close_all(self) -> None:
-        self._closed = True
-        for connection in list(self._open):
-            connection.close()
-        self._open.clear()
-        self._idle.clear()
-
-
-def _now() -> float:
-    return asyncio.get_running_loop().time()
-
-
-class UpstreamPool:
-    """Every upstream connection of the process, at most `max_connections` in use at once.
-
-    `max_header_bytes` and `max_headers` bound each answer's head (trailers included);
-    `resolve` gives a host's addresses (the system's resolver by default)."""
-
-    def __init__(
-        self,
-        *,
-        max_connections: int,
-        keepalive_s: float = KEEPALIVE_S,
-        max_header_bytes: int = MAX_HEADER_BYTES,
-        max_headers: int = MAX_HEADERS,
-        resolve: Resolve = resolve_host,
-    ) -> None:
-        self._keepalive_s = keepalive_s
-        self._max_header_bytes = max_header_bytes
-        self._max_headers = max_headers
-        self._resolve = resolve
-        self._origins: dict[tuple[str, int, bool], _OriginPool] = {}
-        # bound to the event loop that first has to wait on it
-        self._slots = asyncio.Semaphore(max_connections)
-
-    async def post(
-        self, route: Route, body: bytes, extra_headers: Mapping[str, str] | None = None
-    ) -> Response:
-        """Send `body` to `route` and return its answer once its head has arrived. A
-        caller that gives up meanwhile (cancelled, timed out) leaves nothing open.
-        ValueError for an `extra_headers` line `header_line` refuses."""
-        pool = self._origins.get(route.origin)
-        if pool is None:
-            pool = self._origins[route.origin] = _OriginPool(
-                route.origin,
-                self._slots,
-                keepalive_s=self._keepalive_s,
-                max_header_bytes=self._max_header_bytes,
-                max_headers=self._max_headers,
-                resolve=self._resolve,
-            )
-        head = route.head
-        if extra_headers:
-            lines = [header_line(name, value) for name, value in extra_headers.items()]
-            head += "".join(lines).encode("latin-1")
-        data = b"%scontent-length: %d\r\n\r\n%s" % (head, len(body), body)
-        # the slot is this call's until an answer's head is returned: from then on the
-        # connection holds it, and gives it back when it is done
-        await pool.slots.acquire()
-        connection: _Connection | None = None
-        try:
-            connection = pool.take(_now())
-            if connection is not None:
-                try:
-                    return await connection.request(data)
-                except ConnectionClosed:
-                    if connection.answered:
-                        raise
-                # The server closed the kept-alive connection as the request went out (its
-                # idle timer, a rolling restart) and not a byte of an answer came. The
-                # request is a POST, which aiohttp sends again only for idempotent methods
-                # (RFC 9112 §9.3.1); an inference request is idempotent in effect: it
-                # changes nothing at the server, and a failure before the first byte is
-                # sent to another backend anyway. Once, on a new connection: a new one
-                # that closes unanswered is the server's answer.
-                connection.close()
-            connection = await pool.connect(route.connect_s)
-            return await connection.request(data)
-        except BaseException:
-            if connection is not None:
-                connection.close()
-            pool.slots.release()
-            raise
-
-    async def aclose(self) -> None:
-        """Close every connection, those whose answers are being read too."""
-        for pool in self._origins.values():
-            pool.close_all()
-        self._origins.clear()

@@ -25,7 +25,7 @@ from starlette.types import Send
 
 from gateway.clock import Clock
 from gateway.upstream.deadline import Deadline
-from gateway.upstream.http import TransportError
+from gateway.upstream.http_head import TransportError
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),

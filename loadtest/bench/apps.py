@@ -17,7 +17,8 @@ import aiohttp
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from gateway.upstream.http import Route, UpstreamPool
+from gateway.upstream.http_head import Route
+from gateway.upstream.pool import UpstreamPool
 
 MODEL = "bench-model"
 CHUNKS = int(os.environ.get("BENCH_STREAM_CHUNKS", "32"))

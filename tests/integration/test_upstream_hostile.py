@@ -25,13 +25,8 @@ from gateway.clock import SystemClock
 from gateway.config import Timeouts, parse_settings
 from gateway.errors import UpstreamUnavailable
 from gateway.upstream.forward import Forwarder
-from gateway.upstream.http import (
-    ConnectFailed,
-    ConnectionClosed,
-    ProtocolError,
-    Route,
-    UpstreamPool,
-)
+from gateway.upstream.http_head import ConnectFailed, ConnectionClosed, ProtocolError, Route
+from gateway.upstream.pool import UpstreamPool
 from gateway.upstream.target import Target
 from tests.support.fleet import ADMIN_TOKEN, admin_status, tenant
 from tests.support.harness import ServerThread

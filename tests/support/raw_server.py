@@ -20,7 +20,8 @@ from typing import Any
 import orjson
 import uvloop
 
-from gateway.upstream.http import Route, UpstreamPool
+from gateway.upstream.http_head import Route
+from gateway.upstream.pool import UpstreamPool
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"

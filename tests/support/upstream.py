@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from gateway.config import Priority
 from gateway.front.request import Endpoint, InferenceRequest
-from gateway.upstream.http import UpstreamPool
+from gateway.upstream.pool import UpstreamPool
 from tests.support.harness import servers
 
 ANSWER = "Hello there"

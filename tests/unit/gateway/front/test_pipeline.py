@@ -22,7 +22,7 @@ from gateway.front.request import Endpoint
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit.local import LocalRateLimiter
 from gateway.upstream.forward import Forwarder
-from gateway.upstream.http import UpstreamPool
+from gateway.upstream.pool import UpstreamPool
 from tests.support.upstream import (
     ANSWER,
     COMPLETION_TOKENS,

@@ -13,7 +13,7 @@ from gateway.clock import SystemClock
 from gateway.config import Timeouts
 from gateway.errors import UpstreamUnavailable
 from gateway.upstream.forward import Forwarder
-from gateway.upstream.http import UpstreamPool
+from gateway.upstream.pool import UpstreamPool
 from gateway.upstream.relay import Relayed, Usage
 from gateway.upstream.target import Target
 from loadtest.procs import free_port

@@ -12,13 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.upstream.http import (
-    HIGH_WATER,
-    ConnectFailed,
-    ConnectionClosed,
-    ProtocolError,
-    UpstreamPool,
-)
+from gateway.upstream.http import HIGH_WATER
+from gateway.upstream.http_head import ConnectFailed, ConnectionClosed, ProtocolError
+from gateway.upstream.pool import UpstreamPool
 from loadtest.procs import free_port
 from tests.support.raw_server import OK, Handler, Server, answering, fetched, route, run, serve
 

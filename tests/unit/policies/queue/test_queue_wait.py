@@ -17,7 +17,7 @@ from gateway.front.exchange import Exchange, Holding
 from gateway.front.request import Endpoint, InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.upstream.forward import Forwarder
-from gateway.upstream.http import UpstreamPool
+from gateway.upstream.pool import UpstreamPool
 from policies.queue.fair_queue import QueueResult
 from policies.queue.policy import AUTO_CEILING_S, AUTO_FLOOR_S, QueuePolicy
 from tests.support.clock import run_on
