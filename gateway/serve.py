@@ -14,8 +14,8 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import ConfigError, LoadedConfig, Settings, load_config
-from gateway.config_environment import check_environment, redis_url_problem
-from gateway.config_problems import Problem
+from gateway.config.environment import check_environment, redis_url_problem
+from gateway.config.problems import Problem
 from gateway.workers import configure_logging, serve_workers, workers_problem
 
 

@@ -23,7 +23,7 @@ from policies.reject import RejectPolicy
 
 
 def registry() -> dict[str, PolicyFactory]:
-    """Every policy by its name; the config accepts exactly these (gateway/config.py
+    """Every policy by its name; the config accepts exactly these (gateway/config/base.py
     PolicyName), so a chain that loaded builds."""
     return {
         QueuePolicy.name: QueuePolicy.build,

@@ -31,7 +31,7 @@ from gateway.admission.output_lengths import WINDOW, LengthSource, OutputLengths
 from gateway.admission.prefix_index import PrefixIndex
 from gateway.clock import Clock
 from gateway.config import BackendSettings, PoolSettings, ReservationSettings
-from gateway.config_references import backend_name
+from gateway.config.references import backend_name
 from gateway.errors import BackendUnavailable
 from gateway.front.request import PromptEstimator
 from gateway.upstream.forward import unreachable_reason

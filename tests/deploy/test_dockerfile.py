@@ -195,7 +195,13 @@ def wheel_packages() -> set[str]:
 
 def test_wheel_ships_gateway_policies_planner_and_simulator_not_bench_or_tests() -> None:
     packages = wheel_packages()
-    shipped = {"gateway.front", "gateway.admission", "gateway.ops", "gateway.capacity"}
+    shipped = {
+        "gateway.config",
+        "gateway.front",
+        "gateway.admission",
+        "gateway.ops",
+        "gateway.capacity",
+    }
     assert shipped | {"policies.cache", "loadtest.sim", "loadtest.drill"} <= packages
     assert not {p for p in packages if p.startswith(("loadtest.bench", "tests"))}
     for data in ("ops/dashboard.html", "ops/openapi.yaml", "admission/ledger.lua",

@@ -7,8 +7,8 @@ from typing import Any, get_args
 import pytest
 
 from gateway.config import ConfigError, PolicyName, hash_key, load_settings, parse_settings
-from gateway.config_environment import check_environment, redis_url_problem
-from gateway.config_problems import Problem
+from gateway.config.environment import check_environment, redis_url_problem
+from gateway.config.problems import Problem
 from policies.registry import registry
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "deploy" / "examples"

@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from gateway.config import Settings
-from gateway.config_docs import (
+from gateway.config.docs import (
     BEGIN,
     COMMAND,
     END,

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import ConfigError, load_config
-from gateway.config_problems import Problem
+from gateway.config.problems import Problem
 
 GOOD = """\
 tenants:

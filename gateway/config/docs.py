@@ -3,7 +3,7 @@
 Each key's meaning is its field's `description` (a nested model's field without one takes the
 model's docstring), and its default is the model's own, so the page cannot drift from what
 `serve` accepts. The page's prose around the tables is written by hand; only the part between
-the two markers is generated. `python -m gateway.config_docs` rewrites that part;
+the two markers is generated. `python -m gateway.config.docs` rewrites that part;
 `--check` exits 1, changing nothing, when it is stale.
 """
 
@@ -19,11 +19,11 @@ from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel
 
-from gateway.config import Settings
+from gateway.config.settings import Settings
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
-COMMAND = "python -m gateway.config_docs"
-BEGIN = f"<!-- generated from gateway/config.py by `{COMMAND}`: edit the models, not this -->"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+COMMAND = "python -m gateway.config.docs"
+BEGIN = f"<!-- generated from gateway/config/ by `{COMMAND}`: edit the models, not this -->"
 END = "<!-- end of the generated reference -->"
 REQUIRED = "—"
 

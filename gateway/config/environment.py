@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from gateway.config import Settings, hash_key
-from gateway.config_problems import Problem
+from gateway.config.problems import Problem
+from gateway.config.settings import Settings
+from gateway.config.tenants import hash_key
 
 
 def check_environment(settings: Settings, *, environ: Mapping[str, str]) -> list[Problem]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from gateway.config_problems import Problem, did_you_mean, key_path
+from gateway.config.problems import Problem, did_you_mean, key_path
 
 Entry = tuple[int, dict[str, Any]]
 

@@ -1,0 +1,100 @@
+"""A pool's fair queue, the `queue` policy's settings: how deep it is, how long a waiter
+waits, and how it weighs what its tenants were served lately."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from gateway.config.base import _Model, _positive_or_auto
+
+
+class FairnessSettings(_Model):
+    """How a pool's queue weighs the tokens its tenants were served lately
+    (policies/queue/service.py): a tenant's attained service in the pool is its prompt tokens
+    plus `output_weight` × its completion tokens, halving every `half_life_s`. A request
+    counts when the pool admits it, with its prompt and expected output, and is corrected by
+    the usage its answer reports, so a tenant whose long streams hold the pool counts from
+    their start; a request whose usage never came keeps its charge. In shared mode every
+    replica adds its counts to `spillgate:service:{POOL}` and reads the fleet's back, every
+    0.2 s off the request path, so all replicas order by the same figures; without Redis each
+    keeps its own."""
+
+    output_weight: float = Field(
+        4.0,
+        ge=1,
+        le=1000,
+        description=(
+            "how many input tokens an output token counts as: an output token costs the "
+            "backend a decode step each, a prompt token a share of one prefill"
+        ),
+    )
+    half_life_s: float = Field(
+        60.0,
+        ge=1,
+        le=86_400,
+        description=(
+            "what a tenant was served halves every this many seconds: long enough that a "
+            "flood is remembered through a spike, short enough that a tenant idle a few "
+            "minutes is new again"
+        ),
+    )
+    give_way_s: float = Field(
+        0.5,
+        ge=0,
+        le=5,
+        description=(
+            "in shared mode, each replica publishes the tenants waiting in its queue "
+            "(`spillgate:waiting:{POOL}`, every 0.2 s; a replica silent for 0.6 s no longer "
+            "counts). When room frees and the turn here is a tenant's with at least twice the "
+            "service of a tenant of its class waiting at another replica, or a lower class "
+            "than that one's, and that tenant's next request fits now, this replica leaves the "
+            "room to that one for at most `give_way_s`, then takes it; an arrival here queues "
+            "rather than take that room. `0`: each replica drains in its own order"
+        ),
+    )
+
+
+class QueueSettings(_Model):
+    """The fair queue: priority class first, strictly; within a class the tenant with the
+    least attained service (see `queue.fairness`), the one served least recently among
+    equals; within a tenant the earliest deadline, then arrival; the waiter whose turn it is
+    is never overtaken by a smaller one. A waiter past its deadline (its wait limit, at most
+    its TTFT objective: `x-spillgate-ttft-ms`, else its tenant's `ttft_budget_ms`) moves on
+    to the next policy."""
+
+    max_depth: int = Field(
+        64,
+        ge=0,
+        description=(
+            "waiters the queue holds; a request past it is refused as a full queue, unless "
+            "waiters of a lower class make room (the newest of the lowest class go first)"
+        ),
+    )
+    max_tokens: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "a bound on the KV tokens the queue's waiters would reserve, all together (none: "
+            "only `max_depth` bounds it); a request that would pass either bound is refused as "
+            "a full queue, unless waiters of a lower class make room (the newest of the lowest "
+            "class go first)"
+        ),
+    )
+    max_wait_s: float | Literal["auto"] = Field(
+        "auto",
+        description=(
+            "a waiter's wait limit. `auto` waits twice the pool's average answer time (from "
+            "admission to release, how long its reservations are held), within 2–30 s, 2 s "
+            "until an answer has ended (policies/queue/policy.py): room comes back as answers "
+            "end, so a fixed short wait refuses on a slow fleet what it serves a moment later; "
+            "a number of seconds fixes it"
+        ),
+    )
+    fairness: FairnessSettings = FairnessSettings()
+
+    @field_validator("max_wait_s", mode="before")
+    @classmethod
+    def _max_wait_s(cls, value: Any) -> Any:
+        return _positive_or_auto(value, unit="seconds", kind=int | float)

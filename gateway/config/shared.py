@@ -1,0 +1,148 @@
+"""What the replicas share through Redis: the store itself, the tenants' rate limits and
+the in-flight ledger, each with what it does when Redis fails."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from gateway.config.base import _Model
+
+
+class RedisSettings(_Model):
+    """The shared store. With Redis configured the rate limits, the in-flight ledger, the
+    response cache, the provider budgets, queue wake-ups and the queues' attained service and
+    waiting tenants are shared by every replica and worker."""
+
+    url_env: str = Field(
+        "SPILLGATE_REDIS_URL",
+        description=(
+            "env variable holding the Redis URL (`serve --redis URL` wins); unset: in-process "
+            "state, one process"
+        ),
+    )
+    timeout_ms: float = Field(
+        250.0,
+        gt=0,
+        description=(
+            "floor of a Redis call's time budget; between it and `timeout_max_ms` the budget "
+            "follows the round trips the process sees (their smoothed mean plus four spreads), "
+            "so a loaded process waits what its own round trips take. The floor covers a busy "
+            "two-core machine's scheduling (a burst's first calls have no waits seen to go "
+            "by). A call over its budget counts as a failure; calls made in the same moment "
+            "travel in one pipeline, and one that is cut keeps no connection"
+        ),
+    )
+    timeout_max_ms: float = Field(
+        1000.0,
+        gt=0,
+        description=(
+            "ceiling of a Redis call's time budget: what a stalled store costs a request "
+            "before the breaker opens"
+        ),
+    )
+    cluster: bool = Field(
+        False,
+        description=(
+            "the Redis URL names one node of a Redis Cluster (deploy/README.md says when to "
+            "use one)"
+        ),
+    )
+
+
+class RateLimitSettings(_Model):
+    """The tenants' token buckets, and what they do when Redis fails."""
+
+    failure_mode: Literal["local", "allow", "deny"] = Field(
+        "local",
+        description=(
+            "when a Redis call fails: `local` (this process's own buckets at limit ÷ "
+            "(`replicas` × `--workers`)), `allow` (unlimited), or `deny` (503, code "
+            "`ratelimit_store_unavailable`, outcome `rejected`, `Retry-After` the breaker's "
+            "remaining cooldown; only while the breaker is open: failures before that are "
+            "answered from the local share)"
+        ),
+    )
+    replicas: int = Field(
+        1,
+        gt=0,
+        description=(
+            "gateway replicas sharing the limits; sizes the `local` share only, Redis mode is "
+            "exact whatever the count"
+        ),
+    )
+    failure_threshold: int = Field(
+        3,
+        gt=0,
+        description=(
+            "consecutive failed calls before the limiter stops calling Redis, for `cooldown_s`"
+        ),
+    )
+    cooldown_s: float = Field(
+        5.0,
+        gt=0,
+        description=(
+            "how long the limiter stays off Redis after `failure_threshold` failures; then one "
+            "call probes it and shared limiting resumes by itself (`spillgate_ratelimit_mode`). "
+            "Whatever the cooldown, while the limiter is off Redis each process also probes it "
+            "every second off the request path (a small write, within the time budget; one "
+            "that fails counts no store error), so the mode turns `shared` again within about "
+            "a second of Redis taking writes, on a replica with no traffic too"
+        ),
+    )
+    slice_s: float = Field(
+        0.5,
+        ge=0,
+        le=5,
+        description=(
+            "with Redis: a decision that admits also takes up to this many seconds of the "
+            "tenant's refill (at most a quarter of what each bucket holds), and this process "
+            "decides the tenant's next requests from that slice without a round trip until it "
+            "is spent or lapses, when the rest goes back (gateway/ratelimit/redis_limiter.py); "
+            "every slice is debited in Redis first, so limits stay exact across replicas, and "
+            "a tight or nearly empty bucket yields none. The cost: other replicas see an "
+            "unspent slice as used for at most `slice_s`. `0`: every request asks Redis"
+        ),
+    )
+
+
+class LedgerSettings(_Model):
+    """The in-flight ledger shared through Redis (when a Redis URL is configured): each
+    replica holds one lease per backend, a block of the backend's room that Redis granted it
+    (what its requests hold plus a spare, `spare` of the room left), and admits within it
+    without a call, asking Redis only when a request does not fit. When Redis refuses a
+    request for room other blocks hold spare, the refusal is published: no block gets a spare
+    for 5 × `refresh_s`, each gives its spare back at once, and releases are given back (and
+    published) as they happen."""
+
+    lease_ttl_s: float = Field(
+        10.0,
+        gt=0,
+        description="a lease's time to live: a dead replica's reservations are freed within it",
+    )
+    refresh_s: float = Field(
+        0.2,
+        gt=0,
+        description=(
+            "how often each block is renewed and sized again to its requests and totals are "
+            "read, so other replicas see this one's releases within it; at most a third of "
+            "`lease_ttl_s`"
+        ),
+    )
+    spare: float = Field(
+        0.125,
+        ge=0,
+        le=0.5,
+        description=(
+            "the share of the room left beyond its requests that a replica's block holds, "
+            "admitted without a call (gateway/admission/ledger_redis.py); `0`: every "
+            "admission and release asks Redis, as exact at the margin as one process"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> LedgerSettings:
+        if self.refresh_s * 3 > self.lease_ttl_s:
+            raise ValueError("refresh_s must be at most a third of lease_ttl_s")
+        return self
