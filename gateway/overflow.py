@@ -22,7 +22,10 @@ from gateway.outcome import Outcome
 # recent answers (PredictsTtft)
 from gateway.slo import Latencies as Latencies
 from gateway.slo import predict as predict
-from gateway.upstream.relay import AnswerRecorder
+from gateway.upstream.answer import AnswerRecorder
+
+# what a policy that answers itself (the cache, the batch tier) relays and hands back
+from gateway.upstream.relay import Relayed as Relayed
 
 # not only for the checker: a policy that forwards elsewhere builds the Target it hands
 # `serve_target`, and a policy may import what this module does

@@ -23,7 +23,8 @@ from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
 from gateway.overflow import BatchIntake, OverflowContext
-from gateway.upstream.relay import Relayed, Usage
+from gateway.upstream.answer import Usage
+from gateway.upstream.relay import Relayed
 from policies.deps import PolicyDeps
 
 BATCH_TARGET = "batch"  # the `target` a request accepted into the batch tier is served by

@@ -18,8 +18,9 @@ from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
 from gateway.slo import Prediction
+from gateway.upstream.answer import JSON_HEADERS, AnswerRecorder
 from gateway.upstream.forward import Forwards
-from gateway.upstream.relay import JSON_HEADERS, AnswerRecorder, Relayed, StreamCut
+from gateway.upstream.relay import Relayed, StreamCut
 from gateway.upstream.resume import ContinuationLeg, Partial, continued, read_partial, refusal
 from gateway.upstream.retry import tried_again
 from gateway.upstream.target import Target

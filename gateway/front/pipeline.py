@@ -54,8 +54,8 @@ from gateway.outcome import Outcome
 from gateway.overflow import CountsService, LetsIn, OverflowPolicy, PredictsTtft, RecorderFor
 from gateway.ratelimit import Decision, RateLimiter
 from gateway.slo import Latencies, Prediction, unattainable
+from gateway.upstream.answer import AnswerRecorder
 from gateway.upstream.forward import Forwarder
-from gateway.upstream.relay import AnswerRecorder
 
 if TYPE_CHECKING:
     from gateway.front.trace import RequestTrace

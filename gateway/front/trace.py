@@ -19,8 +19,9 @@ from starlette.types import Message, Send
 
 from gateway.errors import SpillgateError, UpstreamUnavailable
 from gateway.outcome import Outcome
+from gateway.upstream.answer import AnswerRecorder, StreamWatch, Usage
 from gateway.upstream.forward import Forwards
-from gateway.upstream.relay import AnswerRecorder, Relayed, StreamRelay, StreamWatch, Usage
+from gateway.upstream.relay import Relayed, StreamRelay
 
 if TYPE_CHECKING:
     from gateway.front.exchange import Exchange, Served

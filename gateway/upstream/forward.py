@@ -12,21 +12,18 @@ from starlette.types import Send
 from gateway.clock import Clock
 from gateway.errors import UpstreamUnavailable
 from gateway.front.request import Endpoint, InferenceRequest
+from gateway.upstream.answer import (
+    JSON_HEADERS,
+    SSE_HEADERS,
+    AnswerRecorder,
+    StreamWatch,
+    model_swap,
+)
 from gateway.upstream.deadline import Deadline
 from gateway.upstream.http import Response
 from gateway.upstream.http_head import ConnectFailed, Route, TransportError
 from gateway.upstream.pool import UpstreamPool
-from gateway.upstream.relay import (
-    JSON_HEADERS,
-    SSE_HEADERS,
-    AnswerRecorder,
-    Relayed,
-    StreamRelay,
-    StreamWatch,
-    model_swap,
-    relay_stream,
-    send_json_body,
-)
+from gateway.upstream.relay import Relayed, StreamRelay, relay_stream, send_json_body
 from gateway.upstream.resume import count_body
 from gateway.upstream.target import Target
 

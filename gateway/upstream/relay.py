@@ -13,10 +13,8 @@ follows, and gets the fingerprint back: the client's stream is the one it would 
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,101 +22,18 @@ import orjson
 from starlette.types import Send
 
 from gateway.clock import Clock
+from gateway.upstream.answer import (
+    DONE,
+    AnswerRecorder,
+    ModelSwap,
+    StreamWatch,
+    Usage,
+    carry_over,
+    failure_event,
+    sse_error_event,
+)
 from gateway.upstream.deadline import Deadline
 from gateway.upstream.http_head import TransportError
-
-SSE_HEADERS = [
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-]
-JSON_HEADERS = [(b"content-type", b"application/json")]
-DONE = b"data: [DONE]\n\n"
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    known: bool = False
-
-    @classmethod
-    def from_json(cls, usage: Any) -> Usage:
-        if not isinstance(usage, dict):
-            return cls()
-        if "input_tokens" in usage:  # the Responses API's names
-            return cls(
-                prompt_tokens=int(usage["input_tokens"] or 0),
-                completion_tokens=int(usage.get("output_tokens") or 0),
-                known=True,
-            )
-        return cls(
-            prompt_tokens=int(usage.get("prompt_tokens") or 0),
-            completion_tokens=int(usage.get("completion_tokens") or 0),
-            known=True,
-        )
-
-    @property
-    def total(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-class StreamWatch(Protocol):
-    """Counts what a stream relays (gateway/admission/growth.py); `grow` when `seen` says so."""
-
-    def seen(self, out: bytes) -> bool: ...
-
-    async def grow(self) -> None: ...
-
-
-class AnswerRecorder(Protocol):
-    """Sees the bytes of one successful response as the client gets them, and its usage at
-    the end (the response cache fills this way)."""
-
-    def feed(self, data: bytes) -> None: ...
-
-    def finish(self, usage: Usage) -> None: ...
-
-
-@dataclass(slots=True)
-class Relayed:
-    usage: Usage
-    first_byte_at: float | None  # Clock time when the first byte reached the client
-    completed: bool  # False when the upstream broke mid-stream
-    upstream_error: bytes = b""  # an error event the upstream sent, hidden from the client
-    # a stream whose upstream broke off, still open to the client: the caller continues it
-    # on another backend, or ends it (StreamCut)
-    cut: StreamCut | None = None
-
-
-# puts the public model name in place of the served one in every `"model"` field of the
-# data it is given; returns the data unchanged where there is none
-ModelSwap = Callable[[bytes], bytes]
-
-
-@functools.lru_cache(maxsize=256)
-def model_swap(served: str, public: str) -> ModelSwap | None:
-    """The swap from `served` to `public`, or None when the names are the same.
-
-    Upstreams differ in spacing (`"model":"x"`, `"model": "x"`) and in escaping (`\\/`,
-    `\\u00e9`), so the field is matched by one compiled pattern for them all; the field
-    goes out compact. A fixed replacement keeps the substitution as cheap as a search.
-    """
-    if served == public:
-        return None
-    compact = orjson.dumps(served)
-    spellings = {compact, json.dumps(served).encode(), compact.replace(b"/", b"\\/")}
-    names = b"|".join(re.escape(s) for s in sorted(spellings, key=len, reverse=True))
-    pattern = re.compile(rb'"model"\s*:\s*(?:' + names + rb")")
-    # a replacement template: the public name's own backslashes must stay literal
-    replacement = b'"model":' + orjson.dumps(public).replace(b"\\", b"\\\\")
-    return functools.partial(pattern.sub, replacement)
-
-
-def sse_error_event(message: str, *, code: str = "upstream_error") -> bytes:
-    error = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return b"data: " + orjson.dumps(error) + b"\n\n" + DONE
-
 
 # an event that carries a usage object (providers send `"usage":null` on every chunk once
 # usage is asked for: only an object is worth parsing), one that finishes a choice, an
@@ -150,6 +65,17 @@ HIDDEN_ERROR = (
     b'data: {"error":{"message":"The provider failed mid-stream; the response is incomplete.",'
     b'"type":"server_error","param":null,"code":"upstream_error"}}'
 )
+
+
+@dataclass(slots=True)
+class Relayed:
+    usage: Usage
+    first_byte_at: float | None  # Clock time when the first byte reached the client
+    completed: bool  # False when the upstream broke mid-stream
+    upstream_error: bytes = b""  # an error event the upstream sent, hidden from the client
+    # a stream whose upstream broke off, still open to the client: the caller continues it
+    # on another backend, or ends it (StreamCut)
+    cut: StreamCut | None = None
 
 
 class StreamRelay:
@@ -284,7 +210,7 @@ class StreamRelay:
         its fingerprint to the finishing event before it, held back until now."""
         kept: list[bytes] = []
         for event in out.split(b"\n\n"):
-            if self.kept is not None and (_failure_event(event) or _ABORTED_EVENT.search(event)):
+            if self.kept is not None and (failure_event(event) or _ABORTED_EVENT.search(event)):
                 self._broken = "The upstream failed mid-stream; the response is incomplete."
                 kept.append(b"")  # the events before it end as they came, with a blank line
                 break  # what follows it, its [DONE] included, is the broken leg's
@@ -297,7 +223,7 @@ class StreamRelay:
                 if self.carried:
                     prompt = self._prompt
                     counted = prompt.result() if prompt is not None and prompt.done() else None
-                    _carry_over(payload["usage"], self.carried, prompt=counted)
+                    carry_over(payload["usage"], self.carried, prompt=counted)
                     event = b"data: " + orjson.dumps(payload)
                 self.usage = Usage.from_json(payload["usage"])
                 if not self._keep_usage and not payload.get("choices"):
@@ -351,35 +277,6 @@ class StreamRelay:
 
 class UpstreamFailed(TransportError):
     """The upstream's stream carried an error event of its own failing (a 5xx, or none)."""
-
-
-def _failure_event(event: bytes) -> bool:
-    """An error event for a failure of the upstream's, not of the request: its code is a
-    5xx, or it has none."""
-    if not _ERROR_EVENT.match(event):
-        return False
-    try:
-        error = orjson.loads(event[event.index(b"{") :]).get("error")
-    except (orjson.JSONDecodeError, AttributeError):
-        return True
-    code = error.get("code") if isinstance(error, dict) else None
-    if isinstance(code, str) and code.isdigit():
-        code = int(code)
-    return not isinstance(code, int) or code >= 500
-
-
-def _carry_over(usage: dict[str, Any], carried: int, *, prompt: int | None) -> None:
-    """A continuation's usage as the client's: the `carried` tokens the client got before
-    it are output, once. Its prompt held them, re-tokenized: the client's prompt is
-    `prompt` where the backend counted it, else the continuation's less the carried."""
-    prompt_c = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens")
-    if isinstance(prompt_c, int) and isinstance(completion, int):
-        if prompt is None:
-            prompt = max(0, prompt_c - carried)
-        usage["prompt_tokens"] = prompt
-        usage["completion_tokens"] = completion + carried
-        usage["total_tokens"] = prompt + completion + carried
 
 
 class Leg(Protocol):

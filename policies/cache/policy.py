@@ -28,7 +28,8 @@ from gateway.front.exchange import Served
 from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
 from gateway.overflow import OverflowContext
-from gateway.upstream.relay import JSON_HEADERS, send_json_body
+from gateway.upstream.answer import JSON_HEADERS
+from gateway.upstream.relay import send_json_body
 from policies.cache.recorder import CompletionRecorder, send_replay
 from policies.cache.store import LocalResponseCache, RedisResponseCache, ResponseCache
 from policies.deps import PolicyDeps

@@ -17,7 +17,8 @@ from starlette.types import Send
 
 from gateway.clock import Clock
 from gateway.front.request import Endpoint
-from gateway.upstream.relay import DONE, SSE_HEADERS, Relayed, Usage
+from gateway.upstream.answer import DONE, SSE_HEADERS, Usage
+from gateway.upstream.relay import Relayed
 
 Document = dict[str, Any]
 

@@ -18,9 +18,9 @@ from gateway.errors import UpstreamError
 from gateway.front.exchange import Exchange, Holding
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
+from gateway.upstream.answer import Usage
 from gateway.upstream.forward import Forwarder
 from gateway.upstream.pool import UpstreamPool
-from gateway.upstream.relay import Usage
 from tests.support.upstream import ANSWER, Client, FakeUpstream, chat_request, serving
 from tests.support.upstream import run as serve
 

@@ -12,9 +12,10 @@ import pytest
 from gateway.clock import SystemClock
 from gateway.config import Timeouts
 from gateway.errors import UpstreamUnavailable
+from gateway.upstream.answer import Usage
 from gateway.upstream.forward import Forwarder
 from gateway.upstream.pool import UpstreamPool
-from gateway.upstream.relay import Relayed, Usage
+from gateway.upstream.relay import Relayed
 from gateway.upstream.target import Target
 from loadtest.procs import free_port
 from tests.support.upstream import (

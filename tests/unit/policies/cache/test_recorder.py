@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 
 from gateway.front.request import Endpoint
-from gateway.upstream.relay import Usage
+from gateway.upstream.answer import Usage
 from policies.cache.recorder import CompletionRecorder, replay_sse
 
 ID = '"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"big"'

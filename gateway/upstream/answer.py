@@ -1,0 +1,129 @@
+"""What relaying an answer hands back, and what every relay shares: the answer's usage and
+what it was (`Relayed`), what watches and records it, the swap of the served model name
+for the public one, and the relay of an answer that is one JSON document. The streaming
+relay is gateway/upstream/relay.py."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+JSON_HEADERS = [(b"content-type", b"application/json")]
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    known: bool = False
+
+    @classmethod
+    def from_json(cls, usage: Any) -> Usage:
+        if not isinstance(usage, dict):
+            return cls()
+        if "input_tokens" in usage:  # the Responses API's names
+            return cls(
+                prompt_tokens=int(usage["input_tokens"] or 0),
+                completion_tokens=int(usage.get("output_tokens") or 0),
+                known=True,
+            )
+        return cls(
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=int(usage.get("completion_tokens") or 0),
+            known=True,
+        )
+
+    @property
+    def total(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class StreamWatch(Protocol):
+    """Counts what a stream relays (gateway/admission/growth.py); `grow` when `seen` says so."""
+
+    def seen(self, out: bytes) -> bool: ...
+
+    async def grow(self) -> None: ...
+
+
+class AnswerRecorder(Protocol):
+    """Sees the bytes of one successful response as the client gets them, and its usage at
+    the end (the response cache fills this way)."""
+
+    def feed(self, data: bytes) -> None: ...
+
+    def finish(self, usage: Usage) -> None: ...
+
+
+# puts the public model name in place of the served one in every `"model"` field of the
+# data it is given; returns the data unchanged where there is none
+ModelSwap = Callable[[bytes], bytes]
+
+
+@functools.lru_cache(maxsize=256)
+def model_swap(served: str, public: str) -> ModelSwap | None:
+    """The swap from `served` to `public`, or None when the names are the same.
+
+    Upstreams differ in spacing (`"model":"x"`, `"model": "x"`) and in escaping (`\\/`,
+    `\\u00e9`), so the field is matched by one compiled pattern for them all; the field
+    goes out compact. A fixed replacement keeps the substitution as cheap as a search.
+    """
+    if served == public:
+        return None
+    compact = orjson.dumps(served)
+    spellings = {compact, json.dumps(served).encode(), compact.replace(b"/", b"\\/")}
+    names = b"|".join(re.escape(s) for s in sorted(spellings, key=len, reverse=True))
+    pattern = re.compile(rb'"model"\s*:\s*(?:' + names + rb")")
+    # a replacement template: the public name's own backslashes must stay literal
+    replacement = b'"model":' + orjson.dumps(public).replace(b"\\", b"\\\\")
+    return functools.partial(pattern.sub, replacement)
+
+
+def sse_error_event(message: str, *, code: str = "upstream_error") -> bytes:
+    error = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return b"data: " + orjson.dumps(error) + b"\n\n" + DONE
+
+
+# an error event: what `failure_event` looks at
+_ERROR_EVENT = re.compile(rb'data:\s*\{\s*"error"\s*:')
+
+
+def failure_event(event: bytes) -> bool:
+    """An error event for a failure of the upstream's, not of the request: its code is a
+    5xx, or it has none."""
+    if not _ERROR_EVENT.match(event):
+        return False
+    try:
+        error = orjson.loads(event[event.index(b"{") :]).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return True
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, str) and code.isdigit():
+        code = int(code)
+    return not isinstance(code, int) or code >= 500
+
+
+def carry_over(usage: dict[str, Any], carried: int, *, prompt: int | None) -> None:
+    """A continuation's usage as the client's: the `carried` tokens the client got before
+    it are output, once. Its prompt held them, re-tokenized: the client's prompt is
+    `prompt` where the backend counted it, else the continuation's less the carried."""
+    prompt_c = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens")
+    if isinstance(prompt_c, int) and isinstance(completion, int):
+        if prompt is None:
+            prompt = max(0, prompt_c - carried)
+        usage["prompt_tokens"] = prompt
+        usage["completion_tokens"] = completion + carried
+        usage["total_tokens"] = prompt + completion + carried
