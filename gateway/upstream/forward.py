@@ -21,7 +21,7 @@ from gateway.upstream.answer import (
 )
 from gateway.upstream.deadline import Deadline
 from gateway.upstream.http import Response
-from gateway.upstream.http_head import ConnectFailed, Route, TransportError
+from gateway.upstream.http_head import ConnectFailed, ProtocolError, Route, TransportError
 from gateway.upstream.pool import UpstreamPool
 from gateway.upstream.relay import Relayed, StreamRelay, relay_stream, send_json_body
 from gateway.upstream.resume import count_body
@@ -331,6 +331,8 @@ def _unavailable(exc: Exception, *, answered: bool, target: Target | None) -> Up
     if isinstance(exc, ConnectFailed) and target is not None:
         why = unreachable_reason(target.api_base.removesuffix("/v1"), exc.os_error)
         return UpstreamUnavailable(f"{type(exc).__name__}: {why}", unreachable=why)
+    if isinstance(exc, ProtocolError):  # what the upstream broke: a bound, bad HTTP
+        return UpstreamUnavailable(f"{type(exc).__name__}: {exc}")
     return UpstreamUnavailable(type(exc).__name__)
 
 

@@ -680,3 +680,21 @@ def test_gateway_a_kept_alive_connection_closed_by_the_backend_costs_nothing(loo
     assert texts == ["Hello there"] * 4
     assert health == ([("up", None)], 0.0)
     assert backend.post_connections == 4
+
+
+def test_gateway_an_answer_past_the_head_bounds_is_a_502_that_says_why(loop: str) -> None:
+    """A backend whose answer's head holds 200 header fields: the client is told, in the
+    502's message, which bound the upstream broke."""
+    fields = b"".join(b"x-filler-%d: y\r\n" % i for i in range(200))
+
+    def answer(post: Post) -> bytes:
+        return b"HTTP/1.1 200 OK\r\n" + fields + b"content-length: 2\r\n\r\n{}"
+
+    with (
+        Backend(answer) as backend,
+        gateway_before(backend, loop) as url,
+        pytest.raises(openai.APIStatusError) as refused,
+    ):
+        chat(url, stream=False)
+    assert refused.value.status_code == 502
+    assert "the upstream's response head had more than 100 fields" in refused.value.message
