@@ -96,14 +96,14 @@ def sse_error_event(message: str, *, code: str = "upstream_error") -> bytes:
     return b"data: " + orjson.dumps(error) + b"\n\n" + DONE
 
 
-# an error event: what `failure_event` looks at
-_ERROR_EVENT = re.compile(rb'data:\s*\{\s*"error"\s*:')
+# an event that carries an error instead of a chunk of the answer
+ERROR_EVENT = re.compile(rb'data:\s*\{\s*"error"\s*:')
 
 
 def failure_event(event: bytes) -> bool:
     """An error event for a failure of the upstream's, not of the request: its code is a
     5xx, or it has none."""
-    if not _ERROR_EVENT.match(event):
+    if not ERROR_EVENT.match(event):
         return False
     try:
         error = orjson.loads(event[event.index(b"{") :]).get("error")

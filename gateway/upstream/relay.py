@@ -13,6 +13,7 @@ follows, and gets the fingerprint back: the client's stream is the one it would 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from starlette.types import Send
 from gateway.clock import Clock
 from gateway.upstream.answer import (
     DONE,
+    ERROR_EVENT,
     AnswerRecorder,
     ModelSwap,
     StreamWatch,
@@ -35,12 +37,14 @@ from gateway.upstream.answer import (
 from gateway.upstream.deadline import Deadline
 from gateway.upstream.http_head import TransportError
 
+log = logging.getLogger("spillgate.relay")
+
 # an event that carries a usage object (providers send `"usage":null` on every chunk once
 # usage is asked for: only an object is worth parsing), one that finishes a choice, an
 # error event, and a choice the engine gave up on (vLLM aborts its requests on SIGTERM)
 _USAGE = rb'"usage"\s*:\s*\{'
 _FINISH = rb'"finish_reason"\s*:\s*"'
-_ERROR = rb'data:\s*\{\s*"error"\s*:'
+_ERROR = ERROR_EVENT.pattern
 _ABORTED = rb'"finish_reason"\s*:\s*"(?:abort|error)"'
 # what is worth a look, by (keep_usage, hide_errors, resumable): a finishing event only
 # when the usage chunk is dropped, an error event from an upstream whose errors are hidden
@@ -54,9 +58,7 @@ _NOTABLE = {
         ((_USAGE, True), (_FINISH, not keep), (_ERROR, hide or resume), (_ABORTED, resume))
     ]
 }
-_USAGE_EVENT, _FINISH_EVENT, _ERROR_EVENT, _ABORTED_EVENT = map(
-    re.compile, (_USAGE, _FINISH, _ERROR, _ABORTED)
-)
+_USAGE_EVENT, _FINISH_EVENT, _ABORTED_EVENT = map(re.compile, (_USAGE, _FINISH, _ABORTED))
 # the Responses API's last event, whichever way the response ended: each carries its usage
 FINAL_RESPONSE_EVENTS = frozenset(
     b"event: response." + end for end in (b"completed", b"incomplete", b"failed")
@@ -145,6 +147,17 @@ class StreamRelay:
         self._growth = growth
         self._prompt = prompt
 
+    def _counted(self) -> int | None:
+        """The original prompt's tokens, where the count asked for them came back in time;
+        a count that failed is no reason to break the client's stream."""
+        count = self._prompt
+        if count is None or not count.done() or count.cancelled():
+            return None
+        if (failure := count.exception()) is not None:
+            log.warning("counting a continued stream's prompt failed: %r", failure)
+            return None
+        return count.result()
+
     def recorded(self) -> None:
         """The answer ended whole: the recorder may keep it."""
         if self._recorder is not None:
@@ -214,16 +227,14 @@ class StreamRelay:
                 self._broken = "The upstream failed mid-stream; the response is incomplete."
                 kept.append(b"")  # the events before it end as they came, with a blank line
                 break  # what follows it, its [DONE] included, is the broken leg's
-            if self._hide_errors and _ERROR_EVENT.match(event):
+            if self._hide_errors and ERROR_EVENT.match(event):
                 event = self._hidden(event)
             payload = self._usage_payload(event)
             if payload is None and event.startswith(b"event: "):
                 self._typed_event(event)
             if payload is not None:
                 if self.carried:
-                    prompt = self._prompt
-                    counted = prompt.result() if prompt is not None and prompt.done() else None
-                    carry_over(payload["usage"], self.carried, prompt=counted)
+                    carry_over(payload["usage"], self.carried, prompt=self._counted())
                     event = b"data: " + orjson.dumps(payload)
                 self.usage = Usage.from_json(payload["usage"])
                 if not self._keep_usage and not payload.get("choices"):

@@ -342,10 +342,13 @@ def test_a_continuation_tells_the_prompt_the_backend_counted_for_the_original() 
     async def send(message: Message) -> None:
         sent.append(message.get("body", b""))
 
-    async def go(counted: int | None) -> StreamRelay:
+    async def go(counted: int | Exception | None) -> StreamRelay:
         relay = StreamRelay(send=send, swap=None, keep_usage=True, recorder=None, resumable=True)
         count: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
-        count.set_result(counted)
+        if isinstance(counted, Exception):
+            count.set_exception(counted)
+        else:
+            count.set_result(counted)
         leg = ContinuationLeg(read_partial([CHUNK], Endpoint.CHAT))
         relay.next_leg(leg, carried=3, growth=None, prompt=count)
         await relay_stream(
@@ -359,3 +362,5 @@ def test_a_continuation_tells_the_prompt_the_backend_counted_for_the_original() 
     assert b'"prompt_tokens":6,"total_tokens":17,"completion_tokens":11' in b"".join(sent)
     guessed = asyncio.run(go(None))  # no count: the continuation's less what was streamed
     assert (guessed.usage.prompt_tokens, guessed.usage.completion_tokens) == (7, 11)
+    failed = asyncio.run(go(RuntimeError("no count")))  # a failed count breaks nothing
+    assert (failed.usage.prompt_tokens, failed.usage.completion_tokens) == (7, 11)
