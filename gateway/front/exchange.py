@@ -222,7 +222,8 @@ class Exchange:
             raise UpstreamUnavailable("no other backend of the pool to retry on")
         backend = self.router.backend(reservation.backend)
         started = self.clock.monotonic()
-        resumable = self._resumable(request)
+        # why a stream cut mid-answer could not go on elsewhere; None: it can
+        not_resumable = self._not_resumable(request) if request.stream else "not a stream"
         try:
             relayed = await self.forwarder.forward(
                 self.router.target(backend),
@@ -233,7 +234,7 @@ class Exchange:
                 recorder=self.recorder,
                 deadline=deadline,
                 growth=self._growth(request, backend.block_size),
-                resumable=resumable,
+                resumable=not_resumable is None,
             )
         except UpstreamUnavailable as exc:
             await self._failed(backend.name, exc.reason, tried, unreachable=exc.unreachable)
@@ -247,20 +248,20 @@ class Exchange:
         )
         if relayed.cut is not None:
             return await self._go_on(request, served, relayed.cut, tried, deadline=deadline)
-        if request.stream and not relayed.completed:  # cut, and ended with an error event
-            why = (refusal(request) if self._continues(request) else None) or "off"
-            self.metrics.stream_continuations_refused.labels(request.pool, why).inc()
+        if not_resumable is not None and request.stream and not relayed.completed:
+            # cut, and ended with an error event
+            self.metrics.stream_continuations_refused.labels(request.pool, not_resumable).inc()
             await self._broke_off(backend.name, tried)
         else:
             backend.record_success()
         return served
 
-    def _continues(self, request: InferenceRequest) -> bool:
-        return self.router.pools[request.pool].settings.continue_streams > 0
-
-    def _resumable(self, request: InferenceRequest) -> bool:
-        """Whether `request`'s stream, cut mid-answer, may go on on another backend."""
-        return request.stream and self._continues(request) and refusal(request) is None
+    def _not_resumable(self, request: InferenceRequest) -> str | None:
+        """Why `request`'s stream, cut mid-answer, could not go on on another backend (`off`:
+        its pool never continues streams); None when it can."""
+        if self.router.pools[request.pool].settings.continue_streams == 0:
+            return "off"
+        return refusal(request)
 
     async def _failed(
         self, name: str, reason: str, tried: set[str], *, unreachable: str | None = None

@@ -110,10 +110,12 @@ class Forwarder:
         # by target name, base and endpoint: a target's headers and timeouts never change
         self._routes: dict[tuple[str, str, str], Route] = {}
 
-    def _route(self, target: Target, endpoint: str) -> Route:
+    def _route(self, target: Target, endpoint: str, *, url: str | None = None) -> Route:
+        """Make and keep the route to `target`'s `endpoint`, by default under its API base
+        (callers look in `_routes` first: the request path spares itself the call)."""
         # the connect budget only: the caller's deadline bounds the rest
         route = self._routes[(target.name, target.api_base, endpoint)] = Route.post(
-            target.api_base + endpoint.removeprefix("/v1"),
+            url or target.api_base + endpoint.removeprefix("/v1"),
             {**UPSTREAM_HEADERS, **target.headers},
             connect_s=target.timeouts.connect,
         )
@@ -134,14 +136,10 @@ class Forwarder:
     async def prompt_tokens(self, target: Target, request: InferenceRequest) -> int | None:
         """`request`'s prompt tokens as `target` counts them (`POST /tokenize`, vLLM's and
         SGLang's), None when it cannot tell: no such route, an error, no answer in time."""
-        key = (target.name, target.api_base, "/tokenize")
-        route = self._routes.get(key)
-        if route is None:
-            route = self._routes[key] = Route.post(
-                target.api_base.removesuffix("/v1") + "/tokenize",
-                {**UPSTREAM_HEADERS, **target.headers},
-                connect_s=target.timeouts.connect,
-            )
+        route = self._routes.get((target.name, target.api_base, "/tokenize"))
+        if route is None:  # at the server's root, beside /v1
+            url = target.api_base.removesuffix("/v1") + "/tokenize"
+            route = self._route(target, "/tokenize", url=url)
         response: Response | None = None
         try:
             with Deadline.after(COUNT_S):

@@ -44,6 +44,10 @@ _STRUCTURED_FIELDS = (
     "guided_grammar",
     "structured_outputs",
 )
+# every field that may keep a stream from being continued: most bodies name none of them
+_TELLING_FIELDS = frozenset(
+    {"best_of", "echo", "suffix", "response_format", *_LOGPROB_FIELDS, *_STRUCTURED_FIELDS}
+)
 _CREATED = re.compile(rb'"created"\s*:\s*\d+')
 
 
@@ -51,16 +55,18 @@ def refusal(request: InferenceRequest) -> str | None:
     """Why `request`'s stream could not be continued faithfully, whatever it streams; None
     when it can be (the answer's own events may still refuse it: `Partial.refusal`)."""
     body = request.body
-    if request.endpoint is Endpoint.CHAT:
-        pass
-    elif request.endpoint is Endpoint.COMPLETIONS:
+    if request.endpoint is Endpoint.COMPLETIONS:
         if not isinstance(body.get("prompt"), str):
             return "prompt"
-        if body.get("suffix"):
-            return "suffix"
-    else:
+    elif request.endpoint is not Endpoint.CHAT:
         return "endpoint"
-    if request.n > 1 or _number(body.get("best_of")) > 1:
+    if request.n > 1:
+        return "choices"
+    if _TELLING_FIELDS.isdisjoint(body):  # the request path's usual case: one set lookup
+        return None
+    if body.get("suffix") and request.endpoint is Endpoint.COMPLETIONS:
+        return "suffix"
+    if _number(body.get("best_of")) > 1:
         return "choices"
     if any(body.get(key) not in (None, False, 0) for key in _LOGPROB_FIELDS):
         return "logprobs"
