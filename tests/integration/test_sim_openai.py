@@ -6,10 +6,9 @@ import httpx
 import openai
 import pytest
 
-from loadtest.sim.app import create_sim_app
-from loadtest.sim.config import SimConfig
 from loadtest.sim.tokens import chat_prompt_tokens
 from tests.support.harness import ServerThread
+from tests.support.sims import openai_client, quick_sim
 
 MODEL = "sim-8b"
 MESSAGES = [
@@ -20,14 +19,13 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def sim() -> Iterator[ServerThread]:
-    config = SimConfig(model=MODEL, kv_tokens=4096, max_model_len=2048, speed=200.0)
-    with ServerThread(create_sim_app(config)) as server:
+    with quick_sim(MODEL) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def client(sim: ServerThread) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{sim.url}/v1", api_key="unused", timeout=10, max_retries=0) as c:
+    with openai_client(sim) as c:
         yield c
 
 

@@ -491,11 +491,7 @@ def answers(*replies: Callable[[Post], bytes]) -> Callable[[Server], Handler]:
 
     def handler_for(server: Server) -> Handler:
         async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            while True:
-                try:
-                    raw = await server.request(reader)
-                except asyncio.IncompleteReadError:
-                    return
+            async for raw in server.each_request(reader):
                 index = len(server.requests) - 1
                 post = Post(0, 0, index, orjson.loads(raw.partition(b"\r\n\r\n")[2]))
                 writer.write(replies[min(index, len(replies) - 1)](post))

@@ -13,7 +13,7 @@ import contextlib
 import socket
 import struct
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,14 @@ class Server:
         finally:
             self.open -= 1
             writer.close()
+
+    async def each_request(self, reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+        """Each request the client sends on one connection, until it goes."""
+        while True:
+            try:
+                yield await self.request(reader)
+            except asyncio.IncompleteReadError:
+                return
 
     async def request(self, reader: asyncio.StreamReader) -> bytes:
         """One request's head and body, as the client sent them; IncompleteReadError once

@@ -131,11 +131,7 @@ def test_a_body_larger_than_the_high_water_mark_is_read_whole() -> None:
 def test_no_more_connections_in_use_than_allowed_and_a_caller_that_gives_up_frees_its_own() -> None:
     def handler_for(server: Server) -> Handler:
         async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            while True:
-                try:
-                    raw = await server.request(reader)
-                except asyncio.IncompleteReadError:
-                    return
+            async for raw in server.each_request(reader):
                 if b"silent" not in raw:
                     writer.write(OK)
                     await writer.drain()
