@@ -12,9 +12,7 @@ from loadtest.sim.tokens import (
     chat_answer_start,
     chat_prompt_ids,
     chat_prompt_tokens,
-    completion_answer_start,
-    completion_prompt_ids,
-    completion_prompt_tokens,
+    completion_prompt,
 )
 from loadtest.sim.wire import Kind
 
@@ -81,12 +79,8 @@ def _prompt(kind: Kind, body: dict[str, object], *, token_ids: bool) -> _Prompt:
     if isinstance(prompt, str) or (
         isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
     ):
-        start = completion_answer_start(prompt)
-        if token_ids:
-            ids = completion_prompt_ids(prompt)
-            return _Prompt(tokens=len(ids), ids=ids, answer_start=start)
-        count = completion_prompt_tokens(prompt)
-        return _Prompt(tokens=count, ids=None, answer_start=start)
+        count, ids, start = completion_prompt(prompt, token_ids=token_ids)
+        return _Prompt(tokens=count, ids=ids, answer_start=start)
     raise SimRequestError(
         "prompt must be a string or a list of token ids (one prompt per request)",
         param="prompt",

@@ -201,26 +201,34 @@ def chat_answer_start(messages: Sequence[object]) -> int:
     return filler_words(_content_text(content)) or 0
 
 
+def completion_prompt(
+    prompt: str | Sequence[int], *, token_ids: bool
+) -> tuple[int, list[int] | None, int]:
+    """A completion prompt read once: its tokens (BOS, the text, and a word a token for the
+    filler words it ends with; token ids as given), those ids when `token_ids`, and where
+    its answer starts in the filler (after those words; 0 for a prompt of ids)."""
+    if not isinstance(prompt, str):
+        return len(prompt), list(prompt) if token_ids else None, 0
+    words, chars = filler_end(prompt)
+    text = prompt[: len(prompt) - chars]
+    if token_ids:
+        ids = [BOS, *text_ids(text), *_words_ids(words)]
+        return len(ids), ids, words
+    return text_tokens(text) + words + TOKENS_PER_COMPLETION_PROMPT, None, words
+
+
 def completion_prompt_tokens(prompt: str | Sequence[int]) -> int:
-    """BOS, the text, and a word a token for the filler words it ends with; ids as given."""
-    if isinstance(prompt, str):
-        words, chars = filler_end(prompt)
-        return text_tokens(prompt[: len(prompt) - chars]) + words + TOKENS_PER_COMPLETION_PROMPT
-    return len(prompt)
+    return completion_prompt(prompt, token_ids=False)[0]
 
 
 def completion_prompt_ids(prompt: str | Sequence[int]) -> list[int]:
-    """The ids of `completion_prompt_tokens`: BOS then the text's, or the ids as given."""
-    if isinstance(prompt, str):
-        words, chars = filler_end(prompt)
-        return [BOS, *text_ids(prompt[: len(prompt) - chars]), *_words_ids(words)]
-    return list(prompt)
+    ids = completion_prompt(prompt, token_ids=True)[1]
+    assert ids is not None
+    return ids
 
 
 def completion_answer_start(prompt: str | Sequence[int]) -> int:
-    """Where an answer to `prompt` starts in the filler: after the filler words the prompt
-    ends with (0 for none, and for a prompt of token ids)."""
-    return filler_end(prompt)[0] if isinstance(prompt, str) else 0
+    return completion_prompt(prompt, token_ids=False)[2]
 
 
 class FillerText:
