@@ -16,26 +16,21 @@ from gateway.upstream.resume import (
     read_partial,
     refusal,
 )
+from tests.support.upstream import chat_request
 
 
 def request(endpoint: Endpoint = Endpoint.CHAT, **body: Any) -> InferenceRequest:
-    if endpoint is Endpoint.CHAT:
-        body = {"messages": [{"role": "user", "content": "tell me"}], **body}
-    else:
-        body = {"prompt": "Once upon a time", **body}
-    return InferenceRequest(
-        endpoint=endpoint,
-        tenant="acme",
-        pool="big",
-        priority="standard",
-        stream=True,
-        client_wants_usage=False,
-        prompt_chars=7,
-        prompt_tokens=10,
+    """A streamed request of `endpoint` (4 prompt tokens, 40 reserved for output) whose body
+    holds `body` too."""
+    asked = chat_request(stream=True, output_reserve=40)
+    if endpoint is not Endpoint.CHAT:
+        asked = asked._replace(
+            endpoint=endpoint, body={"model": "big", "stream": True, "prompt": "Once upon a time"}
+        )
+    return asked._replace(
+        body={**asked.body, **body},
         max_output_tokens=body.get("max_completion_tokens", body.get("max_tokens", 256)),
-        body={"model": "big", "stream": True, **body},
         n=body.get("n", 1),
-        output_reserve=40,
     )
 
 
@@ -107,7 +102,7 @@ def test_a_chat_continuation_opens_the_assistant_turn_with_the_text_so_far() -> 
     assert follow.body["continue_final_message"] is True
     assert follow.body["add_generation_prompt"] is False
     assert follow.body["max_tokens"] == 98 and follow.max_output_tokens == 98
-    assert follow.prompt_tokens == 12 and follow.output_reserve == 38
+    assert follow.prompt_tokens == 6 and follow.output_reserve == 38
     assert original.body["messages"][-1]["role"] == "user"  # the original is untouched
 
 
