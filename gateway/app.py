@@ -48,7 +48,7 @@ from gateway.ops.openapi import openapi_route
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
 from gateway.ratelimit.budget import provider_budgets
 from gateway.redis_batch import RedisBatcher
-from gateway.service_feed import ServiceFeed
+from gateway.shared.service_feed import ServiceFeed
 from gateway.slo import Latencies
 from gateway.tracing import build_tracing
 from gateway.upstream.forward import Forwarder
@@ -252,7 +252,7 @@ def create_app(
     batches = Batches(store, settings=settings.batch, pools=pools, clock=clock)
     latencies = Latencies(clock)  # measured on the request path, read by the TTFT ladder
     service_feed = (
-        None  # the queues' tenants' service and waiters, shared (gateway/service_feed.py)
+        None  # the queues' tenants' service and waiters, shared (gateway/shared/service_feed.py)
     )
     if batcher is not None:
         service_feed = ServiceFeed(batcher=batcher, timeout_s=settings.redis.timeout_ms / 1000)

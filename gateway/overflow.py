@@ -187,7 +187,7 @@ class SharedQueue(Protocol):
 
 class QueueFeed(Protocol):
     """Where the queues share their service and waiters with the other replicas
-    (gateway/service_feed.py); only in shared mode."""
+    (gateway/shared/service_feed.py); only in shared mode."""
 
     def register(self, pool: str, queue: SharedQueue) -> None: ...
 

@@ -1,5 +1,5 @@
 """Replicas share their queues' attained service and waiting tenants through a real Redis
-(gateway/service_feed.py); without Redis each keeps its own figures."""
+(gateway/shared/service_feed.py); without Redis each keeps its own figures."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from gateway.config import Priority
 from gateway.front.request import InferenceRequest
 from gateway.overflow import Rival
 from gateway.redis_batch import RedisBatcher
-from gateway.service_feed import ServiceFeed, service_key
+from gateway.shared.service_feed import ServiceFeed, service_key
 from loadtest.procs import RedisProcess
 from policies.queue.service import Service
 from tests.support.upstream import chat_request
