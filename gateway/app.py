@@ -39,7 +39,6 @@ from gateway.front.auth import AdminAuth, Authenticator
 from gateway.front.endpoints import EmbeddingsEndpoint, ResponsesEndpoint
 from gateway.front.guard import head_bytes, head_too_large
 from gateway.front.pipeline import CompletionsEndpoint, PipelineDeps
-from gateway.front.request import Endpoint
 from gateway.front.response_homes import ResponseHomes
 from gateway.metrics import MULTIPROC_ENV, GatewayMetrics, publish_metrics
 from gateway.ops.admin import AdminEndpoints
@@ -48,6 +47,7 @@ from gateway.ops.openapi import openapi_route
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
 from gateway.ratelimit.budget import provider_budgets
 from gateway.redis_batch import RedisBatcher
+from gateway.request import Endpoint
 from gateway.shared.service_feed import ServiceFeed
 from gateway.slo import Latencies
 from gateway.tracing import build_tracing

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from gateway.config import Priority
 from gateway.front.exchange import Served
-from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
+from gateway.request import InferenceRequest
 
 # not only for the checker: a policy predicts its time to first token from the places'
 # recent answers (PredictsTtft)

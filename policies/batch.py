@@ -20,9 +20,9 @@ import orjson
 from gateway.config import PoolSettings
 from gateway.errors import SpillgateError
 from gateway.front.exchange import Served
-from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
 from gateway.overflow import BatchIntake, OverflowContext
+from gateway.request import InferenceRequest
 from gateway.upstream.answer import Usage
 from gateway.upstream.relay import Relayed
 from policies.deps import PolicyDeps

@@ -11,9 +11,9 @@ from typing import ClassVar
 from gateway.config import PoolSettings
 from gateway.errors import UpstreamError
 from gateway.front.exchange import Served
-from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
 from gateway.overflow import Latencies, OverflowContext, PoolRoom, predict
+from gateway.request import InferenceRequest
 from policies.deps import PolicyDeps
 
 

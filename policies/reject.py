@@ -7,8 +7,8 @@ from typing import ClassVar
 from gateway.config import PoolSettings
 from gateway.errors import Rejected
 from gateway.front.exchange import Served
-from gateway.front.request import InferenceRequest
 from gateway.overflow import OverflowContext
+from gateway.request import InferenceRequest
 from policies.deps import PolicyDeps
 
 

@@ -33,7 +33,7 @@ from gateway.clock import Clock
 from gateway.config import BackendSettings, PoolSettings, ReservationSettings
 from gateway.config.references import backend_name
 from gateway.errors import BackendUnavailable
-from gateway.front.request import PromptEstimator
+from gateway.request import PromptEstimator
 from gateway.upstream.forward import unreachable_reason
 
 log = logging.getLogger("spillgate.backends")

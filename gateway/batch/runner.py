@@ -30,9 +30,9 @@ from gateway.batch.store import Record
 from gateway.front.auth import Authenticator, Tenant
 from gateway.front.exchange import Served
 from gateway.front.pipeline import CompletionsEndpoint, PipelineDeps
-from gateway.front.request import Endpoint, InferenceRequest
 from gateway.outcome import Outcome
 from gateway.overflow import LetsIn
+from gateway.request import Endpoint, InferenceRequest
 from gateway.slo import Prediction
 from gateway.tasks import Periodic, stop_task
 

@@ -24,7 +24,8 @@ from gateway.config import BatchSettings
 from gateway.errors import InvalidRequest, Throttled
 from gateway.front.auth import Tenant
 from gateway.front.parse import parse_request
-from gateway.front.request import Endpoint, InferenceRequest, check_pool_kind
+from gateway.front.request import check_pool_kind
+from gateway.request import Endpoint, InferenceRequest
 
 WINDOWS = {"24h"}
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")

@@ -27,8 +27,8 @@ from gateway.admission.ledger import Reservation
 from gateway.errors import BackendUnavailable, InvalidRequest
 from gateway.front.exchange import Exchange, Served
 from gateway.front.pipeline import CompletionsEndpoint, PipelineDeps
-from gateway.front.request import Endpoint, InferenceRequest
 from gateway.front.response_homes import ResponseHomes, ResponseIdRecorder
+from gateway.request import Endpoint, InferenceRequest
 
 if TYPE_CHECKING:
     from gateway.front.trace import RequestTrace

@@ -14,9 +14,9 @@ from gateway.admission.ledger import Reservation
 from gateway.admission.router import Router
 from gateway.clock import Clock
 from gateway.errors import NoRoomToRetry, UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from gateway.front.request import InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
+from gateway.request import InferenceRequest
 from gateway.slo import Prediction
 from gateway.upstream.answer import JSON_HEADERS, AnswerRecorder
 from gateway.upstream.forward import Forwards

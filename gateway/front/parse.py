@@ -9,7 +9,7 @@ import orjson
 
 from gateway.config import Priority
 from gateway.errors import InvalidRequest
-from gateway.front.request import Endpoint, InferenceRequest
+from gateway.request import Endpoint, InferenceRequest
 
 MAX_TOKENS_CEILING = 1_000_000
 MAX_CHOICES = 128  # `n`: each choice is a sequence of its own on the backend

@@ -40,8 +40,6 @@ from gateway.front.request import (
     SESSION_HEADER,
     TPOT_HEADER,
     TTFT_HEADER,
-    Endpoint,
-    InferenceRequest,
     check_pool_kind,
     effective_priority,
     header_text,
@@ -53,6 +51,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
 from gateway.overflow import CountsService, LetsIn, OverflowPolicy, PredictsTtft, RecorderFor
 from gateway.ratelimit import Decision, RateLimiter
+from gateway.request import Endpoint, InferenceRequest
 from gateway.slo import Latencies, Prediction, unattainable
 from gateway.upstream.answer import AnswerRecorder
 from gateway.upstream.forward import Forwarder

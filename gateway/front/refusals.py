@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from gateway.errors import ContextLengthExceeded, LimiterUnavailable, SpillgateError, Throttled
-from gateway.front.request import InferenceRequest
 from gateway.ratelimit import Decision
+from gateway.request import InferenceRequest
 
 
 def limiter_refusal(

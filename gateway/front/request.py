@@ -1,17 +1,15 @@
-"""A request as the gateway sees it: the endpoint it came to, the `InferenceRequest` its body
-is parsed into (gateway/front/parse.py), the headers that shape it, which endpoints a pool
-serves, and the per-pool estimate of characters per token."""
+"""The headers that shape a request, the objectives they set, and which endpoints a pool
+serves (the request itself is gateway/request.py's `InferenceRequest`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from enum import StrEnum
-from typing import Any, NamedTuple
 
 from starlette.types import Scope
 
 from gateway.config import PRIORITIES, PoolKind, Priority
 from gateway.errors import InvalidRequest
+from gateway.request import API_NAMES, Endpoint
 
 BATCHABLE_HEADER = "x-spillgate-batchable"  # "true": the request may wait, as a batch
 PRIORITY_HEADER = "x-spillgate-priority"
@@ -32,84 +30,6 @@ def request_headers(scope: Scope) -> dict[bytes, bytes]:
 def header_text(headers: Mapping[bytes, bytes], name: bytes) -> str | None:
     value = headers.get(name)
     return None if value is None else value.decode("latin-1")
-
-
-class Endpoint(StrEnum):
-    CHAT = "/v1/chat/completions"
-    COMPLETIONS = "/v1/completions"
-    EMBEDDINGS = "/v1/embeddings"
-    RESPONSES = "/v1/responses"
-
-
-# the API each endpoint is, as vLLM names it when a model does not serve it
-API_NAMES = {
-    Endpoint.CHAT: "Chat Completions API",
-    Endpoint.COMPLETIONS: "Completions API",
-    Endpoint.EMBEDDINGS: "Embeddings API",
-    Endpoint.RESPONSES: "Responses API",
-}
-
-
-class InferenceRequest(NamedTuple):
-    """One parsed request; immutable (a NamedTuple: one is made per request, and a frozen
-    dataclass costs several times as much to build)."""
-
-    endpoint: Endpoint
-    tenant: str
-    pool: str
-    priority: Priority
-    stream: bool
-    client_wants_usage: bool
-    prompt_chars: int
-    prompt_tokens: int  # estimate, corrected over time from real usage
-    max_output_tokens: int  # what the backend may generate per choice; reserved on admission
-    body: dict[str, Any]
-    n: int = 1  # choices asked for: vLLM runs one sequence per choice
-    # the output one choice reserves on admission (gateway/admission/output_lengths.py); 0: all of
-    # max_output_tokens
-    output_reserve: int = 0
-    # what a stream keeps reserved per choice beyond what it holds as it grows
-    # (gateway/admission/growth.py)
-    headroom: int = 0
-    batchable: bool = False  # may wait: overflow may accept it into a batch (policies/batch.py)
-    # the keys of its prompt's leading blocks and its session, where its pool routes by
-    # prefix (gateway/admission/prefix_index.py)
-    prefix: tuple[bytes, ...] = ()
-    session: str | None = None
-    # its objectives in seconds: time to first token from its arrival, and per output token
-    # after it (None: none); the header's, else its tenant's default
-    ttft_slo_s: float | None = None
-    tpot_slo_s: float | None = None
-
-    @property
-    def sequence_tokens(self) -> int:
-        """What one choice's sequence reserves on admission: prompt + expected output."""
-        return self.prompt_tokens + (self.output_reserve or self.max_output_tokens)
-
-    @property
-    def context_tokens(self) -> int:
-        """The longest one choice's sequence may grow: prompt + max output."""
-        return self.prompt_tokens + self.max_output_tokens
-
-    @property
-    def reserved_tokens(self) -> int:
-        """Tokens the request may use in all: the prompt once, each choice's output."""
-        return self.prompt_tokens + self.n * self.max_output_tokens
-
-
-class PromptEstimator:
-    """Characters per token for one pool, corrected from the real `usage.prompt_tokens`."""
-
-    def __init__(self, *, chars_per_token: float = 4.0, weight: float = 0.05) -> None:
-        self.chars_per_token = chars_per_token
-        self._weight = weight
-
-    def observe(self, *, prompt_chars: int, prompt_tokens: int) -> None:
-        if prompt_tokens <= 0 or prompt_chars <= 0:
-            return
-        seen = prompt_chars / prompt_tokens
-        estimate = self.chars_per_token + self._weight * (seen - self.chars_per_token)
-        self.chars_per_token = 1.0 if estimate < 1.0 else 16.0 if estimate > 16.0 else estimate
 
 
 def slo_seconds(header: str | None, name: str, default_s: float | None) -> float | None:

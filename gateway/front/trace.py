@@ -25,8 +25,8 @@ from gateway.upstream.relay import Relayed, StreamRelay
 
 if TYPE_CHECKING:
     from gateway.front.exchange import Exchange, Served
-    from gateway.front.request import InferenceRequest
     from gateway.overflow import OverflowPolicy
+    from gateway.request import InferenceRequest
     from gateway.upstream.target import Target
 
 PROPAGATOR = TraceContextTextMapPropagator()

@@ -11,7 +11,7 @@ from starlette.types import Send
 
 from gateway.clock import Clock
 from gateway.errors import UpstreamUnavailable
-from gateway.front.request import Endpoint, InferenceRequest
+from gateway.request import Endpoint, InferenceRequest
 from gateway.upstream.answer import (
     JSON_HEADERS,
     SSE_HEADERS,

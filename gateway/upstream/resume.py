@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from gateway.front.request import Endpoint, InferenceRequest
+from gateway.request import Endpoint, InferenceRequest
 
 # how a request asks for log probabilities, a grammar, or the prompt back
 _LOGPROB_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs")

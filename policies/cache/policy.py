@@ -25,9 +25,9 @@ import orjson
 from gateway.clock import Clock
 from gateway.config import CacheSettings, PoolSettings
 from gateway.front.exchange import Served
-from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
 from gateway.overflow import OverflowContext
+from gateway.request import InferenceRequest
 from gateway.upstream.answer import JSON_HEADERS
 from gateway.upstream.relay import send_json_body
 from policies.cache.recorder import CompletionRecorder, send_replay

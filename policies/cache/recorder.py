@@ -16,7 +16,7 @@ import orjson
 from starlette.types import Send
 
 from gateway.clock import Clock
-from gateway.front.request import Endpoint
+from gateway.request import Endpoint
 from gateway.upstream.answer import DONE, SSE_HEADERS, Usage
 from gateway.upstream.relay import Relayed
 

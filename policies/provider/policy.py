@@ -21,9 +21,9 @@ from typing import ClassVar
 from gateway.config import PoolSettings
 from gateway.errors import UpstreamUnavailable
 from gateway.front.exchange import Served
-from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
 from gateway.overflow import Latencies, OverflowContext, ProviderMetrics, predict
+from gateway.request import InferenceRequest
 from policies.deps import PolicyDeps
 from policies.provider.gate import ProviderGate, Refusal
 

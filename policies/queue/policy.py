@@ -43,7 +43,6 @@ from gateway.clock import Clock
 from gateway.config import PRIORITIES, PoolSettings, Priority
 from gateway.errors import NoRoomToRetry
 from gateway.front.exchange import Served
-from gateway.front.request import InferenceRequest
 from gateway.outcome import Outcome
 from gateway.overflow import (
     Latencies,
@@ -54,6 +53,7 @@ from gateway.overflow import (
     Rival,
     predict,
 )
+from gateway.request import InferenceRequest
 from policies.deps import PolicyDeps
 from policies.queue.fair_queue import FairQueue, QueueResult, Waiter
 from policies.queue.service import Service

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 
 from gateway.clock import Clock
-from gateway.front.request import InferenceRequest
+from gateway.request import InferenceRequest
 
 REBASE_GROWTH = 2.0**32  # rescale when the stored units have grown this much
 

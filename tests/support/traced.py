@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.app import create_app
 from gateway.config import parse_settings
 from gateway.front.parse import parse_request
-from gateway.front.request import Endpoint
+from gateway.request import Endpoint
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from loadtest.sim.provider import ProviderConfig, create_provider_app

@@ -16,7 +16,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.config import Priority
-from gateway.front.request import Endpoint, InferenceRequest
+from gateway.request import Endpoint, InferenceRequest
 from gateway.upstream.pool import UpstreamPool
 from tests.support.harness import servers
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from gateway.clock import ManualClock
-from gateway.front.request import Endpoint, InferenceRequest
+from gateway.request import Endpoint, InferenceRequest
 from gateway.slo import STALE_S, WEIGHT, Latencies, predict, unattainable
 
 

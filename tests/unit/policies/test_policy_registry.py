@@ -12,10 +12,10 @@ from gateway.admission.ledger import LocalLedger
 from gateway.admission.router import Router
 from gateway.clock import ManualClock
 from gateway.config import ConfigError, hash_key, parse_settings
-from gateway.front.request import Endpoint, InferenceRequest
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import LocalRateLimiter
 from gateway.ratelimit.budget import provider_budgets
+from gateway.request import Endpoint, InferenceRequest
 from policies.deps import PolicyDeps
 from policies.provider.gate import build_gates
 from policies.registry import answer_recorders, arrival_checks, build_chain, registry

@@ -18,9 +18,9 @@ from gateway.clock import ManualClock
 from gateway.config import BackendSettings, PoolSettings, Settings, TenantSettings
 from gateway.front.auth import Authenticator
 from gateway.front.pipeline import CompletionsEndpoint, PipelineDeps
-from gateway.front.request import Endpoint
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit.local import LocalRateLimiter
+from gateway.request import Endpoint
 from gateway.upstream.forward import Forwarder
 from gateway.upstream.pool import UpstreamPool
 from tests.support.upstream import (

@@ -6,7 +6,8 @@ import pytest
 
 from gateway.errors import InvalidRequest
 from gateway.front.parse import parse_request
-from gateway.front.request import Endpoint, check_pool_kind
+from gateway.front.request import check_pool_kind
+from gateway.request import Endpoint
 
 
 def _parse(endpoint: Endpoint, body: dict[str, Any]) -> Any:

@@ -6,7 +6,7 @@ import pytest
 from starlette.types import Message
 
 from gateway.clock import ManualClock
-from gateway.front.request import Endpoint
+from gateway.request import Endpoint
 from gateway.upstream.answer import model_swap
 from gateway.upstream.relay import HIDDEN_ERROR, Relayed, StreamRelay, relay_stream, send_json_body
 from gateway.upstream.resume import ContinuationLeg, read_partial

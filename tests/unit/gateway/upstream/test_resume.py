@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.front.request import Endpoint, InferenceRequest
+from gateway.request import Endpoint, InferenceRequest
 from gateway.upstream.resume import (
     ContinuationLeg,
     Partial,

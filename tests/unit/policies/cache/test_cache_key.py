@@ -6,7 +6,7 @@ from typing import Any
 
 from gateway.config import CacheSettings
 from gateway.front.parse import parse_request
-from gateway.front.request import Endpoint
+from gateway.request import Endpoint
 from policies.cache.policy import cache_key, is_deterministic, storable
 
 

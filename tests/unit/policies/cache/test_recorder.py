@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from gateway.front.request import Endpoint
+from gateway.request import Endpoint
 from gateway.upstream.answer import Usage
 from policies.cache.recorder import CompletionRecorder, replay_sse
 

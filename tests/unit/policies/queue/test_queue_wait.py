@@ -14,8 +14,8 @@ from gateway.admission.router import Router
 from gateway.clock import ManualClock
 from gateway.config import BackendSettings, PoolSettings, Priority, QueueSettings
 from gateway.front.exchange import Exchange, Holding
-from gateway.front.request import Endpoint, InferenceRequest
 from gateway.metrics import GatewayMetrics
+from gateway.request import Endpoint, InferenceRequest
 from gateway.upstream.forward import Forwarder
 from gateway.upstream.pool import UpstreamPool
 from policies.queue.fair_queue import QueueResult

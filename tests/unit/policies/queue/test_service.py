@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.clock import ManualClock
-from gateway.front.request import InferenceRequest
+from gateway.request import InferenceRequest
 from policies.queue import service as service_module
 from policies.queue.service import Service
 from tests.support.upstream import chat_request
