@@ -46,8 +46,8 @@ from gateway.ops.dashboard import Dashboard, OutcomeHistory
 from gateway.ops.openapi import openapi_route
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
 from gateway.ratelimit.budget import provider_budgets
-from gateway.redis_batch import RedisBatcher
 from gateway.request import Endpoint
+from gateway.shared.batch import RedisBatcher
 from gateway.shared.service_feed import ServiceFeed
 from gateway.slo import Latencies
 from gateway.tracing import build_tracing
@@ -63,7 +63,7 @@ REDIS_POOL_SIZE = 64  # connections per process
 def redis_client(settings: Settings, url: str) -> aioredis.Redis | RedisCluster:
     """One client per process, shared by the limiter, the ledger and the cache.
 
-    Script calls reach it through one RedisBatcher (gateway/redis_batch.py), which never
+    Script calls reach it through one RedisBatcher (gateway/shared/batch.py), which never
     cancels a call in flight, so each call is bounded by the socket timeout: the ceiling of
     the callers' time budgets. The pool blocks when every connection is busy rather than
     failing the call at once, which would push the limiter into its failure mode exactly

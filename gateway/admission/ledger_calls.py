@@ -22,7 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gateway.admission.ledger_block import Ask, Block, Blocks, Seen, unanswered
-from gateway.redis_batch import BatchScript, RedisBatcher, batcher_of
+from gateway.shared.batch import BatchScript, RedisBatcher, batcher_of
 
 log = logging.getLogger("spillgate.ledger")
 

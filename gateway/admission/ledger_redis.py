@@ -44,7 +44,7 @@ from gateway.admission.ledger import Reservation
 from gateway.admission.ledger_block import Blocks, Seen
 from gateway.admission.ledger_calls import BlockCalls, parse_reply
 from gateway.clock import Clock
-from gateway.redis_batch import RedisBatcher
+from gateway.shared.batch import RedisBatcher
 from gateway.tasks import stop_task
 
 log = logging.getLogger("spillgate.ledger")

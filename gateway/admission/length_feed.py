@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 
 from gateway.admission.backends import Pool
 from gateway.admission.output_lengths import WINDOW, LengthSource
-from gateway.redis_batch import BatchScript, RedisBatcher
+from gateway.shared.batch import BatchScript, RedisBatcher
 from gateway.tasks import Periodic
 
 log = logging.getLogger("spillgate.lengths")
@@ -81,7 +81,7 @@ class LengthFeed:
         learning = pool.outputs.learning()
         if not new and not learning:
             return
-        # with the other calls of the moment, in one pipeline (gateway/redis_batch.py)
+        # with the other calls of the moment, in one pipeline (gateway/shared/batch.py)
         listed = await self._batch.submit(
             EXCHANGE,
             [key(name)],

@@ -2,7 +2,7 @@
 (the queue's side: policies/queue/policy.py and policies/queue/service.py).
 
 Every `every_s`, off the request path, each replica makes one script call per pool, which
-travels with the process's other Redis calls (gateway/redis_batch.py):
+travels with the process's other Redis calls (gateway/shared/batch.py):
 
 - it adds what its tenants were served since its last pass to the pool's hash
   `spillgate:service:{POOL}` and reads the whole hash back, so every replica orders its
@@ -31,7 +31,7 @@ import orjson
 
 from gateway.config import PRIORITIES
 from gateway.overflow import Rival, SharedQueue
-from gateway.redis_batch import BatchScript, RedisBatcher
+from gateway.shared.batch import BatchScript, RedisBatcher
 from gateway.tasks import Periodic
 
 log = logging.getLogger("spillgate.queue")

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 import uvloop
 
+from gateway import sweep as sweep_module
 from gateway.clock import ManualClock
-from gateway.upstream import deadline as deadline_module
-from gateway.upstream.deadline import Deadline, Sweep
+from gateway.sweep import Sweep
+from gateway.upstream.deadline import Deadline
 from tests.support.clock import run_on
 
 
@@ -129,7 +130,7 @@ def test_the_sweep_lets_go_of_every_deadline_and_of_its_loop_once_idle() -> None
         with Deadline(loop.time() + 0.02):
             held_inside = len(sweep.held)
         await asyncio.sleep(0.1)  # past every due: the sweep's timer has fired and found none
-        return held_after_exits, held_inside, loop in deadline_module._SWEEPS
+        return held_after_exits, held_inside, loop in sweep_module._SWEEPS
 
     held_after_exits, held_inside, still_listed = run(main)
     assert (held_after_exits, held_inside) == (0, 1)

@@ -41,7 +41,7 @@ from redis.exceptions import (
     ResponseError,
 )
 
-from gateway.upstream.deadline import Sweep
+from gateway.sweep import Sweep
 
 log = logging.getLogger("spillgate.redis")
 
