@@ -1,6 +1,7 @@
 """`spillgate` command line: one subcommand per module, imported only when chosen.
 
-Each command module exposes `add_arguments(parser)` and `run(args) -> int`.
+Each command module exposes `add_arguments(parser)` and `run(args) -> int`; one with
+commands of its own (`bench`) exposes `main(argv) -> int` instead and parses its arguments.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "drill": ("loadtest.drill.cli", "spike drill: fails loudly if an overflow path is broken"),
     "measure": ("loadtest.measure.cli", "measure batch fill vs TTFT of a live endpoint"),
     "bench": (
-        "loadtest.bench.overhead",
-        "gateway overhead benchmark against a raw relay and others",
+        "loadtest.bench.cli",
+        "benchmarks by name (`spillgate bench --list`); alone, the gateway's overhead",
     ),
 }
 
@@ -30,6 +31,10 @@ class CommandModule(Protocol):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
 
     def run(self, args: argparse.Namespace) -> int: ...
+
+
+class CommandsModule(Protocol):
+    def main(self, argv: Sequence[str] | None = None) -> int: ...
 
 
 def _usage() -> str:
@@ -50,13 +55,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     module_name, help_ = COMMANDS[name]
     try:
-        module = cast(CommandModule, importlib.import_module(module_name))
+        imported = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name is None or not module_name.startswith(exc.name):
             raise
         # the wheel leaves the benchmarks out (pyproject.toml): they run from a checkout
         print(f"spillgate: `{name}` is not installed here; run it from a checkout", file=sys.stderr)
         return 2
+    if not hasattr(imported, "add_arguments"):
+        return cast(CommandsModule, imported).main(args[1:])
+    module = cast(CommandModule, imported)
     parser = argparse.ArgumentParser(prog=f"spillgate {name}", description=help_)
     module.add_arguments(parser)
     return module.run(parser.parse_args(args[1:]))

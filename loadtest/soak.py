@@ -1,7 +1,7 @@
 """Soak: minutes of mixed load on a `spillgate serve` process while faults are injected,
 with its memory, open files, Redis keys and reservations sampled from start to end.
 
-Not part of CI:  python -m loadtest.soak --minutes 10  (add --json for machine output).
+Not part of CI:  spillgate bench soak --minutes 10  (add --json for machine output).
 
 The fleet is real processes on loopback: Redis (reached through a proxy that can delay
 it), two simulated vLLM backends, a simulated provider and the gateway. The load mixes
@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -315,10 +315,10 @@ def run(args: argparse.Namespace) -> int:
     return 0 if (last.tokens_in_flight, last.sessions, last.leases) == (0, 0, 0) else 1
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__)
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spillgate bench soak", description=__doc__)
     add_arguments(parser)
-    return run(parser.parse_args())
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Admission by what vLLM really holds: the same seeded bursts, direct and through the gateway.
 
-    python -m loadtest.bench.admission                # against the simulator (minutes)
-    python -m loadtest.bench.admission --real-vllm    # a real vLLM, started by
+    spillgate bench admission                # against the simulator (minutes)
+    spillgate bench admission --real-vllm    # a real vLLM, started by
                                                       # loadtest/real_vllm/serve.sh (minutes)
 
 The simulator runs at one GPU's speed for an 8B model (`--sim-speed 1`): faster, its
@@ -365,7 +365,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, BenchPlan]:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench.admission", description=__doc__)
+    p = argparse.ArgumentParser(prog="spillgate bench admission", description=__doc__)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     add_backend_args(p)
     p.add_argument("--bursts", default="24,48")

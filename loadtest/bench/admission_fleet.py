@@ -1,4 +1,4 @@
-"""The processes `python -m loadtest.bench.admission` measures: a backend (the simulator or a
+"""The processes `spillgate bench admission` measures: a backend (the simulator or a
 real vLLM), a simulated provider, and one gateway per admission arm, each its own process.
 
 Every gateway has two pools on the same backend: `MODEL` (overflow `[queue, reject]`, for

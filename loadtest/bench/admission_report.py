@@ -1,4 +1,4 @@
-"""The tables and the targets of `python -m loadtest.bench.admission` (issue 20's).
+"""The tables and the targets of `spillgate bench admission` (issue 20's).
 
 Targets, read off the medians: through the gateway with the learned admission, running
 concurrency at least 90 % of direct's and TTFT p50 within 1.5x of direct's on the

@@ -1,6 +1,6 @@
 """Two builds of the gateway side by side at concurrency 64, each round beside the raw relay.
 
-    python -m loadtest.bench.builds BEFORE AFTER [--rounds 10] [--seconds 3]
+    spillgate bench builds BEFORE AFTER [--rounds 10] [--seconds 3]
 
 BEFORE and AFTER are checkouts, each with its own virtualenv (`make .venv/.dev`), e.g.
 `git worktree add /tmp/before HEAD~3`. Both serve `spillgate bench`'s config (Redis off),
@@ -119,7 +119,7 @@ def summary(figures: dict[str, dict[str, list[float]]]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.builds",
+        prog="spillgate bench builds",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

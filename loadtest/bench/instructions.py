@@ -1,6 +1,6 @@
 """Machine instructions run per request, counted under valgrind's callgrind.
 
-`python -m loadtest.bench.instructions` sends the bench's request (`spillgate bench`'s
+`spillgate bench instructions` sends the bench's request (`spillgate bench`'s
 config, Redis off) through each arm's ASGI interface, one at a time on uvloop, as
 `loadtest.bench.ops` does, but in a child process under `valgrind --tool=callgrind`, and
 counts the instructions the whole process ran. Each arm runs twice, with `--warmup` and
@@ -90,9 +90,7 @@ def count(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtest.bench.instructions", description=__doc__
-    )
+    parser = argparse.ArgumentParser(prog="spillgate bench instructions", description=__doc__)
     parser.add_argument("--requests", type=int, default=200, help="requests counted per arm")
     parser.add_argument("--warmup", type=int, default=20, help="requests both runs make first")
     parser.add_argument("--json", type=Path, help="also write the figures here")

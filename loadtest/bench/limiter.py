@@ -12,7 +12,7 @@ per decision (INFO commandstats), which bounds what one Redis core serves. Each 
 first decides once for every tenant (warm-up: connections, script load). Limits are high
 enough that every decision is an admission, so the figures are the decision cost.
 
-    python -m loadtest.bench.limiter --decisions 20000 --concurrency 1,16,64,256
+    spillgate bench limiter --decisions 20000 --concurrency 1,16,64,256
 """
 
 from __future__ import annotations
@@ -194,7 +194,9 @@ def format_row(result: Row) -> str:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="spillgate bench limiter", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--decisions", type=int, default=20_000, help="per limiter and level")
     parser.add_argument(
         "--concurrency",

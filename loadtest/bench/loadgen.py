@@ -1,6 +1,6 @@
 """How many arrivals/s can `spillgate loadtest` keep on schedule? A sweep against the simulator.
 
-    python -m loadtest.bench.loadgen --rates 100,200,400,800 --duration 10
+    spillgate bench loadgen --rates 100,200,400,800 --duration 10
 
 Starts one simulated vLLM replica (its own process, a KV cache large enough never to
 queue), then runs `spillgate loadtest` as its own process at each rate and reads back its
@@ -67,7 +67,7 @@ def _median(tries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench.loadgen", description=__doc__)
+    p = argparse.ArgumentParser(prog="spillgate bench loadgen", description=__doc__)
     p.add_argument("--rates", default="100,200,400,800")
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--prompt-tokens", default="128")

@@ -1,6 +1,6 @@
 """Python bytecode run per request, counted in-process: a figure a noisy machine cannot move.
 
-`python -m loadtest.bench.ops` builds the raw relay and the gateway (with the config of
+`spillgate bench ops` builds the raw relay and the gateway (with the config of
 `spillgate bench`) as ASGI apps in this process, starts the bench's zero-delay backend in
 another, sends each app the bench's request through its ASGI interface one at a time,
 and counts the bytecode instructions run per request (sys.settrace opcode events), by
@@ -246,7 +246,7 @@ def _report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bench.ops", description=__doc__)
+    parser = argparse.ArgumentParser(prog="spillgate bench ops", description=__doc__)
     parser.add_argument("--requests", type=int, default=200, help="requests counted per arm")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument(

@@ -1,4 +1,4 @@
-"""`spillgate bench`: what the gateway costs, arm beside arm, on loopback.
+"""`spillgate bench overhead` (`spillgate bench` alone): what the gateway costs, on loopback.
 
 Arms: direct to a zero-delay backend; the smallest raw relay, on uvicorn and aiohttp; the
 same relay on the gateway's own upstream client (`lean relay`, loadtest/bench/apps.py);
@@ -20,7 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -369,3 +369,14 @@ def run(args: argparse.Namespace) -> int:
             backend.terminate()
             backend.wait(timeout=10)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spillgate bench overhead", description=__doc__)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

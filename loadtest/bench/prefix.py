@@ -1,7 +1,7 @@
 """Prefix-aware routing on a shared-prefix workload: where the prompt's prefix is cached.
 
-    python -m loadtest.bench.prefix                 # 4 simulated vLLM backends (minutes)
-    python -m loadtest.bench.prefix --real-vllm --backends 2 --tenants 8 \\
+    spillgate bench prefix                          # 4 simulated vLLM backends (minutes)
+    spillgate bench prefix --real-vllm --backends 2 --tenants 8 \\
         --system-tokens 800 --chats 2 --turns 3 --rate 4 --kv-tokens 16384
                                                     # two real vLLM servers, one a core
 
@@ -352,7 +352,7 @@ def report(figures: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench.prefix", description=__doc__)
+    p = argparse.ArgumentParser(prog="spillgate bench prefix", description=__doc__)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     defaults = Plan()
     for key, value in asdict(defaults).items():

@@ -1,7 +1,7 @@
 """Rolling restarts: what clients of the gateway see while its backends are stopped in turn.
 
-    python -m loadtest.bench.restart [--json FILE]               # simulators (under a minute)
-    python -m loadtest.bench.restart --real-vllm [--json FILE]   # two real vLLMs (minutes)
+    spillgate bench restart [--json FILE]               # simulators (under a minute)
+    spillgate bench restart --real-vllm [--json FILE]   # two real vLLMs (minutes)
 
 Simulator arm: a gateway in front of a pool of two simulated vLLMs (`spillgate sim`, real
 time, every answer `--max-tokens` words long), under steady load: `--clients` clients, each
@@ -384,7 +384,7 @@ def report(figures: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench.restart", description=__doc__)
+    p = argparse.ArgumentParser(prog="spillgate bench restart", description=__doc__)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("--real-vllm", action="store_true", help="two real vLLMs, not simulators")
     p.add_argument("--json", type=Path, help="write the figures here")

@@ -1,4 +1,4 @@
-"""What the clients of `python -m loadtest.bench.restart` send, and how each answer they got is
+"""What the clients of `spillgate bench restart` send, and how each answer they got is
 judged: the status, a stream's error event or cut, the text, the length, the usage.
 """
 

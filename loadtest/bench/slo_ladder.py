@@ -1,6 +1,6 @@
 """Goodput under a spike: the TTFT ladder against the fixed overflow chain, side by side.
 
-    python -m loadtest.bench.slo_ladder [--rounds 3] [--slo-ttft-ms 500] [--json FILE]
+    spillgate bench slo-ladder [--rounds 3] [--slo-ttft-ms 500] [--json FILE]
 
 Each arm runs the same seeded spike (`spillgate loadtest --profile spike`) against a fresh
 `spillgate demo` (two simulated replicas, a smaller model, a simulated provider, the chain
@@ -159,7 +159,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench.slo_ladder", description=__doc__,
+    p = argparse.ArgumentParser(prog="spillgate bench slo-ladder", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--rounds", type=int, default=3)
     # an interactive objective, shorter than the demo queue's 1 s wait

@@ -1,8 +1,8 @@
 """Full admission from the first request of a burst: a gateway started right before it, a warm
 one, and a second replica started while the first is busy, side by side with direct.
 
-    python -m loadtest.bench.warm_start                # against the simulator (minutes)
-    python -m loadtest.bench.warm_start --real-vllm    # a real vLLM, started by
+    spillgate bench warm-start                # against the simulator (minutes)
+    spillgate bench warm-start --real-vllm    # a real vLLM, started by
                                                        # loadtest/real_vllm/serve.sh
 
 Arms, interleaved in each run, each sent the same seeded burst (streaming chats, `max_tokens`
@@ -312,7 +312,7 @@ def targets(figures: dict[str, Any]) -> list[tuple[bool, str]]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench.warm_start", description=__doc__)
+    p = argparse.ArgumentParser(prog="spillgate bench warm-start", description=__doc__)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     add_backend_args(p)
     p.add_argument("--burst", type=int, default=48)

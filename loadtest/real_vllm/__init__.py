@@ -2,7 +2,7 @@
 
 `setup.sh` builds its virtualenv (minutes, once); `serve.sh` starts the server and prints
 its PID once `/v1/models` answers. Used by `make test-vllm` and
-`python -m loadtest.bench.admission --real-vllm`; never by `make test`.
+`spillgate bench admission --real-vllm`; never by `make test`.
 """
 
 from __future__ import annotations

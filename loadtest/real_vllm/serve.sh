@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Starts a REAL vLLM OpenAI-compatible server (the CPU build) serving a tiny, randomly
 # initialised Llama named "tiny", on 127.0.0.1 only. For checking the gateway's assumptions
-# about vLLM (`make test-vllm`, `python -m loadtest.bench.admission --real-vllm`).
+# about vLLM (`make test-vllm`, `spillgate bench admission --real-vllm`).
 #
 #   serve.sh [PORT] [extra vllm args...]   start (default port 8101); idempotent: when our
 #                                          server on PORT is up, just print its PID.

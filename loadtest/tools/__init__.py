@@ -1,7 +1,7 @@
 """Other people's load-testing tools, guidellm and inference-perf, run against Spillgate.
 
 `setup.sh` installs each into a virtualenv of its own (never Spillgate's); `configs/` holds
-their workloads; `python -m loadtest.tools.run demo|vllm|prefix` runs them direct and
+their workloads; `spillgate bench tools demo|vllm|prefix` runs them direct and
 through the gateway and prints one table per run from the tools' own result files
 (`results.py`). Results go in BENCHMARKS.md ("Measured with guidellm and inference-perf").
 """

@@ -1,10 +1,10 @@
 """Runs guidellm and inference-perf direct and through Spillgate; one table per run.
 
     loadtest/tools/setup.sh                      # once: both tools, each in its own venv
-    python -m loadtest.tools.run demo            # `spillgate demo`: a backend vs the gateway
-    python -m loadtest.tools.run vllm            # a real vLLM (loadtest/real_vllm) vs the
+    spillgate bench tools demo                   # `spillgate demo`: a backend vs the gateway
+    spillgate bench tools vllm                   # a real vLLM (loadtest/real_vllm) vs the
                                                  # gateway in front of it
-    python -m loadtest.tools.run prefix          # their shared-prefix workloads through the
+    spillgate bench tools prefix                 # their shared-prefix workloads through the
                                                  # gateway on 4 simulated backends:
                                                  # routing least_filled vs prefix
 
@@ -243,7 +243,7 @@ RUNS = {"demo": run_demo, "vllm": run_vllm, "prefix": run_prefix}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loadtest.tools.run", description=__doc__)
+    p = argparse.ArgumentParser(prog="spillgate bench tools", description=__doc__)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("run", choices=sorted(RUNS))
     p.add_argument("--tools", default=",".join(TOOLS), help="comma-separated (default: both)")
