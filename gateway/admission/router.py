@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Collection, Sequence
 
@@ -14,6 +13,7 @@ from gateway.admission.forecast import (
     seconds_until_fits,
 )
 from gateway.admission.ledger import Ledger, Reservation
+from gateway.admission.prefix_route import GroupLoads, Ranked, by_prefix, group_of
 from gateway.clock import Clock
 from gateway.upstream.target import Target
 
@@ -21,10 +21,6 @@ ReleaseListener = Callable[[str], None]
 WaitingTokens = Callable[[], list[int]]  # the KV tokens of each request queued in a pool
 FORECAST_REUSE_S = 0.1  # Retry-After counts whole seconds: a burst of refusals shares one
 ROOM_REUSE_S = 1.0  # how long a pool's room (Router.room) is reused
-# prefix routing's herding guard (Router._by_prefix): a backend may be this many times the
-# pool's mean fill, or this much above it, before a prefix it holds goes elsewhere
-PREFIX_SKEW = 1.25
-PREFIX_SLACK = 0.1
 
 
 def kv_tokens(tokens: int, *, sequences: int = 1, block_size: int = 1) -> int:
@@ -50,6 +46,7 @@ class Router:
         self._waiting: dict[str, WaitingTokens] = {}
         self._targets: dict[str, Target] = {}
         self._rooms: dict[str, tuple[float, int]] = {}  # pool → (worked out at, room)
+        self._groups = GroupLoads()  # what each prefix holds where: prefix routing's guard
         # told of prompt blocks the prefix index learned by routing (shared mode: the
         # replicas' PrefixFeed), as (pool, backend, keys)
         self.on_prefix_routed: Callable[[str, str, Sequence[bytes]], None] | None = None
@@ -153,15 +150,13 @@ class Router:
         """The pool's usable backends (healthy, with known capacity), least filled first."""
         return [backend for *_, backend, _, _ in self._ranked(pool, exclude)]
 
-    def _ranked(
-        self, pool: str, exclude: Collection[str]
-    ) -> list[tuple[float, int, Backend, int, int]]:
+    def _ranked(self, pool: str, exclude: Collection[str]) -> Ranked:
         """(fill, index, backend, limit, capacity) of each usable backend, least filled
         first; each capacity worked out once."""
         p = self.pools[pool]
         now = self.clock.monotonic()
         stale = p.settings.metrics_stale_s
-        ranked: list[tuple[float, int, Backend, int, int]] = []
+        ranked: Ranked = []
         for i, b in enumerate(p.backends):
             if b.name in exclude or not b.healthy(now):
                 continue
@@ -223,47 +218,16 @@ class Router:
     def _by_prefix(
         self,
         pool: str,
-        ranked: list[tuple[float, int, Backend, int, int]],
+        ranked: Ranked,
         tokens: int,
         prefix: Sequence[bytes],
         session: str | None,
     ) -> None:
-        """Move to the front of `ranked` the backend that holds the request's session, else
-        the one likeliest to hold most of its prefix (ties: the least filled). A prefix no
-        backend holds goes to the less filled of its two homes: the backends its first
-        block's key ranks highest (rendezvous hashing), so replicas that keep their own
-        indexes send a new prefix, and so its later requests, to the same two backends at
-        most, while load still picks between them.
-
-        The guard against herding: a backend is passed over when taking the request would
-        leave it more than PREFIX_SKEW times the pool's mean fill and more than
-        PREFIX_SLACK above it. A hot prefix then goes to the next best backend, which
-        caches it too, and its requests spread over the backends that hold it.
-        """
-        index = self.pools[pool].prefixes
-        held = sum(fill * capacity for fill, *_, capacity in ranked)
-        mean = (held + tokens) / sum(capacity for *_, capacity in ranked)
-        bound = max(mean * PREFIX_SKEW, mean + PREFIX_SLACK)
-        home = index.session_backend(session)
-        best, most = 0, 0
-        eligible = []
-        for i, (fill, _, backend, _, capacity) in enumerate(ranked):
-            if fill + tokens / capacity > bound:
-                continue
-            eligible.append(i)
-            matched = (
-                len(prefix) + 1 if backend.name == home else index.matched(backend.name, prefix)
-            )
-            if matched > most:
-                best, most = i, matched
-        if not most and prefix and eligible:
-            # its two homes, first first: the less filled, the first when equally filled
-            homes = sorted(
-                eligible, key=lambda i: _weight(prefix[0], ranked[i][2].name), reverse=True
-            )[:2]
-            best = min(homes, key=lambda i: ranked[i][0])
-        if best:
-            ranked.insert(0, ranked.pop(best))
+        """Put first the backend likeliest to hold the prompt that neither herding guard
+        passes over (gateway/admission/prefix_route.py)."""
+        p = self.pools[pool]
+        by_prefix(ranked, tokens=tokens, prefix=prefix, session=session, index=p.prefixes,
+                  loads=self._groups, target_fill=p.settings.target_fill)  # fmt: skip
 
     def _hold(
         self,
@@ -273,7 +237,9 @@ class Router:
     ) -> Reservation:
         pool = self._backends[reservation.backend].pool
         self._held[pool][reservation.lease] = (self.clock.monotonic(), reservation)
-        if prefix or session:
+        group = group_of(prefix, session)
+        if group is not None:
+            self._groups.add(reservation.lease, reservation.backend, group, reservation.tokens)
             backend = self._backends[reservation.backend]
             fresh = self.pools[pool].prefixes.routed(
                 backend.name,
@@ -384,6 +350,7 @@ class Router:
     async def release(self, reservation: Reservation) -> None:
         pool = self._backends[reservation.backend].pool
         entry = self._held[pool].pop(reservation.lease, None)  # gone even if the release fails
+        self._groups.remove(reservation.lease)
         await self.ledger.release(reservation)
         if entry is not None:
             self._holds[pool].observe(self.clock.monotonic() - entry[0])
@@ -404,11 +371,6 @@ class Router:
         pool = self._backends[backend].pool
         for listener in self._listeners:
             listener(pool)
-
-
-def _weight(key: bytes, backend: str) -> bytes:
-    """A backend's rendezvous weight for a prefix's first block: the same on every replica."""
-    return hashlib.blake2b(key + backend.encode(), digest_size=8).digest()
 
 
 def _limit(capacity: int, target_fill: float) -> int:

@@ -1,0 +1,115 @@
+"""Prefix routing's pick: the backend likeliest to hold a request's prompt, weighed against
+load (Router.reserve with `routing: prefix`; the index is gateway/admission/prefix_index.py).
+
+Two guards keep a prefix from herding load onto one backend, each passing over a backend
+that taking the request would leave more than PREFIX_SKEW times a mean and more than
+PREFIX_SLACK of its cache above it:
+
+- the prefix's own guard compares the tokens this prefix (its prompt's first block, else
+  its session) has in flight on the backend with the backend's share of all the prefix has
+  in flight in the pool: a hot prefix spreads over the backends, each taking about its share;
+- the pool's guard compares the backend's fill with the pool's mean fill, but only once
+  that fill is past PREFIX_FLOOR of the target fill. Below it, a backend that holds the
+  prompt takes it whatever the others hold: a request's cached prefill saves more than an
+  even spread of a lightly filled pool gains, and a tenant's prompt placed on two backends
+  is one more prefill of it on each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from gateway.admission.backends import Backend
+from gateway.admission.prefix_index import PrefixIndex
+
+PREFIX_SKEW = 1.25
+PREFIX_SLACK = 0.1
+PREFIX_FLOOR = 0.5
+Ranked = list[tuple[float, int, Backend, int, int]]  # (fill, index, backend, limit, capacity)
+Group = bytes | str  # a prompt's first block key, else its session
+
+
+def group_of(prefix: Sequence[bytes], session: str | None) -> Group | None:
+    """What the prefix guard counts a request under."""
+    return prefix[0] if prefix else session
+
+
+class GroupLoads:
+    """Tokens each prefix group holds in flight on each backend, as this process reserved
+    them (in shared mode, each replica counts its own)."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[str, dict[Group, int]] = {}  # backend → group → tokens
+        self._leases: dict[str, tuple[str, Group, int]] = {}  # lease → (backend, group, tokens)
+
+    def held(self, backend: str, group: Group) -> int:
+        return self._tokens.get(backend, {}).get(group, 0)
+
+    def add(self, lease: str, backend: str, group: Group, tokens: int) -> None:
+        groups = self._tokens.setdefault(backend, {})
+        groups[group] = groups.get(group, 0) + tokens
+        self._leases[lease] = (backend, group, tokens)
+
+    def remove(self, lease: str) -> None:
+        entry = self._leases.pop(lease, None)
+        if entry is None:
+            return
+        backend, group, tokens = entry
+        groups = self._tokens[backend]
+        left = groups[group] - tokens
+        if left > 0:
+            groups[group] = left
+        else:
+            del groups[group]
+
+
+def by_prefix(
+    ranked: Ranked,
+    *,
+    tokens: int,
+    prefix: Sequence[bytes],
+    session: str | None,
+    index: PrefixIndex,
+    loads: GroupLoads,
+    target_fill: float,
+) -> None:
+    """Move to the front of `ranked` the backend that holds the request's session, else the
+    one likeliest to hold most of its prefix (ties: the least filled), among those neither
+    guard passes over. A prefix no backend holds goes to the less filled of its two homes:
+    the backends its first block's key ranks highest (rendezvous hashing), so replicas that
+    keep their own indexes send a new prefix, and so its later requests, to the same two
+    backends at most, while load still picks between them."""
+    capacity = sum(c for *_, c in ranked)
+    mean = (sum(fill * c for fill, *_, c in ranked) + tokens) / capacity
+    group = group_of(prefix, session)
+    mine = [0 if group is None else loads.held(b.name, group) for _, _, b, _, _ in ranked]
+    share = (sum(mine) + tokens) / capacity  # the group's mean fill, taking the request
+    floor = PREFIX_FLOOR * target_fill
+    home = index.session_backend(session)
+    best, most = 0, 0
+    eligible = []
+    for i, (fill, _, backend, _, size) in enumerate(ranked):
+        after = fill + tokens / size
+        if _over((mine[i] + tokens) / size, share) or (after > floor and _over(after, mean)):
+            continue
+        eligible.append(i)
+        matched = len(prefix) + 1 if backend.name == home else index.matched(backend.name, prefix)
+        if matched > most:
+            best, most = i, matched
+    if not most and prefix and eligible:
+        # its two homes, first first: the less filled, the first when equally filled
+        ranks = sorted(eligible, key=lambda i: _weight(prefix[0], ranked[i][2].name))
+        homes = ranks[::-1][:2]
+        best = min(homes, key=lambda i: ranked[i][0])
+    if best:
+        ranked.insert(0, ranked.pop(best))
+
+
+def _over(fill: float, mean: float) -> bool:
+    return fill > max(mean * PREFIX_SKEW, mean + PREFIX_SLACK)
+
+
+def _weight(key: bytes, backend: str) -> bytes:
+    """A backend's rendezvous weight for a prefix's first block: the same on every replica."""
+    return hashlib.blake2b(key + backend.encode(), digest_size=8).digest()
