@@ -34,13 +34,11 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -51,10 +49,11 @@ from loadtest.bench import admission_fleet as fleet
 from loadtest.bench.admission_fleet import ADMIN_TOKEN
 from loadtest.bench.admission_report import report, targets
 from loadtest.bench.admission_watch import Watch, summarize
+from loadtest.bench.machine import logs_dir, progress
 from loadtest.loadgen.run import RunTarget, run_schedule
 from loadtest.loadgen.scrape import Scraper
 from loadtest.loadgen.workload import LengthDist, PlannedRequest, TenantKey, Workload, plan_requests
-from loadtest.real_vllm import RealVllm, install, reset_prefix_cache
+from loadtest.real_vllm import reset_prefix_cache
 
 IDLE_TIMEOUT_S = 180.0
 SETTLE_TIMEOUT_S = 180.0
@@ -222,10 +221,6 @@ class Bench:
         return out
 
 
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 async def run_bench(bench: Bench, plan: BenchPlan) -> dict[str, Any]:
     out: dict[str, Any] = {"bursts": {}, "spike": {"runs": {arm: [] for arm in ARMS}}}
     if plan.warmup:
@@ -263,66 +258,9 @@ def medians(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def backend_core() -> int | None:
-    """The core the backend runs on alone, the bench on the others (`off_core`); None where
-    that cannot be arranged: a single core, or no `taskset` (not Linux)."""
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
-    if len(allowed) < 2 or not shutil.which("taskset"):
-        return None
-    return min(allowed)
-
-
-@contextlib.contextmanager
-def off_core(core: int | None) -> Iterator[None]:
-    """Run this thread, and every process it starts meanwhile (the gateways, the provider
-    simulator), on every core but `core`; as before, after. None: as it is.
-
-    The backend runs on `core` alone (RealVllm.confined, SimOptions.core). Sharing cores
-    with the real vLLM, a gateway or the load generator took turns with its engine, which
-    polls its worker flat out while it generates, and whole runs of every arm, direct
-    included, stalled for seconds. A deployment runs the gateway on other machines than the
-    GPUs; this is the nearest a 2-core machine gets.
-    """
-    before = os.sched_getaffinity(0) if core is not None else set()
-    if not before - {core}:
-        yield
-        return
-    os.sched_setaffinity(0, before - {core})
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
-@contextlib.contextmanager
-def backend(args: argparse.Namespace, workdir: Path) -> Iterator[fleet.Backend]:
-    core = backend_core()
-    if args.real_vllm:
-        install()
-        server = RealVllm(
-            port=args.port,
-            kv_tokens=args.kv_tokens,
-            max_model_len=args.max_model_len,
-            cores=None if core is None else str(core),
-            confined=core is not None,
-        )
-        with fleet.real_vllm(server) as found, off_core(core):
-            yield found
-    else:
-        options = fleet.SimOptions(
-            kv_tokens=args.kv_tokens,
-            block_size=args.sim_block_size,
-            max_model_len=args.max_model_len,
-            speed=args.sim_speed,
-            core=core,
-        )
-        with fleet.simulator(options, workdir=workdir) as found, off_core(core):
-            yield found
-
-
 async def _main(args: argparse.Namespace, plan: BenchPlan, workdir: Path) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
-        found = stack.enter_context(backend(args, workdir))
+        found = stack.enter_context(fleet.backend(args, workdir))
         provider_url = stack.enter_context(fleet.provider(workdir=workdir))
         gateways = {
             arm: stack.enter_context(
@@ -354,20 +292,10 @@ async def _main(args: argparse.Namespace, plan: BenchPlan, workdir: Path) -> dic
     }
 
 
-def add_backend_args(p: argparse.ArgumentParser) -> None:
-    """The options `backend` reads: which backend, and its size."""
-    p.add_argument("--real-vllm", action="store_true", help="a real vLLM instead of the simulator")
-    p.add_argument("--port", type=int, default=8101, help="the real vLLM's port")
-    p.add_argument("--kv-tokens", type=int, default=16_384, help="the backend's KV cache")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--sim-speed", type=float, default=1.0, help="the simulator's speed-up")
-    p.add_argument("--sim-block-size", type=int, default=16)
-
-
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, BenchPlan]:
     p = argparse.ArgumentParser(prog="spillgate bench admission", description=__doc__)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    add_backend_args(p)
+    fleet.add_backend_args(p)
     p.add_argument("--bursts", default="24,48")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--spike-factor", type=int, default=5)
@@ -397,18 +325,6 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, BenchPla
         seed=args.seed,
     )
     return args, plan
-
-
-@contextlib.contextmanager
-def logs_dir(kept: Path | None, *, prefix: str) -> Iterator[Path]:
-    """Where the bench's processes write their output: `kept` (`--logs`), else a
-    temporary folder removed after."""
-    if kept is not None:
-        kept.mkdir(parents=True, exist_ok=True)
-        yield kept
-        return
-    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        yield Path(tmp)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,6 +8,7 @@ spike's spill is counted apart from the bursts' refusals.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import subprocess
@@ -24,11 +25,12 @@ import orjson
 import yaml
 
 from gateway.config import hash_key
+from loadtest.bench.machine import backend_core, off_core
 from loadtest.bench.overhead import serve_command
 from loadtest.loadgen.client import RequestShape
 from loadtest.loadgen.workload import PlannedRequest
 from loadtest.procs import free_port, wait_for_port
-from loadtest.real_vllm import STOP_TOKEN_IDS, RealVllm, running
+from loadtest.real_vllm import STOP_TOKEN_IDS, RealVllm, install, running
 
 TENANT, KEY = "bench", "sk-bench-admission"
 ADMIN_TOKEN = "bench-admin-token"
@@ -225,3 +227,39 @@ def gateway(
     with process(cmd, port, log=workdir / f"gateway-{arm}.log", env=env) as url:
         wait_ready(url)
         yield url
+
+
+@contextlib.contextmanager
+def backend(args: argparse.Namespace, workdir: Path) -> Iterator[Backend]:
+    core = backend_core()
+    if args.real_vllm:
+        install()
+        server = RealVllm(
+            port=args.port,
+            kv_tokens=args.kv_tokens,
+            max_model_len=args.max_model_len,
+            cores=None if core is None else str(core),
+            confined=core is not None,
+        )
+        with real_vllm(server) as found, off_core(core):
+            yield found
+    else:
+        options = SimOptions(
+            kv_tokens=args.kv_tokens,
+            block_size=args.sim_block_size,
+            max_model_len=args.max_model_len,
+            speed=args.sim_speed,
+            core=core,
+        )
+        with simulator(options, workdir=workdir) as found, off_core(core):
+            yield found
+
+
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    """The options `backend` reads: which backend, and its size."""
+    p.add_argument("--real-vllm", action="store_true", help="a real vLLM instead of the simulator")
+    p.add_argument("--port", type=int, default=8101, help="the real vLLM's port")
+    p.add_argument("--kv-tokens", type=int, default=16_384, help="the backend's KV cache")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--sim-speed", type=float, default=1.0, help="the simulator's speed-up")
+    p.add_argument("--sim-block-size", type=int, default=16)

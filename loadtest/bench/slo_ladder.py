@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench.admission import logs_dir
+from loadtest.bench.machine import logs_dir
 from loadtest.procs import free_port, serving_process
 
 FIXED, LADDER = "fixed chain", "slo ladder"

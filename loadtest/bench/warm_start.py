@@ -40,15 +40,9 @@ from typing import Any
 import httpx
 
 from loadtest.bench import admission_fleet as fleet
-from loadtest.bench.admission import (
-    Bench,
-    add_backend_args,
-    backend,
-    logs_dir,
-    medians,
-    progress,
-)
+from loadtest.bench.admission import Bench, medians
 from loadtest.bench.admission_watch import Watch, summarize
+from loadtest.bench.machine import logs_dir, progress
 from loadtest.loadgen.run import run_schedule
 from loadtest.loadgen.workload import LengthDist, PlannedRequest, TenantKey, Workload, plan_requests
 from loadtest.procs import RedisProcess
@@ -121,7 +115,7 @@ class Run:
         self.args = args
         self.stack = stack
         self.workdir = workdir
-        self.backend = stack.enter_context(backend(args, workdir))
+        self.backend = stack.enter_context(fleet.backend(args, workdir))
         self.provider = stack.enter_context(fleet.provider(workdir=workdir))
         self.redis = stack.enter_context(RedisProcess())
         self.config = fleet.gateway_config(
@@ -314,7 +308,7 @@ def targets(figures: dict[str, Any]) -> list[tuple[bool, str]]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="spillgate bench warm-start", description=__doc__)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    add_backend_args(p)
+    fleet.add_backend_args(p)
     p.add_argument("--burst", type=int, default=48)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--warmup", type=int, default=72, help="answers the warm gateway has seen")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from loadtest.bench.admission import backend_core, off_core
+from loadtest.bench.machine import backend_core, off_core
 
 
 def test_the_bench_keeps_off_the_backends_core_and_then_returns_to_all() -> None:
