@@ -1,4 +1,4 @@
-"""`python -m loadtest.bench.admission` end to end on the simulator, in tiny sizes: the
+"""`spillgate bench admission` end to end on the simulator, in tiny sizes: the
 plumbing (processes, arms, sampling, medians, targets, JSON), not a measurement."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench.admission import main
+from gateway.cli import main
 from loadtest.bench.admission_watch import streaming_at_once
 from loadtest.loadgen.client import Result
 
@@ -24,7 +24,7 @@ def test_the_bench_runs_every_arm_on_the_same_requests(
         "--warmup-rate", "100", "--spike-window", "0.2", "--max-tokens", "40",
         "--sim-speed", "50", "--json", str(out),
     ]  # fmt: skip
-    assert main(args) == 0
+    assert main(["bench", "admission", *args]) == 0
     figures = json.loads(out.read_text())
     assert figures["backend"] == "simulator"
     assert figures["capacity_tokens"] == 16_384 - 16  # one block held back

@@ -1,4 +1,4 @@
-"""`python -m loadtest.bench.builds`: two builds side by side, each round beside the raw relay."""
+"""`spillgate bench builds`: two builds side by side, each round beside the raw relay."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`python -m loadtest.bench.instructions`: its plumbing, in seconds. A count of the gateway's
+"""`spillgate bench instructions`: its plumbing, in seconds. A count of the gateway's
 own instructions takes minutes under callgrind (imports alone run 2.5 billion); that is the
 benchmark's to run, not the test suite's."""
 

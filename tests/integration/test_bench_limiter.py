@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_every_limiter_admits_every_decision_and_reports_its_figures() -> None:
     out = subprocess.run(
         [
-            sys.executable, "-m", "loadtest.bench.limiter", "--decisions", "300",
+            sys.executable, "-m", "gateway.cli", "bench", "limiter", "--decisions", "300",
             "--concurrency", "1,8", "--tenants", "5", "--json",
         ],
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=True,

@@ -1,4 +1,4 @@
-"""`python -m loadtest.bench.ops`: the bytecode each arm runs per request, against the real
+"""`spillgate bench ops`: the bytecode each arm runs per request, against the real
 zero-delay backend."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`python -m loadtest.bench.prefix` end to end in tiny sizes: the plumbing (backends per
+"""`spillgate bench prefix` end to end in tiny sizes: the plumbing (backends per
 arm, gateways, sampling, counters, targets, JSON), not a measurement."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench.prefix import ARMS, Plan, main, workload
+from gateway.cli import main
+from loadtest.bench.prefix import ARMS, Plan, workload
 
 
 def test_every_chat_turn_resends_the_chat_so_far_in_order() -> None:
@@ -31,7 +32,7 @@ def test_the_bench_runs_every_arm_on_fresh_backends(
         "--backends", "2", "--tenants", "2", "--chats", "1", "--turns", "2",
         "--system-tokens", "256", "--rate", "20", "--kv-tokens", "8192", "--json", str(out),
     ]  # fmt: skip
-    assert main(args) == 0
+    assert main(["bench", "prefix", *args]) == 0
     figures = json.loads(out.read_text())
     assert list(figures["arms"]) == list(ARMS)
     for arm in figures["arms"].values():

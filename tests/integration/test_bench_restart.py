@@ -1,4 +1,4 @@
-"""`python -m loadtest.bench.restart` on the simulators, in tiny sizes: the plumbing
+"""`spillgate bench restart` on the simulators, in tiny sizes: the plumbing
 (two backends, a gateway, clients, a restart, the count of what the clients saw, the
 report and its JSON), not a measurement; and the judging of each answer, one fault at a
 time."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench.restart import main
+from gateway.cli import main
 from loadtest.bench.restart_answers import KINDS, Fault, Seen, Tally, ask
 from loadtest.sim.tokens import FillerText
 
@@ -23,7 +23,7 @@ def test_the_bench_counts_what_its_clients_saw_across_a_restart(
     out = tmp_path / "restart.json"
     args = ["--duration", "5", "--warmup", "1.5", "--restarts", "1", "--clients", "4",
             "--max-tokens", "30", "--json", str(out)]  # fmt: skip
-    code = main(args)
+    code = main(["bench", "restart", *args])
     figures = json.loads(out.read_text())
     assert code == (1 if figures["failed"] else 0)  # fails loudly, unless told not to
     assert figures["arm"] == "simulator"

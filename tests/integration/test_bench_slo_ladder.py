@@ -1,4 +1,4 @@
-"""`python -m loadtest.bench.slo_ladder` end to end on the demo, in tiny sizes: the plumbing
+"""`spillgate bench slo-ladder` end to end on the demo, in tiny sizes: the plumbing
 (a fresh demo per arm, the header on one arm only, the load generator's summaries, the
 medians), not a measurement."""
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench.slo_ladder import ARMS, LADDER, main
+from gateway.cli import main
+from loadtest.bench.slo_ladder import ARMS, LADDER
 
 
 def test_the_bench_runs_both_arms_on_the_same_spike(
@@ -19,7 +20,7 @@ def test_the_bench_runs_both_arms_on_the_same_spike(
     args = ["--rounds", "1", "--rate", "2", "--spike-factor", "3", "--spike-start", "0.5",
             "--spike-duration", "1", "--duration", "2", "--output-tokens", "uniform:8:16",
             "--sim-speed", "5", "--logs", str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip
-    assert main(args) == 0
+    assert main(["bench", "slo-ladder", *args]) == 0
     result = json.loads(out.read_text())
     assert list(result["runs"]) == list(ARMS)
     sent = {arm: [r["requests"] for r in result["runs"][arm]] for arm in ARMS}

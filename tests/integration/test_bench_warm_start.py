@@ -1,4 +1,4 @@
-"""`python -m loadtest.bench.warm_start` end to end on the simulator, in tiny sizes: the
+"""`spillgate bench warm-start` end to end on the simulator, in tiny sizes: the
 plumbing (processes, arms, the lengths each gateway reserves by, medians, targets, JSON),
 not a measurement."""
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench.warm_start import ARMS, main
+from gateway.cli import main
+from loadtest.bench.warm_start import ARMS
 
 
 def test_the_bench_runs_every_arm_on_the_same_requests(
@@ -21,7 +22,9 @@ def test_the_bench_runs_every_arm_on_the_same_requests(
         "--trickle-rate", "5", "--trickle-s", "1", "--max-tokens", "40", "--sim-speed", "50",
         "--json", str(out),
     ]  # fmt: skip
-    main(args)  # exits 1 when a target is missed: at these sizes that says nothing
+    main(
+        ["bench", "warm-start", *args]
+    )  # exits 1 when a target is missed: at these sizes that says nothing
     figures = json.loads(out.read_text())
     assert figures["backend"] == "simulator"
     assert figures["warmup"] == {"warm": {"local": 50}, "first": {"local": 50}}

@@ -1,4 +1,4 @@
-"""The plumbing of `python -m loadtest.tools.run`, without the tools: their configs as the
+"""The plumbing of `spillgate bench tools`, without the tools: their configs as the
 runner fills them, and their result files (captured from real runs) as it reads them."""
 
 from __future__ import annotations
