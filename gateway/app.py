@@ -23,10 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.admission.backend_load import LoadWatcher
 from gateway.admission.backends import FleetWatcher, Pool, build_pools
 from gateway.admission.ledger import LocalLedger
-from gateway.admission.ledger_feed import ReleaseFeed
 from gateway.admission.ledger_redis import RedisLedger
-from gateway.admission.length_feed import LengthFeed
-from gateway.admission.prefix_feed import PrefixFeed
 from gateway.admission.router import Router
 from gateway.batch.api import BatchEndpoints
 from gateway.batch.runner import BatchRunner
@@ -48,8 +45,12 @@ from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, R
 from gateway.ratelimit.budget import provider_budgets
 from gateway.request import Endpoint
 from gateway.shared.batch import RedisBatcher
+from gateway.shared.ledger_feed import ReleaseFeed
+from gateway.shared.length_feed import LengthFeed
+from gateway.shared.prefix_feed import PrefixFeed
 from gateway.shared.service_feed import ServiceFeed
 from gateway.slo import Latencies
+from gateway.tasks import start_all
 from gateway.tracing import build_tracing
 from gateway.upstream.forward import Forwarder
 from gateway.upstream.pool import UpstreamPool
@@ -352,13 +353,7 @@ def create_app(
                 shared_limiter.start()  # stopped by its close, above
             if provider_slots is not None:
                 await provider_slots.start()
-            if lengths is not None:
-                await lengths.start()
-                stack.push_async_callback(lengths.stop)
-            for background in (feed, prefix_feed, service_feed):
-                if background is not None:
-                    background.start()
-                    stack.push_async_callback(background.stop)
+            await start_all(stack, lengths, feed, prefix_feed, service_feed)
             stack.push_async_callback(store.close)
             runner.start()
             stack.push_async_callback(runner.stop)

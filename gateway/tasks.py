@@ -1,12 +1,35 @@
-"""Stopping the gateway's background loops."""
+"""The gateway's background loops: one way to run them, one way to start and stop them.
+
+Every part with work in the background (a feed, a watcher, a refresh) is a `Background`:
+`await start()` does whatever must be done before the first request (a first read of
+Redis, a first probe of the backends) and starts its loops; `await stop()` stops them,
+a bounded time. The app's lifespan starts them in order and stops them in reverse
+(`start_all`). Their loops are `Periodic`.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 log = logging.getLogger("spillgate")
+
+
+class Background(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+async def start_all(stack: contextlib.AsyncExitStack, *parts: Background | None) -> None:
+    """Start each part in turn, its `stop` pushed on `stack`: the last started stops first."""
+    for part in parts:
+        if part is not None:
+            await part.start()
+            stack.push_async_callback(part.stop)
 
 
 async def stop_task(task: asyncio.Task[None], *, within_s: float = 2.0) -> None:
@@ -25,16 +48,29 @@ async def stop_task(task: asyncio.Task[None], *, within_s: float = 2.0) -> None:
 
 
 class Periodic:
-    """`run_pass` every `every_s` seconds in the background, until `stop`."""
+    """`run_pass` every `every_s` seconds in the background, until `stop`: at once on
+    `start`, or one `every_s` later with `wait_first`. A pass that fails is logged (once
+    while it keeps failing) and the next one runs on time."""
 
     def __init__(
-        self, run_pass: Callable[[], Awaitable[None]], *, every_s: float, name: str
+        self,
+        run_pass: Callable[[], Awaitable[None]],
+        *,
+        every_s: float,
+        name: str,
+        wait_first: bool = False,
     ) -> None:
         self._run_pass = run_pass
         self._every_s = every_s
         self._name = name
+        self._wait_first = wait_first
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def stopping(self) -> bool:
+        """Whether `stop` was called: a long pass checks it to end early."""
+        return self._stopping.is_set()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name=self._name)
@@ -43,12 +79,15 @@ class Periodic:
         self._stopping.set()
         if self._task is not None:
             await stop_task(self._task, within_s=within_s)
+            self._task = None
 
     def done(self) -> bool:
-        return self._task is not None and self._task.done()
+        return self._task is None or self._task.done()
 
     async def _loop(self) -> None:
         failing = False  # a pass that keeps failing (Redis down) is logged once, not per pass
+        if self._wait_first:
+            await asyncio.sleep(self._every_s)
         while not self._stopping.is_set():
             try:
                 await self._run_pass()

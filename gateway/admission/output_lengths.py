@@ -5,7 +5,7 @@ answers end at an end-of-sequence token long before it. The figure comes from th
 lengths the pool's answers had: the tenant's own once it has `min_samples` of them, the
 pool's once the pool has. Before that, a gateway borrows the lengths others saw (its
 `LengthSource`): with Redis, the pool's answers as every replica saw them
-(gateway/admission/length_feed.py); else the backends' own histograms of the answers they
+(gateway/shared/length_feed.py); else the backends' own histograms of the answers they
 generated (gateway/admission/discovery.py), read as the fleet is probed; the configured
 prior only when neither has `min_samples`. So a replica started in a spike admits from its
 first request as a warm one does. A stream whose answer outgrows it grows its reservation

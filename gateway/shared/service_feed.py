@@ -21,7 +21,6 @@ elsewhere: the local order, never a failed request.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import secrets
@@ -32,7 +31,7 @@ import orjson
 from gateway.config import PRIORITIES
 from gateway.overflow import Rival, SharedQueue
 from gateway.shared.batch import BatchScript, RedisBatcher
-from gateway.tasks import Periodic
+from gateway.shared.feed import PoolPasses
 
 log = logging.getLogger("spillgate.queue")
 
@@ -41,7 +40,7 @@ WAITING_PREFIX = "spillgate:waiting:"
 WAITING_TTL_S = 60  # the waiting hash of a pool no replica queues for goes
 # ARGV: half-life, the service hash's TTL, replica id, freshness (s), this replica's
 # waiters (JSON, "" for none), then tenant, delta pairs
-EXCHANGE = BatchScript(
+FEED_PASS = BatchScript(
     """
 local h = tonumber(ARGV[1])
 local t = redis.call('TIME')
@@ -104,8 +103,9 @@ def waiting_key(pool: str) -> str:
     return f"{WAITING_PREFIX}{{{pool}}}"
 
 
-class ServiceFeed:
-    """The queues' side of Redis (QueueFeed, gateway/overflow.py): one pass every `every_s`."""
+class ServiceFeed(PoolPasses[SharedQueue]):
+    """The queues' side of Redis (QueueFeed, gateway/overflow.py): a feed pass every
+    `every_s`."""
 
     def __init__(
         self,
@@ -122,22 +122,12 @@ class ServiceFeed:
         self.fresh_s = 3 * every_s
         self.replica_id = replica_id or secrets.token_hex(6)
         self._queues: dict[str, SharedQueue] = {}
-        self._periodic = Periodic(self.exchange, every_s=every_s, name="service-feed")
+        super().__init__(self._pass_pool, self._queues, every_s=every_s, name="service-feed")
 
     def register(self, pool: str, queue: SharedQueue) -> None:
         self._queues[pool] = queue
 
-    async def exchange(self) -> None:
-        """One pass over every pool at once; raises the first pool's failure."""
-        results = await asyncio.gather(
-            *(self._exchange(pool, queue) for pool, queue in self._queues.items()),
-            return_exceptions=True,
-        )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-
-    async def _exchange(self, pool: str, queue: SharedQueue) -> None:
+    async def _pass_pool(self, pool: str, queue: SharedQueue) -> None:
         service = queue.service
         deltas = service.take_unshared()
         heads = queue.waiting_heads()
@@ -152,7 +142,7 @@ class ServiceFeed:
             args += [tenant, delta]
         try:
             reply = await self._batch.submit(
-                EXCHANGE, [service_key(pool), waiting_key(pool)], args, budget_s=self._timeout_s
+                FEED_PASS, [service_key(pool), waiting_key(pool)], args, budget_s=self._timeout_s
             )
             fleet, rivals = _parsed(reply, half_life_s=service.half_life_s)
         except BaseException:
@@ -161,12 +151,6 @@ class ServiceFeed:
             raise
         service.replace_base(fleet)
         queue.rivals_seen(rivals)
-
-    def start(self) -> None:
-        self._periodic.start()
-
-    async def stop(self) -> None:
-        await self._periodic.stop()
 
 
 def _text(value: Any) -> str:

@@ -16,12 +16,12 @@ import redis
 import redis.asyncio as aioredis
 
 from gateway.admission.backends import build_pools
-from gateway.admission.ledger_feed import ReleaseFeed
 from gateway.admission.ledger_redis import RedisLedger
 from gateway.admission.router import Router
 from gateway.app import create_app
 from gateway.clock import SystemClock
 from gateway.config import parse_settings
+from gateway.shared.ledger_feed import ReleaseFeed
 from loadtest.procs import RedisProcess
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
@@ -72,7 +72,7 @@ async def replicas(redis_proc: RedisProcess, count: int) -> AsyncIterator[list[R
         replica = Replica(ledger=ledger, router=router, feed=feed)
         router.on_release(_recorder(replica))
         await ledger.start()
-        feed.start()
+        await feed.start()
         made.append(replica)
         clients.append(redis)
     try:

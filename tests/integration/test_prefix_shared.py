@@ -1,5 +1,5 @@
 """Two gateway processes on one Redis share their prefix indexes: a prefix one replica
-routed is known to the other before it routes it once (gateway/admission/prefix_feed.py)."""
+routed is known to the other before it routes it once (gateway/shared/prefix_feed.py)."""
 
 from __future__ import annotations
 

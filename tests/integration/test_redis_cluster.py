@@ -12,13 +12,13 @@ import httpx
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from gateway.admission.ledger_feed import ReleaseFeed
 from gateway.admission.ledger_redis import RedisLedger
 from gateway.app import create_app
 from gateway.clock import SystemClock
 from gateway.config import parse_settings
 from gateway.ratelimit import RedisRateLimiter, TenantLimits
 from gateway.shared.batch import RedisBatcher
+from gateway.shared.ledger_feed import ReleaseFeed
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from policies.cache.store import RedisResponseCache
@@ -65,7 +65,7 @@ def test_limiter_ledger_cache_and_wakeups_run_on_a_cluster(cluster: str) -> None
         feed = ReleaseFeed(clients[1], ledger=there, waker=woken, timeout_s=1.0)
         await here.start()
         await there.start()
-        feed.start()
+        await feed.start()
         for _ in range(50):
             if feed.subscribed:
                 break

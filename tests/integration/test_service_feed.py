@@ -54,16 +54,16 @@ def test_replicas_order_by_the_fleets_service(redis_proc: RedisProcess) -> None:
         (one, q1), (two, q2) = replica(redis, "one"), replica(redis, "two")
         q1.service.charge(request("heavy", 1000, 500))  # 3000 weighted tokens
         q2.service.charge(request("light", 10, 10))  # 50
-        await one.exchange()
-        await two.exchange()
-        await one.exchange()
+        await one.feed_pass()
+        await two.feed_pass()
+        await one.feed_pass()
         for queue in (q1, q2):
             assert queue.service.of("heavy") == pytest.approx(3000, rel=0.01)
             assert queue.service.of("light") == pytest.approx(50, rel=0.01)
         # corrections travel too: the heavy answer ended early
         q2.service.settle(request("heavy", 1000, 500), 1000, 0)
-        await two.exchange()
-        await one.exchange()
+        await two.feed_pass()
+        await one.feed_pass()
         assert q1.service.of("heavy") == pytest.approx(1000, rel=0.01)
         stored = await redis.hgetall(service_key("p"))  # type: ignore[misc]
         assert set(stored) == {b"", b"heavy", b"light"}
@@ -80,25 +80,25 @@ def test_a_replica_sees_the_tenants_waiting_elsewhere_while_they_are_fresh(
         (one, q1), (two, q2) = replica(redis, "one"), replica(redis, "two")
         q1.heads = [("standard", "light", 120, 1), ("critical", 'we"ird\n', 5, 2)]
         q2.heads = [("standard", "heavy", 40, 1)]
-        await one.exchange()
-        await two.exchange()
+        await one.feed_pass()
+        await two.feed_pass()
         assert q2.rivals == [
             Rival("standard", "light", 120, 1),
             Rival("critical", 'we"ird\n', 5, 2),
         ]
-        await one.exchange()
+        await one.feed_pass()
         assert q1.rivals == [Rival("standard", "heavy", 40, 1)]  # never its own
         q1.heads = []  # served: it says so at its next pass
-        await one.exchange()
-        await two.exchange()
+        await one.feed_pass()
+        await two.feed_pass()
         assert q2.rivals == []
         # a replica that stops passing (dead, or cut off from Redis) stops counting
         q1.heads = [("standard", "light", 120, 1)]
-        await one.exchange()
-        await two.exchange()
+        await one.feed_pass()
+        await two.feed_pass()
         assert q2.rivals
         await asyncio.sleep(one.fresh_s + 0.1)
-        await two.exchange()
+        await two.feed_pass()
         assert q2.rivals == []
         await redis.aclose()
 
@@ -111,18 +111,18 @@ def test_without_redis_a_replica_keeps_its_own_figures_and_its_own_order() -> No
             redis = aioredis.Redis.from_url(proc.url, socket_timeout=TIMEOUT_S)
             (one, q1), (two, q2) = replica(redis, "one"), replica(redis, "two")
             q2.heads = [("standard", "light", 1, 1)]
-            await two.exchange()
-            await one.exchange()
+            await two.feed_pass()
+            await one.feed_pass()
             assert q1.rivals
             q1.service.charge(request("heavy", 100, 0))
             proc.stop()
             with pytest.raises((RedisError, OSError, TimeoutError)):
-                await one.exchange()
+                await one.feed_pass()
             assert q1.rivals == []  # unknown now: the local order
             assert q1.service.of("heavy") == pytest.approx(100, rel=0.01)
             q1.service.charge(request("heavy", 100, 0))
             with pytest.raises((RedisError, OSError, TimeoutError)):
-                await one.exchange()
+                await one.feed_pass()
             assert q1.service.of("heavy") == pytest.approx(200, rel=0.01)
             await redis.aclose()
 

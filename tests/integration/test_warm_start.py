@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import redis
 
-from gateway.admission.length_feed import key
 from gateway.app import create_app
 from gateway.config import parse_settings
+from gateway.shared.length_feed import key
 from loadtest.procs import RedisProcess
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig

@@ -12,11 +12,11 @@ from gateway.admission.backends import build_pools
 from gateway.admission.ledger import LocalLedger
 from gateway.admission.ledger_block import Seen
 from gateway.admission.ledger_calls import Sized, parse_reply
-from gateway.admission.ledger_feed import parse_message
 from gateway.admission.ledger_redis import RedisLedger
 from gateway.admission.router import Router
 from gateway.clock import ManualClock
 from gateway.config import ConfigError, hash_key, parse_settings
+from gateway.shared.ledger_feed import parse_message
 from gateway.workers import WorkerSpec, workers_problem
 from loadtest.procs import free_port
 

@@ -12,18 +12,15 @@ instead: a release elsewhere may have gone unheard.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError
 
 from gateway.admission.ledger_block import Seen
 from gateway.admission.ledger_redis import RedisLedger
-from gateway.admission.pubsub import subscription
-from gateway.tasks import stop_task
+from gateway.shared.feed import Subscriber
 
 log = logging.getLogger("spillgate.ledger")
 
@@ -52,7 +49,7 @@ def parse_message(data: Any) -> tuple[str, int, int, str, Seen] | None:
         return None
 
 
-class ReleaseFeed:
+class ReleaseFeed(Subscriber):
     def __init__(
         self,
         redis: aioredis.Redis | RedisCluster,
@@ -63,24 +60,19 @@ class ReleaseFeed:
         poll_s: float = 0.25,
         retry_s: float = 1.0,
     ) -> None:
-        self._redis = redis
         self._ledger = ledger
         self._waker = waker
-        self._timeout_s = timeout_s
-        self._poll_s = poll_s
-        self._retry_s = retry_s
-        self.subscribed = False
-        self._task: asyncio.Task[None] | None = None
-        self._stopping = False
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="ledger-release-feed")
-
-    async def stop(self) -> None:
-        self._stopping = True
-        if self._task is not None:
-            await stop_task(self._task)
-            self._task = None
+        super().__init__(
+            redis,
+            ledger.channel,
+            deliver=self.deliver,
+            timeout_s=timeout_s,
+            name="ledger-release-feed",
+            quiet_s=poll_s,
+            retry_s=retry_s,
+            on_subscribed=waker.wake_all,  # releases while it was not listening went unheard
+            on_quiet=self._quiet,
+        )
 
     def deliver(self, data: Any) -> None:
         """Act on one published release."""
@@ -97,38 +89,8 @@ class ReleaseFeed:
         elif released == expired == 0 and not mine:  # refused elsewhere for want of room
             self._ledger.wanted(backend)
 
-    async def _run(self) -> None:
-        while not self._stopping:
-            try:
-                await self._listen()
-            except (RedisError, OSError, TimeoutError) as exc:
-                log.debug("release feed lost its subscription: %r", exc)
-            except Exception:
-                log.exception("release feed failed")
-            self.subscribed = False
-            await self._poll(self._retry_s)
-
-    async def _listen(self) -> None:
-        channel = self._ledger.channel
-        try:
-            async with subscription(self._redis, channel, timeout_s=self._timeout_s) as pubsub:
-                self.subscribed = True
-                self._waker.wake_all()  # releases while it was not listening went unheard
-                while not self._stopping:
-                    message = await pubsub.get_message(
-                        ignore_subscribe_messages=True, timeout=self._poll_s
-                    )
-                    if message is not None:
-                        self.deliver(message["data"])
-                    elif self._ledger.mode != "shared":
-                        self._waker.wake_all()
-        finally:
-            self.subscribed = False
-
-    async def _poll(self, seconds: float) -> None:
-        """Wake every pool's waiters every `poll_s` for `seconds`."""
-        loop = asyncio.get_running_loop()
-        until = loop.time() + seconds
-        while loop.time() < until and not self._stopping:
+    def _quiet(self, subscribed: bool) -> None:
+        """Nothing heard for `poll_s`: a release may have gone unheard where the ledger is
+        local or the subscription down."""
+        if not subscribed or self._ledger.mode != "shared":
             self._waker.wake_all()
-            await asyncio.sleep(self._poll_s)

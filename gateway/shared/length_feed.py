@@ -13,25 +13,19 @@ borrowed lengths as they were.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Mapping
-
-from redis.exceptions import RedisError
 
 from gateway.admission.backends import Pool
 from gateway.admission.output_lengths import WINDOW, LengthSource
 from gateway.shared.batch import BatchScript, RedisBatcher
-from gateway.tasks import Periodic
-
-log = logging.getLogger("spillgate.lengths")
+from gateway.shared.feed import PoolPasses
 
 KEY_PREFIX = "spillgate:lengths:"
 # a pool no replica has answered for in a day keeps nothing: its model may have changed
 TTL_S = 86_400
 # one call per pool: append this replica's new lengths, keep the last WINDOW, and read them
 # all back when asked (ARGV[3] = 1): a pool with enough answers of its own only shares
-EXCHANGE = BatchScript(
+FEED_PASS = BatchScript(
     """
 if #ARGV > 3 then
   redis.call('RPUSH', KEYS[1], unpack(ARGV, 4))
@@ -51,7 +45,11 @@ def key(pool: str) -> str:
     return f"{KEY_PREFIX}{{{pool}}}"
 
 
-class LengthFeed:
+class LengthFeed(PoolPasses[Pool]):
+    """Shares each learning pool's new answer lengths and, while it lacks answers of its
+    own, borrows the fleet's: a feed pass every `every_s`, the first before the first
+    request."""
+
     def __init__(
         self,
         *,
@@ -61,46 +59,24 @@ class LengthFeed:
         every_s: float = 2.0,
     ) -> None:
         self._batch = batcher
-        self._pools = {name: pool for name, pool in pools.items() if pool.outputs.learns()}
         self._timeout_s = timeout_s
-        self._periodic = Periodic(self.exchange, every_s=every_s, name="length-feed")
+        learns = {name: pool for name, pool in pools.items() if pool.outputs.learns()}
+        super().__init__(self._pass_pool, learns, every_s=every_s, name="length-feed")
 
-    async def exchange(self) -> None:
-        """Share each pool's new answer lengths and borrow the pool's, every pool at once.
-        Raises RedisError (or TimeoutError) when any pool's call failed."""
-        results = await asyncio.gather(
-            *(self._exchange(name, pool) for name, pool in self._pools.items()),
-            return_exceptions=True,
-        )
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-
-    async def _exchange(self, name: str, pool: Pool) -> None:
+    async def _pass_pool(self, name: str, pool: Pool) -> None:
         new = pool.outputs.unshared()
         learning = pool.outputs.learning()
         if not new and not learning:
             return
         # with the other calls of the moment, in one pipeline (gateway/shared/batch.py)
         listed = await self._batch.submit(
-            EXCHANGE,
+            FEED_PASS,
             [key(name)],
             [WINDOW, TTL_S, int(learning), *new],
             budget_s=self._timeout_s,
         )
         if learning:
             pool.outputs.borrow(LengthSource.REPLICAS, _lengths(listed))
-
-    async def start(self) -> None:
-        """Borrow what the replicas saw before the first request, then keep sharing."""
-        try:
-            await self.exchange()
-        except (RedisError, TimeoutError, OSError) as exc:
-            log.warning("could not read the pools' answer lengths from Redis: %r", exc)
-        self._periodic.start()
-
-    async def stop(self) -> None:
-        await self._periodic.stop()
 
 
 def _lengths(raw: list[bytes | str]) -> list[int]:

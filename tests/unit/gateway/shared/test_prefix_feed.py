@@ -1,11 +1,11 @@
-"""What replicas tell each other of their prefix indexes (gateway/admission/prefix_feed.py):
+"""What replicas tell each other of their prefix indexes (gateway/shared/prefix_feed.py):
 only the blocks a route taught the index, in batches that survive the trip and are checked
 on the way in."""
 
 from collections.abc import Sequence
 
-from gateway.admission.prefix_feed import PrefixFeed, decode, encode
 from gateway.admission.prefix_index import CHARS_PER_TOKEN, PrefixIndex, block_keys
+from gateway.shared.prefix_feed import PrefixFeed, decode, encode
 
 BLOCK = 16
 

@@ -22,8 +22,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from gateway.admission.pubsub import subscription
-from gateway.tasks import Periodic, stop_task
+from gateway.shared.feed import Subscriber
+from gateway.tasks import Periodic
 
 log = logging.getLogger("spillgate.prefix")
 
@@ -58,7 +58,7 @@ def decode(data: Any) -> tuple[str, list[tuple[str, str, list[bytes]]]] | None:
         return None
 
 
-class PrefixFeed:
+class PrefixFeed(Subscriber):
     def __init__(
         self,
         redis: aioredis.Redis | RedisCluster,
@@ -70,29 +70,29 @@ class PrefixFeed:
         flush_s: float = 0.05,
         retry_s: float = 1.0,
     ) -> None:
+        super().__init__(
+            redis,
+            channel,
+            deliver=self.deliver,
+            timeout_s=timeout_s,
+            name="prefix-feed",
+            retry_s=retry_s,
+        )
         self._redis = redis
         self._learner = learner
         self.replica_id = replica_id
-        self.channel = channel
         self._timeout_s = timeout_s
-        self._retry_s = retry_s
         self._pending: dict[tuple[str, str], list[bytes]] = {}
         self._pending_keys = 0
         self._flusher = Periodic(self.flush, every_s=flush_s, name="prefix-feed-flush")
-        self._task: asyncio.Task[None] | None = None
-        self._stopping = False
-        self.subscribed = False
 
-    def start(self) -> None:
+    async def start(self) -> None:
         self._flusher.start()
-        self._task = asyncio.create_task(self._run(), name="prefix-feed")
+        await super().start()
 
     async def stop(self) -> None:
-        self._stopping = True
         await self._flusher.stop()
-        if self._task is not None:
-            await stop_task(self._task)
-            self._task = None
+        await super().stop()
 
     def routed(self, pool: str, backend: str, keys: Sequence[bytes]) -> None:
         """This replica sent prompt blocks `keys`, new to its index, to `backend`."""
@@ -123,27 +123,3 @@ class PrefixFeed:
             return
         for pool, backend, keys in groups:
             self._learner.prefix_routed_elsewhere(pool, backend, keys)
-
-    async def _run(self) -> None:
-        while not self._stopping:
-            try:
-                await self._listen()
-            except (RedisError, OSError, TimeoutError) as exc:
-                log.debug("prefix feed lost its subscription: %r", exc)
-            except Exception:
-                log.exception("prefix feed failed")
-            self.subscribed = False
-            if not self._stopping:
-                await asyncio.sleep(self._retry_s)
-
-    async def _listen(self) -> None:
-        channel = self.channel
-        try:
-            async with subscription(self._redis, channel, timeout_s=self._timeout_s) as pubsub:
-                self.subscribed = True
-                while not self._stopping:
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1)
-                    if message is not None:
-                        self.deliver(message["data"])
-        finally:
-            self.subscribed = False
