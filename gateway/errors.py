@@ -111,6 +111,16 @@ class Rejected(SpillgateError):
     outcome = Outcome.REJECTED
 
 
+class QueueFull(Rejected):
+    """The pool's queue is full (its waiters, or the tokens they would reserve) and no step
+    after it serves: an arrival that no waiter ranks below, or a waiter pushed out of the
+    queue by one that goes first (policies/queue/fair_queue.py). The pool and the rest of
+    the fleet may well be serving; the Retry-After says when the pool likely has room.
+    A 503 like every full-pool refusal, which OpenAI's clients retry after that delay."""
+
+    code = "queue_full"
+
+
 class LimiterUnavailable(Rejected):
     """The shared rate-limit store failed and the configured mode is `deny`."""
 

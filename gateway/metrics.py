@@ -168,6 +168,11 @@ class GatewayMetrics:
             "spillgate_queue_depth", "Requests waiting for capacity", ["pool"], registry=r,
             multiprocess_mode=OWN,
         )  # fmt: skip
+        self.queue_displaced = Counter(
+            "spillgate_queue_displaced",
+            "Waiters pushed out of a full queue by an arrival that goes first, by their tenant",
+            ["pool", "tenant"], registry=r,
+        )  # fmt: skip
         self.ttft = Histogram(
             "spillgate_ttft_seconds", "Time to first token seen by the client",
             ["pool", "outcome"], buckets=TTFT_BUCKETS, registry=r,

@@ -240,6 +240,9 @@ class QueueMetrics(Protocol):
     @property
     def queue_wait(self) -> Histogram: ...
 
+    @property
+    def queue_displaced(self) -> Counter: ...
+
 
 class ProviderMetrics(Protocol):
     """The metric families a provider's gate and policy keep (gateway/metrics.py names them)."""

@@ -68,8 +68,12 @@ class QueueSettings(_Model):
         64,
         ge=0,
         description=(
-            "waiters the queue holds; a request past it is refused as a full queue, unless "
-            "waiters of a lower class make room (the newest of the lowest class go first)"
+            "waiters the queue holds. A full queue makes room for an arrival that goes before "
+            "some of them: the newest waiters of a lower class go first (the lowest class "
+            "first), then, of its own class, the newest waiters of the tenant with the most "
+            "attained service, if that is more than the arrival's tenant's. A request no "
+            "waiter ranks below is refused, and so is a waiter pushed out, each passed to the "
+            "next step, else answered 503 `queue_full` with a Retry-After"
         ),
     )
     max_tokens: int | None = Field(
@@ -77,9 +81,8 @@ class QueueSettings(_Model):
         gt=0,
         description=(
             "a bound on the KV tokens the queue's waiters would reserve, all together (none: "
-            "only `max_depth` bounds it); a request that would pass either bound is refused as "
-            "a full queue, unless waiters of a lower class make room (the newest of the lowest "
-            "class go first)"
+            "only `max_depth` bounds it); a request that would pass either bound finds the "
+            "queue full, and waiters make room for it as `max_depth` says"
         ),
     )
     max_wait_s: float | Literal["auto"] = Field(

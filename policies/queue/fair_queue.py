@@ -10,8 +10,13 @@ The waiter whose turn it is is never overtaken, not even by smaller requests tha
 fit sooner: a flood of small requests cannot starve a large one.
 
 Each queue is bounded in waiters (`max_depth`) and in the KV tokens they would reserve
-all together (`max_tokens`); a waiter that would pass either is refused, unless waiters
-of a lower class can make room for it.
+all together (`max_tokens`). A full queue makes room for an arrival by pushing out waiters
+that would go after it anyway: first those of lower classes, the newest of the lowest class
+first; then, of its own class, the newest waiters of the tenant with the most service, as
+long as that tenant was served more than the arrival's. Fair queueing drops from the
+fattest flow the same way: whoever fills the queue first cannot keep a light tenant out,
+and a heavy tenant loses the requests it sent last, not those about to be served. An
+arrival that nobody ranks below is refused.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
@@ -36,6 +41,7 @@ class QueueResult(StrEnum):
     EVICTED_DEADLINE = "evicted_deadline"  # waited its whole budget
     EVICTED_CANCELLED = "evicted_cancelled"  # the client went away
     EVICTED_PREEMPTED = "evicted_preempted"  # a higher class needed its place in a full queue
+    EVICTED_DISPLACED = "evicted_displaced"  # a lighter tenant needed its place in a full queue
     REJECTED_FULL = "rejected_full"
     REJECTED_NEVER_FITS = "rejected_never_fits"  # larger than any backend of the pool
 
@@ -178,20 +184,34 @@ class FairQueue(Generic[T]):
         return ahead
 
     def victims_for(self, waiter: Waiter[T]) -> list[Waiter[T]] | None:
-        """The waiters of classes below `waiter`'s to evict, newest of the lowest class
-        first, so that it fits; [] when it fits already, None when no eviction would do."""
+        """The waiters to push out so that `waiter` fits, in the order they go (see the
+        module's docstring); [] when it fits already, None when pushing out every waiter
+        ranked below it would not make room."""
         depth, tokens = self._depth, self._tokens
         if self._fits(waiter, depth=depth, tokens=tokens):
             return []
         if waiter.tokens > self.max_tokens:
             return None
-        rank = PRIORITIES.index(waiter.priority)
         victims: list[Waiter[T]] = []
-        for lower in reversed(PRIORITIES[rank + 1 :]):
-            lines = self._classes[lower].values()
-            for victim in sorted((w for line in lines for w in line), key=lambda w: -w.seq):
-                victims.append(victim)
-                depth, tokens = depth - 1, tokens - victim.tokens
-                if self._fits(waiter, depth=depth, tokens=tokens):
-                    return victims
+        for victim in self._ranked_below(waiter):
+            victims.append(victim)
+            depth, tokens = depth - 1, tokens - victim.tokens
+            if self._fits(waiter, depth=depth, tokens=tokens):
+                return victims
         return None
+
+    def _ranked_below(self, waiter: Waiter[T]) -> Iterator[Waiter[T]]:
+        rank = PRIORITIES.index(waiter.priority)
+        for lower in reversed(PRIORITIES[rank + 1 :]):
+            yield from _newest_first(w for line in self._classes[lower].values() for w in line)
+        mine = self._service(waiter.tenant)
+        lines = self._classes[waiter.priority]
+        heavier = [(self._service(name), name) for name in lines if name != waiter.tenant]
+        for service, name in sorted(heavier, reverse=True):
+            if service <= mine:
+                return
+            yield from _newest_first(lines[name])
+
+
+def _newest_first(waiters: Iterable[Waiter[T]]) -> list[Waiter[T]]:
+    return sorted(waiters, key=lambda w: -w.seq)

@@ -33,15 +33,16 @@ queues rather than take that room. Without Redis, each replica drains in its own
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from gateway.clock import Clock
+from gateway.clock import Clock, Timer
 from gateway.config import PRIORITIES, PoolSettings, Priority
-from gateway.errors import NoRoomToRetry
+from gateway.errors import NoRoomToRetry, QueueFull
 from gateway.front.exchange import Served
 from gateway.outcome import Outcome
 from gateway.overflow import (
@@ -57,6 +58,7 @@ from gateway.request import InferenceRequest
 from policies.deps import PolicyDeps
 from policies.queue.fair_queue import FairQueue, QueueResult, Waiter
 from policies.queue.service import Service
+from policies.reject import RejectPolicy
 
 log = logging.getLogger("spillgate.queue")
 AUTO_FLOOR_S = 2.0  # also the wait before any answer has ended
@@ -66,6 +68,10 @@ AUTO_HOLDS = 2.0  # average holds a waiter may wait
 # it is here has clearly less: between tenants of about the same service the replicas do
 # not hand room back and forth
 CLEARLY_LESS = 0.5
+# what a full queue answers: QueueFull when no step after the queue serves
+FULL = frozenset(
+    {QueueResult.REJECTED_FULL, QueueResult.EVICTED_PREEMPTED, QueueResult.EVICTED_DISPLACED}
+)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -106,11 +112,18 @@ class QueuePolicy:
             max_tokens=pool.queue.max_tokens,
             service=self.service.of,
         )
+        after = (
+            pool.overflow[pool.overflow.index(self.name) + 1 :]
+            if self.name in pool.overflow
+            else []
+        )
+        # only a refusal follows: a full queue is why a request it turns away is refused
+        self._last_step = all(step == RejectPolicy.name for step in after)
         self._drainer: asyncio.Task[None] | None = None
         self._give_way_s = fairness.give_way_s
         self._rivals: list[Rival] = []  # waiting at other replicas, as last read
         self._giving_way_since: float | None = None
-        self._look_again: asyncio.TimerHandle | None = None
+        self._look_again: Timer | None = None
         self._release_gaps = Gaps()
         self._admission_gaps = Gaps()
         room.on_release(self._on_release)
@@ -230,6 +243,17 @@ class QueuePolicy:
         result = await self.wait(request, exchange)
         if result is not QueueResult.ADMITTED:
             log.debug("%s/%s left the queue: %s", request.pool, request.tenant, result)
+            if result in FULL and self._last_step:
+                raise QueueFull(
+                    f"The queue of pool {request.pool!r} is full"
+                    + (
+                        "."
+                        if result is QueueResult.REJECTED_FULL
+                        else ", and a request that goes first took this one's place."
+                    )
+                    + " Retry after the indicated delay.",
+                    retry_after=exchange.retry_after(request),
+                )
             return None
         exchange.note_time("queue", self._clock.monotonic() - started)
         self.service.charge(request)
@@ -260,21 +284,19 @@ class QueuePolicy:
         )
         if not self._enqueue(waiter):
             return QueueResult.REJECTED_FULL
+        # a timer of its own, not the request path's Deadline: one per queued request, off
+        # the path every request takes; whichever decides first, the drain or the timer, wins
+        expiry = self._clock.call_later(
+            max_wait_s, functools.partial(_decide, entry.decided, QueueResult.EVICTED_DEADLINE)
+        )
         try:
-            # asyncio's own timeout, not the request path's Deadline: one per queued
-            # request, off the path every request takes
-            async with asyncio.timeout(max_wait_s):
-                await entry.decided
-        except TimeoutError:
-            pass
+            return await entry.decided
         except asyncio.CancelledError:
             log.debug("%s/%s: %s", request.pool, request.tenant, QueueResult.EVICTED_CANCELLED)
             raise
         finally:
+            expiry.cancel()
             self._leave(waiter)
-        if entry.decided.done() and not entry.decided.cancelled():
-            return entry.decided.result()  # decided even if the deadline fired meanwhile
-        return QueueResult.EVICTED_DEADLINE
 
     def _enqueue(self, waiter: Waiter[QueueEntry]) -> bool:
         if not self._queue.push(waiter):
@@ -283,7 +305,13 @@ class QueuePolicy:
                 return False
             for victim in victims:
                 self._queue.remove(victim)
-                victim.item.decided.set_result(QueueResult.EVICTED_PREEMPTED)
+                _decide(
+                    victim.item.decided,
+                    QueueResult.EVICTED_PREEMPTED
+                    if victim.priority != waiter.priority
+                    else QueueResult.EVICTED_DISPLACED,
+                )
+                self._metrics.queue_displaced.labels(self._pool, victim.tenant).inc()
             self._queue.push(waiter)
         self._depth_changed()
         self._kick()
@@ -357,14 +385,18 @@ class QueuePolicy:
         left = self._giving_way_since + self._give_way_s - now
         if left <= 0:
             return False
-        if self._look_again is None or self._look_again.cancelled():
-            loop = asyncio.get_running_loop()
-            self._look_again = loop.call_later(left, self._looked_again)
+        if self._look_again is None:
+            self._look_again = self._clock.call_later(left, self._looked_again)
         return True
 
     def _looked_again(self) -> None:
         self._look_again = None
         self._kick()
+
+
+def _decide(decided: asyncio.Future[QueueResult], result: QueueResult) -> None:
+    if not decided.done():
+        decided.set_result(result)
 
 
 class Gaps:

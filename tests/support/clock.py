@@ -1,7 +1,7 @@
 """An event loop on a ManualClock, so timing logic (deadlines, the queue's wait) is tested
 without sleeping: when nothing is ready, the loop moves the clock on to its next timer
-instead of waiting for it. The Clock the code under test is given and the loop's own time
-are then one and the same."""
+(the loop's, or one set on the clock itself, `Clock.call_later`) instead of waiting for it.
+The Clock the code under test is given and the loop's own time are then one and the same."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ class _SkippingSelector(selectors.DefaultSelector):
         ready: list[tuple[selectors.SelectorKey, int]] = super().select(0)
         if ready or timeout == 0:
             return ready
+        due = self._clock.next_timer_s()  # the clock's own timers (Clock.call_later)
+        if due is not None and (timeout is None or due < timeout):
+            timeout = due
         if timeout is None:  # no timer at all: only I/O can wake the loop
             ready = super().select(None)
             return ready

@@ -164,3 +164,41 @@ def test_ahead_of_counts_who_would_go_before_a_request_queued_now() -> None:
     assert q.ahead_of("new", "standard", deadline=10) == 1  # never served: only the class above
     assert q.ahead_of("light", "sheddable", deadline=1) == 5
     assert q.ahead_of("vip", "critical", deadline=math.inf) == 1
+
+
+def test_a_lighter_tenant_displaces_the_heaviest_tenants_newest_waiter() -> None:
+    service = {"heavy": 5000.0, "middle": 900.0, "light": 40.0}
+    q: FairQueue[str] = FairQueue(max_depth=4, service=lambda t: service.get(t, 0.0))
+    heavy_old, heavy_new = waiter("heavy"), waiter("heavy")
+    middle, light = waiter("middle"), waiter("light")
+    for w in (heavy_old, middle, heavy_new, light):
+        assert q.push(w)
+    assert q.victims_for(waiter("light")) == [heavy_new]
+    assert q.victims_for(waiter("middle")) == [heavy_new]
+    assert q.victims_for(waiter("new")) == [heavy_new]
+    # the heaviest has nobody heavier to push out; a lower class displaces nobody
+    assert q.victims_for(waiter("heavy")) is None
+    assert q.victims_for(waiter("light", "sheddable")) is None
+    # a lower class's waiter goes before a heavy tenant's of the arrival's class
+    shed = waiter("light", "sheddable")
+    assert q.remove(light) and q.push(shed)
+    assert q.victims_for(waiter("middle")) == [shed]
+
+
+def test_displacing_by_tokens_goes_from_the_heaviest_down_to_the_arrivals_own_service() -> None:
+    service = {"heavy": 5000.0, "middle": 900.0, "light": 40.0}
+    q: FairQueue[str] = FairQueue(
+        max_depth=10, max_tokens=100, service=lambda t: service.get(t, 0.0)
+    )
+    heavy, middle, light = (
+        waiter("heavy", tokens=30),
+        waiter("middle", tokens=30),
+        waiter("light", tokens=30),
+    )
+    for w in (heavy, middle, light):
+        assert q.push(w)
+    assert q.victims_for(waiter("light", tokens=50)) == [heavy, middle]
+    assert q.victims_for(waiter("middle", tokens=50)) is None  # only heavy is heavier
+    assert q.victims_for(waiter("middle", tokens=40)) == [heavy]
+    # a critical arrival pushes out anyone of a lower class, light or heavy
+    assert q.victims_for(waiter("heavy", "critical", tokens=70)) == [light, middle]
