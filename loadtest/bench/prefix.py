@@ -4,11 +4,17 @@
     spillgate bench prefix --real-vllm --backends 2 --tenants 8 \\
         --system-tokens 800 --chats 2 --turns 3 --rate 4 --kv-tokens 16384
                                                     # two real vLLM servers, one a core
+    spillgate bench prefix --real-vllm --backends 2 --tenants 8 --system-tokens 800 \
+        --chats 6 --turns 1 --order rounds --concurrency 4 --kv-tokens 16384 --schedules 3
+                                                    # issue 41's: 4 at a time, in rounds
 
 Tenants each have a long system prompt and hold multi-turn chats: every turn resends the
 system prompt and the chat so far, so a backend that served the chat's last turn (or any
-chat of the tenant) holds most of the next prompt in its prefix cache. Arms, side by side
-on the same seeded requests, each on fresh backends (empty caches):
+chat of the tenant) holds most of the next prompt in its prefix cache. The order is a
+random chat's next turn each time, or rounds that hold every tenant once in a shuffled
+order (`--order`); sent at `--rate`, or `--concurrency` at a time. Each of `--schedules`
+seeds is its own workload and order, every arm run on it. Arms, side by side on the same
+seeded requests, each on fresh backends (empty caches):
 
 - `least_filled`, `prefix`: through a gateway with `routing` set so;
 - `round-robin`: straight to the backends in turn;
@@ -18,8 +24,9 @@ on the same seeded requests, each on fresh backends (empty caches):
 
 Figures per arm: the backends' own prefix-cache hit rate (`vllm:prefix_cache_hits_total`
 ÷ `queries_total`, in tokens), client-side TTFT, and how evenly the backends ran (each
-backend's running requests averaged over the run, sampled every 0.25 s: max ÷ mean).
-Results go in BENCHMARKS.md ("Prefix-aware routing").
+backend's running requests averaged over the run, sampled every 0.25 s: max ÷ mean), per
+schedule, and the arms' hit rates of every schedule side by side. Results go in
+BENCHMARKS.md ("Prefix-aware routing").
 """
 
 from __future__ import annotations
@@ -28,7 +35,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -44,6 +50,7 @@ import httpx
 from gateway.config import hash_key
 from loadtest import real_vllm
 from loadtest.bench import admission_fleet as fleet
+from loadtest.bench.prefix_workload import ORDERS, Plan, Turn, schedules, workload
 from loadtest.loadgen.scrape import backend_state
 from loadtest.loadgen.text import table
 from loadtest.percentile import percentile
@@ -54,83 +61,6 @@ ARMS = ("least_filled", "prefix", "round-robin", "sticky", "oracle")
 GATEWAY_ARMS = ("least_filled", "prefix")
 SAMPLE_S = 0.25
 POOL = "chat"  # the gateways' pool
-WORDS = [
-    "alpha",
-    "beta",
-    "gamma",
-    "delta",
-    "epsilon",
-    "zeta",
-    "theta",
-    "kappa",
-    "lambda",
-    "sigma",
-    "omega",
-]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Plan:
-    backends: int = 4
-    tenants: int = 64
-    system_tokens: int = 4096  # each tenant's system prompt, about
-    chats: int = 6  # per tenant
-    turns: int = 4  # per chat
-    turn_tokens: int = 64  # each user turn and each (made-up) answer, about
-    rate: float = 24.0  # requests per second
-    max_tokens: int = 16
-    kv_tokens: int = 131_072  # per backend
-    speed: float = 1.0
-    seed: int = 23
-
-
-@dataclass(frozen=True, kw_only=True)
-class Turn:
-    at_s: float
-    tenant: int
-    chat: str
-    messages: list[dict[str, str]]
-
-
-def _text(rng: random.Random, tokens: int) -> str:
-    """About `tokens` tokens of words (the simulator counts four characters a token)."""
-    words: list[str] = []
-    size = 0
-    while size < tokens * 4:
-        words.append(rng.choice(WORDS))
-        size += len(words[-1]) + 1
-    return " ".join(words)
-
-
-@dataclass
-class Chat:
-    tenant: int
-    name: str
-    turns: list[list[dict[str, str]]]  # each turn's messages, in order
-
-
-def workload(plan: Plan) -> list[Turn]:
-    """Every chat's turns, in order within the chat, chats interleaved, evenly spaced."""
-    rng = random.Random(plan.seed)
-    chats = []
-    for t in range(plan.tenants):
-        system = {"role": "system", "content": f"tenant {t}: " + _text(rng, plan.system_tokens)}
-        for c in range(plan.chats):
-            history, turns = [system], []
-            for _ in range(plan.turns):
-                history = [*history, {"role": "user", "content": _text(rng, plan.turn_tokens)}]
-                turns.append(history)
-                answer = {"role": "assistant", "content": _text(rng, plan.turn_tokens)}
-                history = [*history, answer]
-            chats.append(Chat(tenant=t, name=f"{t}-{c}", turns=turns))
-    order = []
-    for i in range(plan.tenants * plan.chats * plan.turns):
-        chat = rng.choice([c for c in chats if c.turns])  # a random chat's next turn
-        messages = chat.turns.pop(0)
-        order.append(
-            Turn(at_s=i / plan.rate, tenant=chat.tenant, chat=chat.name, messages=messages)
-        )
-    return order
 
 
 @dataclass
@@ -222,9 +152,13 @@ async def run_arm(arm: Arm, turns: Sequence[Turn], plan: Plan) -> dict[str, Any]
         sampler = asyncio.create_task(sample(client, arm.urls, running))
         t0 = time.perf_counter()
 
+        gate = asyncio.Semaphore(plan.concurrency or len(turns) or 1)  # waiters go in order
+
         async def one(i: int, turn: Turn) -> dict[str, Any]:
-            await asyncio.sleep(max(0.0, t0 + turn.at_s - time.perf_counter()))
-            return await send(client, arm, turn, i, plan)
+            if not plan.concurrency:
+                await asyncio.sleep(max(0.0, t0 + turn.at_s - time.perf_counter()))
+            async with gate:
+                return await send(client, arm, turn, i, plan)
 
         try:
             results = await asyncio.gather(*(one(i, t) for i, t in enumerate(turns)))
@@ -280,7 +214,9 @@ def real_servers(plan: Plan) -> Iterator[list[str]]:
         yield [
             stack.enter_context(
                 real_vllm.running(
-                    real_vllm.RealVllm(port=8101 + i, kv_tokens=plan.kv_tokens, cores=str(i))
+                    real_vllm.RealVllm(
+                        port=8101 + i, kv_tokens=plan.kv_tokens, cores=str(i), confined=True
+                    )
                 )
             )
             for i in range(plan.backends)
@@ -288,34 +224,44 @@ def real_servers(plan: Plan) -> Iterator[list[str]]:
 
 
 def measure(plan: Plan, workdir: Path, *, real: bool = False) -> dict[str, Any]:
-    turns = workload(plan)
+    """Every arm on each schedule (`plan.schedules` seeds), the schedules one after another."""
     out: dict[str, Any] = {"plan": asdict(plan), "backend": "real-vllm" if real else "simulator"}
-    out["arms"] = {}
-    model = real_vllm.MODEL if real else "sim"
+    out["schedules"] = []
     with contextlib.ExitStack() as fleet_stack:
         shared = fleet_stack.enter_context(real_servers(plan)) if real else None
-        for name in ARMS if not real else ARMS[:-1]:  # no oracle knows a real vLLM's cache
-            print(f"{name}: {len(turns)} requests", file=sys.stderr, flush=True)
-            with contextlib.ExitStack() as stack:
-                if shared is None:
-                    urls = stack.enter_context(simulators(plan, workdir, name))
-                else:  # the same servers, their caches emptied
-                    urls = shared
-                    for url in urls:
-                        if not real_vllm.reset_prefix_cache(url):
-                            raise RuntimeError(f"{url} refused to reset its prefix cache")
-                gateway = None
-                if name in GATEWAY_ARMS:
-                    config = gateway_config(urls, model, name)
-                    gateway = stack.enter_context(fleet.gateway(config, workdir=workdir, arm=name))
-                oracle = Oracle(len(urls), block_size=16) if name == "oracle" else None
-                arm = Arm(name, urls, model, gateway, oracle)
-                out["arms"][name] = asyncio.run(run_arm(arm, turns, plan))
+        for each in schedules(plan):
+            arms = measure_schedule(each, workdir / f"seed-{each.seed}", shared)
+            out["schedules"].append({"seed": each.seed, "arms": arms})
     return out
 
 
-def targets(figures: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
-    arms = figures["arms"]
+def measure_schedule(plan: Plan, workdir: Path, shared: list[str] | None) -> dict[str, Any]:
+    """Each arm on one schedule, on fresh simulators or on the `shared` real vLLM servers."""
+    turns = workload(plan)
+    model = "sim" if shared is None else real_vllm.MODEL
+    figures = {}
+    for name in ARMS if shared is None else ARMS[:-1]:  # no oracle knows a real vLLM's cache
+        print(f"seed {plan.seed}, {name}: {len(turns)} requests", file=sys.stderr, flush=True)
+        with contextlib.ExitStack() as stack:
+            if shared is None:
+                urls = stack.enter_context(simulators(plan, workdir, name))
+            else:  # the same servers, their caches emptied
+                urls = shared
+                for url in urls:
+                    if not real_vllm.reset_prefix_cache(url):
+                        raise RuntimeError(f"{url} refused to reset its prefix cache")
+            gateway = None
+            if name in GATEWAY_ARMS:
+                workdir.mkdir(parents=True, exist_ok=True)
+                config = gateway_config(urls, model, name)
+                gateway = stack.enter_context(fleet.gateway(config, workdir=workdir, arm=name))
+            oracle = Oracle(len(urls), block_size=16) if name == "oracle" else None
+            arm = Arm(name, urls, model, gateway, oracle)
+            figures[name] = asyncio.run(run_arm(arm, turns, plan))
+    return figures
+
+
+def targets(arms: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
     prefix, least, sticky = arms["prefix"], arms["least_filled"], arms["sticky"]
     oracle = arms.get("oracle")
     rows: list[tuple[str, bool | None, str]] = []
@@ -324,7 +270,7 @@ def targets(figures: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
         rows.append(("hit rate ≥ 80 % of the oracle's", share >= 0.8, f"{share:.0%}"))
     elif prefix["hit_rate"] is not None and sticky["hit_rate"] is not None:
         gap = sticky["hit_rate"] - prefix["hit_rate"]  # on a real vLLM, sticky is the ceiling
-        rows.append(("hit rate within 0.02 of sticky's", gap <= 0.02, f"{gap:+.3f}"))
+        rows.append(("hit rate within 0.01 of sticky's", gap <= 0.01, f"{gap:+.3f}"))
     if prefix["ttft_p90_s"] is not None and least["ttft_p90_s"]:
         ratio = prefix["ttft_p90_s"] / least["ttft_p90_s"]
         rows.append(("TTFT p90 ≤ 0.5× least_filled's", ratio <= 0.5, f"{ratio:.2f}×"))
@@ -334,20 +280,35 @@ def targets(figures: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
     return rows
 
 
-def report(figures: dict[str, Any]) -> str:
-    def cell(value: Any, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
+def _cell(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
-    rows = [["arm", "ok", "hit rate", "TTFT p50 (s)", "TTFT p90 (s)", "max/mean running"]]
-    for name, arm in figures["arms"].items():
-        rows.append(
-            [name, str(arm["ok"]), cell(arm["hit_rate"], ".3f"), cell(arm["ttft_p50_s"], ".3f"),
-             cell(arm["ttft_p90_s"], ".3f"), cell(arm["running_max_over_mean"], ".2f")]
-        )  # fmt: skip
-    lines = [table(rows, ["<", ">", ">", ">", ">", ">"]), ""]
-    for target, met, measured in targets(figures):
-        verdict = {True: "met", False: "NOT met", None: "not measured"}[met]
-        lines.append(f"{verdict:>12}  {target}: {measured}")
+
+def report(figures: dict[str, Any]) -> str:
+    """Each schedule's arms and targets, then every schedule's hit rates side by side."""
+    lines = []
+    for schedule in figures["schedules"]:
+        rows = [["arm", "ok", "hit rate", "TTFT p50 (s)", "TTFT p90 (s)", "max/mean running"]]
+        for name, arm in schedule["arms"].items():
+            rows.append(
+                [name, str(arm["ok"]), _cell(arm["hit_rate"], ".3f"),
+                 _cell(arm["ttft_p50_s"], ".3f"), _cell(arm["ttft_p90_s"], ".3f"),
+                 _cell(arm["running_max_over_mean"], ".2f")]
+            )  # fmt: skip
+        lines += [f"seed {schedule['seed']}:", table(rows, ["<", ">", ">", ">", ">", ">"]), ""]
+        for target, met, measured in targets(schedule["arms"]):
+            verdict = {True: "met", False: "NOT met", None: "not measured"}[met]
+            lines.append(f"{verdict:>12}  {target}: {measured}")
+        lines.append("")
+    names = list(figures["schedules"][0]["arms"])
+    rows = [["seed", *names, "prefix - sticky"]]
+    for schedule in figures["schedules"]:
+        arms = schedule["arms"]
+        gap = (None if None in (arms["prefix"]["hit_rate"], arms["sticky"]["hit_rate"])
+               else arms["prefix"]["hit_rate"] - arms["sticky"]["hit_rate"])  # fmt: skip
+        rows.append([str(schedule["seed"]), *(_cell(arms[n]["hit_rate"], ".3f") for n in names),
+                     _cell(gap, "+.3f")])  # fmt: skip
+    lines += ["hit rate per schedule:", table(rows, ["<"] + [">"] * (len(names) + 1))]
     return "\n".join(lines)
 
 
@@ -356,7 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     defaults = Plan()
     for key, value in asdict(defaults).items():
-        p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+        choices = ORDERS if key == "order" else None
+        p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value,
+                       choices=choices)  # fmt: skip
     p.add_argument("--real-vllm", action="store_true", help="real vLLM servers, one per core")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
