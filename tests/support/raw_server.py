@@ -28,6 +28,7 @@ OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\
 SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 )
+CHUNKED = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
 class Server:
@@ -249,3 +250,11 @@ def chat_answer(post: Post, *, before: bytes = b"") -> bytes:
     lines = [b"data: " + orjson.dumps(event) + b"\n\n" for event in events] + [b"data: [DONE]\n\n"]
     framed = b"".join(b"%x\r\n%s\r\n" % (len(line), line) for line in lines)
     return before + SSE_HEAD + framed + b"0\r\n\r\n"
+
+
+def refusal(status: int, *headers: bytes) -> Callable[[Post], bytes]:
+    """A refusal with `status`, `headers` and an OpenAI-shaped JSON error body."""
+    body = b'{"error":{"message":"busy","type":"server_error"}}'
+    extra = b"".join(h + b"\r\n" for h in headers)
+    head = b"HTTP/1.1 %d Busy\r\ncontent-type: application/json\r\n%scontent-length: %d\r\n\r\n"
+    return lambda post: head % (status, extra, len(body)) + body
