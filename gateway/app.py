@@ -33,17 +33,16 @@ from gateway.clock import Clock, SystemClock
 from gateway.config import Settings
 from gateway.errors import InvalidRequest, SpillgateError, error_response
 from gateway.front.auth import AdminAuth, Authenticator
-from gateway.front.endpoints import EmbeddingsEndpoint, ResponsesEndpoint
 from gateway.front.guard import head_bytes, head_too_large
-from gateway.front.pipeline import CompletionsEndpoint, PipelineDeps
+from gateway.front.pipeline import Pipeline, PipelineDeps, endpoint_rules
 from gateway.front.response_homes import ResponseHomes
+from gateway.front.tracing import build_tracing
 from gateway.metrics import MULTIPROC_ENV, GatewayMetrics, publish_metrics
 from gateway.ops.admin import AdminEndpoints
 from gateway.ops.dashboard import Dashboard, OutcomeHistory
 from gateway.ops.openapi import openapi_route
 from gateway.ratelimit import LocalRateLimiter, RateLimiter, RedisRateLimiter, ResilientRateLimiter
 from gateway.ratelimit.budget import provider_budgets
-from gateway.request import Endpoint
 from gateway.shared.batch import RedisBatcher
 from gateway.shared.ledger_feed import ReleaseFeed
 from gateway.shared.length_feed import LengthFeed
@@ -51,7 +50,6 @@ from gateway.shared.prefix_feed import PrefixFeed
 from gateway.shared.service_feed import ServiceFeed
 from gateway.slo import Latencies
 from gateway.tasks import start_all
-from gateway.tracing import build_tracing
 from gateway.upstream.forward import Forwarder
 from gateway.upstream.pool import UpstreamPool
 from policies.deps import PolicyDeps
@@ -295,6 +293,7 @@ def create_app(
         tracing=tracing,
         shared=redis is not None,
         latencies=latencies,
+        homes=ResponseHomes(redis=redis),
     )
     runner = BatchRunner(batches, deps=deps, tenants=auth.by_name)
     batch_api = BatchEndpoints(batches, auth=auth, max_upload_bytes=settings.batch.max_file_bytes)
@@ -350,7 +349,7 @@ def create_app(
             if shared is not None:
                 await shared.start()
             if shared_limiter is not None:
-                shared_limiter.start()  # stopped by its close, above
+                await shared_limiter.start()  # stopped by its close, above
             if provider_slots is not None:
                 await provider_slots.start()
             await start_all(stack, lengths, feed, prefix_feed, service_feed)
@@ -366,13 +365,9 @@ def create_app(
             gc.freeze()
             yield
 
-    completions: dict[Endpoint, ASGIApp] = {
-        e: CompletionsEndpoint(e, deps) for e in (Endpoint.CHAT, Endpoint.COMPLETIONS)
-    }
-    completions[Endpoint.EMBEDDINGS] = EmbeddingsEndpoint(deps)
-    completions[Endpoint.RESPONSES] = ResponsesEndpoint(deps, homes=ResponseHomes(redis=redis))
+    pipelines: dict[str, ASGIApp] = {str(r.endpoint): Pipeline(r, deps) for r in endpoint_rules()}
     routes = [
-        *(Route(e, endpoint, methods=["POST"]) for e, endpoint in completions.items()),
+        *(Route(path, pipeline, methods=["POST"]) for path, pipeline in pipelines.items()),
         *admin.routes(),
         *batch_api.routes(),
         *dashboard.routes(),
@@ -386,8 +381,7 @@ def create_app(
     # Starlette would answer `/dashboard/` with a redirect to an absolute URL built from the
     # request's Host header, query string (and admin token) included: a 404 instead
     app.router.redirect_slashes = False
-    fast = {str(e): endpoint for e, endpoint in completions.items()}
-    return FrontDoor(fast, app, max_header_bytes=settings.server.max_header_bytes)
+    return FrontDoor(pipelines, app, max_header_bytes=settings.server.max_header_bytes)
 
 
 class FrontDoor:

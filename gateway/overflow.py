@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from gateway.config import Priority
-from gateway.front.exchange import Served
+from gateway.upstream.served import Served
 from gateway.outcome import Outcome
-from gateway.request import InferenceRequest
+from gateway.request import Endpoint, InferenceRequest
 
 # not only for the checker: a policy predicts its time to first token from the places'
 # recent answers (PredictsTtft)
@@ -26,6 +26,9 @@ from gateway.upstream.answer import AnswerRecorder
 
 # what a policy that answers itself (the cache, the batch tier) relays and hands back
 from gateway.upstream.relay import Relayed as Relayed
+
+# what a policy hands back when it served the request
+from gateway.upstream.served import Served as Served
 
 # not only for the checker: a policy that forwards elsewhere builds the Target it hands
 # `serve_target`, and a policy may import what this module does
@@ -55,7 +58,8 @@ class OverflowContext(Protocol):
 
     async def admit(self, request: InferenceRequest) -> bool: ...
 
-    def hold(self, reservation: Reservation) -> None: ...
+    def take(self, reservation: Reservation) -> None:
+        """Hold `reservation`, made for this request elsewhere (the queue's drain)."""
 
     def release(self) -> Awaitable[None]: ...
 
@@ -85,6 +89,13 @@ class OverflowPolicy(Protocol):
     """
 
     name: ClassVar[str]
+    # the endpoints whose requests it can serve: a chain built for an endpoint keeps only
+    # these steps (an embedding is never degraded to another model's vectors, nor cached)
+    endpoints: ClassVar[frozenset[Endpoint]]
+    # whether it serves from capacity outside the pool (another pool, a provider): such a
+    # step may serve a request no backend of the pool could ever hold, and the TTFT ladder
+    # may send a request there while the pool's own backends are too slow for it
+    serves_elsewhere: ClassVar[bool]
 
     async def serve(
         self, request: InferenceRequest, exchange: OverflowContext

@@ -57,6 +57,9 @@ class InferenceRequest(NamedTuple):
     # after it (None: none); the header's, else its tenant's default
     ttft_slo_s: float | None = None
     tpot_slo_s: float | None = None
+    # backends of its pool it must not go to: a Responses continuation goes only to the one
+    # that stores its previous response (gateway/front/response_homes.py)
+    avoid: frozenset[str] = frozenset()
 
     @property
     def sequence_tokens(self) -> int:
@@ -69,8 +72,9 @@ class InferenceRequest(NamedTuple):
         return self.prompt_tokens + self.max_output_tokens
 
     @property
-    def reserved_tokens(self) -> int:
-        """Tokens the request may use in all: the prompt once, each choice's output."""
+    def charge_tokens(self) -> int:
+        """What the tenant's bucket is charged on admission, and refunded from usage: the
+        tokens the request may use in all, the prompt once and each choice's output."""
         return self.prompt_tokens + self.n * self.max_output_tokens
 
 

@@ -1,4 +1,4 @@
-"""Per-request objectives: what each tier is measured to take, and the ladder that picks one.
+"""Per-request objectives: what each step is measured to take, and the ladder that picks one.
 
 A request may name a time to first token (`x-spillgate-ttft-ms`) and a time per output
 token after it (`x-spillgate-tpot-ms`), or inherit its tenant's (`ttft_budget_ms`,
@@ -128,7 +128,7 @@ def predict(places: Places, place: str, request: InferenceRequest) -> float | No
 class Prediction:
     """What the ladder predicted for the step that served a request, to measure its error."""
 
-    tier: str
+    step: str
     ttft_s: float  # predicted from `at`, the Clock time it was made
     at: float
 
@@ -144,9 +144,9 @@ def unattainable(
 ) -> SloUnattainable:
     """The refusal of a request that no step can serve within its objective, naming each
     step's prediction, so the client can retry later or relax its objective."""
-    told = ", ".join(f"{tier} ~{_ms(s)}" for tier, s in predictions) or "no step"
+    told = ", ".join(f"{step} ~{_ms(s)}" for step, s in predictions) or "no step"
     return SloUnattainable(
-        f"No tier of pool {pool!r} is predicted to give a first token within "
+        f"No step of pool {pool!r} is predicted to give a first token within "
         f"{slo_s * 1000:.0f} ms ({told}); retry after the indicated delay, or relax "
         f"{TTFT_HEADER}.",
         retry_after=retry_after,

@@ -19,10 +19,10 @@ import orjson
 
 from gateway.config import PoolSettings
 from gateway.errors import SpillgateError
-from gateway.front.exchange import Served
+from gateway.upstream.served import Served
 from gateway.outcome import Outcome
 from gateway.overflow import BatchIntake, OverflowContext
-from gateway.request import InferenceRequest
+from gateway.request import Endpoint, InferenceRequest
 from gateway.upstream.answer import Usage
 from gateway.upstream.relay import Relayed
 from policies.deps import PolicyDeps
@@ -32,6 +32,8 @@ BATCH_TARGET = "batch"  # the `target` a request accepted into the batch tier is
 
 class BatchPolicy:
     name: ClassVar[str] = "batch"
+    endpoints: ClassVar[frozenset[Endpoint]] = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
+    serves_elsewhere: ClassVar[bool] = False
 
     def __init__(self, batches: BatchIntake | None) -> None:
         self._batches = batches

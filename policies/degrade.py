@@ -10,15 +10,18 @@ from typing import ClassVar
 
 from gateway.config import PoolSettings
 from gateway.errors import UpstreamError
-from gateway.front.exchange import Served
+from gateway.upstream.served import Served
 from gateway.outcome import Outcome
 from gateway.overflow import Latencies, OverflowContext, PoolRoom, predict
-from gateway.request import InferenceRequest
+from gateway.request import Endpoint, InferenceRequest
 from policies.deps import PolicyDeps
 
 
 class DegradePolicy:
     name: ClassVar[str] = "degrade"
+    # another pool's model answers: text only (no other model's vectors), never a stored response's continuation
+    endpoints: ClassVar[frozenset[Endpoint]] = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
+    serves_elsewhere: ClassVar[bool] = True
 
     def __init__(self, *, to_pool: str, room: PoolRoom, latencies: Latencies) -> None:
         self._to = to_pool

@@ -6,14 +6,16 @@ from typing import ClassVar
 
 from gateway.config import PoolSettings
 from gateway.errors import Rejected
-from gateway.front.exchange import Served
+from gateway.upstream.served import Served
 from gateway.overflow import OverflowContext
-from gateway.request import InferenceRequest
+from gateway.request import Endpoint, InferenceRequest
 from policies.deps import PolicyDeps
 
 
 class RejectPolicy:
     name: ClassVar[str] = "reject"
+    endpoints: ClassVar[frozenset[Endpoint]] = frozenset(Endpoint)
+    serves_elsewhere: ClassVar[bool] = False
 
     async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         raise Rejected(

@@ -14,18 +14,10 @@ if need be: the request is running already, and new admissions see the room it t
 from __future__ import annotations
 
 import re
-from typing import Protocol
 
-from gateway.admission.ledger import Reservation
-from gateway.admission.router import Router
+from gateway.admission.held import HeldReservation
 
 _CHOICE = re.compile(rb'"choices"\s*:\s*\[\s*\{\s*"index"\s*:\s*(\d+)')
-
-
-class Held(Protocol):
-    """What holds the request's reservation (gateway/front/exchange.py's Holding)."""
-
-    reservation: Reservation | None
 
 
 class Growth:
@@ -35,26 +27,23 @@ class Growth:
         "_counts",
         "_covered",
         "_headroom",
-        "_holding",
+        "_held",
         "_prompt",
-        "_router",
         "_sequences",
     )
 
     def __init__(
         self,
         *,
-        router: Router,
-        holding: Held,
+        held: HeldReservation,
         prompt_tokens: int,
         sequences: int,
         block_size: int,
         headroom: int = 0,
     ) -> None:
-        reservation = holding.reservation
+        reservation = held.reservation
         assert reservation is not None
-        self._router = router
-        self._holding = holding
+        self._held = held
         self._prompt = prompt_tokens
         self._headroom = headroom
         self._sequences = sequences
@@ -82,11 +71,8 @@ class Growth:
     async def grow(self) -> None:
         """Extend the reservation to cover the longest choice, in whole blocks per choice,
         and the headroom."""
-        reservation = self._holding.reservation
-        if reservation is None:
-            return
         need = self._prompt + max(self._counts)
         covered = -(-need // self._block) * self._block + self._headroom
         added = (covered - self._covered) * self._sequences
         self._covered = covered
-        self._holding.reservation = await self._router.extend(reservation, added)
+        await self._held.grow(added)

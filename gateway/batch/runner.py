@@ -28,12 +28,9 @@ from starlette.types import Message, Scope
 from gateway.batch.service import ACTIVE, BATCH, Batches, results_kind
 from gateway.batch.store import Record
 from gateway.front.auth import Authenticator, Tenant
-from gateway.front.exchange import Served
-from gateway.front.pipeline import CompletionsEndpoint, PipelineDeps
-from gateway.outcome import Outcome
+from gateway.front.pipeline import EndpointRules, Pipeline, PipelineDeps
 from gateway.overflow import LetsIn
 from gateway.request import Endpoint, InferenceRequest
-from gateway.slo import Prediction
 from gateway.tasks import Periodic, stop_task
 
 log = logging.getLogger("spillgate.batch")
@@ -57,28 +54,6 @@ class Answer:
     body: bytearray = dataclasses.field(default_factory=bytearray)
 
 
-class ItemEndpoint(CompletionsEndpoint):
-    """The pipeline for a batch item. An item with no room is not a refusal anyone sees (it
-    runs on a later pass), so it is not counted as a `rejected` request; and nobody waits
-    for an item's first token, so it stays out of the TTFT that interactive latency and the
-    autoscalers read."""
-
-    def _record(
-        self,
-        request: InferenceRequest,
-        served: Served | None,
-        outcome: Outcome,
-        t0: float,
-        prediction: Prediction | None = None,
-    ) -> None:
-        if outcome is Outcome.REJECTED:
-            return
-        if served is not None:
-            relayed = dataclasses.replace(served.relayed, first_byte_at=None)
-            served = dataclasses.replace(served, relayed=relayed)
-        super()._record(request, served, outcome, t0, prediction)
-
-
 class BatchRunner:
     def __init__(
         self, batches: Batches, *, deps: PipelineDeps, tenants: Mapping[str, Tenant]
@@ -89,7 +64,7 @@ class BatchRunner:
         self._settings = batches.settings
         self._running: dict[str, asyncio.Task[None]] = {}  # item key → its task
         self._passes = Periodic(self.tick, every_s=self._settings.poll_s, name="batch runner")
-        self._endpoints: dict[tuple[str, str], ItemEndpoint] = {}
+        self._endpoints: dict[tuple[str, str], Pipeline] = {}
         self._items: dict[str, list[dict[str, Any]]] = {}  # batch id → its parsed lines
         self._metrics = deps.metrics
 
@@ -309,24 +284,25 @@ class BatchRunner:
             if isinstance(value, int) and value > 0:
                 self._metrics.batch_tokens.labels(kind).inc(value)
 
-    def _endpoint(self, tenant_name: str, url: str) -> ItemEndpoint:
+    def _endpoint(self, tenant_name: str, url: str) -> Pipeline:
         found = self._endpoints.get((tenant_name, url))
         if found is None:
             tenant = self._tenants[tenant_name]
-            found = ItemEndpoint(Endpoint(url), self._item_deps(tenant))
+            # no overflow step (no room is a retry later, not a wait or a spill); refused
+            # or answered, it is no interactive request (gateway/front/settle.py)
+            rules = EndpointRules(
+                endpoint=Endpoint(url), overflow=False, record_answers=False, interactive=False
+            )
+            found = Pipeline(rules, self._item_deps(tenant))
             self._endpoints[(tenant_name, url)] = found
         return found
 
     def _item_deps(self, tenant: Tenant) -> PipelineDeps:
-        """The pipeline's deps for a batch item: its tenant, no overflow step (no room is a
-        retry later, not a wait or a spill), and an arrival check that lets the item take free room
-        only while the pool, with it, stays within `batch.max_fill`."""
+        """The pipeline's deps for a batch item: its tenant, and an arrival check that lets
+        the item take free room only while the pool, with it, stays within `batch.max_fill`."""
         d = self._deps
         arrival_checks = {pool: self._arrival_check(pool) for pool in d.router.pools}
-        chains: dict[str, list[Any]] = {pool: [] for pool in d.chains}
-        return dataclasses.replace(
-            d, auth=_OneTenant(tenant), chains=chains, recorders={}, arrival_checks=arrival_checks
-        )
+        return dataclasses.replace(d, auth=_OneTenant(tenant), arrival_checks=arrival_checks)
 
     def _arrival_check(self, pool: str) -> LetsIn:
         outer = self._deps.arrival_checks.get(pool)

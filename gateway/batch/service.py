@@ -102,7 +102,7 @@ class Batches:
         """A one-item batch holding an interactive request the pool had no room for, as its
         owner sees it: the caller answers the request with it."""
         tenant = request.tenant
-        await self._check_queued(tenant, request.reserved_tokens)
+        await self._check_queued(tenant, request.charge_tokens)
         line = {"custom_id": "request-1", "method": "POST", "url": str(request.endpoint)}
         content = orjson.dumps({**line, "body": request.body}) + b"\n"
         upload = await self.files.save(tenant, content, filename="request.jsonl", purpose="batch")
@@ -112,7 +112,7 @@ class Batches:
             endpoint=str(request.endpoint),
             metadata=None,
             items=1,
-            tokens=request.reserved_tokens,
+            tokens=request.charge_tokens,
         )
         return public(record)
 
@@ -140,7 +140,7 @@ class Batches:
             )
         except InvalidRequest as exc:
             raise bad(exc.message) from None
-        return request.reserved_tokens
+        return request.charge_tokens
 
     async def _check_queued(self, tenant: str, tokens: int) -> None:
         queued = sum(int(b["_tokens"]) for b in await self.active(tenant=tenant))

@@ -59,7 +59,7 @@ class ServerSettings(_Model):
 
 
 class TracingSettings(_Model):
-    """OpenTelemetry spans, exported over OTLP/HTTP (gateway/tracing.py; see
+    """OpenTelemetry spans, exported over OTLP/HTTP (gateway/front/tracing.py; see
     [Traces](traces.md)); off by default."""
 
     enabled: bool = Field(

@@ -2,69 +2,36 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Awaitable, Collection, Sequence
-from dataclasses import dataclass
 
 from starlette.types import Send
 
 from gateway.admission.growth import Growth
+from gateway.admission.held import HeldReservation
 from gateway.admission.ledger import Reservation
 from gateway.admission.router import Router
 from gateway.clock import Clock
 from gateway.errors import NoRoomToRetry, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from gateway.front.continuation import Continuation
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
 from gateway.request import InferenceRequest
 from gateway.slo import Prediction
 from gateway.upstream.answer import JSON_HEADERS, AnswerRecorder
 from gateway.upstream.forward import Forwards
-from gateway.upstream.relay import Relayed, StreamCut
-from gateway.upstream.resume import ContinuationLeg, Partial, continued, read_partial, refusal
+from gateway.upstream.resume import refusal
 from gateway.upstream.retry import tried_again
+from gateway.upstream.served import Served
 from gateway.upstream.target import Target
-
-
-@dataclass(slots=True)
-class Served:
-    outcome: Outcome
-    target: str
-    pool: str  # the pool whose model answered
-    relayed: Relayed
-    started_at: float = 0.0  # Clock time when it was forwarded (after any wait for room)
 
 
 class _NoRoom(UpstreamUnavailable):
     """No backend of the pool not yet tried has room for a retry."""
 
 
-def _ended(served: Served, *, completed: bool) -> Served:
-    """`served`, its stream ended by the gateway after its upstream broke off."""
-    relayed = served.relayed
-    ended = Relayed(relayed.usage, relayed.first_byte_at, completed)
-    return Served(served.outcome, served.target, served.pool, ended, served.started_at)
-
-
-async def _nothing() -> None:
-    """Nothing to await: no room to reserve, or no reservation to release."""
-
-
-class Holding:
-    """The reservation a request currently holds; released once, on every path."""
-
-    __slots__ = ("_router", "reservation")  # one per request
-
-    def __init__(self, router: Router) -> None:
-        self._router = router
-        self.reservation: Reservation | None = None
-
-    def release(self) -> Awaitable[None]:
-        """The release to await (the router's own: one frame fewer per request)."""
-        reservation, self.reservation = self.reservation, None
-        if reservation is None:
-            return _nothing()
-        return self._router.release(reservation)
+async def _no_room() -> None:
+    """No room to reserve (a sheddable request past its pool's fill)."""
 
 
 class Exchange:
@@ -73,7 +40,7 @@ class Exchange:
         "base_headers",
         "clock",
         "forwarder",
-        "holding",
+        "held",
         "metrics",
         "prediction",
         "recorder",
@@ -91,7 +58,7 @@ class Exchange:
         forwarder: Forwards,
         metrics: GatewayMetrics,
         clock: Clock,
-        holding: Holding,
+        held: HeldReservation,
         recorder: AnswerRecorder | None = None,
     ) -> None:
         self.send = send
@@ -100,7 +67,7 @@ class Exchange:
         self.forwarder = forwarder
         self.metrics = metrics
         self.clock = clock
-        self.holding = holding
+        self.held = held
         self.recorder = recorder
         self.timings: dict[str, float] = {}  # phase → seconds, told as `server-timing`
         # what the TTFT ladder predicted for the step now serving, if it weighed one
@@ -114,14 +81,14 @@ class Exchange:
             headers.append((b"server-timing", ", ".join(phases).encode()))
         return headers
 
-    def hold(self, reservation: Reservation) -> None:
-        """Take `reservation`, made for this request by someone else (the queue's drain),
+    def take(self, reservation: Reservation) -> None:
+        """Hold `reservation`, made for this request by someone else (the queue's drain),
         as the one the request holds and releases."""
-        self.holding.reservation = reservation
+        self.held.take(reservation)
 
     def release(self) -> Awaitable[None]:
         """Give back the reservation the request holds, if any (no-op otherwise)."""
-        return self.holding.release()
+        return self.held.release()
 
     def stop_recording(self) -> None:
         """Leave this request's answer unrecorded (an answer the cache must not keep)."""
@@ -139,13 +106,14 @@ class Exchange:
 
     async def admit(self, request: InferenceRequest) -> bool:
         """Reserve room for `request` in its pool; True if it now holds a reservation."""
-        self.holding.reservation = await self.reserve(request)
-        return self.holding.reservation is not None
+        return self.held.take(await self.reserve(request))
 
     def reserve(
         self, request: InferenceRequest, *, exclude: Collection[str] = (), running: bool = False
     ) -> Awaitable[Reservation | None]:
         """Room for `request` in its pool, not yet held, to await; None if there is none.
+        Never on a backend the request avoids (a Responses continuation goes only where its
+        previous response is stored).
 
         A sheddable request gets none once the pool's fill reaches `sheddable_max_fill`:
         the rest is headroom kept for critical and standard requests. (Not a coroutine
@@ -157,12 +125,12 @@ class Exchange:
             and not running
             and (self.router.pool_fill(request.pool) >= pool.sheddable_max_fill)
         ):
-            return _nothing()
+            return _no_room()
         return self.router.reserve(
             request.pool,
             request.sequence_tokens,
             sequences=request.n,
-            exclude=exclude,
+            exclude=request.avoid.union(exclude) if request.avoid else exclude,
             prefix=request.prefix,
             session=request.session,
             running=running,
@@ -212,10 +180,10 @@ class Exchange:
     async def _attempt(
         self, request: InferenceRequest, outcome: Outcome, tried: set[str], *, deadline: float
     ) -> Served:
-        if self.holding.reservation is None and tried:
+        if self.held.reservation is None and tried:
             # a retry: room on a backend not yet tried, under the same rules as admission
-            self.holding.reservation = await self.reserve(request, exclude=tried)
-        reservation = self.holding.reservation
+            self.held.take(await self.reserve(request, exclude=tried))
+        reservation = self.held.reservation
         if reservation is None:
             if self.router.candidates(request.pool, exclude=tried):
                 raise _NoRoom("no backend of the pool has room to retry")
@@ -233,11 +201,11 @@ class Exchange:
                 headers=self.headers(outcome),
                 recorder=self.recorder,
                 deadline=deadline,
-                growth=self._growth(request, backend.block_size),
+                growth=self.growth(request, backend.block_size),
                 resumable=not_resumable is None,
             )
         except UpstreamUnavailable as exc:
-            await self._failed(backend.name, exc.reason, tried, unreachable=exc.unreachable)
+            await self.failed(backend.name, exc.reason, tried, unreachable=exc.unreachable)
             raise
         served = Served(
             outcome=outcome,
@@ -247,11 +215,12 @@ class Exchange:
             started_at=started,
         )
         if relayed.cut is not None:
-            return await self._go_on(request, served, relayed.cut, tried, deadline=deadline)
+            going_on = Continuation(self, request, tried=tried, deadline=deadline)
+            return await going_on.go_on(served, relayed.cut)
         if not_resumable is not None and request.stream and not relayed.completed:
             # cut, and ended with an error event
             self.metrics.stream_continuations_refused.labels(request.pool, not_resumable).inc()
-            await self._broke_off(backend.name, tried)
+            await self.broke_off(backend.name, tried)
         else:
             backend.record_success()
         return served
@@ -263,7 +232,7 @@ class Exchange:
             return "off"
         return refusal(request)
 
-    async def _failed(
+    async def failed(
         self, name: str, reason: str, tried: set[str], *, unreachable: str | None = None
     ) -> None:
         """Backend `name` failed this request before its first byte: counted against it,
@@ -276,9 +245,9 @@ class Exchange:
     async def _leave(self, name: str, reason: str, tried: set[str]) -> None:
         self.metrics.upstream_errors.labels(name, reason.split(":")[0]).inc()
         tried.add(name)
-        await self.holding.release()
+        await self.held.release()
 
-    async def _broke_off(self, name: str, tried: set[str]) -> None:
+    async def broke_off(self, name: str, tried: set[str]) -> None:
         """Backend `name` broke off a stream mid-answer: most likely it is going away (a
         restart, a drain, a crash), so it takes no new request until a probe finds it
         serving again (gateway/admission/backends.py)."""
@@ -289,127 +258,14 @@ class Exchange:
         )
         await self._leave(name, "mid-stream", tried)
 
-    async def _go_on(
-        self,
-        request: InferenceRequest,
-        served: Served,
-        cut: StreamCut,
-        tried: set[str],
-        *,
-        deadline: float,
-    ) -> Served:
-        """Continue a stream whose backend broke off mid-answer on another backend of the
-        pool, as often as the pool allows within the request's deadline
-        (gateway/upstream/resume.py); else end it with an error event."""
-        tries = self.router.pools[request.pool].settings.continue_streams
-        await self._broke_off(served.target, tried)
-        count: asyncio.Task[int | None] | None = None  # the original prompt's tokens
-        try:
-            while True:
-                partial = read_partial(cut.relay.kept or [], request.endpoint)
-                if partial.finished or cut.relay.finished:  # broke off after its last token
-                    await cut.finish()
-                    return _ended(served, completed=True)
-                follow, why = await self._follow(request, partial, tried, tries, deadline)
-                if follow is None:
-                    self.metrics.stream_continuations_refused.labels(request.pool, why).inc()
-                    await cut.fail()
-                    return _ended(served, completed=False)
-                tries -= 1
-                if count is None:
-                    target = self._held_target()
-                    count = asyncio.create_task(self.forwarder.prompt_tokens(target, request))
-                served, next_cut = await self._continue(
-                    follow, served, cut, partial, tried, deadline=deadline, count=count
-                )
-                if next_cut is None:
-                    return served
-                cut = next_cut
-        finally:
-            if count is not None:
-                count.cancel()
-
-    async def _follow(
-        self,
-        request: InferenceRequest,
-        partial: Partial,
-        tried: set[str],
-        tries: int,
-        deadline: float,
-    ) -> tuple[InferenceRequest | None, str]:
-        """The continuation of `request` from `partial`, holding room on a backend not yet
-        tried; else None and why not."""
-        if partial.refusal is not None:
-            return None, partial.refusal
-        follow = continued(request, partial)
-        if follow is None:
-            return None, "output_limit"
-        if tries == 0:
-            return None, "tries"
-        if self.clock.monotonic() >= deadline:
-            return None, "deadline"
-        self.holding.reservation = await self.reserve(follow, exclude=tried, running=True)
-        if self.holding.reservation is None:
-            return None, "no_room"
-        return follow, ""
-
-    def _held_target(self) -> Target:
-        reservation = self.holding.reservation
-        assert reservation is not None
-        return self.router.target(self.router.backend(reservation.backend))
-
-    async def _continue(
-        self,
-        follow: InferenceRequest,
-        served: Served,
-        cut: StreamCut,
-        partial: Partial,
-        tried: set[str],
-        *,
-        deadline: float,
-        count: asyncio.Future[int | None],
-    ) -> tuple[Served, StreamCut | None]:
-        """One continuation on the backend `follow` holds a reservation on: the stream as
-        it then is, and its cut if it broke off again (or never began there)."""
-        reservation = self.holding.reservation
-        assert reservation is not None
-        backend = self.router.backend(reservation.backend)
-        growth = self._growth(follow, backend.block_size)
-        leg = ContinuationLeg(partial)
-        cut.relay.next_leg(leg, carried=partial.tokens, growth=growth, prompt=count)
-        try:
-            relayed = await self.forwarder.forward(
-                self.router.target(backend),
-                follow,
-                public_model=follow.pool,
-                send=self.send,
-                headers=self.headers(served.outcome),
-                recorder=self.recorder,
-                deadline=deadline,
-                growth=growth,
-                relay=cut.relay,
-            )
-        except UpstreamUnavailable as exc:
-            self.metrics.stream_continuations.labels(follow.pool, "failed").inc()
-            await self._failed(backend.name, exc.reason, tried, unreachable=exc.unreachable)
-            return served, cut
-        self.metrics.stream_continuations.labels(follow.pool, "succeeded").inc()
-        went_on = Served(served.outcome, backend.name, served.pool, relayed, served.started_at)
-        if relayed.cut is None:
-            backend.record_success()
-        else:
-            await self._broke_off(backend.name, tried)
-        return went_on, relayed.cut
-
-    def _growth(self, request: InferenceRequest, block_size: int) -> Growth | None:
+    def growth(self, request: InferenceRequest, block_size: int) -> Growth | None:
         """What grows a streaming request's reservation with its answer (in `learned`
         mode; `max_tokens` mode reserves the whole answer up front)."""
         settings = self.router.pools[request.pool].settings.reservation
         if not request.stream or settings.mode != "learned":
             return None
         return Growth(
-            router=self.router,
-            holding=self.holding,
+            held=self.held,
             prompt_tokens=request.prompt_tokens,
             sequences=request.n,
             block_size=block_size,

@@ -20,7 +20,7 @@ def limiter_refusal(
         # no Retry-After: waiting cannot help, and clients (openai's) honour x-should-retry
         return Throttled(
             f"Request too large for tenant {tenant!r}: it needs "
-            f"{request.reserved_tokens} tokens (prompt estimate plus max_tokens) but the "
+            f"{request.charge_tokens} tokens (prompt estimate plus max_tokens) but the "
             f"tenant's token bucket holds at most {decision.limit_tokens}. Lower max_tokens "
             "or shorten the prompt; retrying will not help.",
             code="request_too_large",

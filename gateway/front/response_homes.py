@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
 
-from gateway.front.exchange import Holding
+from gateway.admission.held import HeldReservation
 
 log = logging.getLogger("spillgate.responses")
 KEY_PREFIX = "spillgate:response:"
@@ -87,11 +87,11 @@ class ResponseIdRecorder:
     retry elsewhere happens only before them). An answer from outside the pool (a
     provider) has no reservation and is not remembered."""
 
-    __slots__ = ("_holding", "_homes", "_seen", "_write")  # one per request
+    __slots__ = ("_held", "_homes", "_seen", "_write")  # one per request
 
-    def __init__(self, homes: ResponseHomes, holding: Holding) -> None:
+    def __init__(self, homes: ResponseHomes, held: HeldReservation) -> None:
         self._homes = homes
-        self._holding = holding
+        self._held = held
         self._seen = 0
         self._write: asyncio.Task[None] | None = None
 
@@ -100,11 +100,11 @@ class ResponseIdRecorder:
             return
         self._seen += len(data)
         found = _RESPONSE_ID.search(data, 0, SCAN_BYTES)
-        reservation = self._holding.reservation
+        backend = self._held.backend
         if found is not None:
             self._seen = SCAN_BYTES  # one id per answer
-            if reservation is not None:
-                self._write = self._homes.remember(found.group(1).decode(), reservation.backend)
+            if backend is not None:
+                self._write = self._homes.remember(found.group(1).decode(), backend)
 
     def finish(self, usage: object) -> None:
         return None

@@ -1,4 +1,4 @@
-"""One request's spans: the SERVER span `Tracing.begin` opens (gateway/tracing.py), a span
+"""One request's spans: the SERVER span `Tracing.begin` opens (gateway/front/tracing.py), a span
 for each overflow policy the chain tries (`spill`), and a CLIENT span for each upstream
 attempt, made by the forwarder `forwarder` wraps, whose `traceparent` goes to the
 upstream so that vLLM's own spans join the trace. A request that is not sampled records
@@ -24,9 +24,10 @@ from gateway.upstream.forward import Forwards
 from gateway.upstream.relay import Relayed, StreamRelay
 
 if TYPE_CHECKING:
-    from gateway.front.exchange import Exchange, Served
+    from gateway.front.exchange import Exchange
     from gateway.overflow import OverflowPolicy
     from gateway.request import InferenceRequest
+    from gateway.upstream.served import Served
     from gateway.upstream.target import Target
 
 PROPAGATOR = TraceContextTextMapPropagator()
@@ -75,7 +76,7 @@ class RequestTrace:
             "spillgate.pool": request.pool,
             "spillgate.tenant": request.tenant,
             "spillgate.priority": request.priority,
-            "spillgate.reserved_tokens": request.reserved_tokens,
+            "spillgate.charge_tokens": request.charge_tokens,
             "spillgate.stream": request.stream,
         }
         body = request.body

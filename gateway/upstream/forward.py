@@ -130,7 +130,7 @@ class Forwarder:
         route = self._routes.get((target.name, target.api_base, request.endpoint))
         if route is None:
             route = self._route(target, request.endpoint)
-        # `traceparent` (gateway/tracing.py) only when tracing is on
+        # `traceparent` (gateway/front/tracing.py) only when tracing is on
         return self._pool.post(route, upstream_body(request, target.model), trace_headers)
 
     async def prompt_tokens(self, target: Target, request: InferenceRequest) -> int | None:

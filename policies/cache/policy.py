@@ -24,10 +24,10 @@ import orjson
 
 from gateway.clock import Clock
 from gateway.config import CacheSettings, PoolSettings
-from gateway.front.exchange import Served
+from gateway.upstream.served import Served
 from gateway.outcome import Outcome
 from gateway.overflow import OverflowContext
-from gateway.request import InferenceRequest
+from gateway.request import Endpoint, InferenceRequest
 from gateway.upstream.answer import JSON_HEADERS
 from gateway.upstream.relay import send_json_body
 from policies.cache.recorder import CompletionRecorder, send_replay
@@ -88,6 +88,9 @@ def storable(request: InferenceRequest, settings: CacheSettings) -> bool:
 
 class CachePolicy:
     name: ClassVar[str] = "cache"
+    # the cache holds chat and completion text
+    endpoints: ClassVar[frozenset[Endpoint]] = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
+    serves_elsewhere: ClassVar[bool] = False
 
     def __init__(self, settings: CacheSettings, *, store: ResponseCache, clock: Clock) -> None:
         self._settings = settings

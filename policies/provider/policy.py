@@ -20,10 +20,10 @@ from typing import ClassVar
 
 from gateway.config import PoolSettings
 from gateway.errors import UpstreamUnavailable
-from gateway.front.exchange import Served
+from gateway.upstream.served import Served
 from gateway.outcome import Outcome
 from gateway.overflow import Latencies, OverflowContext, ProviderMetrics, predict
-from gateway.request import InferenceRequest
+from gateway.request import Endpoint, InferenceRequest
 from policies.deps import PolicyDeps
 from policies.provider.gate import ProviderGate, Refusal
 
@@ -37,6 +37,11 @@ MID_STREAM = "mid-stream"  # the reason label of a failure after the first byte
 
 class ProviderPolicy:
     name: ClassVar[str] = "provider"
+    # a chat pool's provider may not serve the Responses API (its 404 would count against the provider's breaker)
+    endpoints: ClassVar[frozenset[Endpoint]] = frozenset(
+        {Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.EMBEDDINGS}
+    )
+    serves_elsewhere: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -65,7 +70,7 @@ class ProviderPolicy:
 
     async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         gate = self._gate
-        claim = await gate.acquire(request.reserved_tokens)
+        claim = await gate.acquire(request.charge_tokens)
         if isinstance(claim, Refusal):
             log.debug("provider %s passes %s: %s", gate.name, request.pool, claim)
             return None

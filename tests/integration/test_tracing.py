@@ -80,7 +80,7 @@ def test_a_request_is_one_server_span_with_genai_attributes_and_the_backend_join
         "spillgate.backend": f"{pool}-0",
         "spillgate.tenant": "acme",
         "spillgate.priority": "standard",
-        "spillgate.reserved_tokens": reserved_tokens(body),
+        "spillgate.charge_tokens": reserved_tokens(body),
         "spillgate.stream": stream,
     }
     assert server.status.status_code is StatusCode.UNSET

@@ -191,4 +191,4 @@ def reserved_tokens(body: dict[str, Any]) -> int:
         max_model_len=4096,
         chars_per_token=4.0,
     )
-    return request.reserved_tokens
+    return request.charge_tokens

@@ -3,6 +3,7 @@
 import asyncio
 
 from gateway.admission.growth import Growth
+from gateway.admission.held import HeldReservation
 from gateway.admission.ledger import LocalLedger, Reservation
 from gateway.admission.router import Router
 from tests.support.routers import local_router
@@ -12,9 +13,10 @@ def _router(capacities: list[int], target_fill: float, *, block_size: int) -> Ro
     return local_router(capacities, target_fill=target_fill, block_size=block_size)
 
 
-class Held:
-    def __init__(self, reservation: Reservation | None) -> None:
-        self.reservation = reservation
+def held_by(router: Router, reservation: Reservation) -> HeldReservation:
+    held = HeldReservation(router)
+    held.take(reservation)
+    return held
 
 
 def event(index: int = 0) -> bytes:
@@ -26,8 +28,8 @@ def test_grows_a_block_at_a_time_past_the_reservation_and_releases_it_all() -> N
         router = _router([1000], 0.1, block_size=16)  # limit 100
         reservation = await router.reserve("p", 10 + 22)  # prompt 10 + 22 expected: 2 blocks
         assert reservation is not None and reservation.tokens == 32
-        held = Held(reservation)
-        growth = Growth(router=router, holding=held, prompt_tokens=10, sequences=1, block_size=16)
+        held = held_by(router, reservation)
+        growth = Growth(held=held, prompt_tokens=10, sequences=1, block_size=16)
         assert not growth.seen(event() * 22)  # 10 + 22 = 32: still covered
         assert growth.seen(event())  # the 23rd token needs a third block
         await growth.grow()
@@ -37,7 +39,7 @@ def test_grows_a_block_at_a_time_past_the_reservation_and_releases_it_all() -> N
         await growth.grow()
         assert held.reservation.tokens == 144  # 10 + 123 = 133 tokens: 9 blocks
         assert router.ledger.tokens_in_flight("p-0") == 144
-        await router.release(reservation)  # the reservation as first admitted: all of it goes
+        await held.release()  # all of it goes
         assert router.ledger.snapshot() == {"p-0": (0, 0)}
 
     asyncio.run(scenario())
@@ -48,8 +50,8 @@ def test_choices_are_counted_each_and_every_sequence_grows_with_the_longest() ->
         router = _router([1000], 1.0, block_size=16)
         reservation = await router.reserve("p", 16, sequences=2)  # 2 x 1 block
         assert reservation is not None and reservation.tokens == 32
-        held = Held(reservation)
-        growth = Growth(router=router, holding=held, prompt_tokens=4, sequences=2, block_size=16)
+        held = held_by(router, reservation)
+        growth = Growth(held=held, prompt_tokens=4, sequences=2, block_size=16)
         assert not growth.seen(event(0) * 12 + event(1) * 5)
         assert growth.seen(event(0))  # choice 0 at 4 + 13 tokens
         await growth.grow()
@@ -76,10 +78,9 @@ def test_headroom_stays_reserved_beyond_the_blocks_the_stream_holds() -> None:
         router = _router([1000], 1.0, block_size=16)
         reservation = await router.reserve("p", 10 + 22)  # 2 blocks: prompt 10, 22 beyond
         assert reservation is not None
-        held = Held(reservation)
+        held = held_by(router, reservation)
         growth = Growth(
-            router=router,
-            holding=held,
+            held=held,
             prompt_tokens=10,
             sequences=1,
             block_size=16,
@@ -95,7 +96,7 @@ def test_headroom_stays_reserved_beyond_the_blocks_the_stream_holds() -> None:
         assert growth.seen(event())  # the 33rd token takes a third block
         await growth.grow()
         assert held.reservation.tokens == 48 + 8
-        await router.release(reservation)
+        await held.release()
         assert router.ledger.snapshot() == {"p-0": (0, 0)}
 
     asyncio.run(scenario())

@@ -10,12 +10,13 @@ import orjson
 import pytest
 
 from gateway.admission.backends import build_pools
+from gateway.admission.held import HeldReservation
 from gateway.admission.ledger import LocalLedger
 from gateway.admission.router import Router
 from gateway.clock import ManualClock
 from gateway.config import BackendSettings, PoolSettings
 from gateway.errors import UpstreamError
-from gateway.front.exchange import Exchange, Holding
+from gateway.front.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
 from gateway.upstream.answer import Usage
@@ -49,7 +50,7 @@ class Setup:
         self.metrics = GatewayMetrics()
         self.upstream = UpstreamPool(max_connections=4)
         self.client = Client()
-        self.holding = Holding(self.router)
+        self.held = HeldReservation(self.router)
         self.exchange = Exchange(
             send=self.client.send,
             headers=[(b"x-ratelimit-limit-tokens", b"100")],
@@ -57,7 +58,7 @@ class Setup:
             forwarder=Forwarder(self.upstream, clock=self.clock),
             metrics=self.metrics,
             clock=self.clock,
-            holding=self.holding,
+            held=self.held,
         )
 
     def in_flight(self, backend: str) -> int:
@@ -79,11 +80,11 @@ def test_a_failure_before_the_first_byte_moves_the_reservation_to_another_backen
     async def scenario(s: Setup) -> None:
         request = chat_request()
         assert await s.exchange.admit(request)
-        assert s.holding.reservation is not None and s.holding.reservation.backend == "big-0"
+        assert s.held.reservation is not None and s.held.reservation.backend == "big-0"
         served = await s.exchange.serve_local(request, Outcome.LOCAL)
         assert (served.outcome, served.target, served.pool) == (Outcome.LOCAL, "big-1", "big")
         assert served.relayed.usage == Usage(prompt_tokens=5, completion_tokens=2, known=True)
-        assert s.holding.reservation is not None and s.holding.reservation.backend == "big-1"
+        assert s.held.reservation is not None and s.held.reservation.backend == "big-1"
         assert (s.in_flight("big-0"), s.in_flight("big-1")) == (0, request.sequence_tokens)
         assert s.upstream_errors("big-0", "status 503") == 1.0
         assert s.client.status == 200
@@ -91,7 +92,7 @@ def test_a_failure_before_the_first_byte_moves_the_reservation_to_another_backen
         assert s.client.headers["x-ratelimit-limit-tokens"] == "100"
         assert orjson.loads(s.client.body)["choices"][0]["message"]["content"] == ANSWER
         await s.exchange.release()
-        assert s.holding.reservation is None and s.in_flight("big-1") == 0
+        assert s.held.reservation is None and s.in_flight("big-1") == 0
 
     run([urls["bad"], urls["good"]], scenario)
 
@@ -108,7 +109,7 @@ def test_when_every_backend_fails_the_client_gets_nothing_and_nothing_is_held(ur
             "(status 503; then no other backend of the pool to retry on)."
         )
         assert s.client.messages == []
-        assert s.holding.reservation is None
+        assert s.held.reservation is None
         assert (s.in_flight("big-0"), s.in_flight("big-1")) == (0, 0)
         assert s.upstream_errors("big-0", "status 503") == 1.0
         assert s.upstream_errors("big-1", "status 503") == 1.0
@@ -152,7 +153,7 @@ def test_a_sheddable_request_gets_no_room_past_the_pools_sheddable_fill(urls) ->
         held = await s.router.reserve("big", 600)
         assert held is not None
         assert not await s.exchange.admit(chat_request(priority="sheddable"))
-        assert s.holding.reservation is None
+        assert s.held.reservation is None
         assert await s.exchange.admit(chat_request())  # the headroom is kept for it
         await s.exchange.release()
         await s.router.release(held)
@@ -164,9 +165,9 @@ def test_a_sheddable_request_gets_no_room_past_the_pools_sheddable_fill(urls) ->
 def test_held_room_from_elsewhere_is_released_with_the_request(urls) -> None:
     async def scenario(s: Setup) -> None:
         reservation = await s.exchange.reserve(chat_request())
-        assert reservation is not None and s.holding.reservation is None  # not held yet
-        s.exchange.hold(reservation)
-        assert s.holding.reservation == reservation
+        assert reservation is not None and s.held.reservation is None  # not held yet
+        s.exchange.take(reservation)
+        assert s.held.reservation == reservation
         await s.exchange.release()
         await s.exchange.release()  # once only: the second finds nothing to give back
         assert s.in_flight("big-0") == 0

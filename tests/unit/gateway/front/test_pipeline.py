@@ -17,10 +17,11 @@ from gateway.admission.router import Router
 from gateway.clock import ManualClock
 from gateway.config import BackendSettings, PoolSettings, Settings, TenantSettings
 from gateway.front.auth import Authenticator
-from gateway.front.pipeline import CompletionsEndpoint, PipelineDeps
+from gateway.front.pipeline import EndpointRules, Pipeline, PipelineDeps
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit.local import LocalRateLimiter
 from gateway.request import Endpoint
+from gateway.slo import Latencies
 from gateway.upstream.forward import Forwarder
 from gateway.upstream.pool import UpstreamPool
 from tests.support.upstream import (
@@ -81,9 +82,10 @@ class Gateway:
             forwarder=Forwarder(self.upstream, clock=self.clock),
             metrics=self.metrics,
             clock=self.clock,
+            latencies=Latencies(self.clock),
             max_body_bytes=1 << 20,
         )
-        self.endpoint = CompletionsEndpoint(Endpoint.CHAT, deps)
+        self.endpoint = Pipeline(EndpointRules(endpoint=Endpoint.CHAT), deps)
 
     async def post(self, body: dict[str, Any], *, key: str = KEY) -> Client:
         client = Client()

@@ -19,7 +19,7 @@ def test_reserves_prompt_estimate_plus_max_tokens() -> None:
     req = _parse({"messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 50})
     assert req.max_output_tokens == 50  # type: ignore[attr-defined]
     assert 100 <= req.prompt_tokens <= 110  # type: ignore[attr-defined]
-    assert req.reserved_tokens == req.prompt_tokens + 50  # type: ignore[attr-defined]
+    assert req.charge_tokens == req.prompt_tokens + 50  # type: ignore[attr-defined]
 
 
 def test_default_max_tokens_when_absent_and_stream_usage_flag() -> None:

@@ -36,7 +36,7 @@ def test_an_embedding_reserves_its_inputs_tokens_and_nothing_more(
     value: Any, tokens: int, chars: int
 ) -> None:
     request = _parse(Endpoint.EMBEDDINGS, {"model": "p", "input": value})
-    assert (request.prompt_tokens, request.max_output_tokens, request.reserved_tokens) == (
+    assert (request.prompt_tokens, request.max_output_tokens, request.charge_tokens) == (
         tokens,
         0,
         tokens,

@@ -9,11 +9,12 @@ from typing import Any, Literal
 import pytest
 
 from gateway.admission.backends import build_pools
+from gateway.admission.held import HeldReservation
 from gateway.admission.ledger import LocalLedger
 from gateway.admission.router import Router
 from gateway.clock import ManualClock
 from gateway.config import BackendSettings, PoolSettings, Priority, QueueSettings
-from gateway.front.exchange import Exchange, Holding
+from gateway.front.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.request import Endpoint, InferenceRequest
 from gateway.upstream.forward import Forwarder
@@ -68,7 +69,7 @@ class Setup:
             forwarder=Forwarder(self.upstream, clock=self.clock),
             metrics=self.metrics,
             clock=self.clock,
-            holding=Holding(self.router),
+            held=HeldReservation(self.router),
         )
 
     def in_flight(self) -> int:
@@ -124,9 +125,9 @@ def test_a_release_hands_the_room_to_the_waiter() -> None:
         assert len(s.queue) == 1 and not waiting.done()
         await s.router.release(full)
         assert await waiting is QueueResult.ADMITTED
-        assert ex.holding.reservation is not None
+        assert ex.held.reservation is not None
         assert s.in_flight() == 300 and len(s.queue) == 0
-        await ex.holding.release()
+        await ex.held.release()
         assert s.in_flight() == 0
 
     run(scenario)
@@ -164,7 +165,7 @@ def test_a_cancelled_waiter_leaves_at_once_and_gets_nothing() -> None:
         assert waiting.cancelled() and len(s.queue) == 0
         await s.router.release(full)
         await settle()
-        assert s.in_flight() == 0 and ex.holding.reservation is None
+        assert s.in_flight() == 0 and ex.held.reservation is None
 
     run(scenario)
 
@@ -223,7 +224,7 @@ def test_sheddable_waiters_stay_off_the_reserved_headroom() -> None:
         assert not shed.done()  # 400 tokens free, but the pool is past 50 %
         other = s.exchange()
         assert await other.admit(request(priority="standard"))  # headroom kept for others
-        await other.holding.release()
+        await other.held.release()
         await settle()
         assert not shed.done()  # 600 of 1000 held: still past 50 %
         await s.router.release(first)
@@ -245,7 +246,7 @@ def test_a_waiter_cancelled_just_as_room_frees_gets_nothing() -> None:
         await asyncio.gather(waiting, return_exceptions=True)
         await settle()
         assert waiting.cancelled() and len(s.queue) == 0
-        assert s.in_flight() == 0 and ex.holding.reservation is None
+        assert s.in_flight() == 0 and ex.held.reservation is None
 
     run(scenario)
 
@@ -300,7 +301,7 @@ def test_an_auto_wait_lets_a_waiter_outwait_a_slow_pools_answers() -> None:
         assert not waiting.done()
         await s.router.release(full)
         assert await waiting is QueueResult.ADMITTED
-        await ex.holding.release()
+        await ex.held.release()
 
     run(scenario, max_wait_s="auto")
 

@@ -8,7 +8,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway.config import ConfigError, TracingSettings, parse_settings
-from gateway.tracing import build_tracing, otlp_endpoint
+from gateway.front.tracing import build_tracing, otlp_endpoint
 
 
 def config(tracing: dict[str, Any]) -> dict[str, Any]:
