@@ -43,7 +43,6 @@ from typing import ClassVar
 from gateway.clock import Clock, Timer
 from gateway.config import PRIORITIES, PoolSettings, Priority
 from gateway.errors import NoRoomToRetry, QueueFull
-from gateway.front.exchange import Served
 from gateway.outcome import Outcome
 from gateway.overflow import (
     Latencies,
@@ -54,7 +53,8 @@ from gateway.overflow import (
     Rival,
     predict,
 )
-from gateway.request import InferenceRequest
+from gateway.request import Endpoint, InferenceRequest
+from gateway.upstream.served import Served
 from policies.deps import PolicyDeps
 from policies.queue.fair_queue import FairQueue, QueueResult, Waiter
 from policies.queue.service import Service
@@ -84,6 +84,8 @@ class QueueEntry:
 
 class QueuePolicy:
     name: ClassVar[str] = "queue"
+    endpoints: ClassVar[frozenset[Endpoint]] = frozenset(Endpoint)
+    serves_elsewhere: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -362,7 +364,7 @@ class QueuePolicy:
                     self._queue.remove(waiter)
                     await self._room.release(reservation)  # it left while we reserved
                     continue
-                entry.exchange.hold(reservation)
+                entry.exchange.take(reservation)
                 entry.decided.set_result(QueueResult.ADMITTED)
                 self._giving_way_since = None
                 now = self._clock.monotonic()
