@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import orjson
+import redis.asyncio as aioredis
 import yaml
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -157,3 +158,13 @@ def ratelimit_fleet(workdir: Path) -> Iterator[Fleet]:
         specs = [(config, offset) for offset in CLOCK_OFFSETS]
         with gateways(specs, redis_url=store.url, workdir=workdir) as urls:
             yield Fleet(urls, keys, config)
+
+
+@contextlib.asynccontextmanager
+async def connected(redis_proc: RedisProcess) -> AsyncIterator[aioredis.Redis]:
+    """A client of `redis_proc`, closed after."""
+    client = aioredis.Redis.from_url(redis_proc.url, socket_timeout=5)
+    try:
+        yield client
+    finally:
+        await client.aclose()
