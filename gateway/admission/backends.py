@@ -29,7 +29,8 @@ from gateway.admission.discovery import (
 from gateway.admission.fill import FillController, FillReason
 from gateway.admission.output_lengths import WINDOW, LengthSource, OutputLengths
 from gateway.admission.prefix_index import PrefixIndex
-from gateway.clock import Clock
+from gateway.breaker import CircuitBreaker
+from gateway.clock import Clock, SystemClock
 from gateway.config import BackendSettings, PoolSettings, ReservationSettings
 from gateway.config.references import backend_name
 from gateway.errors import BackendUnavailable
@@ -57,7 +58,8 @@ class Backend:
     root: str | None = None  # the weights it loaded, from the same listing
     last_scrape: float = float("-inf")
     last_probe: float = float("-inf")
-    consecutive_failures: int = 0
+    # opened by requests failing in a row; the probe is its trial (FleetWatcher)
+    breaker: CircuitBreaker = field(default_factory=lambda: _breaker(SystemClock()))
     ejected_until: float = float("-inf")  # an ejected backend is probed back no sooner
     down_reason: str | None = None  # why it is out of rotation; None while in rotation
     fill: FillController = field(default_factory=lambda: FillController(1.0))
@@ -110,7 +112,7 @@ class Backend:
         self.down_reason = reason  # a new reason while down is no change of state: not logged
 
     def mark_up(self) -> None:
-        self.consecutive_failures = 0
+        self.breaker.record_success()
         if self.down_reason is not None:
             log.warning("backend %s is up again (was: %s)", self.name, self.down_reason)
             self.down_reason = None
@@ -120,17 +122,17 @@ class Backend:
     ) -> None:
         """A request to the backend failed before its answer. `unreachable` (why nothing
         answered at its address) takes it out of rotation at once."""
-        self.consecutive_failures += 1
         if unreachable is not None:
+            self.breaker.record_failure(retry_after=0.0)  # out at once, until a probe answers
             self.mark_down(unreachable, now=now)
-        elif self.consecutive_failures >= FAILURES_BEFORE_EJECT:
+        elif self.breaker.record_failure():
             last = f" (last: {reason})" if reason else ""
             self.mark_down(
                 f"{FAILURES_BEFORE_EJECT} requests in a row failed{last}", now=now, hold_s=EJECT_S
             )
 
     def record_success(self) -> None:
-        self.consecutive_failures = 0
+        self.breaker.record_success()
 
     def learn(self, models: list[ServedModel]) -> str | None:
         """Take what the backend's /v1/models says; the reason it cannot serve, if any."""
@@ -182,7 +184,7 @@ class Pool:
 def build_pools(pools: list[PoolSettings], *, clock: Clock) -> dict[str, Pool]:
     built: dict[str, Pool] = {}
     for pool in pools:
-        backends = [_backend(pool, i, b) for i, b in enumerate(pool.backends)]
+        backends = [_backend(pool, i, b, clock) for i, b in enumerate(pool.backends)]
         built[pool.name] = Pool(
             settings=pool,
             backends=backends,
@@ -192,7 +194,11 @@ def build_pools(pools: list[PoolSettings], *, clock: Clock) -> dict[str, Pool]:
     return built
 
 
-def _backend(pool: PoolSettings, index: int, b: BackendSettings) -> Backend:
+def _breaker(clock: Clock) -> CircuitBreaker:
+    return CircuitBreaker(failures=FAILURES_BEFORE_EJECT, cooldown_s=EJECT_S, clock=clock)
+
+
+def _backend(pool: PoolSettings, index: int, b: BackendSettings, clock: Clock) -> Backend:
     return Backend(
         name=backend_name(pool.name, index, b.name),
         pool=pool.name,
@@ -201,6 +207,7 @@ def _backend(pool: PoolSettings, index: int, b: BackendSettings) -> Backend:
         configured_capacity=None if b.capacity == "auto" else b.capacity,
         block_size=b.block_size,
         fill=FillController(pool.target_fill),
+        breaker=_breaker(clock),
     )
 
 

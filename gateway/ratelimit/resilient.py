@@ -39,6 +39,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Literal, TypeVar
 
+from gateway.breaker import CircuitBreaker
 from gateway.clock import Clock
 from gateway.ratelimit import bucket
 from gateway.ratelimit.base import Decision, StoreError, TenantLimits
@@ -96,14 +97,13 @@ class ResilientRateLimiter:
         self._replicas = replicas
         self._timeout_s = timeout_s
         self._timeout_max_s = max(timeout_s, timeout_max_s or timeout_s)
-        self._failure_threshold = failure_threshold
         self._cooldown_s = cooldown_s
-        self._clock = clock
         self._on_store_error = on_store_error
         self._on_mode_change = on_mode_change
-        self._failures = 0
-        self._open_until: float | None = None
-        self._probing = False
+        # half-open, the breaker lets one call through: the probe of the store
+        self._breaker = CircuitBreaker(
+            failures=failure_threshold, cooldown_s=cooldown_s, clock=clock
+        )
         self._mode: Mode = "shared"
         self._known: dict[str, tuple[int, int]] = {}  # tenant: levels the store last reported
         self._owed: dict[str, tuple[TenantLimits, int, int]] = {}  # admitted by the share
@@ -117,7 +117,7 @@ class ResilientRateLimiter:
 
     @property
     def circuit_open(self) -> bool:
-        return self._open_until is not None
+        return self._breaker.is_open
 
     async def acquire(self, limits: TenantLimits, tokens: int) -> Decision:
         bucket.check_tokens(tokens=tokens)
@@ -161,7 +161,7 @@ class ResilientRateLimiter:
 
     def _degraded_mode(self) -> FailureMode:
         """How to answer without the store: `deny` only while the circuit is open."""
-        if self._failure_mode == "deny" and self._open_until is None:
+        if self._failure_mode == "deny" and not self._breaker.is_open:
             return "local"
         return self._failure_mode
 
@@ -203,9 +203,12 @@ class ResilientRateLimiter:
             return bucket.full(limits)
         return self._unavailable(limits)
 
-    def start(self) -> None:
-        """Probe the store every PROBE_S while degraded, until `close`."""
+    async def start(self) -> None:
+        """Probe the store every PROBE_S while degraded, until `stop`."""
         self._probes.start()
+
+    async def stop(self) -> None:
+        await self._probes.stop()
 
     async def probe(self) -> None:
         """While degraded, ask the store whether it is back; if it answers, resume as a
@@ -220,40 +223,36 @@ class ResilientRateLimiter:
         self._answered()
 
     async def close(self) -> None:
-        await self._probes.stop()
+        await self.stop()
         try:
             await self._primary.close()
         finally:
             await self._fallback.close()
 
     async def _ask_primary(self, call: Callable[[], Awaitable[T]]) -> T | _StoreDown:
-        open_until = self._open_until
-        probe = open_until is not None
-        if open_until is not None and (self._probing or self._clock.monotonic() < open_until):
+        if not self._breaker.allow():
             return _STORE_DOWN
-        self._probing = probe
+        answered = False
         try:
             with Deadline.after(self._timeout_max_s):
                 result = await call()
+            answered = True
         except (TimeoutError, StoreError):
             self._failed()
             return _STORE_DOWN
         finally:
-            if probe:
-                self._probing = False
+            if not answered:
+                self._breaker.release_trial()  # a cancelled call tried nothing
         self._answered()
         return result
 
     def _failed(self) -> None:
         self._on_store_error()
-        self._failures += 1
-        if self._failures >= self._failure_threshold:
-            self._open_until = self._clock.monotonic() + self._cooldown_s
+        self._breaker.record_failure()
         self._set_mode(self._degraded_mode())
 
     def _answered(self) -> None:
-        self._failures = 0
-        self._open_until = None
+        self._breaker.record_success()
         self._set_mode("shared")
         if self._owed and not self._settling:
             task = asyncio.get_running_loop().create_task(self._settle_owed())
@@ -266,9 +265,7 @@ class ResilientRateLimiter:
             self._on_mode_change(mode)
 
     def _unavailable(self, limits: TenantLimits) -> Decision:
-        wait = self._cooldown_s
-        if self._open_until is not None:
-            wait = max(0.0, self._open_until - self._clock.monotonic())
+        wait = self._breaker.open_for() if self._breaker.is_open else self._cooldown_s
         return bucket.decision(
             limits, requests=0, tokens=0, reason="store_unavailable", retry_after=wait
         )

@@ -14,8 +14,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("gateway", "policies", "loadtest")
 # What a policy may import from the gateway besides gateway/overflow.py and the modules it
-# imports: the config, errors, outcomes and clock every part shares.
-VOCABULARY = {"gateway.config", "gateway.errors", "gateway.outcome", "gateway.clock"}
+# imports: the config, errors, outcomes and clock every part shares, and the one circuit
+# breaker the provider's gate, the rate limiter and the backends all use.
+VOCABULARY = {
+    "gateway.config",
+    "gateway.errors",
+    "gateway.outcome",
+    "gateway.clock",
+    "gateway.breaker",
+}
 
 
 def module_files() -> dict[str, Path]:

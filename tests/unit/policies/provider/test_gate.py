@@ -1,4 +1,5 @@
-"""A provider's gate: tokens-per-minute budget, concurrency cap and circuit breaker."""
+"""A provider's gate: tokens-per-minute budget, concurrency cap and circuit breaker
+(the breaker itself: tests/unit/gateway/test_breaker.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import LocalRateLimiter
 from gateway.ratelimit.budget import BucketBudget, provider_budgets
 from policies.provider.gate import (
-    BreakerState,
-    CircuitBreaker,
     Claim,
     ProviderGate,
     Refusal,
@@ -56,41 +55,6 @@ def hosted_gate(
         budget=budget or hosted_budget(clock),
         slots=LocalLedger(),
     )
-
-
-def test_breaker_opens_after_consecutive_failures_then_lets_one_trial_through() -> None:
-    clock = ManualClock()
-    states: list[BreakerState] = []
-    breaker = CircuitBreaker(failures=2, cooldown_s=10, clock=clock, on_change=states.append)
-    breaker.record_failure()
-    assert breaker.allow()
-    breaker.record_failure()
-    assert not breaker.allow() and breaker.open_for() == 10
-    clock.advance(10)
-    assert breaker.allow()  # the trial
-    assert not breaker.allow()  # only one at a time
-    breaker.record_failure()  # the trial failed: open again at once
-    assert breaker.state is BreakerState.OPEN
-    clock.advance(10)
-    assert breaker.allow()
-    breaker.record_success()
-    assert breaker.allow() and breaker.allow()
-    assert states == [
-        BreakerState.OPEN,
-        BreakerState.HALF_OPEN,
-        BreakerState.OPEN,
-        BreakerState.HALF_OPEN,
-        BreakerState.CLOSED,
-    ]
-
-
-def test_a_retry_after_opens_the_breaker_at_once_for_that_long() -> None:
-    clock = ManualClock()
-    breaker = CircuitBreaker(failures=5, cooldown_s=10, clock=clock)
-    breaker.record_failure(retry_after=3.0)
-    assert not breaker.allow() and breaker.open_for() == 3.0
-    clock.advance(3.0)
-    assert breaker.allow()
 
 
 def test_gate_refuses_without_claiming_and_settles_the_budget_with_real_usage() -> None:
