@@ -26,8 +26,8 @@ from typing import Protocol
 import httpx
 
 from gateway.admission.fill import FillReason
+from gateway.admission.metrics_text import samples
 from gateway.clock import Clock
-from gateway.metrics_text import samples
 
 log = logging.getLogger("spillgate.backends")
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from gateway.metrics_text import samples
+from gateway.admission.metrics_text import samples
 
 VLLM_CACHE = "vllm:cache_config_info"
 SGLANG_TOKENS = "sglang:max_total_num_tokens"

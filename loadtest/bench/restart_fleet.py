@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
+from gateway.admission.metrics_text import samples
 from gateway.config import hash_key
-from gateway.metrics_text import samples
 from loadtest.bench import admission_fleet as fleet
 from loadtest.procs import free_port, wait_for_port
 from loadtest.real_vllm import RealVllm

@@ -1,11 +1,11 @@
 """Reading a server's /metrics in tests, through the gateway's one parser
-(gateway/metrics_text.py)."""
+(gateway/admission/metrics_text.py)."""
 
 from __future__ import annotations
 
 import httpx
 
-from gateway.metrics_text import families, samples, total
+from gateway.admission.metrics_text import families, samples, total
 
 
 def metrics_text(url: str) -> str:

@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 
 import httpx
 
+from gateway.admission.metrics_text import samples, values
 from gateway.app import create_app
 from gateway.config import parse_settings
-from gateway.metrics_text import samples, values
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from loadtest.sim.provider import ProviderConfig, create_provider_app

@@ -2,8 +2,8 @@
 
 import pytest
 
+from gateway.admission.metrics_text import samples
 from gateway.metrics import TTFT_BUCKETS, TTFT_HELD, GatewayMetrics
-from gateway.metrics_text import samples
 from gateway.outcome import Outcome
 
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from gateway.admission.metrics_text import samples, values
 from gateway.errors import QueueFull
-from gateway.metrics_text import samples, values
 from policies.queue.fair_queue import QueueResult
 from policies.queue.policy import QueuePolicy
 from tests.unit.policies.queue.test_queue_wait import CAPACITY, Setup, request, run, settle

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gateway.metrics_text import families, samples, total, values
+from gateway.admission.metrics_text import families, samples, total, values
 
 PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
