@@ -245,7 +245,7 @@ def create_app(
         max_headers=settings.server.upstream_max_headers,
     )
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))  # capacity discovery and probes
-    store: BatchStore = DirStore(settings.batch.dir)
+    store: BatchStore = DirStore(settings.batch.dir, clock=clock)
     if url:
         store = RedisStore.connect(url, timeout_s=settings.batch.redis_timeout_s)
     batches = Batches(store, settings=settings.batch, pools=pools, clock=clock)

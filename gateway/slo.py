@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gateway.clock import Clock, SystemClock
+from gateway.clock import Clock
 from gateway.errors import Rejected
 from gateway.front.request import TTFT_HEADER
 from gateway.request import InferenceRequest
@@ -96,8 +96,7 @@ class Latencies:
     queue's wait is not in it) and per output token after it: per pool, of its own
     backends' answers (`local`), and per external provider (`provider`)."""
 
-    def __init__(self, clock: Clock | None = None) -> None:
-        clock = SystemClock() if clock is None else clock
+    def __init__(self, clock: Clock) -> None:
         self.local = Places(clock)
         self.provider = Places(clock)
 

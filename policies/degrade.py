@@ -10,16 +10,17 @@ from typing import ClassVar
 
 from gateway.config import PoolSettings
 from gateway.errors import UpstreamError
-from gateway.upstream.served import Served
 from gateway.outcome import Outcome
 from gateway.overflow import Latencies, OverflowContext, PoolRoom, predict
 from gateway.request import Endpoint, InferenceRequest
+from gateway.upstream.served import Served
 from policies.deps import PolicyDeps
 
 
 class DegradePolicy:
     name: ClassVar[str] = "degrade"
-    # another pool's model answers: text only (no other model's vectors), never a stored response's continuation
+    # another pool's model answers: text only (never another model's vectors), and never a
+    # stored response's continuation
     endpoints: ClassVar[frozenset[Endpoint]] = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
     serves_elsewhere: ClassVar[bool] = True
 

@@ -33,11 +33,11 @@ class PolicyDeps:
     room: PoolRoom  # the router, as a policy waiting for room sees it
     metrics: PolicyMetrics
     clock: Clock
+    # what each step's answers took lately, for the steps' predictions (gateway/slo.py)
+    latencies: Latencies
     redis: aioredis.Redis | RedisCluster | None = None  # shared state when configured, else local
     providers: Mapping[str, ProviderGate] = field(default_factory=dict)  # one per provider
     batches: BatchIntake | None = None  # the batch tier, which the `batch` step hands work to
-    # what each place's answers took lately, for the steps' predictions (gateway/slo.py)
-    latencies: Latencies = field(default_factory=Latencies)
     # shared mode: where the queues share their tenants' service and waiters (None: local)
     service_feed: QueueFeed | None = None
 

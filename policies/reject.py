@@ -6,9 +6,9 @@ from typing import ClassVar
 
 from gateway.config import PoolSettings
 from gateway.errors import Rejected
-from gateway.upstream.served import Served
 from gateway.overflow import OverflowContext
 from gateway.request import Endpoint, InferenceRequest
+from gateway.upstream.served import Served
 from policies.deps import PolicyDeps
 
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import time
+import secrets
 from pathlib import Path
 from typing import Any, Protocol
 
 import orjson
 import redis.asyncio as aioredis
+
+from gateway.clock import Clock
 
 Record = dict[str, Any]
 
@@ -50,11 +52,13 @@ class DirStore:
 
     A record is written to a temporary file and renamed into place, so a reader (or a
     restart) sees the old record or the new one, never half of one. A claim is a file
-    created exclusively (O_EXCL: atomic on a local file system) that holds its deadline.
+    created exclusively (O_EXCL: atomic on a local file system) that holds its deadline, in
+    the wall-clock time every process of the machine reads alike.
     """
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, *, clock: Clock) -> None:
         self._root = Path(root)
+        self._clock = clock
 
     def _path(self, kind: str, key: str) -> Path:
         return self._root / _safe(kind) / _safe(key)
@@ -84,7 +88,8 @@ class DirStore:
         await asyncio.to_thread(self._unlink, self._path("blobs", key))
 
     async def claim(self, key: str, *, ttl_s: float) -> bool:
-        return await asyncio.to_thread(self._claim, self._path("claims", key), ttl_s)
+        path, now = self._path("claims", key), self._clock.wall()
+        return await asyncio.to_thread(self._claim, path, deadline=now + ttl_s, now=now)
 
     async def unclaim(self, key: str) -> None:
         await asyncio.to_thread(self._unlink, self._path("claims", key))
@@ -95,7 +100,7 @@ class DirStore:
     @staticmethod
     def _write(path: Path, data: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
+        temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}")
         temp.write_bytes(data)
         os.replace(temp, path)
 
@@ -112,21 +117,21 @@ class DirStore:
             path.unlink()
 
     @classmethod
-    def _claim(cls, path: Path, ttl_s: float) -> bool:
+    def _claim(cls, path: Path, *, deadline: float, now: float) -> bool:
         path.parent.mkdir(parents=True, exist_ok=True)
-        deadline = str(time.time() + ttl_s).encode()
+        written = str(deadline).encode()
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
             held = cls._read(path)
-            if held is None or not held.strip() or float(held) > time.time():
+            if held is None or not held.strip() or float(held) > now:
                 return False
             # the holder's lease ran out: take the claim over by renaming a fresh one onto
             # it; of two processes doing so at once, the one whose deadline is read back wins
-            cls._write(path, deadline)
-            return cls._read(path) == deadline
+            cls._write(path, written)
+            return cls._read(path) == written
         with os.fdopen(fd, "wb") as f:
-            f.write(deadline)
+            f.write(written)
         return True
 
 

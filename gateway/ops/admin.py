@@ -39,10 +39,10 @@ class AdminEndpoints:
         auth: Authenticator,
         admin: AdminAuth,
         watcher: FleetWatcher,
-        latencies: Latencies | None = None,
+        latencies: Latencies,
         services: Mapping[str, CountsService] | None = None,
     ) -> None:
-        self._latencies = Latencies() if latencies is None else latencies
+        self._latencies = latencies
         self._services = services or {}
         self._settings = settings
         self._router = router

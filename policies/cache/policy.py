@@ -24,12 +24,12 @@ import orjson
 
 from gateway.clock import Clock
 from gateway.config import CacheSettings, PoolSettings
-from gateway.upstream.served import Served
 from gateway.outcome import Outcome
 from gateway.overflow import OverflowContext
 from gateway.request import Endpoint, InferenceRequest
 from gateway.upstream.answer import JSON_HEADERS
 from gateway.upstream.relay import send_json_body
+from gateway.upstream.served import Served
 from policies.cache.recorder import CompletionRecorder, send_replay
 from policies.cache.store import LocalResponseCache, RedisResponseCache, ResponseCache
 from policies.deps import PolicyDeps

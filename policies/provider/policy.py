@@ -20,10 +20,10 @@ from typing import ClassVar
 
 from gateway.config import PoolSettings
 from gateway.errors import UpstreamUnavailable
-from gateway.upstream.served import Served
 from gateway.outcome import Outcome
 from gateway.overflow import Latencies, OverflowContext, ProviderMetrics, predict
 from gateway.request import Endpoint, InferenceRequest
+from gateway.upstream.served import Served
 from policies.deps import PolicyDeps
 from policies.provider.gate import ProviderGate, Refusal
 
@@ -37,7 +37,8 @@ MID_STREAM = "mid-stream"  # the reason label of a failure after the first byte
 
 class ProviderPolicy:
     name: ClassVar[str] = "provider"
-    # a chat pool's provider may not serve the Responses API (its 404 would count against the provider's breaker)
+    # a chat pool's provider may not serve the Responses API (its 404 would count against
+    # the provider's breaker, and so against the pool's chat spills)
     endpoints: ClassVar[frozenset[Endpoint]] = frozenset(
         {Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.EMBEDDINGS}
     )
@@ -48,11 +49,11 @@ class ProviderPolicy:
         *,
         gate: ProviderGate,
         metrics: ProviderMetrics,
-        latencies: Latencies | None = None,
+        latencies: Latencies,
     ) -> None:
         self._gate = gate
         self._metrics = metrics
-        self._latencies = Latencies() if latencies is None else latencies
+        self._latencies = latencies
 
     @classmethod
     def build(cls, pool: PoolSettings, deps: PolicyDeps) -> ProviderPolicy:

@@ -16,6 +16,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import LocalRateLimiter
 from gateway.ratelimit.budget import provider_budgets
 from gateway.request import Endpoint, InferenceRequest
+from gateway.slo import Latencies
 from policies.deps import PolicyDeps
 from policies.provider.gate import build_gates
 from policies.registry import answer_recorders, arrival_checks, build_chain, registry
@@ -61,6 +62,7 @@ def test_the_full_chain_is_built_in_config_order_with_its_hooks() -> None:
         room=router,
         metrics=metrics,
         clock=clock,
+        latencies=Latencies(clock),
         providers=build_gates(
             settings.providers,
             environ={},

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from pathlib import Path
 
 import pytest
 
 from gateway.batch.store import DirStore
+from gateway.clock import ManualClock
 from gateway.config import BatchSettings, ConfigError, hash_key, parse_settings
 
 
@@ -33,10 +33,10 @@ def test_the_batch_keys_are_checked_with_the_rest_of_the_file() -> None:
 
 def test_records_blobs_and_keys_survive_a_new_store_on_the_directory(tmp_path: Path) -> None:
     async def run() -> None:
-        store = DirStore(tmp_path)
+        store = DirStore(tmp_path, clock=ManualClock())
         await store.save("batch", "batch_1", {"status": "in_progress"})
         await store.save_blob("file-1", b'{"a": 1}\n')
-        again = DirStore(tmp_path)
+        again = DirStore(tmp_path, clock=ManualClock())
         assert await again.load("batch", "batch_1") == {"status": "in_progress"}
         assert await again.load_blob("file-1") == b'{"a": 1}\n'
         assert await again.keys("batch") == ["batch_1"]
@@ -51,15 +51,17 @@ def test_records_blobs_and_keys_survive_a_new_store_on_the_directory(tmp_path: P
 
 def test_an_item_is_claimed_once_until_its_lease_runs_out(tmp_path: Path) -> None:
     async def run() -> None:
-        first, second = DirStore(tmp_path), DirStore(tmp_path)
+        clock = ManualClock()  # both processes read the same wall clock
+        first, second = DirStore(tmp_path, clock=clock), DirStore(tmp_path, clock=clock)
         assert await first.claim("batch_1.0", ttl_s=60) is True
         assert await second.claim("batch_1.0", ttl_s=60) is False
         await first.unclaim("batch_1.0")
         assert await second.claim("batch_1.0", ttl_s=60) is True
         # a holder that died: its lease has run out, and the claim is taken over once
-        path = tmp_path / "claims" / "batch_1.1"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(str(time.time() - 1).encode())
+        assert await second.claim("batch_1.1", ttl_s=60) is True
+        clock.advance(59.0)
+        assert await first.claim("batch_1.1", ttl_s=60) is False
+        clock.advance(2.0)
         assert await first.claim("batch_1.1", ttl_s=60) is True
         assert await second.claim("batch_1.1", ttl_s=60) is False
         assert sorted(os.listdir(tmp_path / "claims")) == ["batch_1.0", "batch_1.1"]
