@@ -10,6 +10,15 @@ from typing import Any, NamedTuple
 
 from gateway.config import Priority
 
+# the headers that shape a request (gateway/front/request.py reads them)
+BATCHABLE_HEADER = "x-spillgate-batchable"  # "true": the request may wait, as a batch
+PRIORITY_HEADER = "x-spillgate-priority"
+SESSION_HEADER = "x-spillgate-session"  # a conversation's turns go where its prefix is cached
+# the request's service-level objectives, in milliseconds: time to its first token, and per
+# output token after it; each overrides its tenant's default (ttft_budget_ms, tpot_budget_ms)
+TTFT_HEADER = "x-spillgate-ttft-ms"
+TPOT_HEADER = "x-spillgate-tpot-ms"
+
 
 class Endpoint(StrEnum):
     CHAT = "/v1/chat/completions"

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 
 from gateway.clock import Clock
 from gateway.errors import Rejected
-from gateway.front.request import TTFT_HEADER
-from gateway.request import InferenceRequest
+from gateway.request import TTFT_HEADER, InferenceRequest
 
 WEIGHT = 0.2  # an answer's share of the mean: the last ten or so answers count most
 # A mean no answer has refreshed for this long says nothing: a place the ladder passed over

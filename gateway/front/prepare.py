@@ -18,19 +18,17 @@ from gateway.clock import Clock
 from gateway.errors import BackendUnavailable, InvalidRequest, ModelNotFound
 from gateway.front.auth import Tenant
 from gateway.front.parse import decode_body, names_max_tokens, parse_request, requested_model
-from gateway.front.request import (
+from gateway.front.request import check_pool_kind, effective_priority, header_text, slo_seconds
+from gateway.front.response_homes import ResponseHomes
+from gateway.request import (
     BATCHABLE_HEADER,
     PRIORITY_HEADER,
     SESSION_HEADER,
     TPOT_HEADER,
     TTFT_HEADER,
-    check_pool_kind,
-    effective_priority,
-    header_text,
-    slo_seconds,
+    Endpoint,
+    InferenceRequest,
 )
-from gateway.front.response_homes import ResponseHomes
-from gateway.request import Endpoint, InferenceRequest
 
 PRIORITY_HEADER_BYTES = PRIORITY_HEADER.encode()
 BATCHABLE_HEADER_BYTES = BATCHABLE_HEADER.encode()

@@ -11,13 +11,6 @@ from gateway.config import PRIORITIES, PoolKind, Priority
 from gateway.errors import InvalidRequest
 from gateway.request import API_NAMES, Endpoint
 
-BATCHABLE_HEADER = "x-spillgate-batchable"  # "true": the request may wait, as a batch
-PRIORITY_HEADER = "x-spillgate-priority"
-SESSION_HEADER = "x-spillgate-session"  # a conversation's turns go where its prefix is cached
-# the request's service-level objectives, in milliseconds: time to its first token, and per
-# output token after it; each overrides its tenant's default (ttft_budget_ms, tpot_budget_ms)
-TTFT_HEADER = "x-spillgate-ttft-ms"
-TPOT_HEADER = "x-spillgate-tpot-ms"
 MAX_SLO_MS = 3_600_000.0  # an hour: beyond it a target is a typo, not an objective
 
 

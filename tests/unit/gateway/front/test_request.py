@@ -2,8 +2,8 @@ import pytest
 
 from gateway.errors import InvalidRequest
 from gateway.front.parse import decode_body, parse_request
-from gateway.front.request import TTFT_HEADER, effective_priority, slo_seconds
-from gateway.request import Endpoint, PromptEstimator
+from gateway.front.request import effective_priority, slo_seconds
+from gateway.request import TTFT_HEADER, Endpoint, PromptEstimator
 
 
 def _parse(body: dict[str, object], **kw: object) -> object:
