@@ -173,3 +173,65 @@ def test_policies_see_the_gateway_through_overflow() -> None:
         and (outside := {t for t in targets if t.startswith("gateway")} - allowed)
     }
     assert reaches == {}
+
+
+# The gateway's rooms, lowest first (gateway/README.md "Rooms"): a module imports from its
+# own room and the rooms before it, never from one after it, even to name a type. The
+# first prefix a module starts with names its room.
+ROOMS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "core",
+        (
+            "gateway.config",
+            "gateway.errors",
+            "gateway.outcome",
+            "gateway.clock",
+            "gateway.sweep",
+            "gateway.tasks",
+            "gateway.breaker",
+            "gateway.metrics",
+            "gateway.request",
+            "gateway.slo",
+        ),
+    ),
+    ("clients", ("gateway.shared.batch", "gateway.shared.pubsub", "gateway.upstream")),
+    ("state", ("gateway.ratelimit", "gateway.admission", "gateway.capacity")),
+    ("overflow", ("gateway.overflow",)),
+    ("feeds", ("gateway.shared",)),
+    ("policies", ("policies",)),
+    ("front", ("gateway.front",)),
+    ("services", ("gateway.batch", "gateway.ops")),
+    ("composition", ("gateway.app", "gateway.workers", "gateway.serve", "gateway.cli")),
+]
+
+
+def room_of(module: str) -> int:
+    for rank, (_, prefixes) in enumerate(ROOMS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank
+    raise AssertionError(f"{module} is in no room: add it to ROOMS and gateway/README.md")
+
+
+def test_every_gateway_module_is_in_a_room() -> None:
+    for module in module_files():
+        if module.split(".")[0] in ("gateway", "policies") and module != "gateway":
+            room_of(module)
+
+
+def test_imports_run_down_the_rooms_only() -> None:
+    upward = sorted(
+        f"{module} ({ROOMS[room_of(module)][0]}) imports {target} ({ROOMS[room_of(target)][0]})"
+        for module, targets in import_graph(types=True).items()
+        if module.split(".")[0] in ("gateway", "policies") and module != "gateway"
+        for target in targets
+        if target.split(".")[0] in ("gateway", "policies")
+        and target != "gateway"
+        and room_of(target) > room_of(module)
+    )
+    assert upward == []
+
+
+def test_an_upward_import_is_found() -> None:
+    assert room_of("gateway.front.pipeline") > room_of("gateway.admission.router")
+    assert room_of("gateway.shared.batch") < room_of("gateway.ratelimit.redis_limiter")
+    assert room_of("gateway.shared.service_feed") > room_of("gateway.overflow")
