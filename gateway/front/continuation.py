@@ -9,8 +9,6 @@ import asyncio
 from collections.abc import Awaitable, Collection
 from typing import Protocol
 
-from starlette.types import Send
-
 from gateway.admission.growth import Growth
 from gateway.admission.held import HeldReservation
 from gateway.admission.ledger import Reservation
@@ -20,9 +18,8 @@ from gateway.errors import UpstreamUnavailable
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
 from gateway.request import InferenceRequest
-from gateway.upstream.answer import AnswerRecorder
 from gateway.upstream.forward import Forwards
-from gateway.upstream.relay import StreamCut
+from gateway.upstream.relay import Relayed, StreamCut, StreamRelay
 from gateway.upstream.resume import ContinuationLeg, Partial, continued, read_partial
 from gateway.upstream.served import Served
 from gateway.upstream.target import Target
@@ -36,18 +33,23 @@ class Serving(Protocol):
     forwarder: Forwards
     metrics: GatewayMetrics
     clock: Clock
-    recorder: AnswerRecorder | None
-
-    @property
-    def send(self) -> Send: ...
-
-    def headers(self, outcome: Outcome) -> list[tuple[bytes, bytes]]: ...
 
     def reserve(
         self, request: InferenceRequest, *, exclude: Collection[str] = (), running: bool = False
     ) -> Awaitable[Reservation | None]: ...
 
     def growth(self, request: InferenceRequest, block_size: int) -> Growth | None: ...
+
+    def forward_held(
+        self,
+        request: InferenceRequest,
+        outcome: Outcome,
+        *,
+        deadline: float,
+        growth: Growth | None,
+        resumable: bool = False,
+        relay: StreamRelay | None = None,
+    ) -> Awaitable[Relayed]: ...
 
     async def failed(
         self, name: str, reason: str, tried: set[str], *, unreachable: str | None = None
@@ -139,16 +141,8 @@ class Continuation:
         leg = ContinuationLeg(partial)
         cut.relay.next_leg(leg, carried=partial.tokens, growth=growth, prompt=count)
         try:
-            relayed = await exchange.forwarder.forward(
-                exchange.router.target(backend),
-                follow,
-                public_model=follow.pool,
-                send=exchange.send,
-                headers=exchange.headers(served.outcome),
-                recorder=exchange.recorder,
-                deadline=self._deadline,
-                growth=growth,
-                relay=cut.relay,
+            relayed = await exchange.forward_held(
+                follow, served.outcome, deadline=self._deadline, growth=growth, relay=cut.relay
             )
         except UpstreamUnavailable as exc:
             exchange.metrics.stream_continuations.labels(follow.pool, "failed").inc()

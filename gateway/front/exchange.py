@@ -20,6 +20,7 @@ from gateway.request import InferenceRequest
 from gateway.slo import Prediction
 from gateway.upstream.answer import JSON_HEADERS, AnswerRecorder
 from gateway.upstream.forward import Forwards
+from gateway.upstream.relay import Relayed, StreamRelay
 from gateway.upstream.resume import refusal
 from gateway.upstream.retry import tried_again
 from gateway.upstream.served import Served
@@ -193,13 +194,9 @@ class Exchange:
         # why a stream cut mid-answer could not go on elsewhere; None: it can
         not_resumable = self._not_resumable(request) if request.stream else "not a stream"
         try:
-            relayed = await self.forwarder.forward(
-                self.router.target(backend),
+            relayed = await self.forward_held(
                 request,
-                public_model=request.pool,
-                send=self.send,
-                headers=self.headers(outcome),
-                recorder=self.recorder,
+                outcome,
                 deadline=deadline,
                 growth=self.growth(request, backend.block_size),
                 resumable=not_resumable is None,
@@ -224,6 +221,33 @@ class Exchange:
         else:
             backend.record_success()
         return served
+
+    def forward_held(
+        self,
+        request: InferenceRequest,
+        outcome: Outcome,
+        *,
+        deadline: float,
+        growth: Growth | None,
+        resumable: bool = False,
+        relay: StreamRelay | None = None,
+    ) -> Awaitable[Relayed]:
+        """Forward `request` to the backend it holds its reservation on, its answer relayed
+        to the client as `outcome` (on `relay`: as the next leg of a stream cut before)."""
+        held = self.held.backend
+        assert held is not None
+        return self.forwarder.forward(
+            self.router.target(self.router.backend(held)),
+            request,
+            public_model=request.pool,
+            send=self.send,
+            headers=self.headers(outcome),
+            recorder=self.recorder,
+            deadline=deadline,
+            growth=growth,
+            resumable=resumable,
+            relay=relay,
+        )
 
     def _not_resumable(self, request: InferenceRequest) -> str | None:
         """Why `request`'s stream, cut mid-answer, could not go on on another backend (`off`:
