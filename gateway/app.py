@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.admission.backend_load import LoadWatcher
+from gateway.admission.backend_load import LoadWatcher, MetricsScrape
 from gateway.admission.backends import FleetWatcher, Pool, build_pools
 from gateway.admission.ledger import LocalLedger
 from gateway.admission.ledger_redis import RedisLedger
@@ -37,7 +37,7 @@ from gateway.front.guard import head_bytes, head_too_large
 from gateway.front.pipeline import Pipeline, PipelineDeps, endpoint_rules
 from gateway.front.response_homes import ResponseHomes
 from gateway.front.tracing import build_tracing
-from gateway.metrics import MULTIPROC_ENV, GatewayMetrics, publish_metrics
+from gateway.metrics import MULTIPROC_ENV, GatewayMetrics, MetricsPublisher
 from gateway.ops.admin import AdminEndpoints
 from gateway.ops.dashboard import Dashboard, OutcomeHistory
 from gateway.ops.openapi import openapi_route
@@ -297,10 +297,11 @@ def create_app(
     )
     runner = BatchRunner(batches, deps=deps, tenants=auth.by_name)
     batch_api = BatchEndpoints(batches, auth=auth, max_upload_bytes=settings.batch.max_file_bytes)
-    watcher = FleetWatcher(pools, client=client, clock=clock)
+    scrape = MetricsScrape(client, clock=clock)  # each backend's /metrics, for all readers
+    watcher = FleetWatcher(pools, client=client, scrape=scrape, clock=clock)
     loads = LoadWatcher(
         [b for pool in pools.values() if pool.settings.feedback for b in pool.backends],
-        client=client,
+        scrape=scrape,
         clock=clock,
         reserved=router.ledger.tokens_in_flight,
         on_backoff=lambda backend, reason: metrics.fill_backoffs.labels(backend, reason).inc(),
@@ -339,26 +340,13 @@ def create_app(
             stack.push_async_callback(limiter.close)
             stack.push_async_callback(upstream.aclose)
             stack.push_async_callback(client.aclose)
-            await watcher.refresh_once()
-            watcher.start()
-            stack.push_async_callback(watcher.stop)
-            loads.start()
-            stack.push_async_callback(loads.stop)
-            history.start()
-            stack.push_async_callback(history.stop)
-            if shared is not None:
-                await shared.start()
-            if shared_limiter is not None:
-                await shared_limiter.start()  # stopped by its close, above
-            if provider_slots is not None:
-                await provider_slots.start()
+            await start_all(stack, watcher, loads, history, shared, shared_limiter, provider_slots)
             await start_all(stack, lengths, feed, prefix_feed, service_feed)
             stack.push_async_callback(store.close)
             runner.start()
             stack.push_async_callback(runner.stop)
             if metrics.multiprocess_dir is not None:
-                gauges = asyncio.create_task(publish_metrics(admin.publish))
-                stack.callback(gauges.cancel)
+                await start_all(stack, MetricsPublisher(admin.publish))
             # everything built at start-up lives as long as the process: keep it out of
             # the collector's full passes, which otherwise stall the event loop for tens of ms
             gc.collect()

@@ -1,4 +1,5 @@
-"""What each backend reports it holds, scraped every SCRAPE_S: the loop's other half.
+"""What each backend reports it holds, scraped every SCRAPE_S: the loop's other half; and
+the one scrape of each backend's metrics page that every reader of it shares.
 
 The ledger knows what the gateway reserved; the backend knows what it really holds,
 including traffic that bypasses the gateway. Admission takes the larger of the two
@@ -17,8 +18,6 @@ server (data parallel) are averaged for the usage and added up for the rest.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,8 +27,7 @@ import httpx
 from gateway.admission.fill import FillReason
 from gateway.admission.metrics_text import samples
 from gateway.clock import Clock
-
-log = logging.getLogger("spillgate.backends")
+from gateway.tasks import Periodic
 
 SCRAPE_S = 0.5  # how often each backend's load is read
 SCRAPE_TIMEOUT_S = 0.4  # an answer later than this is no answer: the scrape is skipped
@@ -108,6 +106,29 @@ class LoadReporting(Protocol):
         ...
 
 
+class MetricsScrape:
+    """Each backend's `GET /metrics`, fetched once for everyone who reads it: its load
+    (LoadWatcher, every SCRAPE_S), its KV capacity and its answers' lengths (the probe,
+    backends.py's FleetWatcher). A read takes the last page fetched within its `fresh_s`;
+    a page that failed (5xx, or no answer) is never kept for another reader, who tries
+    for itself within its own time limit."""
+
+    def __init__(self, client: httpx.AsyncClient, *, clock: Clock) -> None:
+        self._client = client
+        self._clock = clock
+        self._pages: dict[str, tuple[float, httpx.Response]] = {}  # url: (when, page)
+
+    async def get(self, url: str, *, timeout_s: float, fresh_s: float) -> httpx.Response:
+        """The backend's metrics page; httpx's errors pass through."""
+        kept = self._pages.get(url)
+        if kept is not None and self._clock.monotonic() - kept[0] < fresh_s:
+            return kept[1]
+        response = await self._client.get(f"{url}/metrics", timeout=timeout_s)
+        if response.status_code < 500:
+            self._pages[url] = (self._clock.monotonic(), response)
+        return response
+
+
 class LoadWatcher:
     """Scrapes the load of every backend whose pool has `feedback` on, every SCRAPE_S; each
     scrape is bounded by SCRAPE_TIMEOUT_S, so a slow backend only makes its load stale."""
@@ -116,7 +137,7 @@ class LoadWatcher:
         self,
         backends: Sequence[LoadReporting],
         *,
-        client: httpx.AsyncClient,
+        scrape: MetricsScrape,
         clock: Clock,
         reserved: Callable[[str], int],
         on_backoff: BackoffListener,
@@ -124,20 +145,22 @@ class LoadWatcher:
         """`reserved(backend)`: the tokens the ledger holds on it now."""
         self._backends = list(backends)
         self._reserved = reserved
-        self._client = client
+        self._scrape = scrape
         self._clock = clock
         self._on_backoff = on_backoff
-        self._task: asyncio.Task[None] | None = None
+        self._periodic = Periodic(self.scrape_once, every_s=SCRAPE_S, name="load-watcher")
 
     async def scrape_once(self) -> None:
-        await asyncio.gather(*(self._scrape(b) for b in self._backends))
+        await asyncio.gather(*(self._read(b) for b in self._backends))
 
-    async def _scrape(self, backend: LoadReporting) -> None:
+    async def _read(self, backend: LoadReporting) -> None:
         # the ledger's view as the scrape leaves and as it comes back, the larger: a request
         # released meanwhile was still in the backend's figure, one admitted was not yet
         before = self._reserved(backend.name)
         try:
-            response = await self._client.get(f"{backend.url}/metrics", timeout=SCRAPE_TIMEOUT_S)
+            response = await self._scrape.get(
+                backend.url, timeout_s=SCRAPE_TIMEOUT_S, fresh_s=SCRAPE_S / 2
+            )
         except httpx.HTTPError:
             return  # the probe (FleetWatcher) says why; the load just goes stale
         if response.status_code != 200:
@@ -150,20 +173,9 @@ class LoadWatcher:
         if reason is not None:
             self._on_backoff(backend.name, reason)
 
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.scrape_once()
-            except Exception:
-                log.exception("load scrape failed")
-            await asyncio.sleep(SCRAPE_S)
-
-    def start(self) -> None:
+    async def start(self) -> None:
         if self._backends:
-            self._task = asyncio.create_task(self._loop(), name="load-watcher")
+            self._periodic.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._periodic.stop()

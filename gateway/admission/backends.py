@@ -9,14 +9,13 @@ than EJECT_S later). Each change is logged once, with its reason.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass, field
 
 import httpx
 import orjson
 
-from gateway.admission.backend_load import STALE_S, ReportedLoad
+from gateway.admission.backend_load import SCRAPE_S, STALE_S, MetricsScrape, ReportedLoad
 from gateway.admission.demand import PoolDemand
 from gateway.admission.discovery import (
     LengthHistogram,
@@ -35,6 +34,7 @@ from gateway.config import BackendSettings, PoolSettings, ReservationSettings
 from gateway.config.references import backend_name
 from gateway.errors import BackendUnavailable
 from gateway.request import PromptEstimator
+from gateway.tasks import Periodic
 from gateway.upstream.forward import unreachable_reason
 
 log = logging.getLogger("spillgate.backends")
@@ -231,11 +231,19 @@ class FleetWatcher:
 
     TICK_S = 1.0
 
-    def __init__(self, pools: dict[str, Pool], *, client: httpx.AsyncClient, clock: Clock) -> None:
+    def __init__(
+        self,
+        pools: dict[str, Pool],
+        *,
+        client: httpx.AsyncClient,
+        scrape: MetricsScrape,
+        clock: Clock,
+    ) -> None:
         self._pools = pools
         self._client = client
+        self._scrape = scrape
         self._clock = clock
-        self._task: asyncio.Task[None] | None = None
+        self._periodic = Periodic(self.refresh_once, every_s=self.TICK_S, name="fleet-watcher")
 
     async def refresh_once(self) -> None:
         now = self._clock.monotonic()
@@ -261,7 +269,7 @@ class FleetWatcher:
             listing = await self._get(backend, "/v1/models", budget_s)
             models = None if listing is None else models_from_listing(_json(listing))
             if backend.configured_capacity is None or lengths:
-                text = await self._get(backend, "/metrics", budget_s)
+                text = await self._get(backend, "/metrics", budget_s, scraped=True)
                 if text is not None:
                     self._read_metrics(backend, text, now=now, lengths=lengths)
             else:
@@ -290,10 +298,16 @@ class FleetWatcher:
             except ValueError:
                 backend.answers = None  # a page the parser cannot read tells no lengths
 
-    async def _get(self, backend: Backend, path: str, budget_s: float) -> str | None:
-        """The body of `GET path`, None when the server has no such route."""
+    async def _get(
+        self, backend: Backend, path: str, budget_s: float, *, scraped: bool = False
+    ) -> str | None:
+        """The body of `GET path`, None when the server has no such route; `scraped`: the
+        metrics page, taken from the load's scrape when it is fresh."""
         try:
-            response = await self._client.get(f"{backend.url}{path}", timeout=budget_s)
+            if scraped:
+                response = await self._scrape.get(backend.url, timeout_s=budget_s, fresh_s=SCRAPE_S)
+            else:
+                response = await self._client.get(f"{backend.url}{path}", timeout=budget_s)
         except httpx.TimeoutException:
             raise ProbeFailed(f"no answer from {backend.url} within {budget_s:g} s") from None
         except httpx.ConnectError as exc:
@@ -304,20 +318,13 @@ class FleetWatcher:
             raise ProbeFailed(f"GET {path} answered {response.status_code}")
         return response.text if response.status_code < 400 else None
 
-    async def _loop(self) -> None:
-        while True:
-            await self.refresh_once()
-            await asyncio.sleep(self.TICK_S)
-
-    def start(self) -> None:
-        """Start refreshing in the background (the first refresh runs at once)."""
-        self._task = asyncio.create_task(self._loop(), name="fleet-watcher")
+    async def start(self) -> None:
+        """Probe every backend before the first request, then every TICK_S."""
+        await self.refresh_once()
+        self._periodic.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._periodic.stop()
 
 
 def _json(text: str) -> object:

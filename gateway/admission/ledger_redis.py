@@ -45,7 +45,7 @@ from gateway.admission.ledger_block import Blocks, Seen
 from gateway.admission.ledger_calls import BlockCalls, parse_reply
 from gateway.clock import Clock
 from gateway.shared.batch import RedisBatcher
-from gateway.tasks import stop_task
+from gateway.tasks import Periodic
 
 log = logging.getLogger("spillgate.ledger")
 
@@ -106,8 +106,9 @@ class RedisLedger:
         self._ids = itertools.count()
         self._mode: LedgerMode = "shared"
         self._capped_until = -math.inf
-        self._task: asyncio.Task[None] | None = None
-        self._stopping = False
+        self._refreshes = Periodic(
+            self._refresh_pass, every_s=refresh_s, name="ledger-refresh", wait_first=True
+        )
         on_mode_change(self._mode)
 
     @property
@@ -183,10 +184,7 @@ class RedisLedger:
 
     async def close(self) -> None:
         """Stop refreshing and give back every block (within the time budget)."""
-        self._stopping = True
-        if self._task is not None:
-            await stop_task(self._task)
-            self._task = None
+        await self.stop()
         self._held.clear()
         held = [b for b, block in self._blocks.items() if block.granted or block.sessions]
         for block in self._blocks.values():
@@ -201,7 +199,11 @@ class RedisLedger:
     async def start(self) -> None:
         """Read the fleet's totals once (bounded), then refresh every `refresh_s`."""
         await self.refresh()
-        self._task = asyncio.create_task(self._loop(), name="ledger-refresh")
+        self._refreshes.start()
+
+    async def stop(self) -> None:
+        """Stop refreshing (`close` also gives the grants back)."""
+        await self._refreshes.stop()
 
     async def refresh(self) -> bool:
         """One pipelined call: size (and so renew, or restore) every block this replica
@@ -244,13 +246,8 @@ class RedisLedger:
         """Take a report of a backend's totals unless a later one was already taken."""
         self._blocks.observe(backend, seen)
 
-    async def _loop(self) -> None:
-        while not self._stopping:
-            await asyncio.sleep(self._refresh_s)
-            try:
-                await self.refresh()
-            except Exception:
-                log.exception("ledger refresh failed")
+    async def _refresh_pass(self) -> None:
+        await self.refresh()  # whether it reached the store, it says itself (mode, metrics)
 
     # -- helpers --------------------------------------------------------------------------
 

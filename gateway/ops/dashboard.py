@@ -11,8 +11,6 @@ deltas of `spillgate_requests_total`, sampled by a task that lives in the app's 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections import deque
 from dataclasses import dataclass
 from importlib import resources
@@ -27,6 +25,7 @@ from gateway.errors import SpillgateError, error_response
 from gateway.front.auth import AdminAuth
 from gateway.metrics import GatewayMetrics
 from gateway.ops.admin import json_response
+from gateway.tasks import Periodic
 
 Counts = dict[str, dict[str, int]]  # pool → outcome → requests
 
@@ -70,7 +69,7 @@ class OutcomeHistory:
         self.points: deque[HistoryPoint] = deque(maxlen=max(1, round(window_s / step_s)))
         self._last_totals: Counts = self._totals()
         self._last_t = clock.wall()
-        self._task: asyncio.Task[None] | None = None
+        self._steps = Periodic(self._step, every_s=step_s, name="history", wait_first=True)
 
     def _totals(self) -> Counts:
         totals: Counts = {}
@@ -133,20 +132,14 @@ class OutcomeHistory:
             "points": [p.as_dict() for p in [*self.points, current]],
         }
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.step_s)
-            self.sample()
+    async def _step(self) -> None:
+        self.sample()
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="spillgate-history")
+    async def start(self) -> None:
+        self._steps.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._steps.stop()
 
 
 def _page() -> str:
