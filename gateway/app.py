@@ -37,7 +37,7 @@ from gateway.front.guard import head_bytes, head_too_large
 from gateway.front.pipeline import Pipeline, PipelineDeps, endpoint_rules
 from gateway.front.response_homes import ResponseHomes
 from gateway.front.tracing import build_tracing
-from gateway.metrics import MULTIPROC_ENV, GatewayMetrics, MetricsPublisher
+from gateway.metrics import MULTIPROC_ENV, PUBLISH_S, GatewayMetrics
 from gateway.ops.admin import AdminEndpoints
 from gateway.ops.dashboard import Dashboard, OutcomeHistory
 from gateway.ops.openapi import openapi_route
@@ -49,7 +49,7 @@ from gateway.shared.length_feed import LengthFeed
 from gateway.shared.prefix_feed import PrefixFeed
 from gateway.shared.service_feed import ServiceFeed
 from gateway.slo import Latencies
-from gateway.tasks import start_all
+from gateway.tasks import Repeat, start_all
 from gateway.upstream.forward import Forwarder
 from gateway.upstream.pool import UpstreamPool
 from policies.deps import PolicyDeps
@@ -340,13 +340,14 @@ def create_app(
             stack.push_async_callback(limiter.close)
             stack.push_async_callback(upstream.aclose)
             stack.push_async_callback(client.aclose)
-            await start_all(stack, watcher, loads, history, shared, shared_limiter, provider_slots)
+            steps = Repeat(history.sample, every_s=history.step_s, name="history", wait_first=True)
+            await start_all(stack, watcher, loads, steps, shared, shared_limiter, provider_slots)
             await start_all(stack, lengths, feed, prefix_feed, service_feed)
             stack.push_async_callback(store.close)
             runner.start()
             stack.push_async_callback(runner.stop)
             if metrics.multiprocess_dir is not None:
-                await start_all(stack, MetricsPublisher(admin.publish))
+                await start_all(stack, Repeat(admin.publish, every_s=PUBLISH_S, name="publish"))
             # everything built at start-up lives as long as the process: keep it out of
             # the collector's full passes, which otherwise stall the event loop for tens of ms
             gc.collect()

@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Final, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
-
-from gateway.tasks import Periodic
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # where the workers' values live, when set
 PUBLISH_S = 1.0  # how often a worker writes its gauges and counts there
@@ -320,20 +317,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-class MetricsPublisher:
-    """Keeps a worker's gauges and counts current between the scrapes other workers answer."""
-
-    def __init__(self, publish: Callable[[], None], *, every_s: float = PUBLISH_S) -> None:
-        self._publish = publish
-        self._periodic = Periodic(self._pass, every_s=every_s, name="metrics-publisher")
-
-    async def _pass(self) -> None:
-        self._publish()
-
-    async def start(self) -> None:
-        self._periodic.start()
-
-    async def stop(self) -> None:
-        await self._periodic.stop()

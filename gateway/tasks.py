@@ -4,7 +4,8 @@ Every part with work in the background (a feed, a watcher, a refresh) is a `Back
 `await start()` does whatever must be done before the first request (a first read of
 Redis, a first probe of the backends) and starts its loops; `await stop()` stops them,
 a bounded time. The app's lifespan starts them in order and stops them in reverse
-(`start_all`). Their loops are `Periodic`.
+(`start_all`). Their loops are `Periodic`; a part whose work is one plain call now and
+then has the composition root run it on a `Repeat`.
 """
 
 from __future__ import annotations
@@ -103,3 +104,23 @@ class Periodic:
                     log.warning("%s: passes succeed again", self._name)
                 failing = False
             await asyncio.sleep(self._every_s)
+
+
+class Repeat:
+    """A plain function (`step`) every `every_s` seconds, as a Background part: the
+    composition root makes one for each part that only needs calling now and then."""
+
+    def __init__(
+        self, step: Callable[[], object], *, every_s: float, name: str, wait_first: bool = False
+    ) -> None:
+        self._step = step
+        self._periodic = Periodic(self._pass, every_s=every_s, name=name, wait_first=wait_first)
+
+    async def _pass(self) -> None:
+        self._step()
+
+    async def start(self) -> None:
+        self._periodic.start()
+
+    async def stop(self) -> None:
+        await self._periodic.stop()

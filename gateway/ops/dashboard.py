@@ -6,7 +6,8 @@ without one it shows a login prompt. The page itself carries no data: everything
 shows comes from the admin endpoints, which check the token on every call.
 
 Outcomes over the last minutes come from `OutcomeHistory`, a bounded ring of per-step
-deltas of `spillgate_requests_total`, sampled by a task that lives in the app's lifespan.
+deltas of `spillgate_requests_total`, sampled every `step_s` by a Repeat (gateway/tasks.py) that
+lives in the app's lifespan.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from gateway.errors import SpillgateError, error_response
 from gateway.front.auth import AdminAuth
 from gateway.metrics import GatewayMetrics
 from gateway.ops.admin import json_response
-from gateway.tasks import Periodic
 
 Counts = dict[str, dict[str, int]]  # pool → outcome → requests
 
@@ -69,7 +69,6 @@ class OutcomeHistory:
         self.points: deque[HistoryPoint] = deque(maxlen=max(1, round(window_s / step_s)))
         self._last_totals: Counts = self._totals()
         self._last_t = clock.wall()
-        self._steps = Periodic(self._step, every_s=step_s, name="history", wait_first=True)
 
     def _totals(self) -> Counts:
         totals: Counts = {}
@@ -131,15 +130,6 @@ class OutcomeHistory:
             "window_s": self.step_s * (self.points.maxlen or 1),
             "points": [p.as_dict() for p in [*self.points, current]],
         }
-
-    async def _step(self) -> None:
-        self.sample()
-
-    async def start(self) -> None:
-        self._steps.start()
-
-    async def stop(self) -> None:
-        await self._steps.stop()
 
 
 def _page() -> str:

@@ -50,6 +50,8 @@ def parse_message(data: Any) -> tuple[str, int, int, str, Seen] | None:
 
 
 class ReleaseFeed(Subscriber):
+    """Hears every release in the fleet and wakes the waiters it concerns."""
+
     def __init__(
         self,
         redis: aioredis.Redis | RedisCluster,
@@ -58,7 +60,6 @@ class ReleaseFeed(Subscriber):
         waker: ReleaseWaker,
         timeout_s: float,
         poll_s: float = 0.25,
-        retry_s: float = 1.0,
     ) -> None:
         self._ledger = ledger
         self._waker = waker
@@ -69,7 +70,6 @@ class ReleaseFeed(Subscriber):
             timeout_s=timeout_s,
             name="ledger-release-feed",
             quiet_s=poll_s,
-            retry_s=retry_s,
             on_subscribed=waker.wake_all,  # releases while it was not listening went unheard
             on_quiet=self._quiet,
         )

@@ -59,6 +59,9 @@ def decode(data: Any) -> tuple[str, list[tuple[str, str, list[bytes]]]] | None:
 
 
 class PrefixFeed(Subscriber):
+    """Publishes what routing taught this replica's index, a batch every `flush_s`, and
+    teaches it what the other replicas publish."""
+
     def __init__(
         self,
         redis: aioredis.Redis | RedisCluster,
@@ -68,7 +71,6 @@ class PrefixFeed(Subscriber):
         channel: str = "spillgate:prefix:routed",
         timeout_s: float,
         flush_s: float = 0.05,
-        retry_s: float = 1.0,
     ) -> None:
         super().__init__(
             redis,
@@ -76,7 +78,6 @@ class PrefixFeed(Subscriber):
             deliver=self.deliver,
             timeout_s=timeout_s,
             name="prefix-feed",
-            retry_s=retry_s,
         )
         self._redis = redis
         self._learner = learner
