@@ -226,27 +226,21 @@ class Pipeline:
             raise
         finally:
             # the answer is over: from here a disconnect cancels nothing, so no part of the
-            # cleanup can be skipped. Release, settle the tenant's bucket, and record,
-            # whatever else fails.
+            # settlement can be skipped
             watch.close()
-            used = request.charge_tokens
             try:
-                used = await self._settle.release(tenant, request, held, served, cut=watch.started)
-            finally:
-                pool.demand.end(
-                    request.charge_tokens,
-                    started=began,
-                    used=used,
-                    refused=outcome is Outcome.REJECTED,
-                )
-                self._settle.record(
+                await self._settle.settle(
+                    tenant,
                     request,
                     pool,
+                    exchange,
                     served,
                     outcome,
+                    cut=watch.started,
                     arrived=arrived,
-                    prediction=exchange.prediction,
+                    began=began,
                 )
+            finally:
                 if trace is not None:
                     trace.settled(served, outcome)
 

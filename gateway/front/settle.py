@@ -14,6 +14,7 @@ from gateway.admission.backends import Pool
 from gateway.admission.held import HeldReservation
 from gateway.clock import Clock
 from gateway.front.auth import Tenant
+from gateway.front.exchange import Exchange
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
 from gateway.overflow import CountsService
@@ -38,7 +39,34 @@ class Settlement:
     # TTFT that interactive latency and the autoscalers read
     interactive: bool = True
 
-    async def release(
+    async def settle(
+        self,
+        tenant: Tenant,
+        request: InferenceRequest,
+        pool: Pool,
+        exchange: Exchange,
+        served: Served | None,
+        outcome: Outcome,
+        *,
+        cut: bool,
+        arrived: float,
+        began: float,
+    ) -> None:
+        """Settle `request`, which ended as `outcome`: release, refund and record, whatever
+        else fails. `cut`: the answer had begun when the request ended without one (the
+        client left mid-stream); `arrived`, when it came; `began`, when its pool's demand
+        counted it (gateway/admission/demand.py)."""
+        charged = used = request.charge_tokens
+        try:
+            used = await self._release(tenant, request, exchange.held, served, cut=cut)
+        finally:
+            refused = outcome is Outcome.REJECTED
+            pool.demand.end(charged, started=began, used=used, refused=refused)
+            self._record(
+                request, pool, served, outcome, arrived=arrived, prediction=exchange.prediction
+            )
+
+    async def _release(
         self,
         tenant: Tenant,
         request: InferenceRequest,
@@ -48,8 +76,7 @@ class Settlement:
         cut: bool,
     ) -> int:
         """Release the request's reservation and refund its tenant's bucket; the tokens it
-        used. `cut`: the answer had begun when the request ended without one (the client
-        left mid-stream); what the upstream generated is unknown, so the charge stands."""
+        used (what the upstream generated is unknown when `cut`: the charge stands)."""
         charged = request.charge_tokens
         used = _used(request, served, cut=cut)
         if used == charged:
@@ -64,7 +91,7 @@ class Settlement:
             await self.limiter.reconcile(tenant.limits, reserved=charged, used=used)
         return used
 
-    def record(
+    def _record(
         self,
         request: InferenceRequest,
         pool: Pool,

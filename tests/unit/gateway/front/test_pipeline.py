@@ -5,12 +5,15 @@ ending gives the reservation back and settles the tenant's bucket."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
+import gateway.front
 from gateway.admission.backends import build_pools
 from gateway.admission.ledger import LocalLedger
 from gateway.admission.router import Router
@@ -201,5 +204,61 @@ def test_an_upstream_failure_is_a_502_that_gives_everything_back(fakes) -> None:
         assert g.in_flight() == 0
         assert await g.tokens_left() == TOKENS_PER_MINUTE
         assert g.requests("error") == 1.0
+
+    run(url, scenario)
+
+
+STAGES = ("auth", "prepare", "parse", "throttle", "admit", "ladder", "exchange", "settle")
+
+
+def stage_calls(into: set[str]) -> tuple[list[tuple[str, str]], Callable[..., None]]:
+    """A profiler that notes each call from one file of gateway/front/ into another, as
+    (caller, callee) file stems, for the callers in `into`."""
+    seen: list[tuple[str, str]] = []
+    front = str(Path(gateway.front.__file__).parent)
+
+    # the frames entered already, kept alive so that no new frame takes one's id: a
+    # coroutine's resume is no new entry
+    entered: dict[int, Any] = {}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or frame.f_back is None:
+            return
+        if id(frame) in entered:
+            return
+        entered[id(frame)] = frame
+        callee, caller = frame.f_code.co_filename, frame.f_back.f_code.co_filename
+        if callee == caller or not callee.startswith(front) or not caller.startswith(front):
+            return
+        pair = (Path(caller).stem, Path(callee).stem)
+        if pair[0] in into and pair[1] in STAGES:
+            seen.append(pair)
+
+    return seen, profile
+
+
+def test_a_completion_enters_each_stage_once_in_the_order_of_the_pipeline(fakes) -> None:
+    _, url = fakes["good"]
+
+    async def scenario(g: Gateway) -> None:
+        seen, profile = stage_calls({"pipeline", "ladder"})
+        sys.setprofile(profile)
+        try:
+            client = await g.post(CHAT)
+        finally:
+            sys.setprofile(None)
+        assert client.status == 200
+        # the pipeline builds the request's exchange (its context) before the stages run
+        from_pipeline = [callee for caller, callee in seen if caller == "pipeline"]
+        assert from_pipeline == [
+            "auth",
+            "prepare",
+            "exchange",  # the request's exchange, its context, built before the stages use it
+            "throttle",
+            "admit",
+            "ladder",
+            "settle",
+        ]
+        assert [callee for caller, callee in seen if caller == "ladder"] == ["exchange"]
 
     run(url, scenario)
