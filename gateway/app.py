@@ -254,7 +254,9 @@ def create_app(
         None  # the queues' tenants' service and waiters, shared (gateway/shared/service_feed.py)
     )
     if batcher is not None:
-        service_feed = ServiceFeed(batcher=batcher, timeout_s=settings.redis.timeout_ms / 1000)
+        service_feed = ServiceFeed(
+            batcher=batcher, redis=redis, timeout_s=settings.redis.timeout_ms / 1000
+        )
     policy_deps = PolicyDeps(
         settings=settings,
         latencies=latencies,

@@ -10,11 +10,10 @@ through these; `gateway/app.py` builds the chains and hands each the concrete pa
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from gateway.config import Priority
-from gateway.upstream.served import Served
 from gateway.outcome import Outcome
 from gateway.request import Endpoint, InferenceRequest
 
@@ -26,10 +25,9 @@ from gateway.upstream.answer import AnswerRecorder
 
 # what a policy that answers itself (the cache, the batch tier) relays and hands back
 from gateway.upstream.relay import Relayed as Relayed
+from gateway.upstream.served import Served
 
 # what a policy hands back when it served the request
-from gateway.upstream.served import Served as Served
-
 # not only for the checker: a policy that forwards elsewhere builds the Target it hands
 # `serve_target`, and a policy may import what this module does
 from gateway.upstream.target import Target
@@ -160,6 +158,7 @@ class Rival:
     tenant: str
     tokens: int  # its next request's sequence tokens
     sequences: int
+    replica: str = field(default="", compare=False)  # the replica it waits at
 
 
 class SharedService(Protocol):
@@ -195,12 +194,21 @@ class SharedQueue(Protocol):
         """The tenants waiting at the other replicas ([]: none, or unknown)."""
         ...
 
+    def rivals_heard(self, replica: str, rivals: list[Rival]) -> None:
+        """The tenants now waiting at `replica`, as it announced them between passes."""
+        ...
+
 
 class QueueFeed(Protocol):
     """Where the queues share their service and waiters with the other replicas
     (gateway/shared/service_feed.py); only in shared mode."""
 
     def register(self, pool: str, queue: SharedQueue) -> None: ...
+
+    def announce(self, pool: str, heads: list[tuple[Priority, str, int, int]]) -> None:
+        """Tell the other replicas at once who waits here now (`waiting_heads`), without
+        waiting for the next pass; never waits itself."""
+        ...
 
 
 class PoolRoom(Protocol):

@@ -43,15 +43,17 @@ class FairnessSettings(_Model):
     give_way_s: float = Field(
         0.5,
         ge=0,
-        le=5,
         description=(
-            "in shared mode, each replica publishes the tenants waiting in its queue "
-            "(`spillgate:waiting:{POOL}`, every 0.2 s; a replica silent for 0.6 s no longer "
-            "counts). When room frees and the turn here is a tenant's with at least twice the "
-            "service of a tenant of its class waiting at another replica, or a lower class "
-            "than that one's, and that tenant's next request fits now, this replica leaves the "
-            "room to that one for at most `give_way_s`, then takes it; an arrival here queues "
-            "rather than take that room. `0`: each replica drains in its own order"
+            "in shared mode, each replica tells the others the tenants waiting in its queue "
+            "(`spillgate:waiting:{POOL}` every 0.2 s, a replica silent for 0.6 s no longer "
+            "counting; and at once on the channel `spillgate:waiting` when they change). A "
+            "waiter elsewhere of a higher class holds freed room against this replica's "
+            "lower class for as long as it waits; one of the same class with at most half "
+            "the service of the tenant whose turn it is here holds it for at most "
+            "`give_way_s`, then the turn here takes it. Either way only while its request "
+            "could fit in the pool, and an arrival here queues rather than take that room. "
+            "At most the waiter's own wait, whatever it is set to. `0`: no give-way within "
+            "a class"
         ),
     )
 

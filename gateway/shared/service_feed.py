@@ -15,29 +15,41 @@ travels with the process's other Redis calls (gateway/shared/batch.py):
   reads the other replicas' fields not older than `fresh_s`; older ones are deleted (a
   replica that died or lost Redis stops counting within `fresh_s`).
 
+Between passes, a queue whose waiting tenants change (one starts or stops waiting)
+announces them at once on the channel `spillgate:waiting` (`announce`, one PUBLISH that
+travels with the process's other calls, never awaited by a request), and every replica
+hears the others' announcements as they come: a light tenant or a higher class waiting at
+one replica holds the room at the others without waiting for the next pass.
+
 A failed or slow pass leaves the queues on this replica's own figures and with no rivals
 elsewhere: the local order, never a failed request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import secrets
 from typing import Any
 
 import orjson
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
-from gateway.config import PRIORITIES
+from gateway.config import PRIORITIES, Priority
 from gateway.overflow import Rival, SharedQueue
 from gateway.shared.batch import BatchScript, RedisBatcher
-from gateway.shared.feed import PoolPasses
+from gateway.shared.feed import PoolPasses, Subscriber
 
 log = logging.getLogger("spillgate.queue")
 
 SERVICE_PREFIX = "spillgate:service:"
 WAITING_PREFIX = "spillgate:waiting:"
 WAITING_TTL_S = 60  # the waiting hash of a pool no replica queues for goes
+ANNOUNCEMENTS = "spillgate:waiting"  # the channel: "POOL REPLICA HEADS-JSON"
+# KEYS: the pool's waiting hash (where a cluster runs it); ARGV: channel, message
+ANNOUNCE = BatchScript("return redis.call('PUBLISH', ARGV[1], ARGV[2])")
 # ARGV: half-life, the service hash's TTL, replica id, freshness (s), this replica's
 # waiters (JSON, "" for none), then tenant, delta pairs
 FEED_PASS = BatchScript(
@@ -84,7 +96,7 @@ for i = 1, #waiting, 2 do
     if at == nil or now - tonumber(at) > tonumber(ARGV[4]) then
       redis.call('HDEL', KEYS[2], waiting[i])
     else
-      others[#others + 1] = heads
+      others[#others + 1] = waiting[i] .. ' ' .. heads
     end
   end
 end
@@ -114,7 +126,9 @@ class ServiceFeed(PoolPasses[SharedQueue]):
         timeout_s: float,
         every_s: float = 0.2,
         replica_id: str | None = None,
+        redis: aioredis.Redis | RedisCluster | None = None,
     ) -> None:
+        """`redis`: where the announcements are heard (none: only the passes')."""
         self._batch = batcher
         self._timeout_s = timeout_s
         self.every_s = every_s
@@ -123,9 +137,51 @@ class ServiceFeed(PoolPasses[SharedQueue]):
         self.replica_id = replica_id or secrets.token_hex(6)
         self._queues: dict[str, SharedQueue] = {}
         super().__init__(self._pass_pool, self._queues, every_s=every_s, name="service-feed")
+        self._announcing: set[asyncio.Task[Any]] = set()
+        self._heard = (
+            None
+            if redis is None
+            else Subscriber(
+                redis, ANNOUNCEMENTS, deliver=self.heard, timeout_s=timeout_s, name="waiting-feed"
+            )
+        )
 
     def register(self, pool: str, queue: SharedQueue) -> None:
         self._queues[pool] = queue
+
+    def announce(self, pool: str, heads: list[tuple[Priority, str, int, int]]) -> None:
+        message = f"{pool} {self.replica_id} {orjson.dumps(heads).decode()}"
+        call = self._batch.submit(
+            ANNOUNCE, [waiting_key(pool)], [ANNOUNCEMENTS, message], budget_s=self._timeout_s
+        )
+        task = asyncio.ensure_future(call)
+        self._announcing.add(task)
+        task.add_done_callback(self._announced)
+
+    def _announced(self, task: asyncio.Task[Any]) -> None:
+        self._announcing.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # the next pass tells
+            log.debug("an announcement of waiters failed: %r", task.exception())
+
+    def heard(self, data: Any) -> None:
+        """One replica's announcement: handed to its pool's queue here."""
+        pool, _, rest = _text(data).partition(" ")
+        replica, _, heads = rest.partition(" ")
+        queue = self._queues.get(pool)
+        if queue is not None and replica and replica != self.replica_id:
+            queue.rivals_heard(replica, _rivals(replica, heads))
+
+    async def start(self) -> None:
+        await super().start()
+        if self._heard is not None:
+            await self._heard.start()
+
+    async def stop(self) -> None:
+        if self._heard is not None:
+            await self._heard.stop()
+        await super().stop()
+        for task in list(self._announcing):
+            task.cancel()
 
     async def _pass_pool(self, pool: str, queue: SharedQueue) -> None:
         service = queue.service
@@ -168,11 +224,20 @@ def _parsed(reply: Any, *, half_life_s: float) -> tuple[dict[str, float], list[R
         if tenant:
             fleet[tenant] = float(_text(value)) * decay
     rivals = []
-    for heads in others:
-        try:
-            for priority, tenant, tokens, sequences in orjson.loads(heads):
-                if priority in PRIORITIES:
-                    rivals.append(Rival(priority, str(tenant), int(tokens), int(sequences)))
-        except (ValueError, TypeError):
-            log.debug("skipped a malformed waiter list in Redis: %r", heads)
+    for entry in others:
+        replica, _, heads = _text(entry).partition(" ")
+        rivals += _rivals(replica, heads)
     return fleet, rivals
+
+
+def _rivals(replica: str, heads: str) -> list[Rival]:
+    """The waiters one replica named; a malformed list (written by something else): none."""
+    rivals = []
+    try:
+        for priority, tenant, tokens, sequences in orjson.loads(heads):
+            if priority in PRIORITIES:
+                rivals.append(Rival(priority, str(tenant), int(tokens), int(sequences), replica))
+    except (ValueError, TypeError):
+        log.debug("skipped a malformed waiter list: %r", heads)
+        return []
+    return rivals

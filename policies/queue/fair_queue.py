@@ -145,6 +145,10 @@ class FairQueue(Generic[T]):
             for line in self._classes[priority].values():
                 yield line[0]
 
+    def lines(self) -> frozenset[tuple[Priority, str]]:
+        """Each class and tenant with a waiter."""
+        return frozenset((p, tenant) for p in PRIORITIES for tenant in self._classes[p])
+
     def waiting_at_or_above(self, priority: Priority) -> bool:
         """Whether anyone of class `priority` or a higher one is waiting."""
         rank = PRIORITIES.index(priority)

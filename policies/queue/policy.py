@@ -22,12 +22,12 @@ The order among waiters follows each tenant's attained service (policies/queue/s
 the queue counts every request its pool admits, directly (`admitted`, from the request
 path) or from the queue, and corrects it when the answer settles (`settled`).
 
-Across replicas (shared mode, gateway/service_feed.py) every replica orders by the
-fleet's figures, and each publishes the tenants waiting in its queue. When room frees,
-every replica's drain competes for it: a replica whose turn is a tenant's with clearly more
-service than one waiting elsewhere, whose next request would fit now, lets the room go to
-that replica, for at most `fairness.give_way_s` at a time, then takes it; an arrival here
-queues rather than take that room. Without Redis, each replica drains in its own order.
+Across replicas (shared mode, gateway/shared/service_feed.py) every replica orders by the
+fleet's figures, and each tells the others the tenants waiting in its queue, at every pass
+and, when they change, at once. When room frees, every replica's drain competes for it: a
+waiter elsewhere of a higher class, or of the same class with clearly less service, holds
+it against the turn here (policies/queue/fleet.py), and an arrival here queues rather than
+take it. Without Redis, each replica drains in its own order.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from gateway.clock import Clock, Timer
-from gateway.config import PRIORITIES, PoolSettings, Priority
+from gateway.clock import Clock
+from gateway.config import PoolSettings, Priority
 from gateway.errors import NoRoomToRetry, QueueFull
 from gateway.outcome import Outcome
 from gateway.overflow import (
@@ -57,6 +57,7 @@ from gateway.request import Endpoint, InferenceRequest
 from gateway.upstream.served import Served
 from policies.deps import PolicyDeps
 from policies.queue.fair_queue import FairQueue, QueueResult, Waiter
+from policies.queue.fleet import FleetWaiters
 from policies.queue.service import Service
 from policies.reject import RejectPolicy
 
@@ -64,10 +65,6 @@ log = logging.getLogger("spillgate.queue")
 AUTO_FLOOR_S = 2.0  # also the wait before any answer has ended
 AUTO_CEILING_S = 30.0
 AUTO_HOLDS = 2.0  # average holds a waiter may wait
-# a tenant waiting elsewhere with at most this share of the service of the tenant whose turn
-# it is here has clearly less: between tenants of about the same service the replicas do
-# not hand room back and forth
-CLEARLY_LESS = 0.5
 # what a full queue answers: QueueFull when no step after the queue serves
 FULL = frozenset(
     {QueueResult.REJECTED_FULL, QueueResult.EVICTED_PREEMPTED, QueueResult.EVICTED_DISPLACED}
@@ -122,10 +119,15 @@ class QueuePolicy:
         # only a refusal follows: a full queue is why a request it turns away is refused
         self._last_step = all(step == RejectPolicy.name for step in after)
         self._drainer: asyncio.Task[None] | None = None
-        self._give_way_s = fairness.give_way_s
-        self._rivals: list[Rival] = []  # waiting at other replicas, as last read
-        self._giving_way_since: float | None = None
-        self._look_again: Timer | None = None
+        self._fleet = FleetWaiters(
+            pool=pool.name,
+            room=room,
+            clock=clock,
+            service=self.service.of,
+            give_way_s=fairness.give_way_s,
+        )
+        self._feed = feed
+        self._told: frozenset[tuple[Priority, str]] = frozenset()  # the waiting lines told
         self._release_gaps = Gaps()
         self._admission_gaps = Gaps()
         room.on_release(self._on_release)
@@ -159,7 +161,9 @@ class QueuePolicy:
         queues, so arrivals never overtake waiters."""
         if self._queue.waiting_at_or_above(request.priority):
             return False
-        return not self._rivals or self._rival(request.priority, request.tenant) is None
+        return (
+            not self._fleet.rivals or self._fleet.ahead_of(request.priority, request.tenant) is None
+        )
 
     def admitted(self, request: InferenceRequest) -> None:
         """The pool admitted `request` directly (CountsService)."""
@@ -185,25 +189,13 @@ class QueuePolicy:
 
     def rivals_seen(self, rivals: list[Rival]) -> None:
         """The tenants waiting at the other replicas, as last read ([]: none, or unknown)."""
-        self._rivals = rivals
-        if rivals:
-            self._kick()  # one of them may have left, or been served
+        self._fleet.seen(rivals)
+        self._kick()  # one of them may have left, or been served
 
-    def _rival(self, priority: Priority, tenant: str) -> Rival | None:
-        """A tenant waiting at another replica that should have the room before `tenant`
-        of class `priority`: of a higher class, or of the same class with clearly less
-        service; and whose next request would fit now."""
-        rank = PRIORITIES.index(priority)
-        mine = self.service.of(tenant)
-        for rival in self._rivals:
-            theirs = PRIORITIES.index(rival.priority)
-            if theirs > rank or rival.tenant == tenant:
-                continue
-            if theirs == rank and self.service.of(rival.tenant) > CLEARLY_LESS * mine:
-                continue
-            if self._room.has_room(self._pool, rival.tokens, sequences=rival.sequences):
-                return rival
-        return None
+    def rivals_heard(self, replica: str, rivals: list[Rival]) -> None:
+        """The tenants waiting at `replica` now, as it announced them."""
+        self._fleet.heard(replica, rivals)
+        self._kick()
 
     def predicted_wait_s(self, request: InferenceRequest) -> float | None:
         """The queue wait of `request` were it queued now: the waiters that would go before
@@ -331,6 +323,11 @@ class QueuePolicy:
 
     def _depth_changed(self) -> None:
         self._metrics.queue_depth.labels(self._pool).set(len(self._queue))
+        if self._feed is not None:
+            lines = self._queue.lines()
+            if lines != self._told:  # a tenant started or stopped waiting here
+                self._told = lines
+                self._feed.announce(self._pool, self.waiting_heads())
 
     def _on_release(self, pool: str) -> None:
         if pool == self._pool:
@@ -355,8 +352,10 @@ class QueuePolicy:
                     self._pool, request.sequence_tokens, sequences=request.n
                 ):
                     return  # the next release, or this waiter leaving, drains again
-                if self._rivals and self._gives_way(waiter):
-                    return  # a timer, a release or the next read drains again
+                if self._fleet.rivals and self._fleet.gives_way(
+                    waiter.priority, waiter.tenant, self._kick
+                ):
+                    return  # a timer, a release or word from the others drains again
                 reservation = await entry.exchange.reserve(entry.request)
                 if reservation is None:
                     return  # the room went elsewhere; the next release drains again
@@ -366,7 +365,7 @@ class QueuePolicy:
                     continue
                 entry.exchange.take(reservation)
                 entry.decided.set_result(QueueResult.ADMITTED)
-                self._giving_way_since = None
+                self._fleet.served()
                 now = self._clock.monotonic()
                 self._admission_gaps.note(now)
                 if not len(self._queue):  # the next admission's gap would include idle time
@@ -374,26 +373,6 @@ class QueuePolicy:
                 self._depth_changed()
         except Exception:
             log.exception("draining the queue of pool %s failed", self._pool)
-
-    def _gives_way(self, waiter: Waiter[QueueEntry]) -> bool:
-        """Whether to leave the room to a rival waiting elsewhere: for at most give_way_s
-        from when this replica first let it go, then the waiter here takes it."""
-        if self._give_way_s <= 0 or self._rival(waiter.priority, waiter.tenant) is None:
-            self._giving_way_since = None
-            return False
-        now = self._clock.monotonic()
-        if self._giving_way_since is None:
-            self._giving_way_since = now
-        left = self._giving_way_since + self._give_way_s - now
-        if left <= 0:
-            return False
-        if self._look_again is None:
-            self._look_again = self._clock.call_later(left, self._looked_again)
-        return True
-
-    def _looked_again(self) -> None:
-        self._look_again = None
-        self._kick()
 
 
 def _decide(decided: asyncio.Future[QueueResult], result: QueueResult) -> None:
