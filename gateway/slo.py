@@ -15,10 +15,10 @@ the pool's Retry-After rather than after its deadline. A pool with room but meas
 than the time left (a backend whose own queue has grown) is a step like the others: the
 request goes down the ladder.
 
-`Latencies` keeps what the predictions stand on: per place (a pool's backends, a provider),
+`Latencies` keeps what the predictions stand on: per target (a pool's backends, a provider),
 the recent time from forwarding to the first byte and per output token after it, as
 exponentially weighted means of the answers served there. A TPOT objective passes over a
-place measured slower per token than it allows.
+target measured slower per token than it allows.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from gateway.errors import Rejected
 from gateway.request import TTFT_HEADER, InferenceRequest
 
 WEIGHT = 0.2  # an answer's share of the mean: the last ten or so answers count most
-# A mean no answer has refreshed for this long says nothing: a place the ladder passed over
+# A mean no answer has refreshed for this long says nothing: a target the ladder passed over
 # because it was slow gets tried again, and its next answer starts a new mean.
 STALE_S = 30.0
 
@@ -51,27 +51,27 @@ class _Mean:
         self.count += 1
 
 
-class Places:
-    """Recent time to first token and per output token at each place of one kind."""
+class Targets:
+    """Recent time to first token and per output token at each target of one kind."""
 
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
         self._ttft: dict[str, _Mean] = {}
         self._tpot: dict[str, _Mean] = {}
 
-    def observe(self, place: str, ttft_s: float, tpot_s: float | None = None) -> None:
+    def observe(self, target: str, ttft_s: float, tpot_s: float | None = None) -> None:
         now = self._clock.monotonic()
-        _add(self._ttft, place, ttft_s, now)
+        _add(self._ttft, target, ttft_s, now)
         if tpot_s is not None:
-            _add(self._tpot, place, tpot_s, now)
+            _add(self._tpot, target, tpot_s, now)
 
-    def ttft_s(self, place: str) -> float | None:
-        """The recent time to first token at `place`; None when nothing recent is known."""
-        return self._recent(self._ttft.get(place))
+    def ttft_s(self, target: str) -> float | None:
+        """The recent time to first token at `target`; None when nothing recent is known."""
+        return self._recent(self._ttft.get(target))
 
-    def tpot_s(self, place: str) -> float | None:
+    def tpot_s(self, target: str) -> float | None:
         """The recent time per output token after the first; None when nothing recent."""
-        return self._recent(self._tpot.get(place))
+        return self._recent(self._tpot.get(target))
 
     def _recent(self, mean: _Mean | None) -> float | None:
         if mean is None or self._clock.monotonic() - mean.at > STALE_S:
@@ -79,14 +79,14 @@ class Places:
         return mean.value
 
     def snapshot(self) -> dict[str, dict[str, float | int | None]]:
-        """Every place's means and the answers behind them (for /admin/status)."""
+        """Every target's means and the answers behind them (for /admin/status)."""
         return {
-            place: {
+            target: {
                 "ttft_s": round(mean.value, 4),
-                "tpot_s": None if place not in self._tpot else round(self._tpot[place].value, 5),
+                "tpot_s": None if target not in self._tpot else round(self._tpot[target].value, 5),
                 "answers": mean.count,
             }
-            for place, mean in sorted(self._ttft.items())
+            for target, mean in sorted(self._ttft.items())
         }
 
 
@@ -96,30 +96,30 @@ class Latencies:
     backends' answers (`local`), and per external provider (`provider`)."""
 
     def __init__(self, clock: Clock) -> None:
-        self.local = Places(clock)
-        self.provider = Places(clock)
+        self.local = Targets(clock)
+        self.provider = Targets(clock)
 
     def snapshot(self) -> dict[str, dict[str, dict[str, float | int | None]]]:
         return {"local": self.local.snapshot(), "provider": self.provider.snapshot()}
 
 
-def _add(means: dict[str, _Mean], place: str, sample: float, now: float) -> None:
-    mean = means.get(place)
+def _add(means: dict[str, _Mean], target: str, sample: float, now: float) -> None:
+    mean = means.get(target)
     if mean is None:
-        means[place] = _Mean(sample, now)
+        means[target] = _Mean(sample, now)
     else:
         mean.add(sample, now)
 
 
-def predict(places: Places, place: str, request: InferenceRequest) -> float | None:
-    """The time to first token `place` is measured to give, or math.inf when it is measured
+def predict(targets: Targets, target: str, request: InferenceRequest) -> float | None:
+    """The time to first token `target` is measured to give, or math.inf when it is measured
     slower per output token than the request's TPOT objective allows; None: nothing
     measured yet."""
     if request.tpot_slo_s is not None:
-        tpot = places.tpot_s(place)
+        tpot = targets.tpot_s(target)
         if tpot is not None and tpot > request.tpot_slo_s:
             return math.inf
-    return places.ttft_s(place)
+    return targets.ttft_s(target)
 
 
 @dataclass(slots=True)
