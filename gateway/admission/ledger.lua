@@ -1,5 +1,5 @@
--- The shared in-flight ledger of one backend: each replica holds one lease on it, a block
--- of tokens Redis granted it, and admits its own requests within that block without a call.
+-- The shared in-flight ledger of one backend: each replica holds one lease on it, its grant
+-- of the backend's tokens, and admits its own requests within that grant without a call.
 -- Timed by Redis TIME so replicas with disagreeing clocks still agree.
 --
 -- KEYS[1] leases: ZSET replica -> expiry (ms, Redis time)
@@ -16,8 +16,8 @@
 --       they are, past any limit: those requests run already), ARGV[8] the limit spare
 --       tokens are granted under, ARGV[9] the spare's share of the free room in 1/1000,
 --       ARGV[10] how long a refusal wants room (ms), ARGV[11..] asks: tokens, limit, ...
---       An ask is admitted if the other replicas' blocks, this replica's requests, the
---       asks admitted before it and the ask itself fit under its limit. The block becomes
+--       An ask is admitted if the other replicas' grants, this replica's requests, the
+--       asks admitted before it and the ask itself fit under its limit. The grant becomes
 --       what its requests hold plus a spare share of the room left; with no session,
 --       nothing: the lease goes. A lease the store lost (expired, or a restart) comes
 --       back this way.
@@ -26,10 +26,10 @@
 -- Every call first drops expired leases (a crashed replica's) and then counts from the live
 -- ones, so no total can drift. Capacity given back is published as
 -- "<replica> <released> <expired> <tokens> <sessions> <seq> <backend>": `released` by the
--- calling replica's smaller block, `expired` from leases whose holder stopped renewing them,
--- then what the backend's requests hold in all. A refusal while other blocks hold spare is
+-- calling replica's smaller grant, `expired` from leases whose holder stopped renewing them,
+-- then what the backend's requests hold in all. A refusal while other grants hold spare is
 -- published too, with nothing released or expired: those replicas give their spare back.
--- Reply: {admitted ("1"/"0" per ask), block, tokens, sessions, seq, granted in all, restored,
+-- Reply: {admitted ("1"/"0" per ask), grant, tokens, sessions, seq, granted in all, restored,
 -- wanted (1 while a refusal withholds every spare)}.
 
 local leases, tokens, usage, meta = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -82,7 +82,7 @@ if had ~= nil then
 end
 local others = granted - (had or 0)
 local others_held = held - had_held
-local flags, block, restored = '', had or 0, 0
+local flags, grant, restored = '', had or 0, 0
 local changed = expired > 0
 local wanted = false
 
@@ -104,7 +104,7 @@ if op == 'size' then
     restored = 1
   end
   if count == 0 then
-    block = 0
+    grant = 0
     if had ~= nil then
       forget(replica)
     end
@@ -112,24 +112,24 @@ if op == 'size' then
     if (tonumber(redis.call('HGET', meta, 'wanted')) or 0) > now then
       spare = 0
     end
-    block = need + math.floor(math.max(0, limit - others - need) * spare / 1000)
+    grant = need + math.floor(math.max(0, limit - others - need) * spare / 1000)
     redis.call('ZADD', leases, now + ttl, replica)
-    redis.call('HSET', tokens, replica, block)
+    redis.call('HSET', tokens, replica, grant)
     redis.call('HSET', usage, replica, need .. ' ' .. count)
   end
-  granted = others + block
+  granted = others + grant
   held, sessions = held - had_held + need, sessions - had_sessions + count
-  changed = changed or block ~= (had or 0) or need ~= had_held or count ~= had_sessions
+  changed = changed or grant ~= (had or 0) or need ~= had_held or count ~= had_sessions
 elseif op == 'release' then
   if had ~= nil then
     forget(replica)
-    block, granted = 0, others
+    grant, granted = 0, others
     held, sessions = held - had_held, sessions - had_sessions
     changed = true
   end
 end
 
-local released = math.max(0, (had or 0) - block)
+local released = math.max(0, (had or 0) - grant)
 local seq = tonumber(redis.call('HGET', meta, 'seq')) or 0
 if changed then
   seq = redis.call('HINCRBY', meta, 'seq', 1)
@@ -153,11 +153,11 @@ if released + expired > 0 then
   publish(released, expired)
 end
 if wanted and others > others_held then
-  publish(0, 0)  -- nothing given back: a refusal while other blocks hold spare
+  publish(0, 0)  -- nothing given back: a refusal while other grants hold spare
 end
 
 local withheld = 0
 if (tonumber(redis.call('HGET', meta, 'wanted')) or 0) > now then
   withheld = 1
 end
-return {flags, block, held, sessions, seq, granted, restored, withheld}
+return {flags, grant, held, sessions, seq, granted, restored, withheld}

@@ -1,10 +1,10 @@
-"""The shared ledger's calls to Redis: ledger.lua, one call on its way per block at a time.
+"""The shared ledger's calls to Redis: ledger.lua, one call on its way per grant at a time.
 
 Every call runs ledger.lua on the backend's keys (one hash slot) through the process's
 RedisBatcher, so calls made in the same moment travel in one pipeline. A `size` call sizes
-this replica's block to what its requests hold now and carries the asks for more room that
+this replica's grant to what its requests hold now and carries the asks for more room that
 were waiting; asks made while it is on its way wait for it and go together in the next.
-Its answer sizes the block, admits or refuses each ask, and tells the backend's totals. A
+Its answer sizes the grant, admits or refuses each ask, and tells the backend's totals. A
 call that fails or outlives its time budget is reported to `on_failure` (the refresh's
 calls by the refresh, once), and the asks it carried are told Redis did not answer.
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gateway.admission.ledger_block import Ask, Block, Blocks, Seen, unanswered
+from gateway.admission.ledger_grant import Ask, Grant, Grants, Seen, unanswered
 from gateway.shared.batch import BatchScript, RedisBatcher, batcher_of
 
 log = logging.getLogger("spillgate.ledger")
@@ -35,25 +35,25 @@ def ledger_script() -> str:
 
 @dataclass(frozen=True, slots=True)
 class Sized:
-    """A ledger.lua reply: which asks were admitted, this replica's block, the totals."""
+    """A ledger.lua reply: which asks were admitted, this replica's grant, the totals."""
 
     admitted: str  # "1" or "0" per ask, in order
-    block: int
+    grant: int
     seen: Seen
-    granted: int  # every replica's block together
+    granted: int  # every replica's grant together
     restored: bool
     wanted: bool  # a refusal withholds every spare for now
 
 
 def parse_reply(reply: Any) -> Sized:
-    flags, block, tokens, sessions, seq, granted, restored, wanted = reply
+    flags, grant, tokens, sessions, seq, granted, restored, wanted = reply
     admitted = flags.decode() if isinstance(flags, bytes) else str(flags)
     seen = Seen(int(tokens), int(sessions), int(seq))
-    return Sized(admitted, int(block), seen, int(granted), bool(int(restored)), bool(int(wanted)))
+    return Sized(admitted, int(grant), seen, int(granted), bool(int(restored)), bool(int(wanted)))
 
 
-class BlockCalls:
-    """One replica's calls to ledger.lua for the blocks it keeps in `blocks`.
+class GrantCalls:
+    """One replica's calls to ledger.lua for the grants it keeps in `grants`.
 
     `shared` says whether the ledger admits through Redis now: once it does not, an answer
     sends no further call and the asks still waiting are told Redis did not answer.
@@ -63,7 +63,7 @@ class BlockCalls:
         self,
         redis: RedisBatcher | aioredis.Redis,
         *,
-        blocks: Blocks,
+        grants: Grants,
         key_prefix: str,
         replica_id: str,
         lease_ttl_s: float,
@@ -76,7 +76,7 @@ class BlockCalls:
     ) -> None:
         self._batch = batcher_of(redis)
         self._script = BatchScript(ledger_script())
-        self._blocks = blocks
+        self._grants = grants
         self._prefix = key_prefix
         self._replica_id = replica_id
         self.channel = f"{key_prefix}:ledger:released"
@@ -97,56 +97,56 @@ class BlockCalls:
         """How long a call may take: from the round trips seen lately, within the bounds."""
         return self._batch.latency.budget_s(floor_s=self._timeout_s, ceiling_s=self._timeout_max_s)
 
-    async def ask(self, backend: str, block: Block, tokens: int, limit: int) -> bool | None:
-        """Whether Redis admitted `tokens` into the block; None when it did not answer.
+    async def ask(self, backend: str, grant: Grant, tokens: int, limit: int) -> bool | None:
+        """Whether Redis admitted `tokens` into the grant; None when it did not answer.
         Asks wait for the call on its way, then go together in the next."""
         waiter: asyncio.Future[bool | None] = asyncio.get_running_loop().create_future()
-        block.asks.append((tokens, limit, waiter))
-        if block.sent is None:
-            self.send(backend, block)
+        grant.asks.append((tokens, limit, waiter))
+        if grant.sent is None:
+            self.send(backend, grant)
         try:
             async with asyncio.timeout(2 * self.budget_s()):  # the call on its way, then its own
                 try:
                     return await waiter
                 except asyncio.CancelledError:  # admitted, but nobody will hold it: give back
                     if waiter.done() and not waiter.cancelled() and waiter.result():
-                        block.give(tokens)
+                        grant.give(tokens)
                     raise
         except TimeoutError as exc:  # admitted later, it stays in Redis until the next call
             self._on_failure(exc)
             return None
 
     def send(
-        self, backend: str, block: Block, *, budget_s: float | None = None, refresh: bool = False
+        self, backend: str, grant: Grant, *, budget_s: float | None = None, refresh: bool = False
     ) -> asyncio.Future[Any]:
-        """Size the block to what its requests hold now, with the asks waiting."""
-        asks = [ask for ask in block.asks if not ask[2].done()]  # not given up on
-        block.asks = []
-        used, sessions = block.used, block.sessions
+        """Size the grant to what its requests hold now, with the asks waiting."""
+        asks = [ask for ask in grant.asks if not ask[2].done()]  # not given up on
+        grant.asks = []
+        used, sessions = grant.used, grant.sessions
         spare = self._spare_permille
-        argv: list[str | int] = [used, sessions, block.limit, spare, self._wanted_ms]
+        argv: list[str | int] = [used, sessions, grant.limit, spare, self._wanted_ms]
         for tokens, limit, _ in asks:
             argv += (tokens, limit)
         future = self.call("size", backend, *argv, budget_s=budget_s or self.budget_s())
-        block.sent = future
-        done = functools.partial(self._sized, backend, block, asks, (used, sessions), refresh)
+        grant.sent = future
+        done = functools.partial(self._sized, backend, grant, asks, (used, sessions), refresh)
         future.add_done_callback(done)
         return future
 
     def _sized(
         self,
         backend: str,
-        block: Block,
+        grant: Grant,
         asks: list[Ask],
         sent: tuple[int, int],
         refresh: bool,
         future: asyncio.Future[Any],
     ) -> None:
-        block.sent = None
+        grant.sent = None
         failure = TimeoutError("unanswered") if future.cancelled() else future.exception()
         if failure is not None:
-            unanswered(asks + block.asks)
-            block.asks = []
+            unanswered(asks + grant.asks)
+            grant.asks = []
             if not refresh:  # the refresh reports its own failure, once
                 self._on_failure(failure)
             return
@@ -158,22 +158,22 @@ class BlockCalls:
                 tokens, sessions = tokens + asked, sessions + 1
             if not waiter.done():  # one given up on stays in Redis until the next call
                 if admitted:
-                    block.take(asked)
+                    grant.take(asked)
                 waiter.set_result(admitted)
-        block.granted, block.others = sized.block, sized.granted - sized.block
-        block.reported = (tokens, sessions)
-        block.contended = sized.wanted
+        grant.granted, grant.others = sized.grant, sized.granted - sized.grant
+        grant.reported = (tokens, sessions)
+        grant.contended = sized.wanted
         if refresh:
-            self._blocks.refreshed(backend, sized.seen)
+            self._grants.refreshed(backend, sized.seen)
         else:
-            self._blocks.observe(backend, sized.seen)
+            self._grants.observe(backend, sized.seen)
         if sized.restored:
-            log.info("restored this replica's block on %s that the store had lost", backend)
+            log.info("restored this replica's grant on %s that the store had lost", backend)
         if not self._shared():  # failed elsewhere meanwhile: the share decides
-            unanswered(block.asks)
-            block.asks = []
-        elif block.asks or (block.contended and block.excess(self._spare_permille)):
-            self.send(backend, block)
+            unanswered(grant.asks)
+            grant.asks = []
+        elif grant.asks or (grant.contended and grant.excess(self._spare_permille)):
+            self.send(backend, grant)
 
     def call(
         self, op: str, backend: str, *args: str | int, budget_s: float | None = None

@@ -1,16 +1,16 @@
-"""The shared in-flight ledger: every replica admits within a block Redis granted it.
+"""The shared in-flight ledger: every replica admits within the room Redis granted it.
 
-Per backend each replica holds one lease in Redis (ledger.lua): a block of tokens granted to
-it, counted against the backend's limit, and what its admitted requests hold. A request
-that fits in the block, and under the limit beside the others' blocks as last seen, is
-admitted without a call; one that does not asks Redis, which grows the block if the backend
-has room. A block is what its requests hold plus a spare: `spare` (an eighth) of the room
+Per backend each replica holds one lease in Redis (ledger.lua): its grant of tokens,
+counted against the backend's limit, and what its admitted requests hold. A request
+that fits in the grant, and under the limit beside the others' grants as last seen, is
+admitted without a call; one that does not asks Redis, which grows the grant if the backend
+has room. A grant is what its requests hold plus a spare: `spare` (an eighth) of the room
 left when it was granted, so a replica under steady load seldom asks. The spare is what the ledger
 trades for exactness at the margin: room one replica holds spare, another cannot take.
 So when Redis refuses an ask, no replica is granted a spare for a while, and each gives
 back what it holds beyond its requests at once (the release is published: the queues
 elsewhere wake). A replica asks one call at a time per backend; asks made meanwhile go
-together in the next. Every `refresh_s` one pipelined call sizes every block to what its
+together in the next. Every `refresh_s` one pipelined call sizes every grant to what its
 requests hold now (renewing its lease, restoring one Redis lost) and reads every backend's
 totals: the snapshot routing and metrics use, also updated by every answer and (through
 ReleaseFeed) every published release. A replica killed with kill -9 stops renewing: its
@@ -20,11 +20,11 @@ Failure mode, "local": a call that fails or outlives its time budget switches th
 local admission, where each process admits against limit ÷ `fallback_share` (replicas ×
 workers), so the fleet stays under each limit while Redis is away and no request waits on
 Redis meanwhile. The refresh keeps probing; when Redis answers it sizes this replica's
-blocks to what is held (restoring what a restart lost), then shared admission resumes, for
+grants to what is held (restoring what a restart lost), then shared admission resumes, for
 RECOVERY_REFRESHES refreshes still capped at the share, until every replica has restored
 its own. Mode changes go to `on_mode_change`, failed calls to `on_store_error`.
 
-The blocks and the totals are counted in ledger_block.py; the calls to ledger.lua, and the
+The grants and the totals are counted in ledger_grant.py; the calls to ledger.lua, and the
 asks that wait for one, are ledger_calls.py's. This module decides when to call.
 """
 
@@ -41,8 +41,8 @@ from typing import Any, Literal
 import redis.asyncio as aioredis
 
 from gateway.admission.ledger import Reservation
-from gateway.admission.ledger_block import Blocks, Seen
-from gateway.admission.ledger_calls import BlockCalls, parse_reply
+from gateway.admission.ledger_calls import GrantCalls, parse_reply
+from gateway.admission.ledger_grant import Grants, Seen
 from gateway.clock import Clock
 from gateway.shared.batch import RedisBatcher
 from gateway.tasks import Periodic
@@ -87,10 +87,10 @@ class RedisLedger:
         self.replica_id = replica_id or secrets.token_hex(6)
         self._on_store_error = on_store_error
         self._on_mode_change = on_mode_change
-        self._blocks = Blocks(backends)
-        self._calls = BlockCalls(
+        self._grants = Grants(backends)
+        self._calls = GrantCalls(
             redis,
-            blocks=self._blocks,
+            grants=self._grants,
             key_prefix=key_prefix,
             replica_id=self.replica_id,
             lease_ttl_s=lease_ttl_s,
@@ -126,44 +126,45 @@ class RedisLedger:
     # -- the Ledger role ------------------------------------------------------------------
 
     async def reserve(self, backend: str, tokens: int, *, limit: int) -> Reservation | None:
-        block = self._blocks.block(backend)
+        grant = self._grants.grant(backend)
         lease = Reservation(backend, tokens, f"{self.replica_id}:{next(self._ids)}")
         share = limit // self._share
         capped = self._mode == "local" or self._clock.monotonic() < self._capped_until
-        if capped and block.used + tokens > share:
+        if capped and grant.used + tokens > share:
             return None
         if self._mode == "shared":
-            block.limit = limit
-            if block.sent is None and block.fits(tokens, limit):
-                block.take(tokens)
+            grant.limit = limit
+            if grant.sent is None and grant.fits(tokens, limit):
+                grant.take(tokens)
                 return self._hold(lease)
-            admitted = await self._calls.ask(backend, block, tokens, limit)
+            admitted = await self._calls.ask(backend, grant, tokens, limit)
             if admitted is not None:  # Redis answered; an admitted ask is counted already
                 return self._hold(lease) if admitted else None
-        if block.used + tokens > share:  # Redis did not answer (or is not asked)
+        if grant.used + tokens > share:  # Redis did not answer (or is not asked)
             return None
-        block.take(tokens)
+        grant.take(tokens)
         return self._hold(lease)
 
     async def release(self, reservation: Reservation) -> None:
         held = self._held.pop(reservation.lease, None)
         if held is None:
             return
-        block = self._blocks.block(held.backend)
-        block.give(held.tokens)  # what the lease holds now: grown, perhaps
-        if self._mode == "shared" and block.sent is None and block.excess(self._spare_permille) > 0:
-            await asyncio.wait([self._calls.send(held.backend, block)])  # published: queues wake
+        grant = self._grants.grant(held.backend)
+        grant.give(held.tokens)  # what the lease holds now: grown, perhaps
+        if self._mode == "shared" and grant.sent is None and grant.excess(self._spare_permille) > 0:
+            await asyncio.wait([self._calls.send(held.backend, grant)])  # published: queues wake
 
     async def extend(self, reservation: Reservation, tokens: int) -> Reservation:
         """Grow a held lease: counted here at once, and in Redis by the next call for its
-        backend (a stream grows every block: the refresh carries them all, not a round
-        trip per block). Until then the block admits nothing it no longer has room for."""
+        backend (a stream grows by every KV block it fills: the refresh carries them all, not
+        a round trip per block). Until then the grant admits nothing it no longer has room
+        for."""
         held = self._held.get(reservation.lease)
         if held is None or tokens <= 0:
             return held or reservation
         grown = held._replace(tokens=held.tokens + tokens)
         self._held[held.lease] = grown
-        self._blocks.block(held.backend).used += tokens
+        self._grants.grant(held.backend).used += tokens
         return grown
 
     def tokens_in_flight(self, backend: str) -> int:
@@ -173,22 +174,22 @@ class RedisLedger:
         return self._in_flight(backend)[1]
 
     def snapshot(self) -> Mapping[str, tuple[int, int]]:
-        return {b: self._in_flight(b) for b in self._blocks}
+        return {b: self._in_flight(b) for b in self._grants}
 
     def _in_flight(self, backend: str) -> tuple[int, int]:
         """(tokens, sessions) on `backend`; while local, this replica's own times the share."""
         if self._mode == "local":
-            block = self._blocks.block(backend)
-            return block.used * self._share, block.sessions * self._share
-        return self._blocks.in_flight(backend)
+            grant = self._grants.grant(backend)
+            return grant.used * self._share, grant.sessions * self._share
+        return self._grants.in_flight(backend)
 
     async def close(self) -> None:
-        """Stop refreshing and give back every block (within the time budget)."""
+        """Stop refreshing and give back every grant (within the time budget)."""
         await self.stop()
         self._held.clear()
-        held = [b for b, block in self._blocks.items() if block.granted or block.sessions]
-        for block in self._blocks.values():
-            block.used = block.sessions = block.granted = 0
+        held = [b for b, grant in self._grants.items() if grant.granted or grant.sessions]
+        for grant in self._grants.values():
+            grant.used = grant.sessions = grant.granted = 0
         if self._mode == "shared" and held:
             budget = self.budget_s()
             releases = [self._calls.call("release", b, budget_s=budget) for b in held]
@@ -206,16 +207,16 @@ class RedisLedger:
         await self._refreshes.stop()
 
     async def refresh(self) -> bool:
-        """One pipelined call: size (and so renew, or restore) every block this replica
+        """One pipelined call: size (and so renew, or restore) every grant this replica
         holds to what its requests hold, and read every other backend's totals."""
         budget = self.budget_s() * REFRESH_BUDGET
         calls: list[asyncio.Future[Any]] = []
         peeked: list[str] = []
-        for backend, block in self._blocks.items():
-            if block.sent is not None:  # its answer renews the lease and tells the totals
+        for backend, grant in self._grants.items():
+            if grant.sent is not None:  # its answer renews the lease and tells the totals
                 continue
-            if block.granted or block.sessions or block.reported != (0, 0):
-                calls.append(self._calls.send(backend, block, budget_s=budget, refresh=True))
+            if grant.granted or grant.sessions or grant.reported != (0, 0):
+                calls.append(self._calls.send(backend, grant, budget_s=budget, refresh=True))
             else:
                 peeked.append(backend)
         calls += [self._calls.call("peek", backend, budget_s=budget) for backend in peeked]
@@ -225,8 +226,8 @@ class RedisLedger:
             return False
         for backend, reply in zip(peeked, replies[len(calls) - len(peeked) :], strict=True):
             sized = parse_reply(reply)
-            self._blocks.refreshed(backend, sized.seen)
-            self._blocks.block(backend).others = sized.granted
+            self._grants.refreshed(backend, sized.seen)
+            self._grants.grant(backend).others = sized.granted
         if self._mode == "local":
             log.info("ledger store answers again: shared admission resumes")
             self._capped_until = self._clock.monotonic() + RECOVERY_REFRESHES * self._refresh_s
@@ -235,16 +236,16 @@ class RedisLedger:
 
     def wanted(self, backend: str) -> None:
         """Another replica was refused room on `backend`: give back the spare at once."""
-        block = self._blocks.get(backend)
-        if block is None:
+        grant = self._grants.get(backend)
+        if grant is None:
             return
-        block.contended = True
-        if self._mode == "shared" and block.sent is None and block.excess(self._spare_permille) > 0:
-            self._calls.send(backend, block)
+        grant.contended = True
+        if self._mode == "shared" and grant.sent is None and grant.excess(self._spare_permille) > 0:
+            self._calls.send(backend, grant)
 
     def observe(self, backend: str, seen: Seen) -> None:
         """Take a report of a backend's totals unless a later one was already taken."""
-        self._blocks.observe(backend, seen)
+        self._grants.observe(backend, seen)
 
     async def _refresh_pass(self) -> None:
         await self.refresh()  # whether it reached the store, it says itself (mode, metrics)

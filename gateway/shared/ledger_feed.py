@@ -5,7 +5,7 @@ replica subscribes; a message updates the ledger's snapshot of that backend (so 
 woken by it sees the room) and then tells the router, which wakes that pool's waiters. A
 replica's own releases already woke its waiters, so only expiries are taken from its own
 messages. A message that gives back nothing is a refusal elsewhere while this replica's
-block may hold spare: the ledger gives it back at once. While the subscription is down, or
+grant may hold spare: the ledger gives it back at once. While the subscription is down, or
 the ledger is in its local mode, the waiters of every pool are woken every `poll_s`
 instead: a release elsewhere may have gone unheard.
 """
@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from gateway.admission.ledger_block import Seen
+from gateway.admission.ledger_grant import Seen
 from gateway.admission.ledger_redis import RedisLedger
 from gateway.shared.feed import Subscriber
 

@@ -10,8 +10,8 @@ from redis.crc import key_slot
 
 from gateway.admission.backends import build_pools
 from gateway.admission.ledger import LocalLedger
-from gateway.admission.ledger_block import Seen
 from gateway.admission.ledger_calls import Sized, parse_reply
+from gateway.admission.ledger_grant import Seen
 from gateway.admission.ledger_redis import RedisLedger
 from gateway.admission.router import Router
 from gateway.clock import ManualClock

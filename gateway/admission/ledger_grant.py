@@ -1,10 +1,10 @@
-"""The shared ledger's bookkeeping: this replica's block of each backend, and the totals.
+"""The shared ledger's bookkeeping: this replica's grant of each backend, and the totals.
 
-A block is what Redis granted this replica of one backend's room, counted here: what its
+A grant is what Redis granted this replica of one backend's room, counted here: what its
 admitted requests hold, what the other replicas were granted, and what this replica's part
 of Redis's totals was when Redis last answered. The totals (`Seen`) are every replica's
 requests on a backend as Redis last reported them; this replica's own part of them is
-replaced by what its block holds now, so its own admissions and releases count at once.
+replaced by what its grant holds now, so its own admissions and releases count at once.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def unanswered(asks: list[Ask]) -> None:
 
 
 @dataclass(slots=True, eq=False)
-class Block:
+class Grant:
     """This replica's share of one backend: what Redis granted it, what its requests hold."""
 
     granted: int = 0  # as of Redis's last answer
@@ -57,12 +57,12 @@ class Block:
         self.sessions -= 1
 
     def fits(self, tokens: int, limit: int) -> bool:
-        """Whether `tokens` more fit in the block and under `limit` beside the others."""
+        """Whether `tokens` more fit in the grant and under `limit` beside the others."""
         used = self.used + tokens
         return used <= self.granted and self.others + used <= limit
 
     def excess(self, spare_permille: int) -> int:
-        """What the block holds beyond its requests that it should give back now: all of
+        """What the grant holds beyond its requests that it should give back now: all of
         it when contended, else once it is over twice the spare it would be granted now."""
         excess = self.granted - self.used
         if excess <= 0 or self.contended:
@@ -71,33 +71,33 @@ class Block:
         return excess if excess > 2 * free * spare_permille // 1000 else 0
 
 
-class Blocks:
-    """Per backend, this replica's block and the totals Redis last reported."""
+class Grants:
+    """Per backend, this replica's grant and the totals Redis last reported."""
 
     def __init__(self, backends: Iterable[str]) -> None:
         self._seen: dict[str, Seen] = {b: Seen() for b in backends}
-        self._blocks: dict[str, Block] = {b: Block() for b in self._seen}
+        self._grants: dict[str, Grant] = {b: Grant() for b in self._seen}
 
     def __iter__(self) -> Iterator[str]:
         """Every backend with totals known here."""
         return iter(self._seen)
 
-    def items(self) -> ItemsView[str, Block]:
-        return self._blocks.items()
+    def items(self) -> ItemsView[str, Grant]:
+        return self._grants.items()
 
-    def values(self) -> ValuesView[Block]:
-        return self._blocks.values()
+    def values(self) -> ValuesView[Grant]:
+        return self._grants.values()
 
-    def get(self, backend: str) -> Block | None:
-        return self._blocks.get(backend)
+    def get(self, backend: str) -> Grant | None:
+        return self._grants.get(backend)
 
-    def block(self, backend: str) -> Block:
-        """The backend's block, a new empty one for a backend not known yet."""
-        block = self._blocks.get(backend)
-        if block is None:
-            block = self._blocks[backend] = Block()
+    def grant(self, backend: str) -> Grant:
+        """The backend's grant, a new empty one for a backend not known yet."""
+        grant = self._grants.get(backend)
+        if grant is None:
+            grant = self._grants[backend] = Grant()
             self._seen[backend] = Seen()
-        return block
+        return grant
 
     def observe(self, backend: str, seen: Seen) -> None:
         """Take a report of a backend's totals unless a later one was already taken."""
@@ -112,10 +112,10 @@ class Blocks:
     def in_flight(self, backend: str) -> tuple[int, int]:
         """(tokens, sessions) on `backend`: this replica's own as they stand, the others'
         as Redis last reported them."""
-        block = self.block(backend)
+        grant = self.grant(backend)
         seen = self._seen.get(backend, Seen())
-        tokens, sessions = block.reported
+        tokens, sessions = grant.reported
         return (
-            max(0, seen.tokens - tokens) + block.used,
-            max(0, seen.sessions - sessions) + block.sessions,
+            max(0, seen.tokens - tokens) + grant.used,
+            max(0, seen.sessions - sessions) + grant.sessions,
         )
