@@ -17,6 +17,7 @@ from gateway.config.base import PRIORITIES, PolicyName, PoolKind, Priority, Time
 from gateway.config.pools import (
     BackendSettings,
     CacheSettings,
+    KvEventsSettings,
     PoolSettings,
     ReservationSettings,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "CacheSettings",
     "ConfigError",
     "FairnessSettings",
+    "KvEventsSettings",
     "LedgerSettings",
     "LoadedConfig",
     "PolicyName",

@@ -18,6 +18,33 @@ from gateway.config.base import (
 from gateway.config.queue import QueueSettings
 
 
+class KvEventsSettings(_Model):
+    """Where a backend publishes its KV cache's events (vLLM's `--kv-events-config`)."""
+
+    endpoint: str = Field(
+        description=(
+            "the engine's ZMQ PUB socket, `tcp://HOST:PORT` (vLLM's `endpoint`, which it binds "
+            "as `tcp://*:PORT`)"
+        ),
+    )
+    replay: str | None = Field(
+        None,
+        description=(
+            "the engine's replay ROUTER socket, `tcp://HOST:PORT` (vLLM's `replay_endpoint`): "
+            "how the gateway learns what the engine cached before it subscribed, and catches "
+            "up after missing batches; none: the view starts empty and is cleared after a gap"
+        ),
+    )
+    topic: str = Field("", description="the topic the engine publishes under (vLLM's `topic`)")
+
+    @field_validator("endpoint", "replay")
+    @classmethod
+    def _tcp(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("tcp://", "ipc://")):
+            raise ValueError("must be a ZMQ address, tcp://HOST:PORT or ipc://PATH")
+        return value
+
+
 class BackendSettings(_Model):
     """One server of the pool."""
 
@@ -51,6 +78,18 @@ class BackendSettings(_Model):
         description=(
             "the backend's name in metrics and the shared ledger; unique across pools; "
             "none: `<pool>-<index>`"
+        ),
+    )
+    kv_events: KvEventsSettings | None = Field(
+        None,
+        description=(
+            "the engine's KV events (vLLM: `--kv-events-config '{\"enable_kv_cache_events\": "
+            'true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+            '"replay_endpoint": "tcp://*:5558"}\'`): with the pool\'s `tokenizer` and '
+            "`routing: prefix`, the blocks the engine really holds (stored, less evicted, as "
+            "it reports them) score the backend instead of the gateway's guess; each process "
+            "subscribes itself, nothing of it goes through Redis. `/admin/status` says per "
+            "backend which index it uses and how far behind its view is"
         ),
     )
 
@@ -263,6 +302,18 @@ class PoolSettings(_Model):
             "the pool's mean fill once past half the target fill (below it, a cached prompt "
             "wins over an even spread). `least_filled`: the backend with the most room, "
             "prompts unread"
+        ),
+    )
+    tokenizer: str | None = Field(
+        None,
+        description=(
+            "a directory of the served model's tokenizer files, as Hugging Face lays them out "
+            "(`tokenizer.json`, and `tokenizer_config.json` with the chat template, or "
+            "`chat_template.jinja`): baked into the gateway's image or mounted from the "
+            "volume the engines load the model from. With it, a request to a pool whose "
+            "backends publish `kv_events` is tokenized in process as the engine does it, and "
+            "its blocks matched against what each engine reports holding; without it those "
+            "backends are scored by the gateway's own index"
         ),
     )
     continue_streams: int = Field(

@@ -1,0 +1,294 @@
+"""Each backend's KV events, heard off the request path: vLLM's ZMQ publisher and its replay.
+
+The wire, as vLLM 0.32 publishes it (vllm/distributed/kv_events.py; a capture from a running
+engine is tests/fixtures/vllm-0.32-kv-events.bin):
+
+- a PUB socket (`--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+  "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'`); each message is three
+  frames: the topic, a sequence number (8 bytes, big-endian, from 0 for each publisher
+  process), and a msgpack `KVEventBatch`: an array `[ts, events, data_parallel_rank]` whose
+  events are maps tagged by `type`: `BlockStored` (`block_hashes`, `parent_block_hash`,
+  `token_ids`, `block_size`, `medium`, `lora_name`, `extra_keys` one entry a block,
+  `group_idx`, ...), `BlockRemoved` (`block_hashes`, `medium`, `group_idx`),
+  `AllBlocksCleared`;
+- the replay endpoint, a ROUTER socket: a DEALER sends `(b"", start)` (8 bytes, big-endian)
+  and gets `(b"", topic, seq, payload)` for each batch the engine still buffers from `start`
+  on (`buffer_steps`, 10,000 by default), then `(b"", b"", -1, b"")`.
+
+Catching up. The view is rebuilt from the replay of all the engine buffers (from 0) when the
+subscriber starts and whenever its socket connects again after losing the engine (which may
+have restarted with an empty cache), and when a publisher starts its numbers again at 0. A
+sequence number past the next one expected means batches were missed (ZMQ drops what a slow
+subscriber cannot take): they are replayed, or, when the buffer no longer holds them all,
+the view is rebuilt from what it holds. Without a replay endpoint the view is cleared
+instead, and learns again from the next batch. Only the engine's own cache counts (medium
+`GPU` or none, KV cache group 0): an offloading tier's events name the same hashes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from gateway.admission.kv_index import BackendBlocks, Cleared, Event, Removed, Stored
+from gateway.clock import Clock
+from gateway.config import KvEventsSettings
+
+log = logging.getLogger("spillgate")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+REPLAY_WAIT_S = 2.0  # for each reply of a replay
+REPLAY_TOTAL_S = 10.0
+POLL_MS = 1000
+YIELD_EVERY = 64  # batches applied between yields to the loop during a replay
+
+
+class _BlockStored(msgspec.Struct, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    medium: str | None = None
+    lora_name: str | None = None
+    lora_id: int | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+
+class _BlockRemoved(msgspec.Struct, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared"):
+    pass
+
+
+class _Batch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_BlockStored | _BlockRemoved | _AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+_decoder = msgspec.msgpack.Decoder(_Batch)
+
+
+def decode(payload: bytes) -> list[Event]:
+    """The events of one batch that concern the engine's own prefix cache."""
+    events: list[Event] = []
+    for e in _decoder.decode(payload).events:
+        if isinstance(e, _AllBlocksCleared):
+            events.append(Cleared())
+        elif e.medium not in (None, "GPU") or e.group_idx not in (None, 0):
+            continue
+        elif isinstance(e, _BlockRemoved):
+            events.append(Removed(e.block_hashes))
+        elif e.lora_name is None and e.lora_id is None and not any(e.extra_keys or ()):
+            events.append(Stored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size))
+        else:  # salted, adapted or multimodal: no plain prompt matches them
+            events.append(Stored(e.block_hashes, e.parent_block_hash, (), e.block_size))
+    return events
+
+
+@dataclass(eq=False)
+class EventsView:
+    """What the gateway knows of one backend's cache from its events, and how fresh it is."""
+
+    blocks: BackendBlocks = field(default_factory=BackendBlocks)
+    seq: int | None = None  # the last batch applied
+    last_event_at: float | None = None  # clock.monotonic() of its arrival
+    connected: bool = False
+    gaps: int = 0  # times batches were missed
+    rebuilds: int = 0  # times the view was built again from scratch
+
+    def status(self, now: float) -> dict[str, object]:
+        age = None if self.last_event_at is None else round(now - self.last_event_at, 3)
+        return {
+            "index": "events",
+            "connected": self.connected,
+            "last_seq": self.seq,
+            "seconds_since_event": age,
+            "blocks": len(self.blocks),
+            "gaps": self.gaps,
+            "rebuilds": self.rebuilds,
+        }
+
+
+class Subscriber:
+    """One backend's events into its view, until cancelled."""
+
+    def __init__(
+        self,
+        backend: str,
+        settings: KvEventsSettings,
+        view: EventsView,
+        *,
+        context: zmq.asyncio.Context,
+        clock: Clock,
+    ) -> None:
+        self.backend = backend
+        self.settings = settings
+        self.view = view
+        self._context = context
+        self._clock = clock
+
+    async def run(self) -> None:
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, self.settings.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sub.connect(self.settings.endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(await poller.poll(POLL_MS))
+                if monitor in ready:
+                    await self._connection(parse_monitor_message(await monitor.recv_multipart()))
+                if sub in ready:
+                    _topic, seq, payload = await sub.recv_multipart()
+                    await self._take(int.from_bytes(seq, "big"), payload)
+        finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+
+    async def _connection(self, event: Mapping[str, Any]) -> None:
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            self.view.connected = False
+        elif event["event"] == zmq.EVENT_CONNECTED:
+            # first or again (maybe a new engine): what it holds, from its buffer
+            self.view.connected = True
+            await self._rebuild()
+
+    async def _take(self, seq: int, payload: bytes) -> None:
+        view = self.view
+        if view.seq is not None and seq <= view.seq:
+            if seq == 0 and view.seq > 0:  # a publisher counting again from 0
+                await self._rebuild()
+            return  # already applied (replayed)
+        if view.seq is not None and seq > view.seq + 1:
+            view.gaps += 1
+            log.info("kv events of %s: missed %d batches", self.backend, seq - view.seq - 1)
+            await self._catch_up(view.seq + 1)
+            if view.seq is not None and seq <= view.seq:
+                return
+        self._apply(seq, payload)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            events = decode(payload)
+        except msgspec.DecodeError as exc:
+            log.warning("kv events of %s: batch %d unreadable: %s", self.backend, seq, exc)
+            events = []
+        self.view.blocks.apply(events)
+        self.view.seq = seq
+        self.view.last_event_at = self._clock.monotonic()
+
+    async def _catch_up(self, start: int) -> None:
+        batches = await self._replay(start)
+        if batches is not None and batches and batches[0][0] == start:
+            await self._apply_all(batches)
+        else:
+            await self._rebuild()
+
+    async def _rebuild(self) -> None:
+        """The view from scratch: the replay of all the engine buffers, else empty."""
+        self.view.blocks.clear()
+        self.view.seq = None
+        self.view.rebuilds += 1
+        batches = await self._replay(0)
+        if batches:
+            await self._apply_all(batches)
+
+    async def _apply_all(self, batches: list[tuple[int, bytes]]) -> None:
+        for i, (seq, payload) in enumerate(batches):
+            if self.view.seq is None or seq > self.view.seq:
+                self._apply(seq, payload)
+            if i % YIELD_EVERY == YIELD_EVERY - 1:
+                await asyncio.sleep(0)
+
+    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """The batches the engine still buffers from `start` on, in order (None: no replay
+        endpoint, or it did not answer in time)."""
+        if self.settings.replay is None:
+            return None
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        batches: list[tuple[int, bytes]] = []
+        try:
+            dealer.connect(self.settings.replay)
+            async with asyncio.timeout(REPLAY_TOTAL_S):
+                await dealer.send_multipart((b"", start.to_bytes(8, "big")))
+                while True:
+                    if not await dealer.poll(REPLAY_WAIT_S * 1000):
+                        raise TimeoutError
+                    frames = await dealer.recv_multipart()
+                    if len(frames) != 4 or frames[2] == END_SEQ:
+                        return batches
+                    batches.append((int.from_bytes(frames[2], "big"), frames[3]))
+        except TimeoutError:
+            log.info("kv events of %s: no replay from %s", self.backend, self.settings.replay)
+            return None
+        finally:
+            dealer.close(linger=0)
+
+
+class KvEvents:
+    """The subscribers of every backend configured with KV events, one task each: started
+    with the app and stopped with it. Each process subscribes on its own."""
+
+    def __init__(self, endpoints: dict[str, KvEventsSettings], *, clock: Clock) -> None:
+        self._endpoints = endpoints
+        self._clock = clock
+        self.views = {name: EventsView() for name in endpoints}
+        self._context: zmq.asyncio.Context | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.views)
+
+    async def start(self) -> None:
+        if not self._endpoints:
+            return
+        self._context = zmq.asyncio.Context()
+        for name, settings in self._endpoints.items():
+            subscriber = Subscriber(
+                name, settings, self.views[name], context=self._context, clock=self._clock
+            )
+            task = asyncio.create_task(self._keep(subscriber), name=f"kv-events-{name}")
+            self._tasks.append(task)
+
+    async def _keep(self, subscriber: Subscriber) -> None:
+        """Run a subscriber again a second after it fails: the events are worth waiting for."""
+        while True:
+            try:
+                await subscriber.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("kv events of %s: %r; subscribing again", subscriber.backend, exc)
+                await asyncio.sleep(1.0)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        if self._context is not None:
+            self._context.term()
+            self._context = None

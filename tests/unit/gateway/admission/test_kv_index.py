@@ -1,0 +1,109 @@
+"""The KV-events index: blocks stored less removed, keyed by their token ids, scored by the
+longest leading run a backend holds; and vLLM 0.32's own batches decoded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gateway.admission.kv_events import decode
+from gateway.admission.kv_index import BackendBlocks, Cleared, Removed, Stored, block_keys
+
+FIXTURE = Path(__file__).parents[3] / "fixtures" / "vllm-0.32-kv-events.bin"
+
+
+def stored(ids: list[int], *, hashes: list[int], parent: int | None = None, size: int = 4):
+    return Stored(block_hashes=hashes, parent=parent, token_ids=ids, block_size=size)
+
+
+def test_a_prompt_matches_the_blocks_stored_in_a_row():
+    blocks = BackendBlocks()
+    prompt = list(range(14))  # three whole blocks of 4, and 2 tokens
+    blocks.apply(
+        [stored(prompt[:8], hashes=[101, 102]), stored(prompt[8:12], hashes=[103], parent=102)]
+    )
+    keys = block_keys(prompt, 4)
+    assert len(keys) == 3
+    assert blocks.matched(keys) == 3
+    assert blocks.matched(block_keys([*prompt[:8], 99, 99, 99, 99], 4)) == 2
+    assert blocks.matched(block_keys([7, *prompt[1:]], 4)) == 0  # first block differs
+    assert len(blocks) == 3
+
+
+def test_removed_blocks_end_the_run_and_cleared_forgets_all():
+    blocks = BackendBlocks()
+    prompt = list(range(12))
+    blocks.apply([stored(prompt, hashes=[1, 2, 3])])
+    blocks.apply([Removed([2])])
+    assert blocks.matched(block_keys(prompt, 4)) == 1
+    blocks.apply([Removed([999])])  # never stored: nothing happens
+    assert len(blocks) == 2
+    blocks.apply([Cleared()])
+    assert blocks.matched(block_keys(prompt, 4)) == 0
+    assert len(blocks) == 0
+
+
+def test_a_block_whose_parent_was_never_seen_matches_nothing_but_is_removed_cleanly():
+    blocks = BackendBlocks()
+    blocks.apply([stored(list(range(4, 8)), hashes=[2], parent=1)])
+    assert len(blocks) == 0
+    blocks.apply([stored(list(range(4)), hashes=[1])])
+    assert blocks.matched(block_keys(list(range(8)), 4)) == 1  # the orphan stays unkeyed
+    blocks.apply([Removed([2, 1])])
+    assert len(blocks) == 0
+
+
+def test_the_same_tokens_after_another_prefix_are_another_block():
+    blocks = BackendBlocks()
+    blocks.apply([stored([9, 9, 9, 9, 5, 6, 7, 8], hashes=[1, 2])])
+    assert blocks.matched(block_keys([1, 1, 1, 1, 5, 6, 7, 8], 4)) == 0
+
+
+def test_a_block_stored_twice_under_one_hash_counts_once():
+    blocks = BackendBlocks()
+    blocks.apply([stored([1, 2, 3, 4], hashes=[7]), stored([1, 2, 3, 4], hashes=[7])])
+    blocks.apply([Removed([7])])
+    assert len(blocks) == 0
+
+
+def test_two_engine_blocks_with_one_key_stay_until_both_are_removed():
+    blocks = BackendBlocks()  # as when the engine hashed an extra key the index leaves out
+    blocks.apply([stored([1, 2, 3, 4], hashes=[7]), stored([1, 2, 3, 4], hashes=[8])])
+    blocks.apply([Removed([7])])
+    assert blocks.matched(block_keys([1, 2, 3, 4], 4)) == 1
+    blocks.apply([Removed([8])])
+    assert blocks.matched(block_keys([1, 2, 3, 4], 4)) == 0
+
+
+def frames() -> list[tuple[int, bytes]]:
+    data, out, i = FIXTURE.read_bytes(), [], 0
+    while i < len(data):
+        size = int.from_bytes(data[i : i + 4], "big")
+        seq = int.from_bytes(data[i + 4 : i + 12], "big")
+        out.append((seq, data[i + 12 : i + 12 + size]))
+        i += 12 + size
+    return out
+
+
+def test_vllm_batches_decode_and_replay_into_the_blocks_it_holds():
+    """Captured from vLLM 0.32 (CPU build, 15 usable blocks of 128): a prefix cache reset,
+    then eight prompts of three blocks each, the oldest evicted as the cache fills."""
+    batches = frames()
+    assert [seq for seq, _ in batches] == list(range(1, 10))
+    first = decode(batches[0][1])
+    assert isinstance(first[0], Cleared)
+    assert isinstance(first[1], Stored)
+    assert first[1].block_size == 128
+    assert len(first[1].token_ids) == 3 * 128
+    assert first[1].parent is None
+    blocks = BackendBlocks()
+    prompts = []
+    for _, payload in batches:
+        events = decode(payload)
+        prompts += [e.token_ids for e in events if isinstance(e, Stored)]
+        blocks.apply(events)
+    assert blocks.block_size == 128
+    assert len(prompts) == 8
+    # 24 blocks stored, 10 removed, the least recently used first: 14 held
+    assert len(blocks) == 14
+    assert blocks.matched(block_keys(list(prompts[-1]), 128)) == 3
+    assert blocks.matched(block_keys(list(prompts[0]), 128)) == 0
