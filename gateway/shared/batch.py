@@ -278,7 +278,7 @@ class RedisBatcher:
         pool = self._redis.connection_pool
         conn = await pool.get_connection()  # type: ignore[no-untyped-call]
         try:
-            return await _exchange(conn, packed, count)
+            return await _round_trip(conn, packed, count)
         finally:
             await pool.release(conn)
 
@@ -299,7 +299,7 @@ class RedisBatcher:
             conn = node.acquire_connection()
             try:
                 packed = b"".join(_packed(batch[i]) for i in indices)
-                got = await _exchange(conn, packed, len(indices))
+                got = await _round_trip(conn, packed, len(indices))
             finally:
                 node.release(conn)
             for i, reply in zip(indices, got, strict=True):
@@ -342,7 +342,7 @@ def _settle(call: _Call, reply: Any) -> None:
         future.set_result(reply)
 
 
-async def _exchange(conn: Any, packed: bytes, count: int) -> list[Any]:
+async def _round_trip(conn: Any, packed: bytes, count: int) -> list[Any]:
     """Send `count` packed commands on `conn` and read their replies, an error reply in
     its place; a connection that failed mid-way is closed (it reconnects on next use)."""
     try:
