@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
-from gateway.tasks import Periodic
+from gateway.tasks import Periodic, Repeat, start_all
 
 
 def test_a_loop_stops_though_its_pass_turned_the_cancellation_into_an_error() -> None:
@@ -82,3 +83,49 @@ async def _keeps_failing() -> None:
     passes.start()
     await asyncio.wait_for(recovered.wait(), timeout=2)
     await passes.stop()
+
+
+def test_parts_start_in_order_and_stop_in_reverse() -> None:
+    asyncio.run(_in_order())
+
+
+async def _in_order() -> None:
+    seen: list[str] = []
+
+    class Part:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        async def start(self) -> None:
+            seen.append(f"start {self.name}")
+
+        async def stop(self) -> None:
+            seen.append(f"stop {self.name}")
+
+    async with contextlib.AsyncExitStack() as stack:
+        await start_all(stack, Part("a"), None, Part("b"))
+    assert seen == ["start a", "start b", "stop b", "stop a"]
+
+
+def test_a_repeat_that_waits_first_runs_no_step_before_its_interval() -> None:
+    asyncio.run(_waits_first())
+
+
+async def _waits_first() -> None:
+    steps: list[float] = []
+    second = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def step() -> None:
+        steps.append(loop.time())
+        if len(steps) == 2:
+            second.set()
+
+    started = loop.time()
+    repeat = Repeat(step, every_s=0.05, name="w", wait_first=True)
+    await repeat.start()
+    await asyncio.sleep(0.02)
+    assert steps == []
+    await asyncio.wait_for(second.wait(), timeout=2)
+    await repeat.stop()
+    assert steps[0] - started >= 0.05
