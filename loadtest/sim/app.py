@@ -22,10 +22,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.admission.prompt_tokens import PromptTokenizer
 from loadtest.sim.apis import EmbeddingsEndpoint, json_body, unsupported
 from loadtest.sim.completions import CompletionsEndpoint
 from loadtest.sim.config import ResolvedSim, SimConfig, resolve
 from loadtest.sim.engine import Engine, LiveSequence
+from loadtest.sim.kv_events import EventLog, Publisher
 from loadtest.sim.lengths import DEFAULT_VOCAB_SIZE, AnswerLengths, LengthSampler
 from loadtest.sim.metrics import SimMetrics
 from loadtest.sim.protocol import Limits, SimRequestError, tokenized
@@ -119,6 +121,7 @@ def create_sim_app(config: SimConfig) -> Starlette:
 def create_sim_replica(config: SimConfig) -> SimReplica:
     """The replica of `create_sim_app`, with its `Shutdown` for the server to call."""
     resolved = resolve(config)
+    events = EventLog(resolved.block_size) if config.kv_events_port is not None else None
     scheduler: Scheduler[LiveSequence] = Scheduler(
         SchedulerLimits(
             num_blocks=resolved.num_blocks,
@@ -126,7 +129,8 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
             max_num_seqs=resolved.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             prefix_caching=config.enable_prefix_caching,
-        )
+        ),
+        events=events,
     )
     metrics = SimMetrics(config=config, resolved=resolved, scheduler=scheduler)
     engine = Engine(
@@ -142,6 +146,7 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
         model=config.model,
         max_model_len=resolved.max_model_len,
         default_max_tokens=config.default_max_tokens if capped else None,
+        tokenizer=None if config.tokenizer is None else PromptTokenizer(config.tokenizer),
     )
     lengths = LengthSampler(
         mode=config.answer_lengths,
@@ -178,6 +183,11 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
         body = {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids}
         return Response(orjson.dumps(body), media_type="application/json")
 
+    async def reset_prefix_cache(request: Request) -> Response:
+        # vLLM's (with VLLM_SERVER_DEV_MODE=1): refused while sequences hold blocks
+        done = scheduler.pool.reset()
+        return Response(b"", status_code=200 if done else 400)
+
     async def metrics_endpoint(request: Request) -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -190,13 +200,19 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         task = asyncio.create_task(engine.run(), name=f"sim-engine:{config.model}")
+        publisher = None if events is None else _publisher(config, events)
+        published = None if publisher is None else asyncio.create_task(publisher.run())
         try:
             yield
         finally:
             engine.close()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for running in (task, published):
+                if running is not None:
+                    running.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await running
+            if publisher is not None:
+                publisher.close()
 
     routes = [
         *_api_routes(config, limits=limits, engine=engine, filler=filler, endpoint=endpoint),
@@ -204,6 +220,7 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
         Route("/health", health, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     ]
     shutdown = Shutdown(engine=engine, timeout_s=config.shutdown_timeout_s)
     app = Starlette(
@@ -213,3 +230,15 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
         middleware=[Middleware(RefuseWhileStopping, shutdown=shutdown)],
     )
     return SimReplica(app=app, shutdown=shutdown)
+
+
+def _publisher(config: SimConfig, events: EventLog) -> Publisher:
+    port = config.kv_events_port
+    assert port is not None
+    return Publisher(
+        events,
+        host="127.0.0.1",
+        port=port,
+        replay_port=port + 1,
+        drop_every=config.kv_events_drop_every,
+    )

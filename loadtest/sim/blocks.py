@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 # the first block's parent: any fixed value serves, since one replica only compares its own
 ROOT_HASH = 0
@@ -32,10 +33,21 @@ def hash_blocks(token_ids: Sequence[int], block_size: int) -> list[int]:
     return hashes
 
 
+class BlockEvents(Protocol):
+    """Told of what the prefix cache names and forgets, as vLLM's KV events tell it."""
+
+    def stored(self, block_hash: int, parent: int | None, token_ids: Sequence[int]) -> None: ...
+
+    def removed(self, block_hash: int) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
 class BlockPool:
     """`num_blocks` blocks, each held by some sequences (a reference count) or free."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, *, events: BlockEvents | None = None) -> None:
+        self.events = events
         # the free queue: allocation takes from the front, release appends at the back
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._refs = [0] * num_blocks
@@ -90,21 +102,48 @@ class BlockPool:
             if block_hash is not None:
                 del cached[block_hash]
                 hash_of[block] = None
+                if self.events is not None:
+                    self.events.removed(block_hash)
             refs[block] = 1
             blocks.append(block)
         return blocks
 
-    def cache(self, blocks: Sequence[int], block_hashes: Sequence[int]) -> None:
-        """Name freshly computed full blocks by their hashes, so later prompts can hit them.
+    def cache(
+        self,
+        blocks: Sequence[int],
+        block_hashes: Sequence[int],
+        *,
+        parent: int | None = None,
+        token_ids: Sequence[int] = (),
+        block_size: int = 0,
+    ) -> None:
+        """Name freshly computed full blocks by their hashes, so later prompts can hit them;
+        `parent` is the hash of the block before the first (None: the prompt's first), and
+        `token_ids` the blocks' tokens, `block_size` each, which the events tell.
 
         A hash another block already holds keeps that block: the copy stays unnamed and is
         freed as plain.
         """
-        hash_of, cached = self._hash_of, self._cached
-        for block, block_hash in zip(blocks, block_hashes, strict=True):
+        hash_of, cached, events = self._hash_of, self._cached, self.events
+        for i, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
             if block_hash not in cached and hash_of[block] is None:
                 cached[block_hash] = block
                 hash_of[block] = block_hash
+                if events is not None:
+                    before = parent if i == 0 else block_hashes[i - 1]
+                    ids = token_ids[i * block_size : (i + 1) * block_size]
+                    events.stored(block_hash, before, ids)
+
+    def reset(self) -> bool:
+        """Forget every cached block, as vLLM's `reset_prefix_cache`: only while no sequence
+        holds a block (False otherwise, nothing forgotten)."""
+        if len(self._free) != len(self._refs):
+            return False
+        self._cached.clear()
+        self._hash_of = [None] * len(self._refs)
+        if self.events is not None:
+            self.events.cleared()
+        return True
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one holder from each block; blocks left unheld join the back of the free queue.

@@ -103,6 +103,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="vLLM's: on SIGTERM, 0 (default) ends the requests in flight at once with an "
         "error; N lets them run N more seconds while new ones are refused",
     )
+    replica.add_argument(
+        "--kv-events-port",
+        type=int,
+        help="publish vLLM's KV events (ZMQ PUB) on this port, the replay ROUTER on the next",
+    )
+    replica.add_argument(
+        "--kv-events-drop-every",
+        type=int,
+        default=0,
+        help="leave every Nth event batch off the PUB socket (replay still has it)",
+    )
+    replica.add_argument(
+        "--tokenizer",
+        help="a model directory (tokenizer.json, tokenizer_config.json): tokenize as it does",
+    )
     provider = parser.add_argument_group("simulated external provider")
     provider.add_argument("--provider", action="store_true", help="run the provider instead")
     provider.add_argument(
@@ -142,6 +157,9 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         embedding_dim=args.embedding_dim,
         enable_prefix_caching=args.enable_prefix_caching,
         shutdown_timeout_s=args.shutdown_timeout,
+        kv_events_port=args.kv_events_port,
+        kv_events_drop_every=args.kv_events_drop_every,
+        tokenizer=args.tokenizer,
     )
 
 

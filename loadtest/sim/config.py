@@ -83,6 +83,12 @@ class SimConfig:
     embedding_dim: int | None = None
     enable_prefix_caching: bool = True
     shutdown_timeout_s: float = 0.0
+    # vLLM's KV events (loadtest/sim/kv_events.py): a PUB socket on this port, the replay
+    # ROUTER on the next, on the replica's host; every Nth batch left off the PUB socket
+    kv_events_port: int | None = None
+    kv_events_drop_every: int = 0
+    # a model directory's tokenizer and chat template: prompts tokenized as a real engine's
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         if self.speed <= 0:

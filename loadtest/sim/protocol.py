@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from gateway.admission.prompt_tokens import PromptTokenizer
 from loadtest.sim.lengths import StopRule
 from loadtest.sim.tokens import (
     PromptEnd,
@@ -51,6 +52,10 @@ class Limits:
     model: str | None  # the one served name; None accepts any name
     max_model_len: int
     default_max_tokens: int | None  # None: vLLM's, the room left after the prompt
+    # a real model's tokenizer and chat template (`--tokenizer`): prompts become the ids a
+    # real engine would see, so a gateway that tokenizes alike matches the blocks the KV
+    # events tell of; None: the simulator's own ids (loadtest/sim/tokens.py)
+    tokenizer: PromptTokenizer | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +90,17 @@ def _prompt(kind: Kind, body: dict[str, object], *, token_ids: bool) -> _Prompt:
         "prompt must be a string or a list of token ids (one prompt per request)",
         param="prompt",
     )
+
+
+def _tokenized(
+    kind: Kind, body: dict[str, object], tokenizer: PromptTokenizer, own: _Prompt
+) -> _Prompt:
+    """The prompt as the real tokenizer makes it, where it can (else the simulator's own)."""
+    chat = kind is Kind.CHAT
+    ids = tokenizer.chat(body) if chat else tokenizer.completion(body.get("prompt"))
+    if not ids:
+        return own
+    return _Prompt(tokens=len(ids), ids=ids, answer_start=own.answer_start)
 
 
 def tokenized(body: dict[str, object]) -> list[int]:
@@ -184,6 +200,8 @@ def parse_request(kind: Kind, raw: bytes, limits: Limits, *, token_ids: bool = F
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise SimRequestError("n must be at least 1.", param="n")
     prompt = _prompt(kind, body, token_ids=token_ids)
+    if limits.tokenizer is not None:
+        prompt = _tokenized(kind, body, limits.tokenizer, prompt)
     prompt_tokens = prompt.tokens
     requested = _requested_max_tokens(body)
     _check_length(prompt_tokens, requested, limits)

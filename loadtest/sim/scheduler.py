@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, TypeVar
 
-from loadtest.sim.blocks import BlockPool, hash_blocks
+from loadtest.sim.blocks import BlockEvents, BlockPool, hash_blocks
 
 
 class SeqState(Enum):
@@ -150,9 +150,9 @@ class SchedulerStats:
 
 
 class Scheduler(Generic[S]):
-    def __init__(self, limits: SchedulerLimits) -> None:
+    def __init__(self, limits: SchedulerLimits, *, events: BlockEvents | None = None) -> None:
         self.limits = limits
-        self.pool = BlockPool(limits.usable_blocks)
+        self.pool = BlockPool(limits.usable_blocks, events=events)
         self.waiting: deque[S] = deque()
         self.running: list[S] = []
         self.stats = SchedulerStats()
@@ -285,8 +285,14 @@ class Scheduler(Generic[S]):
             seq.block_ids = hit + pool.allocate(need)
             # blocks are named when scheduled, as in vLLM: a prompt admitted later in this
             # same step already hits them
-            full = len(seq.block_hashes)
-            pool.cache(seq.block_ids[len(hit) : full], seq.block_hashes[len(hit) :])
+            full, bs, done = len(seq.block_hashes), limits.block_size, len(hit)
+            pool.cache(
+                seq.block_ids[done:full],
+                seq.block_hashes[done:],
+                parent=seq.block_hashes[done - 1] if done else None,
+                token_ids=(seq.prompt_token_ids or ())[done * bs : full * bs],
+                block_size=bs,
+            )
             if limits.prefix_caching and seq.preemptions == 0:
                 self.stats.prefix_cache_queries += seq.prompt_tokens
                 self.stats.prefix_cache_hits += tokens - computed

@@ -1,0 +1,210 @@
+"""The KV-events subscriber against a simulated vLLM that publishes its events on real ZMQ
+sockets: what it holds after a late start (replay), after missed batches (a gap, caught up),
+after a prefix-cache reset (`AllBlocksCleared`), and after the engine restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq.asyncio
+
+from gateway.admission.kv_events import EventsView, Subscriber
+from gateway.admission.kv_index import block_keys
+from gateway.admission.prompt_tokens import PromptTokenizer
+from gateway.clock import SystemClock
+from gateway.config import KvEventsSettings
+from loadtest.procs import free_port
+from loadtest.sim.app import create_sim_app
+from loadtest.sim.config import SimConfig
+from loadtest.sim.tokenizer_files import write
+from tests.support.harness import ServerThread
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write(tmp_path_factory.mktemp("tokenizer"))
+
+
+def two_free_ports() -> int:
+    """A port whose next is free too: the sim's PUB and replay sockets."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
+def sim(tokenizer_dir: Path, port: int, *, drop_every: int = 0, http_port: int | None = None):
+    config = SimConfig(model="m", kv_tokens=64 * BLOCK, block_size=BLOCK, speed=100.0,
+                       kv_events_port=port, kv_events_drop_every=drop_every,
+                       tokenizer=str(tokenizer_dir))  # fmt: skip
+    return ServerThread(create_sim_app(config), port=http_port).start()
+
+
+@pytest.fixture
+def events_port() -> int:
+    return two_free_ports()
+
+
+@pytest.fixture
+def backend(tokenizer_dir: Path, events_port: int) -> Iterator[ServerThread]:
+    server = sim(tokenizer_dir, events_port)
+    yield server
+    server.stop()
+
+
+def chat(tenant: int, question: str = "hi") -> dict[str, object]:
+    system = f"{tenant} is the tenant you assist. " * 12
+    return {"model": "m", "max_tokens": 2, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": question}]}  # fmt: skip
+
+
+def send(server: ServerThread, body: dict[str, object]) -> None:
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=10)
+    assert response.status_code == 200, response.text
+
+
+class Watch:
+    """A subscriber running on the test's loop while inside `async with`, and its view."""
+
+    def __init__(self, port: int) -> None:
+        self.settings = KvEventsSettings(
+            endpoint=f"tcp://127.0.0.1:{port}", replay=f"tcp://127.0.0.1:{port + 1}"
+        )
+        self.view = EventsView()
+
+    async def __aenter__(self) -> Watch:
+        self._context = zmq.asyncio.Context()
+        sub = Subscriber("b", self.settings, self.view, context=self._context, clock=SystemClock())
+        self._task = asyncio.create_task(sub.run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._context.term()
+
+    async def until(self, done: Callable[[], bool], *, within_s: float = 10.0) -> None:
+        async with asyncio.timeout(within_s):
+            while not done():  # noqa: ASYNC110 (the view has no event to wait on)
+                await asyncio.sleep(0.02)
+
+
+def held(view: EventsView, tokenizer: PromptTokenizer, body: dict[str, object]) -> int:
+    ids = tokenizer.chat(body)
+    assert ids is not None
+    return view.blocks.matched(block_keys(ids, BLOCK))
+
+
+def whole_blocks(tokenizer: PromptTokenizer, body: dict[str, object]) -> int:
+    ids = tokenizer.chat(body)
+    assert ids is not None
+    return len(ids) // BLOCK
+
+
+def test_a_late_subscriber_learns_what_the_engine_cached_from_the_replay(
+    backend: ServerThread, events_port: int, tokenizer_dir: Path
+) -> None:
+    tokenizer = PromptTokenizer(tokenizer_dir)
+    for tenant in range(3):
+        send(backend, chat(tenant))
+    want = whole_blocks(tokenizer, chat(0))
+
+    async def scenario() -> EventsView:
+        async with Watch(events_port) as watch:
+            await watch.until(lambda: held(watch.view, tokenizer, chat(2)) == want)
+            return watch.view
+
+    view = asyncio.run(scenario())
+    for tenant in range(3):
+        assert held(view, tokenizer, chat(tenant)) == want
+    assert held(view, tokenizer, chat(9)) == 0
+    assert view.rebuilds == 1 and view.gaps == 0
+
+
+def test_evictions_reach_the_view_and_a_reset_clears_it(
+    backend: ServerThread, events_port: int, tokenizer_dir: Path
+) -> None:
+    tokenizer = PromptTokenizer(tokenizer_dir)
+    per_chat = whole_blocks(tokenizer, chat(0))
+    tenants = 63 // per_chat + 2  # more prompts than the cache's 63 usable blocks hold
+    last = chat(tenants - 1)
+
+    async def scenario() -> None:
+        async with Watch(events_port) as watch:
+            await watch.until(lambda: watch.view.connected)
+            for tenant in range(tenants):
+                await asyncio.to_thread(send, backend, chat(tenant))
+            await watch.until(lambda: held(watch.view, tokenizer, last) == per_chat)
+            assert held(watch.view, tokenizer, chat(0)) < per_chat  # the oldest evicted
+            assert len(watch.view.blocks) <= 63
+            reset = await asyncio.to_thread(httpx.post, f"{backend.url}/reset_prefix_cache")
+            assert reset.status_code == 200
+            await watch.until(lambda: len(watch.view.blocks) == 0)
+            assert held(watch.view, tokenizer, last) == 0
+
+    asyncio.run(scenario())
+
+
+def test_missed_batches_are_caught_up_through_the_replay(
+    tokenizer_dir: Path, events_port: int
+) -> None:
+    server = sim(tokenizer_dir, events_port, drop_every=3)
+    tokenizer = PromptTokenizer(tokenizer_dir)
+
+    async def scenario() -> None:
+        async with Watch(events_port) as watch:
+            await watch.until(lambda: watch.view.connected)
+            for tenant in range(8):
+                await asyncio.to_thread(send, server, chat(tenant))
+                await asyncio.sleep(0.02)  # a batch each
+            want = whole_blocks(tokenizer, chat(7))
+            await watch.until(lambda: held(watch.view, tokenizer, chat(7)) == want)
+            assert watch.view.gaps >= 1
+            async with Watch(events_port) as fresh:  # the engine's whole story, replayed
+                await fresh.until(lambda: fresh.view.seq == watch.view.seq)
+            assert len(watch.view.blocks) == len(fresh.view.blocks) > 0
+            for tenant in range(8):
+                body = chat(tenant)
+                assert held(watch.view, tokenizer, body) == held(fresh.view, tokenizer, body)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()
+
+
+def test_a_restarted_engine_starts_the_view_again(tokenizer_dir: Path, events_port: int) -> None:
+    server = sim(tokenizer_dir, events_port)
+    tokenizer = PromptTokenizer(tokenizer_dir)
+    want = whole_blocks(tokenizer, chat(1))
+    servers = [server]
+
+    async def scenario() -> None:
+        async with Watch(events_port) as watch:
+            await watch.until(lambda: watch.view.connected)
+            await asyncio.to_thread(send, server, chat(1))
+            await watch.until(lambda: held(watch.view, tokenizer, chat(1)) == want)
+            await asyncio.to_thread(server.stop)
+            await watch.until(lambda: not watch.view.connected)
+            again = await asyncio.to_thread(sim, tokenizer_dir, events_port, http_port=server.port)
+            servers.append(again)
+            await asyncio.to_thread(send, again, chat(2))
+            await watch.until(lambda: held(watch.view, tokenizer, chat(2)) == want)
+            assert held(watch.view, tokenizer, chat(1)) == 0  # the old engine's cache is gone
+            assert watch.view.rebuilds >= 2
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        servers[-1].stop()
