@@ -62,6 +62,9 @@ class InferenceRequest(NamedTuple):
     # prefix (gateway/admission/prefix_index.py)
     prefix: tuple[bytes, ...] = ()
     session: str | None = None
+    # its prompt's token ids as the engine sees them, where its pool has backends that
+    # publish KV events (gateway/admission/kv_index.py)
+    token_ids: tuple[int, ...] = ()
     # its objectives in seconds: time to first token from its arrival, and per output token
     # after it (None: none); the header's, else its tenant's default
     ttft_slo_s: float | None = None

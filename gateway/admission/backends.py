@@ -26,8 +26,10 @@ from gateway.admission.discovery import (
     models_from_listing,
 )
 from gateway.admission.fill import FillController, FillReason
+from gateway.admission.kv_events import EventsView, KvEvents
 from gateway.admission.output_lengths import WINDOW, LengthSource, OutputLengths
 from gateway.admission.prefix_index import PrefixIndex
+from gateway.admission.prompt_tokens import PromptTokenizer
 from gateway.breaker import CircuitBreaker
 from gateway.clock import Clock, SystemClock
 from gateway.config import BackendSettings, PoolSettings, ReservationSettings
@@ -153,6 +155,10 @@ class Pool:
     estimator: PromptEstimator = field(default_factory=PromptEstimator)
     outputs: OutputLengths = field(default_factory=lambda: OutputLengths(ReservationSettings()))
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)
+    # backends that publish KV events → what their events say they hold
+    # (gateway/admission/kv_events.py), and the model's tokenizer to match prompts against it
+    events: dict[str, EventsView] = field(default_factory=dict)
+    tokenizer: PromptTokenizer | None = None
 
     @property
     def name(self) -> str:
@@ -185,11 +191,21 @@ def build_pools(pools: list[PoolSettings], *, clock: Clock) -> dict[str, Pool]:
     built: dict[str, Pool] = {}
     for pool in pools:
         backends = [_backend(pool, i, b, clock) for i, b in enumerate(pool.backends)]
+        # the events index needs the prompt's tokens: only with a tokenizer, routing by prefix
+        tokenizer = None
+        if pool.routing == "prefix" and pool.tokenizer is not None:
+            tokenizer = PromptTokenizer(pool.tokenizer)
         built[pool.name] = Pool(
             settings=pool,
             backends=backends,
             demand=PoolDemand(clock),
             outputs=OutputLengths(pool.reservation),
+            events={
+                backend.name: EventsView()
+                for backend, b in zip(backends, pool.backends, strict=True)
+                if b.kv_events is not None and tokenizer is not None
+            },
+            tokenizer=tokenizer,
         )
     return built
 
@@ -244,6 +260,16 @@ class FleetWatcher:
         self._scrape = scrape
         self._clock = clock
         self._periodic = Periodic(self.refresh_once, every_s=self.TICK_S, name="fleet-watcher")
+        # what the backends that publish KV events say they cache, heard as they say it
+        self._events = KvEvents(
+            {
+                backend.name: (where, pool.events[backend.name])
+                for pool in pools.values()
+                for backend, b in zip(pool.backends, pool.settings.backends, strict=True)
+                if (where := b.kv_events) is not None and backend.name in pool.events
+            },
+            clock=clock,
+        )
 
     async def refresh_once(self) -> None:
         now = self._clock.monotonic()
@@ -322,8 +348,10 @@ class FleetWatcher:
         """Probe every backend before the first request, then every TICK_S."""
         await self.refresh_once()
         self._periodic.start()
+        await self._events.start()
 
     async def stop(self) -> None:
+        await self._events.stop()
         await self._periodic.stop()
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,7 +114,6 @@ class EventsView:
     def status(self, now: float) -> dict[str, object]:
         age = None if self.last_event_at is None else round(now - self.last_event_at, 3)
         return {
-            "index": "events",
             "connected": self.connected,
             "last_seq": self.seq,
             "seconds_since_event": age,
@@ -250,24 +249,20 @@ class KvEvents:
     """The subscribers of every backend configured with KV events, one task each: started
     with the app and stopped with it. Each process subscribes on its own."""
 
-    def __init__(self, endpoints: dict[str, KvEventsSettings], *, clock: Clock) -> None:
-        self._endpoints = endpoints
+    def __init__(
+        self, subscriptions: dict[str, tuple[KvEventsSettings, EventsView]], *, clock: Clock
+    ) -> None:
+        self._subscriptions = subscriptions  # backend → (where, its view)
         self._clock = clock
-        self.views = {name: EventsView() for name in endpoints}
         self._context: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.views)
-
     async def start(self) -> None:
-        if not self._endpoints:
+        if not self._subscriptions:
             return
         self._context = zmq.asyncio.Context()
-        for name, settings in self._endpoints.items():
-            subscriber = Subscriber(
-                name, settings, self.views[name], context=self._context, clock=self._clock
-            )
+        for name, (settings, view) in self._subscriptions.items():
+            subscriber = Subscriber(name, settings, view, context=self._context, clock=self._clock)
             task = asyncio.create_task(self._keep(subscriber), name=f"kv-events-{name}")
             self._tasks.append(task)
 

@@ -1,5 +1,6 @@
 """Prefix routing's pick: the backend likeliest to hold a request's prompt, weighed against
-load (Router.reserve with `routing: prefix`; the index is gateway/admission/prefix_index.py).
+load (Router.reserve with `routing: prefix`; the index is gateway/admission/prefix_index.py,
+or, for a backend that publishes KV events, what it reports holding: `Held`).
 
 Two guards keep a prefix from herding load onto one backend, each passing over a backend
 that taking the request would leave more than PREFIX_SKEW times a mean and more than
@@ -18,9 +19,12 @@ PREFIX_SLACK of its cache above it:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 
 from gateway.admission.backends import Backend
+from gateway.admission.kv_events import EventsView
+from gateway.admission.kv_index import block_keys
 from gateway.admission.prefix_index import PrefixIndex
 
 PREFIX_SKEW = 1.25
@@ -28,6 +32,36 @@ PREFIX_SLACK = 0.1
 PREFIX_FLOOR = 0.5
 Ranked = list[tuple[float, int, Backend, int, int]]  # (fill, index, backend, limit, capacity)
 Group = bytes | str  # a prompt's first block key, else its session
+
+
+class Held:
+    """How many of a prompt's leading tokens each backend holds in its prefix cache: what
+    its KV events report (gateway/admission/kv_index.py) where it publishes them and its
+    subscriber is connected, else what the gateway's own index guesses from its routing."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        prefix: Sequence[bytes],
+        *,
+        events: Mapping[str, EventsView],
+        token_ids: Sequence[int],
+    ) -> None:
+        self.index = index
+        self._prefix = prefix
+        self._events = events if token_ids else {}
+        self._token_ids = token_ids
+        self._keys: dict[int, list[int]] = {}  # block size → the prompt's block keys
+
+    def tokens(self, backend: Backend) -> int:
+        view = self._events.get(backend.name)
+        if view is None or not view.connected:
+            return self.index.matched(backend.name, self._prefix) * backend.block_size
+        size = view.blocks.block_size or backend.block_size
+        keys = self._keys.get(size)
+        if keys is None:
+            keys = self._keys[size] = block_keys(self._token_ids, size)
+        return view.blocks.matched(keys) * size
 
 
 def group_of(prefix: Sequence[bytes], session: str | None) -> Group | None:
@@ -70,7 +104,7 @@ def by_prefix(
     tokens: int,
     prefix: Sequence[bytes],
     session: str | None,
-    index: PrefixIndex,
+    held: Held,
     loads: GroupLoads,
     target_fill: float,
 ) -> None:
@@ -86,15 +120,15 @@ def by_prefix(
     mine = [0 if group is None else loads.held(b.name, group) for _, _, b, _, _ in ranked]
     share = (sum(mine) + tokens) / capacity  # the group's mean fill, taking the request
     floor = PREFIX_FLOOR * target_fill
-    home = index.session_backend(session)
-    best, most = 0, 0
+    home = held.index.session_backend(session)
+    best, most = 0, 0.0
     eligible = []
     for i, (fill, _, backend, _, size) in enumerate(ranked):
         after = fill + tokens / size
         if _over((mine[i] + tokens) / size, share) or (after > floor and _over(after, mean)):
             continue
         eligible.append(i)
-        matched = len(prefix) + 1 if backend.name == home else index.matched(backend.name, prefix)
+        matched = math.inf if backend.name == home else held.tokens(backend)
         if matched > most:
             best, most = i, matched
     if not most and prefix and eligible:

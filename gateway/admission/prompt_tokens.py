@@ -153,3 +153,13 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     return env
+
+
+def prompt_token_ids(body: dict[str, Any], tokenizer: PromptTokenizer | None) -> tuple[int, ...]:
+    """A chat's or a completion's prompt as the engine's token ids; () when there is no
+    tokenizer or the prompt cannot be tokenized as the engine would."""
+    if tokenizer is None:
+        return ()
+    chat = "messages" in body
+    ids = tokenizer.chat(body) if chat else tokenizer.completion(body.get("prompt"))
+    return () if ids is None else tuple(ids)

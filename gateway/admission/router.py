@@ -13,7 +13,7 @@ from gateway.admission.forecast import (
     seconds_until_fits,
 )
 from gateway.admission.ledger import Ledger, Reservation
-from gateway.admission.prefix_route import GroupLoads, Ranked, by_prefix, group_of
+from gateway.admission.prefix_route import GroupLoads, Held, Ranked, by_prefix, group_of
 from gateway.clock import Clock
 from gateway.upstream.target import Target
 
@@ -177,12 +177,14 @@ class Router:
         exclude: Collection[str] = (),
         prefix: Sequence[bytes] = (),
         session: str | None = None,
+        token_ids: Sequence[int] = (),
         running: bool = False,
     ) -> Reservation | None:
         """Reserve `sequences` sequences of up to `tokens` tokens each, in whole KV blocks, on
         the least-filled backend with room under the target fill, else None. With `prefix`
         (the keys of the prompt's leading blocks) or a `session`, the backend likeliest to
-        hold them goes first, within the herding guard (`_by_prefix`).
+        hold them goes first, within the herding guard (`_by_prefix`); with the prompt's
+        `token_ids`, a backend that publishes KV events is scored by what it reports holding.
 
         A request larger than the target fill allows but within a backend's KV cache is
         reserved on an idle backend, alone: the ledger's limit is then its own size. A
@@ -197,7 +199,7 @@ class Router:
             if self.pools[pool].settings.routing != "prefix":
                 prefix, session = (), None
             elif len(ranked) > 1:
-                self._by_prefix(pool, ranked, tokens * sequences, prefix, session)
+                self._by_prefix(pool, ranked, tokens * sequences, prefix, session, token_ids)
         alone: list[tuple[Backend, int]] = []
         for *_, backend, limit, capacity in ranked:
             need = kv_tokens(tokens, sequences=sequences, block_size=backend.block_size)
@@ -222,11 +224,13 @@ class Router:
         tokens: int,
         prefix: Sequence[bytes],
         session: str | None,
+        token_ids: Sequence[int],
     ) -> None:
         """Put first the backend likeliest to hold the prompt that neither herding guard
         passes over (gateway/admission/prefix_route.py)."""
         p = self.pools[pool]
-        by_prefix(ranked, tokens=tokens, prefix=prefix, session=session, index=p.prefixes,
+        held = Held(p.prefixes, prefix, events=p.events, token_ids=token_ids)
+        by_prefix(ranked, tokens=tokens, prefix=prefix, session=session, held=held,
                   loads=self._groups, target_fill=p.settings.target_fill)  # fmt: skip
 
     def _hold(

@@ -134,6 +134,7 @@ class Exchange:
             exclude=request.avoid.union(exclude) if request.avoid else exclude,
             prefix=request.prefix,
             session=request.session,
+            token_ids=request.token_ids,
             running=running,
         )
 

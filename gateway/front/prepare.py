@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from gateway.admission.backends import Pool
 from gateway.admission.prefix_index import block_keys, prompt_bytes
+from gateway.admission.prompt_tokens import prompt_token_ids
 from gateway.admission.router import Router
 from gateway.clock import Clock
 from gateway.errors import BackendUnavailable, InvalidRequest, ModelNotFound
@@ -119,7 +120,9 @@ class Preparer:
             session = user
         keys = block_keys(prompt_bytes(request.body), block_size=pool.backends[0].block_size)
         return request._replace(
-            prefix=keys, session=None if session is None else f"{request.tenant}\0{session}"
+            prefix=keys,
+            session=None if session is None else f"{request.tenant}\0{session}",
+            token_ids=prompt_token_ids(request.body, pool.tokenizer) if pool.events else (),
         )
 
     @staticmethod

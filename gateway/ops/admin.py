@@ -168,8 +168,18 @@ class AdminEndpoints:
                 # backend's own counters say it found
                 "index_hit_rate": self._router.pools[backend.pool].prefixes.hit_rate(backend.name),
                 "backend_hit_rate": None if load is None else load.prefix_hit_rate,
+                **self._index(backend),
             },
         }
+
+    def _index(self, backend: Backend) -> dict[str, Any]:
+        """Which index scores the backend: `events` (what its KV events report, with how far
+        behind that view is) while its subscriber is connected, else `routed`."""
+        view = self._router.pools[backend.pool].events.get(backend.name)
+        if view is None:
+            return {"index": "routed", "events": None}
+        status = view.status(self._router.clock.monotonic())
+        return {"index": "events" if view.connected else "routed", "events": status}
 
     async def status(self, request: Request) -> Response:
         try:

@@ -5,7 +5,10 @@ after a prefix-cache reset (`AllBlocksCleared`), and after the engine restarts."
 from __future__ import annotations
 
 import asyncio
+import secrets
 import socket
+import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,12 +19,16 @@ import zmq.asyncio
 from gateway.admission.kv_events import EventsView, Subscriber
 from gateway.admission.kv_index import block_keys
 from gateway.admission.prompt_tokens import PromptTokenizer
+from gateway.app import create_app
 from gateway.clock import SystemClock
-from gateway.config import KvEventsSettings
+from gateway.config import KvEventsSettings, parse_settings
+from loadtest.loadgen.scrape import backend_state
 from loadtest.procs import free_port
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from loadtest.sim.tokenizer_files import write
+from tests.support.fleet import ADMIN_TOKEN, admin_status
+from tests.support.fleet import tenant as tenant_entry
 from tests.support.harness import ServerThread
 
 BLOCK = 16
@@ -208,3 +215,56 @@ def test_a_restarted_engine_starts_the_view_again(tokenizer_dir: Path, events_po
         asyncio.run(scenario())
     finally:
         servers[-1].stop()
+
+
+def test_the_gateway_routes_by_the_events_of_one_backend_and_guesses_for_the_other(
+    tokenizer_dir: Path, events_port: int
+) -> None:
+    """Prompts sent straight to the backend that publishes events (bypassing the gateway)
+    draw the gateway's requests for them there: its events said it holds them. The other
+    backend has no events: /admin/status says it is scored by the routed index."""
+    with_events = sim(tokenizer_dir, events_port)
+    without = sim(tokenizer_dir, two_free_ports())
+    started = [with_events, without]
+    try:
+        key = "sk-" + secrets.token_hex(8)
+        settings = parse_settings({
+            "tenants": [tenant_entry("acme", key)],
+            "pools": [{"name": "m", "routing": "prefix", "tokenizer": str(tokenizer_dir),
+                       "backends": [
+                {"url": with_events.url, "kv_events": {
+                    "endpoint": f"tcp://127.0.0.1:{events_port}",
+                    "replay": f"tcp://127.0.0.1:{events_port + 1}"}},
+                {"url": without.url}]}],
+            "batch": {"dir": tempfile.mkdtemp(prefix="spillgate-batch-")},
+        })  # fmt: skip
+        app = create_app(settings, environ={"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN})
+        gateway = ServerThread(app).start()
+        started.append(gateway)
+        tenants = range(20, 26)
+        for t in tenants:  # traffic that bypasses the gateway
+            send(with_events, chat(t))
+        deadline = time.monotonic() + 10
+        while True:
+            (pool,) = admin_status(gateway.url)["pools"]
+            first, second = (b["prefix_cache"] for b in pool["backends"])
+            if first["events"]["blocks"] > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert first["index"] == "events"
+        assert first["events"]["connected"] is True
+        assert first["events"]["last_seq"] >= 0
+        assert second == {**second, "index": "routed", "events": None}
+        before = backend_state(httpx.get(f"{with_events.url}/metrics").text)
+        headers = {"authorization": f"Bearer {key}"}
+        for t in tenants:
+            r = httpx.post(f"{gateway.url}/v1/chat/completions", json=chat(t, "again"),
+                           headers=headers, timeout=10)  # fmt: skip
+            assert r.status_code == 200, r.text
+        after = backend_state(httpx.get(f"{with_events.url}/metrics").text)
+        other = backend_state(httpx.get(f"{without.url}/metrics").text)
+        assert other["prefix_queries"] == 0  # every request went where its prompt was cached
+        assert after["prefix_hits"] - before["prefix_hits"] >= len(tenants) * 16
+    finally:
+        for server in reversed(started):
+            server.stop()
