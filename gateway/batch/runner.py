@@ -68,7 +68,7 @@ class BatchRunner:
         self._items: dict[str, list[dict[str, Any]]] = {}  # batch id → its parsed lines
         self._metrics = deps.metrics
 
-    def start(self) -> None:
+    async def start(self) -> None:
         self._passes.start()
 
     async def stop(self) -> None:

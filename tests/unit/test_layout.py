@@ -201,7 +201,10 @@ ROOMS: list[tuple[str, tuple[str, ...]]] = [
     ("policies", ("policies",)),
     ("front", ("gateway.front",)),
     ("services", ("gateway.batch", "gateway.ops")),
-    ("composition", ("gateway.app", "gateway.workers", "gateway.serve", "gateway.cli")),
+    (
+        "composition",
+        ("gateway.app", "gateway.shared_mode", "gateway.workers", "gateway.serve", "gateway.cli"),
+    ),
 ]
 
 
