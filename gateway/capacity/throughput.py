@@ -112,16 +112,10 @@ def curve(
 def knee(profile: ReplicaProfile, workload: Workload, *, factor: float = KNEE_FACTOR) -> int:
     """Largest concurrency with TTFT <= factor x TTFT(1); TTFT rises with concurrency."""
     limit = factor * predict(profile, workload, 1).ttft_s
-    low, high = 1, 2
+    high = 2
     while predict(profile, workload, high).ttft_s <= limit:
-        low, high = high, high * 2
-    while high - low > 1:
-        mid = (low + high) // 2
-        if predict(profile, workload, mid).ttft_s <= limit:
-            low = mid
-        else:
-            high = mid
-    return low
+        high *= 2
+    return _most_within(profile, workload, limit_s=limit, low=high // 2, high=high)
 
 
 def max_sessions_within(profile: ReplicaProfile, workload: Workload, *, ttft_s: float) -> int:
@@ -129,10 +123,17 @@ def max_sessions_within(profile: ReplicaProfile, workload: Workload, *, ttft_s: 
     bound = running_limit(profile, workload)
     if predict(profile, workload, 1).ttft_s > ttft_s:
         return 0
-    low, high = 1, bound + 1
+    return _most_within(profile, workload, limit_s=ttft_s, low=1, high=bound + 1)
+
+
+def _most_within(
+    profile: ReplicaProfile, workload: Workload, *, limit_s: float, low: int, high: int
+) -> int:
+    """The most sessions whose TTFT is within `limit_s`, by bisection between `low` (within
+    it) and `high` (past it): TTFT rises with the sessions running."""
     while high - low > 1:
         mid = (low + high) // 2
-        if predict(profile, workload, mid).ttft_s <= ttft_s:
+        if predict(profile, workload, mid).ttft_s <= limit_s:
             low = mid
         else:
             high = mid
