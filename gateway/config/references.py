@@ -7,7 +7,7 @@ other problem of a file rather than only once the rest is right.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from gateway.config.problems import Problem, did_you_mean, key_path
@@ -112,15 +112,27 @@ def _kind_problems(i: int, pool: dict[str, Any], kinds: dict[Any, Any]) -> list[
 
 
 def _repeated_names(section: str, entries: list[Entry]) -> Iterator[Problem]:
+    return _repeated(
+        section,
+        entries,
+        "name",
+        lambda name, at: f"{name!r} is the name of {section}[{at}] already",
+    )
+
+
+def _repeated(
+    section: str, entries: list[Entry], key: str, says: Callable[[str, int], str]
+) -> Iterator[Problem]:
+    """A problem for each entry whose `key` an earlier entry of `section` holds already:
+    `says(value, where the first one is)`."""
     first: dict[str, int] = {}
     for i, entry in entries:
-        name = entry.get("name")
-        if not isinstance(name, str):
+        value = entry.get(key)
+        if not isinstance(value, str):
             continue
-        if name in first:
-            message = f"{name!r} is the name of {section}[{first[name]}] already"
-            yield Problem(loc=(section, i, "name"), message=message)
-        first.setdefault(name, i)
+        if value in first:
+            yield Problem(loc=(section, i, key), message=says(value, first[value]))
+        first.setdefault(value, i)
 
 
 def _repeated_backend_names(pools: list[Entry]) -> Iterator[Problem]:
@@ -146,15 +158,12 @@ def _repeated_backend_names(pools: list[Entry]) -> Iterator[Problem]:
 
 
 def _repeated_tenant_keys(tenants: list[Entry]) -> Iterator[Problem]:
-    first: dict[str, int] = {}
-    for i, tenant in tenants:
-        digest = tenant.get("key_sha256")
-        if not isinstance(digest, str):
-            continue
-        if digest in first:
-            message = f"the key of tenants[{first[digest]}] too: a key names one tenant"
-            yield Problem(loc=("tenants", i, "key_sha256"), message=message)
-        first.setdefault(digest, i)
+    return _repeated(
+        "tenants",
+        tenants,
+        "key_sha256",
+        lambda _, at: f"the key of tenants[{at}] too: a key names one tenant",
+    )
 
 
 def _missing(loc: tuple[str | int, ...], kind: str, name: str, known: list[str]) -> Problem:
