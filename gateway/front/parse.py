@@ -3,7 +3,7 @@ bad input stops here, as an OpenAI-shaped 400."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -165,15 +165,10 @@ def parse_request(
     chars_per_token: float,
 ) -> InferenceRequest:
     if endpoint is Endpoint.EMBEDDINGS or endpoint is Endpoint.RESPONSES:
-        parse = parse_embeddings if endpoint is Endpoint.EMBEDDINGS else parse_responses
+        parse = _parse_embeddings if endpoint is Endpoint.EMBEDDINGS else _parse_responses
         return parse(
             body,
-            tenant=tenant,
-            pool=pool,
-            priority=priority,
-            default_max_tokens=default_max_tokens,
-            max_model_len=max_model_len,
-            chars_per_token=chars_per_token,
+            Terms(tenant, pool, priority, default_max_tokens, max_model_len, chars_per_token),
         )
     chars = (
         _chat_prompt_chars(body) if endpoint is Endpoint.CHAT else _completion_prompt_chars(body)
@@ -241,22 +236,24 @@ def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def parse_embeddings(
-    body: dict[str, Any],
-    *,
-    tenant: str,
-    pool: str,
-    priority: Priority,
-    default_max_tokens: int,
-    max_model_len: int,
-    chars_per_token: float,
-) -> InferenceRequest:
+class Terms(NamedTuple):
+    """What the request's tenant and pool set for parsing it (`parse_request`'s arguments)."""
+
+    tenant: str
+    pool: str
+    priority: Priority
+    default_max_tokens: int
+    max_model_len: int
+    chars_per_token: float
+
+
+def _parse_embeddings(body: dict[str, Any], terms: Terms) -> InferenceRequest:
     """/v1/embeddings: the inputs' tokens are the whole reservation (nothing is generated)."""
-    chars, tokens = _embedding_input_tokens(body, chars_per_token=chars_per_token)
+    chars, tokens = _embedding_input_tokens(body, chars_per_token=terms.chars_per_token)
     longest = max(tokens)
-    if longest > max_model_len:
+    if longest > terms.max_model_len:
         raise InvalidRequest(
-            f"This model's maximum context length is {max_model_len} tokens; an input has "
+            f"This model's maximum context length is {terms.max_model_len} tokens; an input has "
             f"about {longest} tokens. Please reduce the length of the input.",
             param="input",
             code="context_length_exceeded",
@@ -272,9 +269,9 @@ def parse_embeddings(
     # token-id inputs have no characters: they teach the estimator nothing (prompt_chars 0)
     return InferenceRequest(
         endpoint=Endpoint.EMBEDDINGS,
-        tenant=tenant,
-        pool=pool,
-        priority=priority,
+        tenant=terms.tenant,
+        pool=terms.pool,
+        priority=terms.priority,
         stream=False,
         client_wants_usage=True,
         prompt_chars=chars,
@@ -301,16 +298,7 @@ def _item_chars(item: Any, param: str) -> int:
     return total
 
 
-def parse_responses(
-    body: dict[str, Any],
-    *,
-    tenant: str,
-    pool: str,
-    priority: Priority,
-    default_max_tokens: int,
-    max_model_len: int,
-    chars_per_token: float,
-) -> InferenceRequest:
+def _parse_responses(body: dict[str, Any], terms: Terms) -> InferenceRequest:
     """/v1/responses: the prompt is `instructions` and `input`; the output `max_output_tokens`."""
     value = body.get("input")
     if value is None:
@@ -332,10 +320,10 @@ def parse_responses(
         raise InvalidRequest(
             "'previous_response_id' must be a non-empty string.", param="previous_response_id"
         )
-    max_output = _max_output_tokens(body, default_max_tokens)
-    prompt_tokens = max(1, int(chars / chars_per_token) + 1)
+    max_output = _max_output_tokens(body, terms.default_max_tokens)
+    prompt_tokens = max(1, int(chars / terms.chars_per_token) + 1)
     _check_context(
-        prompt_tokens, max_output, max_model_len=max_model_len, param="max_output_tokens"
+        prompt_tokens, max_output, max_model_len=terms.max_model_len, param="max_output_tokens"
     )
     stream = _flag(body, "stream")
     # a continued conversation's prompt holds earlier turns the gateway cannot see: its
@@ -343,9 +331,9 @@ def parse_responses(
     prompt_chars = 0 if previous is not None else chars
     return InferenceRequest(
         endpoint=Endpoint.RESPONSES,
-        tenant=tenant,
-        pool=pool,
-        priority=priority,
+        tenant=terms.tenant,
+        pool=terms.pool,
+        priority=terms.priority,
         stream=stream,
         client_wants_usage=True,
         prompt_chars=prompt_chars,
