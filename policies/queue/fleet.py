@@ -7,15 +7,15 @@ wrote them), and between passes a replica whose waiting tenants change announces
 once. An announcement is newer than what the passes read of that replica until they have
 caught up with it: for HEARD_S, longer than two passes.
 
-A waiter elsewhere goes before the turn here when it is of a higher class, or of the same
-class with clearly less service (the give-way), and its request could fit in the room the
-pool frees as its answers end (the arrival check and the drain both ask `ahead_of`). While
-it waits, a lower class here takes no room and no arrival of its class or below takes free
-room: as on one replica, where a lower class is never admitted while a higher one waits and
-the waiter whose turn it is is never overtaken. A give-way to a lighter tenant of the same
-class lasts at most `give_way_s` from when this replica first let room go, then the turn
-here takes it, so a rival that cannot use the room does not leave it idle for long; a
-rival that stops waiting says so at once, and the turn here takes the room then.
+A waiter elsewhere goes before the turn here (the arrival check and the drain both ask
+`ahead_of`) when it is of a higher class and its request could fit in the room the pool
+frees as its answers end: while it waits, no lower class here takes room, as on one replica,
+where a lower class is never admitted while a higher one waits and the waiter whose turn it
+is is never overtaken. Or when it is of the same class with clearly less service (the
+give-way) and its request fits the room free now: room it could not take yet is not held
+back from the turn here, where it would sit idle. A give-way lasts at most `give_way_s` from
+when this replica first let room go, then the turn here takes it; a rival that stops
+waiting says so at once, and the turn here takes the room then.
 """
 
 from __future__ import annotations
@@ -81,11 +81,14 @@ class FleetWaiters:
             theirs = PRIORITIES.index(rival.priority)
             if theirs > rank or rival.tenant == tenant:
                 continue
-            if theirs == rank:
-                mine = self._service(tenant) if mine is None else mine
-                if self._service(rival.tenant) > CLEARLY_LESS * mine:
-                    continue
-            if self._room.fits_ever(self._pool, rival.tokens, sequences=rival.sequences):
+            if theirs < rank:
+                if self._room.fits_ever(self._pool, rival.tokens, sequences=rival.sequences):
+                    return rival
+                continue
+            mine = self._service(tenant) if mine is None else mine
+            if self._service(rival.tenant) > CLEARLY_LESS * mine:
+                continue
+            if self._room.has_room(self._pool, rival.tokens, sequences=rival.sequences):
                 return rival
         return None
 

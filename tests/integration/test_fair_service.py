@@ -36,7 +36,7 @@ from loadtest.sim.config import SimConfig
 from tests.support.fleet import admin_status, tenant
 from tests.support.harness import ServerThread
 from tests.support.overflow import chat, flooding, queue_wait_s, steady
-from tests.support.replica import start_gateways
+from tests.support.replica import gateways_running
 
 SLOTS = 12  # requests that fit the pool at once: each reserves two blocks of 16 tokens
 CAPACITY = SLOTS * 32
@@ -127,12 +127,8 @@ def replicas(
     try:
         with contextlib.ExitStack() as stack:
             url = None if count == 1 else stack.enter_context(RedisProcess()).url
-            gateways = start_gateways(path, count, redis_url=url)
-            try:
+            with gateways_running(path, count, redis_url=url) as gateways:
                 yield [g.url for g in gateways], keys
-            finally:
-                for gateway in gateways:
-                    gateway.stop()
     finally:
         sim.stop()
 

@@ -137,6 +137,19 @@ def start_gateways(
     return gateways
 
 
+@contextlib.contextmanager
+def gateways_running(
+    config: Path, count: int, *, redis_url: str | None
+) -> Iterator[list[GatewayProcess]]:
+    """`start_gateways`, stopped again however the block ends."""
+    gateways = start_gateways(config, count, redis_url=redis_url)
+    try:
+        yield gateways
+    finally:
+        for gateway in gateways:
+            gateway.stop()
+
+
 def wait_ready(gateway: GatewayProcess, *, within_s: float = 30.0) -> None:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:

@@ -11,16 +11,21 @@ SERVICE = {"heavy": 5000.0, "light": 40.0, "mild": 60.0}
 
 
 class Room:
-    """Only what the fleet's view asks: could a request ever fit the pool."""
+    """Only what the fleet's view asks: could a request fit the pool now, or ever."""
+
+    free = POOL_TOKENS
 
     def fits_ever(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
         return tokens * sequences <= POOL_TOKENS
 
+    def has_room(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
+        return tokens * sequences <= self.free
 
-def fleet(clock: ManualClock, give_way_s: float = 0.5) -> FleetWaiters:
+
+def fleet(clock: ManualClock, give_way_s: float = 0.5, room: Room | None = None) -> FleetWaiters:
     return FleetWaiters(
         pool="p",
-        room=Room(),  # type: ignore[arg-type]
+        room=room or Room(),  # type: ignore[arg-type]
         clock=clock,
         service=lambda t: SERVICE.get(t, 0.0),
         give_way_s=give_way_s,
@@ -29,9 +34,11 @@ def fleet(clock: ManualClock, give_way_s: float = 0.5) -> FleetWaiters:
 
 def test_a_higher_class_elsewhere_holds_the_room_for_as_long_as_it_waits() -> None:
     clock = ManualClock()
-    f = fleet(clock)
+    room = Room()
+    room.free = 100
+    f = fleet(clock, room=room)
     looked: list[float] = []
-    f.seen([Rival("critical", "vip", 900, 1, "r1")])  # larger than any room free now
+    f.seen([Rival("critical", "vip", 900, 1, "r1")])  # larger than the room free now
     assert f.ahead_of("standard", "light") is not None
     for _ in range(10):
         assert f.gives_way("standard", "light", lambda: looked.append(clock.now))
@@ -59,6 +66,12 @@ def test_a_lighter_tenant_elsewhere_holds_the_room_for_at_most_give_way_s() -> N
     # about the same service: no give-way; nor with give_way_s 0
     assert not f.gives_way("standard", "mild", lambda: None)
     assert not fleet(clock, give_way_s=0).gives_way("standard", "heavy", lambda: None)
+    # room the lighter one could not take yet stays with the turn here
+    room = Room()
+    room.free = 10
+    f = fleet(clock, room=room)
+    f.seen([Rival("standard", "light", 20, 1, "r3")])
+    assert not f.gives_way("standard", "heavy", lambda: None)
 
 
 def test_an_announcement_outranks_the_passes_view_of_its_replica_for_a_while() -> None:
