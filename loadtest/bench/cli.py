@@ -43,6 +43,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "loadtest.bench.restart",
         "rolling restarts: what clients see while the backends are stopped in turn",
     ),
+    "fairness": (
+        "loadtest.bench.fairness",
+        "a flood against a light tenant and a lower class, on one replica and on three",
+    ),
     "soak": ("loadtest.soak", "minutes of mixed load with faults injected, resources sampled"),
     "tools": ("loadtest.tools.run", "guidellm and inference-perf, direct and through the gateway"),
 }
