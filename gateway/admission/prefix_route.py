@@ -2,18 +2,17 @@
 load (Router.reserve with `routing: prefix`; the index is gateway/admission/prefix_index.py,
 or, for a backend that publishes KV events, what it reports holding: `Held`).
 
-Two guards keep a prefix from herding load onto one backend, each passing over a backend
-that taking the request would leave more than PREFIX_SKEW times a mean and more than
-PREFIX_SLACK of its cache above it:
+The herding guard passes over a backend that taking the request would leave more than
+PREFIX_SKEW times the pool's mean fill and more than PREFIX_SLACK above it, counting on
+the backend:
 
-- the prefix's own guard compares the tokens this prefix (its prompt's first block, else
-  its session) has in flight on the backend with the backend's share of all the prefix has
-  in flight in the pool: a hot prefix spreads over the backends, each taking about its share;
-- the pool's guard compares the backend's fill with the pool's mean fill, but only once
-  that fill is past PREFIX_FLOOR of the target fill. Below it, a backend that holds the
-  prompt takes it whatever the others hold: a request's cached prefill saves more than an
-  even spread of a lightly filled pool gains, and a tenant's prompt placed on two backends
-  is one more prefill of it on each.
+- the tokens this prefix (its prompt's first block, else its session) has in flight there,
+  while the backend's fill stays under PREFIX_FLOOR of the target fill: a hot prefix, one
+  that alone would put a backend over its share of the pool's load, spreads over the
+  backends, but a tenant's prompt stays where it is cached however the other tenants'
+  requests fall (each prompt placed on two backends is one more prefill of it);
+- every token in flight there, past PREFIX_FLOOR: a well-filled backend's load weighs
+  more than a cached prefill.
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ def group_of(prefix: Sequence[bytes], session: str | None) -> Group | None:
 
 class GroupLoads:
     """Tokens each prefix group holds in flight on each backend, as this process reserved
-    them (in shared mode, each replica counts its own)."""
+    them (in shared mode, each replica counts its own: the pool's fill is shared)."""
 
     def __init__(self) -> None:
         self._tokens: dict[str, dict[Group, int]] = {}  # backend → group → tokens
@@ -109,23 +108,22 @@ def by_prefix(
     target_fill: float,
 ) -> None:
     """Move to the front of `ranked` the backend that holds the request's session, else the
-    one likeliest to hold most of its prefix (ties: the least filled), among those neither
-    guard passes over. A prefix no backend holds goes to the less filled of its two homes:
-    the backends its first block's key ranks highest (rendezvous hashing), so replicas that
-    keep their own indexes send a new prefix, and so its later requests, to the same two
-    backends at most, while load still picks between them."""
+    one likeliest to hold most of its prefix (ties: the least filled), among those the
+    herding guard does not pass over. A prefix no backend holds goes to the less filled of
+    its two homes: the backends its first block's key ranks highest (rendezvous hashing),
+    so replicas that keep their own indexes send a new prefix, and so its later requests,
+    to the same two backends at most, while load still picks between them."""
     capacity = sum(c for *_, c in ranked)
     mean = (sum(fill * c for fill, *_, c in ranked) + tokens) / capacity
     group = group_of(prefix, session)
     mine = [0 if group is None else loads.held(b.name, group) for _, _, b, _, _ in ranked]
-    share = (sum(mine) + tokens) / capacity  # the group's mean fill, taking the request
     floor = PREFIX_FLOOR * target_fill
     home = held.index.session_backend(session)
     best, most = 0, 0.0
     eligible = []
     for i, (fill, _, backend, _, size) in enumerate(ranked):
         after = fill + tokens / size
-        if _over((mine[i] + tokens) / size, share) or (after > floor and _over(after, mean)):
+        if _over((mine[i] + tokens) / size, mean) or (after > floor and _over(after, mean)):
             continue
         eligible.append(i)
         matched = math.inf if backend.name == home else held.tokens(backend)

@@ -226,8 +226,8 @@ class Router:
         session: str | None,
         token_ids: Sequence[int],
     ) -> None:
-        """Put first the backend likeliest to hold the prompt that neither herding guard
-        passes over (gateway/admission/prefix_route.py)."""
+        """Put first the backend likeliest to hold the prompt that the herding guard does not
+        pass over (gateway/admission/prefix_route.py)."""
         p = self.pools[pool]
         held = Held(p.prefixes, prefix, events=p.events, token_ids=token_ids)
         by_prefix(ranked, tokens=tokens, prefix=prefix, session=session, held=held,

@@ -295,13 +295,12 @@ class PoolSettings(_Model):
             "(`spillgate:prefix:routed`, a batch every 50 ms, off the request path) and add "
             "each other's, so a prefix one replica placed is known to all; a chat's session "
             "(`x-spillgate-session`, else the body's `user`) returns to the backend its last "
-            "turn went to. Two guards pass a backend over, each where taking the request "
-            "would leave it over 1.25 × a mean and over 0.1 of its cache above it: the "
-            "prefix's own tokens in flight there against its share of all it has in flight "
-            "(so a hot prefix spreads over several backends), and the backend's fill against "
-            "the pool's mean fill once past half the target fill (below it, a cached prompt "
-            "wins over an even spread). `least_filled`: the backend with the most room, "
-            "prompts unread"
+            "turn went to. A backend that taking the request would leave over 1.25 × the "
+            "pool's mean fill and over 0.1 above it is passed over, counting below half the "
+            "target fill only the tokens of the request's own prefix there: a hot prefix "
+            "spreads over several backends, a tenant's prompt stays where it is cached "
+            "however other tenants' requests fall. `least_filled`: the backend with the most "
+            "room, prompts unread"
         ),
     )
     tokenizer: str | None = Field(
