@@ -31,10 +31,10 @@ STALLS = 60
 STALL_S = 0.45
 LOAD_THREADS = 4  # each sends its next request once the last is answered
 COOLDOWN_S = 5.0  # ratelimit.cooldown_s's default
-# the gateway's steady connections: two pipelines on the wire at most, two subscriptions
-# (ledger releases, prefix blocks), and the batch store's own client (its calls move whole
-# files, on a budget of their own)
-STEADY_CONNECTIONS = 5
+# the gateway's steady connections: two pipelines on the wire at most, three subscriptions
+# (ledger releases, prefix blocks, the queues' waiters), and the batch store's own client
+# (its calls move whole files, on a budget of their own)
+STEADY_CONNECTIONS = 6
 
 
 @pytest.fixture
