@@ -10,8 +10,8 @@ unless PYTHONHASHSEED is shared, and cache salts, LoRA names and multimodal inpu
 keys in. Recomputing those hashes would tie the gateway to one engine version and option
 set, and would be impossible for a random seed. The events carry each stored block's token
 ids and its parent's hash instead, so the index keys a block by its own chain over token ids
-(`block_keys`: Python's hash of (parent key, the block's ids), 64 bits, the same function
-for the events and for a request's prompt) and keeps a map from the engine's hash to that
+(`block_keys`: Python's hash of (parent key, a tuple of the block's ids), 64 bits, the same
+function for the events and for a request's prompt) and keeps a map from the engine's hash to that
 key, which is what a `BlockRemoved` names. That is exact for any hash algorithm and seed,
 and costs one tuple hash a block. A block whose parent the index never saw (stored before
 the subscriber caught up, beyond the replay buffer) cannot be keyed: it is remembered so its
@@ -33,10 +33,11 @@ ROOT = 0  # the first block's parent
 
 def block_keys(token_ids: Sequence[int], block_size: int, *, parent: int = ROOT) -> list[int]:
     """The key of each full block of `token_ids`, chained from `parent`."""
+    ids = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
     keys: list[int] = []
-    whole = min(len(token_ids) // block_size, MAX_BLOCKS) * block_size
+    whole = min(len(ids) // block_size, MAX_BLOCKS) * block_size
     for start in range(0, whole, block_size):
-        parent = hash((parent, *token_ids[start : start + block_size]))
+        parent = hash((parent, ids[start : start + block_size]))
         keys.append(parent)
     return keys
 
@@ -99,9 +100,9 @@ class BackendBlocks:
             parent = self._key_of.get(event.parent)
         ids = event.token_ids
         for i, engine_hash in enumerate(event.block_hashes):
-            block = ids[i * size : (i + 1) * size]
+            block = tuple(ids[i * size : (i + 1) * size])
             if parent is not None and len(block) == size:
-                parent = hash((parent, *block))
+                parent = hash((parent, block))
                 self._held[parent] = self._held.get(parent, 0) + 1
             else:
                 parent = None

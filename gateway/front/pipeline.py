@@ -187,6 +187,8 @@ class Pipeline:
         request = self._prepare.request(tenant, fields, raw)
         if self._rules.pin_to_home:
             request = await self._prepare.pinned(request, d.homes)
+        if request.prefix and d.router.pools[request.pool].events:  # routed by KV events
+            request = await self._prepare.tokenized(request)
         if trace is not None:
             trace.parsed(request)
         held = HeldReservation(d.router)

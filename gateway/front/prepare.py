@@ -4,7 +4,8 @@ Its body is parsed (gateway/front/parse.py) for the pool its model names, and th
 is completed with what the later stages read from it and never change: the output it
 reserves (the pool's expected output, gateway/admission/output_lengths.py), where its
 prefix is cached (prefix routing), whether it may wait as a batch, its objectives, and,
-for a Responses continuation, the one backend it may go to.
+for a Responses continuation, the one backend it may go to. For a pool whose backends
+publish KV events, one awaited step more: the prompt's token ids (`tokenized`).
 """
 
 from __future__ import annotations
@@ -122,8 +123,14 @@ class Preparer:
         return request._replace(
             prefix=keys,
             session=None if session is None else f"{request.tenant}\0{session}",
-            token_ids=prompt_token_ids(request.body, pool.tokenizer) if pool.events else (),
         )
+
+    async def tokenized(self, request: InferenceRequest) -> InferenceRequest:
+        """`request` with its prompt as the engine's token ids, which the KV-events index
+        matches (gateway/admission/prompt_tokens.py: new text past a few hundred
+        characters is tokenized off the event loop)."""
+        tokenizer = self._router.pools[request.pool].tokenizer
+        return request._replace(token_ids=await prompt_token_ids(request.body, tokenizer))
 
     @staticmethod
     def _objectives(

@@ -47,6 +47,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "loadtest.bench.fairness",
         "a flood against a light tenant and a lower class, on one replica and on three",
     ),
+    "tokenize": (
+        "loadtest.bench.tokenize",
+        "what tokenizing a prompt for the KV-events index costs the request path",
+    ),
     "soak": ("loadtest.soak", "minutes of mixed load with faults injected, resources sampled"),
     "tools": ("loadtest.tools.run", "guidellm and inference-perf, direct and through the gateway"),
 }
