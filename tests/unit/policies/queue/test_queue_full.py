@@ -10,7 +10,7 @@ from gateway.admission.metrics_text import samples, values
 from gateway.errors import QueueFull
 from policies.queue.fair_queue import QueueResult
 from policies.queue.policy import QueuePolicy
-from tests.unit.policies.queue.test_queue_wait import CAPACITY, Setup, request, run, settle
+from tests.support.queue import CAPACITY, Setup, request, run, settle
 
 
 def displaced(s: Setup, tenant: str) -> float:
