@@ -14,7 +14,7 @@ counted at t is stored as 2^((t - epoch) / half_life)), so nothing decays in pla
 figure is read by dividing by the growth of now. The epoch moves forward, rescaling every
 figure once, long before the growth could overflow.
 
-In shared mode (gateway/service_feed.py) a replica's own counts since its last
+In shared mode (gateway/shared/service_feed.py) a replica's own counts since its last
 pass are sent to Redis, and `base` becomes the fleet's figures as read back; until the
 next pass a figure is the fleet's at the last read plus what this replica counted since.
 """
@@ -77,7 +77,7 @@ class Service:
         names = self._base.keys() | self._sent.keys() | self._own.keys()
         return {name: self.of(name) for name in sorted(names)}
 
-    # the shared mode's side (gateway/service_feed.py)
+    # the shared mode's side (gateway/shared/service_feed.py)
 
     def take_unshared(self) -> dict[str, float]:
         """What this replica counted since its last pass, as of now; held as sent until
