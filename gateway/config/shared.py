@@ -109,10 +109,10 @@ class RateLimitSettings(_Model):
 
 class LedgerSettings(_Model):
     """The in-flight ledger shared through Redis (when a Redis URL is configured): each
-    replica holds one lease per backend, a block of the backend's room that Redis granted it
+    replica holds one lease per backend, a grant of the backend's room that Redis made it
     (what its requests hold plus a spare, `spare` of the room left), and admits within it
     without a call, asking Redis only when a request does not fit. When Redis refuses a
-    request for room other blocks hold spare, the refusal is published: no block gets a spare
+    request for room other grants hold spare, the refusal is published: no grant gets a spare
     for 5 × `refresh_s`, each gives its spare back at once, and releases are given back (and
     published) as they happen."""
 
@@ -125,7 +125,7 @@ class LedgerSettings(_Model):
         0.2,
         gt=0,
         description=(
-            "how often each block is renewed and sized again to its requests and totals are "
+            "how often each grant is renewed and sized again to its requests and totals are "
             "read, so other replicas see this one's releases within it; at most a third of "
             "`lease_ttl_s`"
         ),
@@ -135,7 +135,7 @@ class LedgerSettings(_Model):
         ge=0,
         le=0.5,
         description=(
-            "the share of the room left beyond its requests that a replica's block holds, "
+            "the share of the room left beyond its requests that a replica's grant holds, "
             "admitted without a call (gateway/admission/ledger_redis.py); `0`: every "
             "admission and release asks Redis, as exact at the margin as one process"
         ),
