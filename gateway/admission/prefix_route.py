@@ -53,9 +53,17 @@ class Held:
         self._keys: dict[int, list[int]] = {}  # block size → the prompt's block keys
 
     def tokens(self, backend: Backend) -> int:
+        cached = self.cached(backend)
+        if cached is not None:
+            return cached
+        return self.index.matched(backend.name, self._prefix) * backend.block_size
+
+    def cached(self, backend: Backend) -> int | None:
+        """The prompt's leading tokens the backend reports holding (None without a view of
+        its events): blocks the engine shares, not allocated again for this request."""
         view = self._events.get(backend.name)
         if view is None or not view.connected:
-            return self.index.matched(backend.name, self._prefix) * backend.block_size
+            return None
         size = view.blocks.block_size or backend.block_size
         keys = self._keys.get(size)
         if keys is None:
@@ -122,8 +130,9 @@ def by_prefix(
     best, most = 0, 0.0
     eligible = []
     for i, (fill, _, backend, _, size) in enumerate(ranked):
-        after = fill + tokens / size
-        if _over((mine[i] + tokens) / size, mean) or (after > floor and _over(after, mean)):
+        adds = tokens - min(tokens, held.cached(backend) or 0)  # what it allocates there
+        after = fill + adds / size
+        if _over((mine[i] + adds) / size, mean) or (after > floor and _over(after, mean)):
             continue
         eligible.append(i)
         matched = math.inf if backend.name == home else held.tokens(backend)

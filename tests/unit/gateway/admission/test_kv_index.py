@@ -107,3 +107,32 @@ def test_vllm_batches_decode_and_replay_into_the_blocks_it_holds():
     assert len(blocks) == 14
     assert blocks.matched(block_keys(list(prompts[-1]), 128)) == 3
     assert blocks.matched(block_keys(list(prompts[0]), 128)) == 0
+
+
+def test_blocks_an_engine_reports_holding_do_not_count_against_the_herding_guard() -> None:
+    """A tenant's requests in flight on the backend that caches its prompt put it over the
+    guard's bound only by what they would allocate: with the prompt cached, nothing."""
+    from types import SimpleNamespace
+
+    from gateway.admission.kv_events import EventsView
+    from gateway.admission.prefix_index import PrefixIndex
+    from gateway.admission.prefix_route import GroupLoads, Held, by_prefix
+
+    prompt = list(range(400))  # 25 blocks of 16
+    holder, empty = EventsView(connected=True), EventsView(connected=True)
+    holder.blocks.apply([stored(prompt, hashes=list(range(25)), size=16)])
+    a, b = SimpleNamespace(name="a", block_size=16), SimpleNamespace(name="b", block_size=16)
+    prefix = [b"first-block"]
+    loads = GroupLoads()
+    loads.add("earlier", "a", prefix[0], 200)  # the tenant's earlier request, in flight on a
+
+    def pick(events: dict[str, EventsView]) -> str:
+        ranked = [(0.0, 1, b, 900, 1000), (0.2, 0, a, 900, 1000)]
+        held = Held(PrefixIndex(), prefix, events=events, token_ids=prompt)
+        by_prefix(ranked, tokens=400, prefix=prefix, session=None, held=held, loads=loads,
+                  target_fill=0.9)  # fmt: skip
+        return str(ranked[0][2].name)
+
+    assert pick({"a": holder, "b": empty}) == "a"
+    # the same load without a view of a's cache: its 600 tokens of the prefix pass it over
+    assert pick({}) == "b"
