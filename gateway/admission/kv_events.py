@@ -49,6 +49,12 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 REPLAY_WAIT_S = 2.0  # for each reply of a replay
 REPLAY_TOTAL_S = 10.0
 POLL_MS = 1000
+# ZMTP heartbeats on the SUB socket: an engine gone without closing its connection (its node
+# lost, its pod replaced under the same name) stops answering them, the connection is
+# dropped, and the view is out of use and rebuilt once the socket connects again, instead
+# of staying connected to nothing and quiet. A quiet engine that is there answers them.
+HEARTBEAT_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 6000
 YIELD_EVERY = 64  # batches applied between yields to the loop during a replay
 
 
@@ -145,6 +151,9 @@ class Subscriber:
         sub = self._context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        sub.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TIMEOUT_MS)
         sub.setsockopt(zmq.SUBSCRIBE, self.settings.topic.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.settings.endpoint)

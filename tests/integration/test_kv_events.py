@@ -268,3 +268,44 @@ def test_the_gateway_routes_by_the_events_of_one_backend_and_guesses_for_the_oth
     finally:
         for server in reversed(started):
             server.stop()
+
+
+def test_an_engine_that_stops_answering_heartbeats_is_dropped_and_rebuilt_on_return(
+    tokenizer_dir: Path, events_port: int
+) -> None:
+    """A stopped engine keeps its connection open but answers no heartbeat: the view goes
+    out of use (not connected) in seconds, and is rebuilt when the engine answers again."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from loadtest.procs import wait_for_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "gateway.cli", "sim", "--port", str(port), "--model", "m",
+           "--kv-tokens", str(64 * BLOCK), "--block-size", str(BLOCK),
+           "--kv-events-port", str(events_port), "--tokenizer", str(tokenizer_dir)]  # fmt: skip
+    engine = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, timeout=30)
+        httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat(1), timeout=10)
+
+        async def scenario() -> EventsView:
+            async with Watch(events_port) as watch:
+                await watch.until(lambda: watch.view.connected and len(watch.view.blocks) > 0)
+                os.kill(engine.pid, signal.SIGSTOP)
+                try:
+                    await watch.until(lambda: not watch.view.connected, within_s=15)
+                finally:
+                    os.kill(engine.pid, signal.SIGCONT)
+                await watch.until(lambda: watch.view.connected and watch.view.rebuilds == 2,
+                                  within_s=15)  # fmt: skip
+                await watch.until(lambda: len(watch.view.blocks) > 0)
+                return watch.view
+
+        view = asyncio.run(scenario())
+        assert view.rebuilds == 2 and view.connected
+    finally:
+        engine.terminate()
+        engine.wait(timeout=10)
