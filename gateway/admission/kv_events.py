@@ -201,9 +201,10 @@ class Subscriber:
         except msgspec.DecodeError as exc:
             log.warning("kv events of %s: batch %d unreadable: %s", self.backend, seq, exc)
             events = []
-        self.view.blocks.apply(events)
+        now = self._clock.monotonic()
+        self.view.blocks.apply(events, at=now)
         self.view.seq = seq
-        self.view.last_event_at = self._clock.monotonic()
+        self.view.last_event_at = now
 
     async def _catch_up(self, start: int) -> None:
         batches = await self._replay(start)

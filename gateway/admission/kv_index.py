@@ -19,16 +19,21 @@ removal is understood, but no prompt matches it. Blocks stored with extra keys (
 salt, a LoRA adapter, images) are left out: no plain prompt can hit them.
 
 Scoring. A request matches on a backend as many of its leading blocks as the backend holds
-in a row: what the engine's prefix cache would reuse.
+in a row: what the engine's prefix cache would reuse. A prompt no backend holds any more
+goes best where its first block was cached last (`stored_at`): traffic the gateway does not
+route (sent straight to the engine, or by another replica) keeps bringing it there, and a
+second copy elsewhere would only evict others' prompts.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 MAX_BLOCKS = 4096  # a prompt's leading blocks that are keyed: past them nothing is chosen
 ROOT = 0  # the first block's parent
+FIRSTS_REMEMBERED = 16_384  # prompts' first blocks whose last store is remembered
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, *, parent: int = ROOT) -> list[int]:
@@ -73,15 +78,18 @@ class BackendBlocks:
         self._key_of: dict[bytes | int, int | None] = {}  # engine hash → our key (None: unkeyed)
         self._held: dict[int, int] = {}  # key → engine blocks holding it
         self.block_size: int | None = None  # learned from the events
+        # a prompt's first block → when it was last stored (kept past its eviction)
+        self._first_stored: OrderedDict[int, float] = OrderedDict()
 
     def __len__(self) -> int:
         """Blocks the engine holds that a prompt can match."""
         return len(self._held)
 
-    def apply(self, events: Iterable[Event]) -> None:
+    def apply(self, events: Iterable[Event], *, at: float = 0.0) -> None:
+        """Events of one batch, in order; `at`: when it arrived."""
         for event in events:
             if isinstance(event, Stored):
-                self._stored(event)
+                self._stored(event, at)
             elif isinstance(event, Removed):
                 self._removed(event.block_hashes)
             else:
@@ -91,7 +99,7 @@ class BackendBlocks:
         self._key_of.clear()
         self._held.clear()
 
-    def _stored(self, event: Stored) -> None:
+    def _stored(self, event: Stored, at: float) -> None:
         size = event.block_size
         self.block_size = size
         if event.parent is None:
@@ -102,8 +110,11 @@ class BackendBlocks:
         for i, engine_hash in enumerate(event.block_hashes):
             block = tuple(ids[i * size : (i + 1) * size])
             if parent is not None and len(block) == size:
+                first = parent == ROOT
                 parent = hash((parent, block))
                 self._held[parent] = self._held.get(parent, 0) + 1
+                if first:
+                    self._remember(parent, at)
             else:
                 parent = None
             previous = self._key_of.get(engine_hash)
@@ -123,6 +134,16 @@ class BackendBlocks:
             self._held[key] = left
         else:
             self._held.pop(key, None)
+
+    def _remember(self, first: int, at: float) -> None:
+        self._first_stored[first] = at
+        self._first_stored.move_to_end(first)
+        if len(self._first_stored) > FIRSTS_REMEMBERED:
+            self._first_stored.popitem(last=False)
+
+    def stored_at(self, first: int) -> float | None:
+        """When the prompt's first block `first` was last stored here, held or evicted since."""
+        return self._first_stored.get(first)
 
     def matched(self, keys: Sequence[int]) -> int:
         """How many of the leading blocks `keys` the engine holds, in a row."""

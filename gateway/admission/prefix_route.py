@@ -65,10 +65,22 @@ class Held:
         if view is None or not view.connected:
             return None
         size = view.blocks.block_size or backend.block_size
+        return view.blocks.matched(self._keys_of(size)) * size
+
+    def stored_at(self, backend: Backend) -> float | None:
+        """When the backend last reported caching the prompt's first block (None: never, or
+        no view of its events)."""
+        view = self._events.get(backend.name)
+        if view is None or not view.connected:
+            return None
+        keys = self._keys_of(view.blocks.block_size or backend.block_size)
+        return view.blocks.stored_at(keys[0]) if keys else None
+
+    def _keys_of(self, size: int) -> list[int]:
         keys = self._keys.get(size)
         if keys is None:
             keys = self._keys[size] = block_keys(self._token_ids, size)
-        return view.blocks.matched(keys) * size
+        return keys
 
 
 def group_of(prefix: Sequence[bytes], session: str | None) -> Group | None:
@@ -117,10 +129,11 @@ def by_prefix(
 ) -> None:
     """Move to the front of `ranked` the backend that holds the request's session, else the
     one likeliest to hold most of its prefix (ties: the least filled), among those the
-    herding guard does not pass over. A prefix no backend holds goes to the less filled of
-    its two homes: the backends its first block's key ranks highest (rendezvous hashing),
-    so replicas that keep their own indexes send a new prefix, and so its later requests,
-    to the same two backends at most, while load still picks between them."""
+    herding guard does not pass over. A prefix no backend holds goes where the engines
+    last reported caching it, else to the less filled of its two homes: the backends its
+    first block's key ranks highest (rendezvous hashing), so replicas that keep their own
+    indexes send a new prefix, and so its later requests, to the same two backends at
+    most, while load still picks between them."""
     capacity = sum(c for *_, c in ranked)
     mean = (sum(fill * c for fill, *_, c in ranked) + tokens) / capacity
     group = group_of(prefix, session)
@@ -139,10 +152,14 @@ def by_prefix(
         if matched > most:
             best, most = i, matched
     if not most and prefix and eligible:
-        # its two homes, first first: the less filled, the first when equally filled
-        ranks = sorted(eligible, key=lambda i: _weight(prefix[0], ranked[i][2].name))
-        homes = ranks[::-1][:2]
-        best = min(homes, key=lambda i: ranked[i][0])
+        # where the engines last cached it (kv_index.py), else its two homes, first first:
+        # the less filled, the first when equally filled
+        stored = {i: at for i in eligible if (at := held.stored_at(ranked[i][2])) is not None}
+        if stored:
+            best = max(stored, key=stored.__getitem__)
+        else:
+            ranks = sorted(eligible, key=lambda i: _weight(prefix[0], ranked[i][2].name))
+            best = min(ranks[::-1][:2], key=lambda i: ranked[i][0])
     if best:
         ranked.insert(0, ranked.pop(best))
 

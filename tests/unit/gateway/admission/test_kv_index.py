@@ -136,3 +136,34 @@ def test_blocks_an_engine_reports_holding_do_not_count_against_the_herding_guard
     assert pick({"a": holder, "b": empty}) == "a"
     # the same load without a view of a's cache: its 600 tokens of the prefix pass it over
     assert pick({}) == "b"
+
+
+def test_a_prompt_held_nowhere_goes_where_it_was_cached_last() -> None:
+    """Evicted everywhere, a prompt returns to the backend that last cached its first block
+    (traffic the gateway does not route keeps bringing it there), not to its two homes."""
+    from types import SimpleNamespace
+
+    from gateway.admission.kv_events import EventsView
+    from gateway.admission.prefix_index import PrefixIndex
+    from gateway.admission.prefix_route import GroupLoads, Held, by_prefix
+
+    prompt = list(range(64))
+    views = {name: EventsView(connected=True) for name in "abcd"}
+    for at, name in ((1.0, "c"), (2.0, "b")):  # cached on c, then on b; then evicted from both
+        views[name].blocks.apply([stored(prompt, hashes=[10, 11, 12, 13], size=16)], at=at)
+        views[name].blocks.apply([Removed([10, 11, 12, 13])], at=at + 5)
+    assert (
+        len(views["b"].blocks) == 0
+        and views["b"].blocks.stored_at(block_keys(prompt, 16)[0]) == 2.0
+    )
+    backends = [SimpleNamespace(name=name, block_size=16) for name in "abcd"]
+
+    def pick(events: dict[str, EventsView]) -> str:
+        ranked = [(0.0, i, b, 900, 1000) for i, b in enumerate(backends)]
+        held = Held(PrefixIndex(), [b"first"], events=events, token_ids=prompt)
+        by_prefix(ranked, tokens=64, prefix=[b"first"], session=None, held=held,
+                  loads=GroupLoads(), target_fill=0.9)  # fmt: skip
+        return str(ranked[0][2].name)
+
+    assert pick(views) == "b"
+    assert pick({"a": views["a"], "c": views["c"], "d": views["d"]}) == "c"
