@@ -304,8 +304,9 @@ def report(figures: dict[str, Any]) -> str:
     rows = [["seed", *names, "prefix - sticky"]]
     for schedule in figures["schedules"]:
         arms = schedule["arms"]
-        gap = (None if None in (arms["prefix"]["hit_rate"], arms["sticky"]["hit_rate"])
-               else arms["prefix"]["hit_rate"] - arms["sticky"]["hit_rate"])  # fmt: skip
+        prefix, sticky = arms["prefix"]["hit_rate"], arms["sticky"]["hit_rate"]
+        # rounded, and + 0.0, so that equal rates print +0.000, not -0.000
+        gap = None if None in (prefix, sticky) else round(prefix - sticky, 3) + 0.0
         rows.append([str(schedule["seed"]), *(_cell(arms[n]["hit_rate"], ".3f") for n in names),
                      _cell(gap, "+.3f")])  # fmt: skip
     lines += ["hit rate per schedule:", table(rows, ["<"] + [">"] * (len(names) + 1))]
