@@ -47,6 +47,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "loadtest.bench.fairness",
         "a flood against a light tenant and a lower class, on one replica and on three",
     ),
+    "kv-events": (
+        "loadtest.bench.kv_events",
+        "prefix routing by the engines' KV events, with evictions and direct traffic",
+    ),
     "tokenize": (
         "loadtest.bench.tokenize",
         "what tokenizing a prompt for the KV-events index costs the request path",

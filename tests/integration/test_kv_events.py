@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +21,7 @@ from gateway.admission.prompt_tokens import PromptTokenizer
 from gateway.app import create_app
 from gateway.clock import SystemClock
 from gateway.config import KvEventsSettings, parse_settings
+from loadtest.bench.kv_events import two_free_ports
 from loadtest.loadgen.scrape import backend_state
 from loadtest.procs import free_port
 from loadtest.sim.app import create_sim_app
@@ -37,18 +37,6 @@ BLOCK = 16
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write(tmp_path_factory.mktemp("tokenizer"))
-
-
-def two_free_ports() -> int:
-    """A port whose next is free too: the sim's PUB and replay sockets."""
-    while True:
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
 
 
 def sim(tokenizer_dir: Path, port: int, *, drop_every: int = 0, http_port: int | None = None):
