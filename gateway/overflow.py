@@ -17,7 +17,7 @@ from gateway.config import Priority
 from gateway.outcome import Outcome
 from gateway.request import Endpoint, InferenceRequest
 
-# not only for the checker: a policy predicts its time to first token from the places'
+# not only for the checker: a policy predicts its time to first token from the targets'
 # recent answers (PredictsTtft)
 from gateway.slo import Latencies as Latencies
 from gateway.slo import predict as predict
