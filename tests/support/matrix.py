@@ -89,7 +89,7 @@ def pools(faults_url: str, steady: str, crash_url: str) -> list[dict[str, Any]]:
         {"name": "mute", "timeouts": {"first_token": 30, "total": 60},
          "backends": [at("mu0", "silent")]},
         # streams cut here are not continued: the pool's error path is what is tested
-        # (tests/integration/test_stream_continuation.py continues them)
+        # (tests/integration/gateway/front/test_stream_continuation.py continues them)
         {"name": "crash", "continue_streams": 0,
          "backends": [{"url": crash_url, "served_model": "c", "capacity": 4096},
                       at("spare", "c")]},

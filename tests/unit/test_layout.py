@@ -238,3 +238,18 @@ def test_an_upward_import_is_found() -> None:
     assert room_of("gateway.front.pipeline") > room_of("gateway.admission.router")
     assert room_of("gateway.shared.batch") < room_of("gateway.ratelimit.redis_limiter")
     assert room_of("gateway.shared.service_feed") > room_of("gateway.overflow")
+
+
+def test_the_tests_mirror_the_packages() -> None:
+    """tests/unit/ and tests/integration/ hold their tests in the folders of the source
+    they test (tests/unit/gateway/admission/ tests gateway/admission/); only tests of the
+    whole layout sit at the top."""
+    astray = []
+    for kind in ("unit", "integration"):
+        base = ROOT / "tests" / kind
+        for test in base.rglob("test_*.py"):
+            folder = test.parent.relative_to(base)
+            at_top = folder == Path(".")
+            if (at_top and kind == "integration") or not (ROOT / folder).is_dir():
+                astray.append(str(test.relative_to(ROOT)))
+    assert astray == []

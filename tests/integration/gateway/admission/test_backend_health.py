@@ -30,7 +30,7 @@ from tests.support.fleet import ADMIN_TOKEN, Fleet, tenant
 from tests.support.harness import ServerThread
 
 KEY = "sk-health-" + secrets.token_hex(8)
-MODELS_FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32-models.json"
+MODELS_FIXTURE = Path(__file__).resolve().parents[3] / "fixtures" / "vllm-0.32-models.json"
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from tests.support.harness import ServerThread
 from tests.support.metrics import types
 
 MODEL = "sim"
-FIXTURE = Path(__file__).parents[1] / "fixtures" / "vllm-0.32-metrics.txt"
+FIXTURE = Path(__file__).parents[3] / "fixtures" / "vllm-0.32-metrics.txt"
 GEOMETRIC = SimConfig(
     model=MODEL,
     kv_tokens=1_000_000,

@@ -9,7 +9,6 @@ import asyncio
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.app import redis_client
 from gateway.clock import ManualClock
 from gateway.config import parse_settings
 from gateway.ratelimit import (
@@ -19,6 +18,7 @@ from gateway.ratelimit import (
     TenantLimits,
 )
 from gateway.ratelimit.redis_limiter import bucket_script
+from gateway.shared_mode import redis_client
 from loadtest.procs import RedisProcess
 from tests.support.ratelimit import connected
 

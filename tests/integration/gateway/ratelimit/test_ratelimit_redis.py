@@ -18,7 +18,7 @@ from gateway.ratelimit import RedisRateLimiter, TenantLimits
 from loadtest.procs import RedisProcess
 from tests.support.ratelimit import connected
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 # One gateway process's share of a burst: connect, say ready, wait for "go", then fire
 # every acquire at once and print the token counts that were admitted.

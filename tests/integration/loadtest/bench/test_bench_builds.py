@@ -9,7 +9,7 @@ import pytest
 
 from loadtest.bench.builds import RAW, compare, summary
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 
 pytestmark = pytest.mark.skipif(
     shutil.which("wrk") is None, reason="needs wrk (apt-get install wrk)"

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from loadtest.sim.config import SimConfig
-from tests.integration.test_drill import drill
+from tests.integration.loadtest.drill.test_drill import drill
 from tests.support.fleet import ADMIN_TOKEN, Fleet, run_fleet
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 SPILLGATE = Path(sys.executable).with_name("spillgate")  # the console script pip installed
 
 GOOD = """\
