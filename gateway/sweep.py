@@ -24,19 +24,19 @@ class Timed(Protocol):
 
 
 class Sweep:
-    """One timer per event loop for all its held Timed things, set for the soonest due.
+    """One timer per event loop for all the Timed things it tracks, set for the soonest due.
 
-    A held thing whose `due` moves later needs nothing more; one whose `due` moves
-    earlier calls `wake_by`. Letting go (`held.discard`) leaves the timer as it is: at
+    A tracked thing whose `due` moves later needs nothing more; one whose `due` moves
+    earlier calls `wake_by`. Letting go (`tracked.discard`) leaves the timer as it is: at
     worst it fires once for nothing, where cancelling it would make another on the next
     request.
     """
 
-    __slots__ = ("_armed_for", "_handle", "_loop", "held")
+    __slots__ = ("_armed_for", "_handle", "_loop", "tracked")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self.held: set[Timed] = set()
+        self.tracked: set[Timed] = set()
         self._handle: asyncio.TimerHandle | None = None
         self._armed_for = math.inf
 
@@ -47,8 +47,8 @@ class Sweep:
             sweep = _SWEEPS[loop] = Sweep(loop)
         return sweep
 
-    def hold(self, timed: Timed) -> None:
-        self.held.add(timed)
+    def track(self, timed: Timed) -> None:
+        self.tracked.add(timed)
         if timed.due < self._armed_for:
             self.wake_by(timed.due)
 
@@ -64,15 +64,15 @@ class Sweep:
         self._handle = None
         self._armed_for = math.inf
         now = self._loop.time()
-        due = [timed for timed in self.held if timed.due <= now]
-        self.held.difference_update(due)
+        due = [timed for timed in self.tracked if timed.due <= now]
+        self.tracked.difference_update(due)
         for timed in due:
             try:
                 timed.on_due(now)  # may hold itself again, and so set the timer
             except Exception:  # one failing must not keep the others' deadlines from firing
                 log.exception("a timed callback failed")
-        if self.held:
-            self.wake_by(min(timed.due for timed in self.held))
+        if self.tracked:
+            self.wake_by(min(timed.due for timed in self.tracked))
         elif _SWEEPS.get(self._loop) is self:
             del _SWEEPS[self._loop]  # idle: a closed loop leaves nothing behind
 

@@ -90,7 +90,7 @@ class RequestWatch:
         self._read_by = now + read_s
         self.due = now + (after_s if after_s < read_s else read_s)
         self._sweep = sweep = Sweep.of(loop)
-        sweep.hold(self)
+        sweep.track(self)
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -104,7 +104,7 @@ class RequestWatch:
     def body_read(self) -> None:
         self._reading = False
         if self._ticked:  # the body took longer than the first tick: watch from now
-            self._sweep.held.discard(self)
+            self._sweep.tracked.discard(self)
             self._begin()
 
     def on_due(self, now: float) -> None:
@@ -118,7 +118,7 @@ class RequestWatch:
         else:
             self._ticked = True
             self.due = self._read_by
-            self._sweep.hold(self)
+            self._sweep.track(self)
 
     def _begin(self) -> None:
         if not self.finished and self._watch is None:
@@ -137,6 +137,6 @@ class RequestWatch:
 
     def close(self) -> None:
         self.finished = True
-        self._sweep.held.discard(self)
+        self._sweep.tracked.discard(self)
         if self._watch is not None:
             self._watch.cancel()

@@ -104,7 +104,7 @@ class _Call:
         later = now + self.budget_s if busy else self.batcher.waiting_on_store(self, now)
         if later is not None and now < self.until:
             self.due = min(later, self.until)
-            Sweep.of(loop).hold(self)
+            Sweep.of(loop).track(self)
             return
         self.future.set_exception(TimeoutError("Redis did not answer within the time budget"))
 
@@ -184,7 +184,7 @@ class RedisBatcher:
             call.budget_s = budget_s
             call.due = call.submitted + budget_s
             call.until = call.submitted + max(budget_s, ceiling_s or budget_s)
-            Sweep.of(loop).hold(call)
+            Sweep.of(loop).track(call)
         self._pending.append(call)
         if not self._scheduled:
             self._scheduled = True
@@ -328,7 +328,7 @@ class RedisBatcher:
 def _settle(call: _Call, reply: Any) -> None:
     future = call.future
     if call.due != math.inf:
-        Sweep.of(future.get_loop()).held.discard(call)
+        Sweep.of(future.get_loop()).tracked.discard(call)
     if future.done():  # cancelled, or timed out: nobody is waiting for this reply
         if call.on_late is not None and not isinstance(reply, Exception):
             try:

@@ -10,7 +10,7 @@ asyncio's, because asyncio's costs more than issue 8's CPU target leaves room fo
 
 - it is a plain context manager, so entering and leaving it runs no coroutine;
 - it makes no timer of its own. Every deadline on a loop, and every request's watch
-  (watch.RequestWatch), is held in a set by the loop's one `Sweep`, whose timer is set
+  (watch.RequestWatch), is tracked in a set by the loop's one `Sweep`, whose timer is set
   for the soonest of them: a set entry costs far less than a timer handle made and
   cancelled, and most requests end long before any of their deadlines is due;
 - `extend` only records a later time, which the sweep reads when it runs, so a stream
@@ -53,12 +53,12 @@ class Deadline:
         self._task = task
         self._cancelling = task.cancelling()
         self._sweep = sweep = Sweep.of(loop)
-        sweep.hold(self)
+        sweep.track(self)
         return self
 
     def extend(self, when: float) -> None:
         """Move the deadline to `when`: a later one costs nothing until the sweep runs (the
-        sweep is never set later than a held due); only an earlier one may wake it."""
+        sweep is never set later than a tracked due); only an earlier one may wake it."""
         earlier = when < self.due
         self.due = when
         if earlier and self._sweep is not None and not self.expired:
@@ -75,7 +75,7 @@ class Deadline:
         tb: TracebackType | None,
     ) -> None:
         if self._sweep is not None:
-            self._sweep.held.discard(self)
+            self._sweep.tracked.discard(self)
         # once expired, our cancellation is spent either way (uncancel is called first);
         # a cancellation from elsewhere still stands
         if (

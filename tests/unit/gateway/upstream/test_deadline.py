@@ -126,9 +126,9 @@ def test_the_sweep_lets_go_of_every_deadline_and_of_its_loop_once_idle() -> None
             with Deadline(loop.time() + 0.05):
                 await asyncio.sleep(0)
         sweep = Sweep.of(loop)
-        held_after_exits = len(sweep.held)
+        held_after_exits = len(sweep.tracked)
         with Deadline(loop.time() + 0.02):
-            held_inside = len(sweep.held)
+            held_inside = len(sweep.tracked)
         await asyncio.sleep(0.1)  # past every due: the sweep's timer has fired and found none
         return held_after_exits, held_inside, loop in sweep_module._SWEEPS
 
@@ -152,7 +152,7 @@ def test_many_deadlines_on_one_loop_each_fire_once_at_their_own_time() -> None:
     assert took == pytest.approx([0.02 * (i % 5 + 1) for i in range(50)])
 
 
-def test_a_held_callback_that_fails_does_not_keep_a_deadline_due_with_it_from_firing() -> None:
+def test_a_tracked_callback_that_fails_does_not_keep_a_deadline_due_with_it_from_firing() -> None:
     class Failing:
         def __init__(self, due: float) -> None:
             self.due = due
@@ -165,7 +165,7 @@ def test_a_held_callback_that_fails_does_not_keep_a_deadline_due_with_it_from_fi
         start = loop.time()
         sweep = Sweep.of(loop)
         for _ in range(3):  # due together with the deadline, whatever the set's order
-            sweep.hold(Failing(start + 0.05))
+            sweep.track(Failing(start + 0.05))
         with pytest.raises(TimeoutError), Deadline(start + 0.05):
             await asyncio.sleep(5)
         return loop.time() - start
