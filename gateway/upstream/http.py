@@ -5,8 +5,8 @@ sends) and gateway/upstream/pool.py (its connections). It reads bytes from serve
 gateway does not control (a provider across the internet, a backend behind someone else's
 proxy, a process that is dying), and every request of the process passes through it. Every
 hostile answer anyone finds becomes a test in
-tests/integration/gateway/upstream/test_upstream_hostile.py, against a real server that answers that way, and what the client does then is what h11,
-aiohttp and Envoy do.
+tests/integration/gateway/upstream/test_upstream_hostile.py, against a real server that
+answers that way, and what the client does then is what h11, aiohttp and Envoy do.
 
 The gateway sends one kind of request upstream, a POST of a JSON body, and relays the
 answer as it arrives. It does so on asyncio protocols with httptools, the parser uvicorn
