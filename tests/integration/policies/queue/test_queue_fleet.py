@@ -1,12 +1,14 @@
 """Across replicas on a real Redis: a queue's waiting tenants reach the other replicas at
 once when they change (gateway/shared/service_feed.py's announcements), and a higher class
-waiting at one replica holds the room against a lower class at another."""
+waiting at one replica holds the room against a lower class at another, and a lighter
+tenant waiting elsewhere holds no room it could not use yet."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import itertools
+import random
 import secrets
 import time
 from collections.abc import Iterator
@@ -16,6 +18,8 @@ import httpx
 import redis.asyncio as aioredis
 import yaml
 
+from gateway.admission.metrics_text import samples as samples_of
+from gateway.admission.metrics_text import values
 from gateway.clock import SystemClock
 from gateway.config import Priority
 from gateway.overflow import Rival
@@ -88,11 +92,13 @@ def test_a_replica_hears_who_waits_at_another_at_once(redis_proc: RedisProcess) 
 
 
 SLOTS = 8  # critical requests the pool runs at once: two blocks of 16 each
-TENANTS = {"vip": "critical", "std": "standard"}
+TENANTS = {"vip": "critical", "std": "standard", "heavy": "standard", "light": "standard"}
 
 
 @contextlib.contextmanager
-def three_replicas(tmp_path: Path) -> Iterator[tuple[list[str], dict[str, str]]]:
+def three_replicas(
+    tmp_path: Path, *, give_way_s: float = 0.5
+) -> Iterator[tuple[list[str], dict[str, str]]]:
     """Three `spillgate serve` processes on one redis-server, in front of one simulator."""
     sim = ServerThread(create_sim_app(SimConfig(model="m", kv_tokens=8192, speed=0.5))).start()
     keys = {name: "sk-" + secrets.token_hex(8) for name in TENANTS}
@@ -107,7 +113,11 @@ def three_replicas(tmp_path: Path) -> Iterator[tuple[list[str], dict[str, str]]]
                 "backends": [{"url": sim.url, "served_model": "m", "capacity": SLOTS * 32}],
                 "target_fill": 1.0,
                 "overflow": ["queue", "reject"],
-                "queue": {"max_wait_s": 3, "max_depth": 1000},
+                "queue": {
+                    "max_wait_s": 3,
+                    "max_depth": 1000,
+                    "fairness": {"give_way_s": give_way_s},
+                },
                 "reservation": {"mode": "max_tokens"},
             }
         ],
@@ -160,3 +170,52 @@ def test_a_lower_class_waits_while_a_higher_one_waits_at_another_replica(tmp_pat
     with three_replicas(tmp_path) as (urls, keys):
         statuses = asyncio.run(standard_beside_a_critical_flood(urls, keys))
     assert statuses == [503] * 8 + [200], statuses
+
+
+async def fill_beside_a_large_light_waiter(
+    urls: list[str], keys: dict[str, str]
+) -> tuple[list[float], int]:
+    """The pool's fill as the flooded replica sees it, sampled while the heavy tenant floods
+    through the first replica (answers of uneven lengths, so they end one at a time) and the
+    light one waits at the second with a request six heavy ones large, which no one release
+    makes room for; and the light request's status."""
+    rng = random.Random(5)
+    limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+    heavy_seen: list[httpx.Response] = []
+    fills: list[float] = []
+    heavy_headers = {"authorization": f"Bearer {keys['heavy']}"}
+    async with (
+        httpx.AsyncClient(headers=heavy_headers, timeout=30, limits=limits) as heavy,
+        httpx.AsyncClient(headers={"authorization": f"Bearer {keys['light']}"}) as light,
+        httpx.AsyncClient(timeout=5) as scrape,
+    ):
+
+        async def heavy_sends() -> httpx.Response:
+            body = chat("heavy", max_tokens=rng.randint(8, 24))
+            return await heavy.post(f"{urls[0]}/v1/chat/completions", json=body)
+
+        async def sample_fill() -> None:
+            while True:
+                text = (await scrape.get(f"{urls[0]}/metrics")).text
+                fills.extend(values(samples_of(text), "spillgate_pool_fill_ratio", pool="big"))
+                await asyncio.sleep(0.05)
+
+        async with flooding(heavy_sends, in_flight=2 * SLOTS, into=heavy_seen):
+            await asyncio.sleep(1.0)  # the heavy tenant fills the pool and its queue
+            sampler = asyncio.create_task(sample_fill())
+            body = chat("light", max_tokens=6 * 32 - 8)
+            answer = await light.post(f"{urls[1]}/v1/chat/completions", json=body, timeout=30)
+            sampler.cancel()
+    return fills, answer.status_code
+
+
+def test_a_lighter_tenants_waiter_elsewhere_leaves_no_room_idle(tmp_path: Path) -> None:
+    # a give-way long enough that room held for the light tenant would show
+    with three_replicas(tmp_path, give_way_s=5.0) as (urls, keys):
+        fills, status = asyncio.run(fill_beside_a_large_light_waiter(urls, keys))
+    assert status in (200, 503)  # it waited, and was served or refused at its queue wait
+    assert len(fills) >= 10, fills
+    # the heavy tenant's waiters took the room each release freed, a moment after: room
+    # held for the light request would have piled up, idle, until six releases came
+    # together (it did so before: down to 0.375 within a second)
+    assert min(fills) > 0.5, fills
