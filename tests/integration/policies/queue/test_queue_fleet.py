@@ -1,5 +1,5 @@
 """Across replicas on a real Redis: a queue's waiting tenants reach the other replicas at
-once when they change (gateway/shared/service_feed.py's announcements), and a higher class
+once when they change (gateway/shared/service_feed.py's announcements), a higher class
 waiting at one replica holds the room against a lower class at another, and a lighter
 tenant waiting elsewhere holds no room it could not use yet."""
 
