@@ -35,6 +35,7 @@ import contextlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -180,23 +181,31 @@ async def run_arm(
 
 
 def measure(
-    plan: Plan, workdir: Path, tokenizer: Path, *, real: bool, arms: Sequence[str] = ARMS
+    plan: Plan,
+    workdir: Path,
+    tokenizer: Path,
+    *,
+    real: bool,
+    arms: Sequence[str] = ARMS,
+    rounds: int = 1,
 ) -> dict[str, Any]:
+    """Every arm on the same requests, in turn, `rounds` times; per arm the median of each
+    figure over the rounds (this machine's TTFT drifts more from run to run than between
+    arms), and every round's figures."""
     from gateway.admission.prompt_tokens import PromptTokenizer
 
     prompts = PromptTokenizer(tokenizer)
     requests = make_workload(plan, prompts)
     place, expected = best_static(plan, requests, prompts)
-    out: dict[str, Any] = {"plan": asdict(plan), "backend": "real-vllm" if real else "simulator",
-                           "static_expected_hit_rate": expected, "arms": {}}  # fmt: skip
+    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     model = real_vllm.MODEL if real else "sim"
     with contextlib.ExitStack() as shared_stack:
         shared = shared_stack.enter_context(real_servers(plan)) if real else None
-        for arm in arms:
-            print(f"{arm}: {len(requests)} requests", file=sys.stderr, flush=True)
+        for r, arm in ((r, arm) for r in range(rounds) for arm in arms):
+            print(f"round {r + 1}, {arm}: {len(requests)} requests", file=sys.stderr, flush=True)
             with contextlib.ExitStack() as stack:
                 if shared is None:
-                    where = workdir / arm
+                    where = workdir / f"{arm}-{r}"
                     where.mkdir(parents=True)
                     engines = stack.enter_context(simulators(plan, tokenizer, where))
                 else:
@@ -209,7 +218,17 @@ def measure(
                     config = arm_config(arm, engines, model, tokenizer)
                     gateway = stack.enter_context(fleet.gateway(config, workdir=workdir, arm=arm))
                 figures = asyncio.run(run_arm(arm, engines, model, gateway, requests, plan, place))
-                out["arms"][arm] = figures
+                runs[arm].append(figures)
+    return {"plan": asdict(plan), "backend": "real-vllm" if real else "simulator",
+            "static_expected_hit_rate": expected, "rounds": runs,
+            "arms": {arm: _medians(each) for arm, each in runs.items()}}  # fmt: skip
+
+
+def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out = dict(runs[0], ok=min(r["ok"] for r in runs))
+    for key in ("hit_rate", "ttft_p50_s", "ttft_p90_s"):
+        values = [r[key] for r in runs if r[key] is not None]
+        out[key] = statistics.median(values) if values else None
     return out
 
 
@@ -223,7 +242,16 @@ def report(figures: dict[str, Any]) -> str:
         rows.append([name, f"{arm['ok']}/{arm['requests']}", _cell(arm["hit_rate"], ".3f"),
                      _cell(arm["ttft_p50_s"], ".3f"), _cell(arm["ttft_p90_s"], ".3f")])  # fmt: skip
     rows.append(["static expected", "", f"{figures['static_expected_hit_rate']:.3f}", "", ""])
-    lines = [f"{figures['backend']}:", table(rows, ["<", ">", ">", ">", ">"]), ""]
+    lines = [
+        f"{figures['backend']} (medians of {len(next(iter(figures['rounds'].values())))} rounds):",
+        table(rows, ["<", ">", ">", ">", ">"]),
+        "",
+    ]
+    for name, runs in figures["rounds"].items():
+        each = ", ".join(f"{_cell(r['hit_rate'], '.3f')} / {_cell(r['ttft_p90_s'], '.3f')}"
+                         for r in runs)  # fmt: skip
+        lines.append(f"  {name} hit rate / TTFT p90 (s) by round: {each}")
+    lines.append("")
     arms = figures["arms"]
     if not {"events", "prefix", "oracle-static"} <= set(arms):
         return "\n".join(lines)
@@ -256,13 +284,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
     p.add_argument("--real-vllm", action="store_true", help="real vLLM servers, one a core")
     p.add_argument("--arms", default=",".join(ARMS), help="which arms, comma-separated")
+    p.add_argument("--rounds", type=int, default=1, help="every arm this many times, in turn")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     plan = Plan(**{k: getattr(args, k) for k in asdict(defaults)})
     with tempfile.TemporaryDirectory(prefix="bench-kv-events-") as workdir:
         tokenizer = tokenizer_dir(args.real_vllm, Path(workdir))
         arms = [a for a in args.arms.split(",") if a in ARMS]
-        figures = measure(plan, Path(workdir), tokenizer, real=args.real_vllm, arms=arms)
+        figures = measure(plan, Path(workdir), tokenizer, real=args.real_vllm, arms=arms,
+                          rounds=args.rounds)  # fmt: skip
     print(report(figures))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1) + "\n")
