@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 
 from gateway.admission.backends import Pool
-from gateway.admission.held import HeldReservation
 from gateway.clock import Clock
 from gateway.front.auth import Tenant
 from gateway.front.exchange import Exchange
@@ -58,38 +57,24 @@ class Settlement:
         counted it (gateway/admission/demand.py)."""
         charged = used = request.charge_tokens
         try:
-            used = await self._release(tenant, request, exchange.held, served, cut=cut)
+            # the tokens really used: what the upstream generated is unknown when `cut`,
+            # so the charge stands
+            used = _used(request, served, cut=cut)
+            held = exchange.held
+            if used == charged:
+                await held.release()
+            elif self.shared:
+                refund = self.limiter.reconcile(tenant.limits, reserved=charged, used=used)
+                await asyncio.gather(held.release(), refund)
+            else:
+                await held.release()
+                await self.limiter.reconcile(tenant.limits, reserved=charged, used=used)
         finally:
             refused = outcome is Outcome.REJECTED
             pool.demand.end(charged, started=began, used=used, refused=refused)
             self._record(
                 request, pool, served, outcome, arrived=arrived, prediction=exchange.prediction
             )
-
-    async def _release(
-        self,
-        tenant: Tenant,
-        request: InferenceRequest,
-        held: HeldReservation,
-        served: Served | None,
-        *,
-        cut: bool,
-    ) -> int:
-        """Release the request's reservation and refund its tenant's bucket; the tokens it
-        used (what the upstream generated is unknown when `cut`: the charge stands)."""
-        charged = request.charge_tokens
-        used = _used(request, served, cut=cut)
-        if used == charged:
-            await held.release()
-        elif self.shared:
-            await asyncio.gather(
-                held.release(),
-                self.limiter.reconcile(tenant.limits, reserved=charged, used=used),
-            )
-        else:
-            await held.release()
-            await self.limiter.reconcile(tenant.limits, reserved=charged, used=used)
-        return used
 
     def _record(
         self,
