@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 SPECIAL = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -66,21 +66,27 @@ def model_files(*, vocab: int, bos: int, eos: int) -> dict[str, dict[str, Any]]:
     }  # fmt: skip
 
 
-def main(out: str) -> None:
+def train_bpe(texts: Iterable[str], *, vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer with SPECIAL, trained on `texts` (a `tokenizers.Tokenizer`;
+    the simulator's tokenizer, loadtest/sim/tokenizer_files.py, is trained the same way)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    files = corpus_files()
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(files), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def main(out: str) -> None:
+    tok = train_bpe(corpus(corpus_files()), vocab_size=VOCAB_SIZE)
     tok.save(os.path.join(out, "tokenizer.json"))
     vocab, bos, eos = tok.get_vocab_size(), tok.token_to_id("<s>"), tok.token_to_id("</s>")
     for name, obj in model_files(vocab=vocab, bos=bos, eos=eos).items():

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from loadtest.real_vllm.tiny_model import CHAT_TEMPLATE, SPECIAL
+from loadtest.real_vllm.tiny_model import CHAT_TEMPLATE, train_bpe
 from loadtest.sim.tokens import _WORDS
 
 VOCAB_SIZE = 512
@@ -33,21 +33,9 @@ def corpus() -> list[str]:
 
 
 def write(directory: str | Path) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok = train_bpe(corpus(), vocab_size=VOCAB_SIZE)
     tok.save(str(path / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
