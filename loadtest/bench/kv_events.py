@@ -54,7 +54,6 @@ from loadtest.bench.kv_events_plan import workload as make_workload
 from loadtest.bench.prefix import gateway_config, prefix_counts
 from loadtest.bench.prefix_workload import Turn
 from loadtest.loadgen.text import table
-from loadtest.percentile import percentile
 from loadtest.procs import free_port
 
 ARMS = ("least_filled", "prefix", "events", "sticky", "oracle-static")
@@ -169,15 +168,7 @@ async def run_arm(
 
         results = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
         after = await prefix_counts(client, urls)
-    queries, hits = after[0] - before[0], after[1] - before[1]
-    ttfts = sorted(r["ttft_s"] for r in results if r["ttft_s"] is not None)
-    return {
-        "requests": len(results),
-        "ok": sum(1 for r in results if r["status"] == 200),
-        "hit_rate": hits / queries if queries else None,
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p90_s": percentile(ttfts, 90),
-    }
+    return prefix.arm_figures(results, before=before, after=after)
 
 
 def measure(

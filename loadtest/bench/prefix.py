@@ -144,6 +144,22 @@ async def prefix_counts(client: httpx.AsyncClient, urls: Sequence[str]) -> tuple
     return sum(s["prefix_queries"] for s in states), sum(s["prefix_hits"] for s in states)
 
 
+def arm_figures(
+    results: list[dict[str, Any]], *, before: tuple[float, float], after: tuple[float, float]
+) -> dict[str, Any]:
+    """An arm's answers, and its prefix hit rate from the engines' own counters read
+    (queries, hits) `before` and `after` it."""
+    queries, hits = after[0] - before[0], after[1] - before[1]
+    ttfts = sorted(r["ttft_s"] for r in results if r["ttft_s"] is not None)
+    return {
+        "requests": len(results),
+        "ok": sum(1 for r in results if r["status"] == 200),
+        "hit_rate": hits / queries if queries else None,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+    }
+
+
 async def run_arm(arm: Arm, turns: Sequence[Turn], plan: Plan) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
     async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
@@ -166,16 +182,10 @@ async def run_arm(arm: Arm, turns: Sequence[Turn], plan: Plan) -> dict[str, Any]
             sampler.cancel()
             await asyncio.gather(sampler, return_exceptions=True)
         after = await prefix_counts(client, arm.urls)
-    queries, hits = after[0] - before[0], after[1] - before[1]
-    ttfts = sorted(r["ttft_s"] for r in results if r["ttft_s"] is not None)
     per_backend = [statistics.fmean(col) for col in zip(*running, strict=True)] if running else []
     mean = statistics.fmean(per_backend) if per_backend else 0.0
     return {
-        "requests": len(results),
-        "ok": sum(1 for r in results if r["status"] == 200),
-        "hit_rate": hits / queries if queries else None,
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p90_s": percentile(ttfts, 90),
+        **arm_figures(results, before=before, after=after),
         "running_mean_per_backend": per_backend,
         "running_max_over_mean": max(per_backend) / mean if mean else None,
     }
