@@ -29,7 +29,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import Any
+
+import msgspec
 
 MAX_BLOCKS = 4096  # a prompt's leading blocks that are keyed: past them nothing is chosen
 ROOT = 0  # the first block's parent
@@ -47,24 +49,30 @@ def block_keys(token_ids: Sequence[int], block_size: int, *, parent: int = ROOT)
     return keys
 
 
-@dataclass(frozen=True, slots=True)
-class Stored:
+class Stored(msgspec.Struct, tag="BlockStored"):
     """Full blocks the engine cached: their engine hashes, in order, their parent's hash
-    (None for a prompt's first block) and their token ids, `block_size` each."""
+    (None for a prompt's first block) and their token ids, `block_size` each. A msgspec
+    struct in vLLM's wire names, so the subscriber decodes a batch straight into these (the
+    fields past `block_size` only say whether the engine's own cache holds them)."""
 
     block_hashes: Sequence[bytes | int]
-    parent: bytes | int | None
+    parent: bytes | int | None = msgspec.field(name="parent_block_hash")
     token_ids: Sequence[int]
     block_size: int
+    medium: str | None = None
+    lora_name: str | None = None
+    lora_id: int | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Removed:
+class Removed(msgspec.Struct, tag="BlockRemoved"):
     block_hashes: Sequence[bytes | int]
+    medium: str | None = None
+    group_idx: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Cleared:
+class Cleared(msgspec.Struct, tag="AllBlocksCleared"):
     pass
 
 
