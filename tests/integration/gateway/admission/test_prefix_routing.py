@@ -43,8 +43,9 @@ def test_a_chats_turns_go_where_its_prefix_is_cached(fleet: Fleet) -> None:
     all three (the second while the first still runs, where least_filled sends it to the
     idle backend), and the backends' own counters show the cached prefix reused."""
     routing = pool_status(fleet)["routing"]
+    # long enough to be running still when the second turn comes, on a loaded machine too
     first = {"model": "chat", "messages": [SYSTEM, {"role": "user", "content": "one"}],
-             "max_tokens": 200, "stream": True, "ignore_eos": True}  # fmt: skip
+             "max_tokens": 2000, "stream": True, "ignore_eos": True}  # fmt: skip
     with fleet.client() as client, client.stream("POST", "/v1/chat/completions", json=first) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
