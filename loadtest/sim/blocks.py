@@ -36,7 +36,9 @@ def hash_blocks(token_ids: Sequence[int], block_size: int) -> list[int]:
 class BlockEvents(Protocol):
     """Told of what the prefix cache names and forgets, as vLLM's KV events tell it."""
 
-    def stored(self, block_hash: int, parent: int | None, token_ids: Sequence[int]) -> None: ...
+    def stored(
+        self, block_hashes: Sequence[int], parent: int | None, token_ids: Sequence[int]
+    ) -> None: ...
 
     def removed(self, block_hash: int) -> None: ...
 
@@ -124,15 +126,36 @@ class BlockPool:
         A hash another block already holds keeps that block: the copy stays unnamed and is
         freed as plain.
         """
-        hash_of, cached, events = self._hash_of, self._cached, self.events
+        hash_of, cached = self._hash_of, self._cached
+        run: list[int] = []  # blocks named in a row: one event, as vLLM's cache_full_blocks
+        start = 0
         for i, (block, block_hash) in enumerate(zip(blocks, block_hashes, strict=True)):
             if block_hash not in cached and hash_of[block] is None:
                 cached[block_hash] = block
                 hash_of[block] = block_hash
-                if events is not None:
-                    before = parent if i == 0 else block_hashes[i - 1]
-                    ids = token_ids[i * block_size : (i + 1) * block_size]
-                    events.stored(block_hash, before, ids)
+                if not run:
+                    start = i
+                run.append(block_hash)
+            elif run:
+                self._stored(run, start, block_hashes, parent, token_ids, block_size)
+                run = []
+        if run:
+            self._stored(run, start, block_hashes, parent, token_ids, block_size)
+
+    def _stored(
+        self,
+        run: list[int],
+        start: int,
+        block_hashes: Sequence[int],
+        parent: int | None,
+        token_ids: Sequence[int],
+        block_size: int,
+    ) -> None:
+        if self.events is None:
+            return
+        before = parent if start == 0 else block_hashes[start - 1]
+        ids = token_ids[start * block_size : (start + len(run)) * block_size]
+        self.events.stored(run, before, ids)
 
     def reset(self) -> bool:
         """Forget every cached block, as vLLM's `reset_prefix_cache`: only while no sequence

@@ -38,18 +38,22 @@ class EventLog:
         self.block_size = block_size
         self.pending: list[dict[str, Any]] = []
 
-    def stored(self, block_hash: int, parent: int | None, token_ids: Sequence[int]) -> None:
+    def stored(
+        self, block_hashes: Sequence[int], parent: int | None, token_ids: Sequence[int]
+    ) -> None:
+        """Blocks cached in a row by one step, as one event (vLLM's `cache_full_blocks`);
+        evictions are one event a block, as vLLM's are."""
         self.pending.append(
             {
                 "type": "BlockStored",
-                "block_hashes": [block_hash],
+                "block_hashes": list(block_hashes),
                 "parent_block_hash": parent,
                 "token_ids": list(token_ids),
                 "block_size": self.block_size,
                 "lora_id": None,
                 "medium": "GPU",
                 "lora_name": None,
-                "extra_keys": [None],
+                "extra_keys": [None] * len(block_hashes),
                 "group_idx": 0,
                 "kv_cache_spec_kind": "full_attention",
             }

@@ -3,6 +3,7 @@
 import pytest
 
 from loadtest.sim.blocks import ROOT_HASH, BlockPool, hash_blocks
+from loadtest.sim.kv_events import EventLog
 
 
 def test_a_block_hash_covers_its_parent_so_equal_tokens_after_another_prefix_differ() -> None:
@@ -70,3 +71,27 @@ def test_a_hash_already_cached_keeps_its_block_and_the_copy_stays_unnamed() -> N
     pool.cache(a, [5])
     pool.cache(b, [5])
     assert pool.cached_prefix([5]) == a and pool.num_cached == 1
+
+
+def test_blocks_cached_in_a_row_are_one_stored_event_and_evictions_one_a_block() -> None:
+    # vLLM's cache_full_blocks tells one BlockStored for the blocks a step names; its
+    # evictions are one BlockRemoved a block. The gateway's decoding cost follows the count.
+    log = EventLog(block_size=2)
+    pool = BlockPool(4, events=log)
+    first = pool.allocate(2)
+    pool.cache(first, [11, 12], token_ids=[1, 2, 3, 4], block_size=2)
+    second = pool.allocate(2)
+    # 11 is cached already: the copy stays unnamed and the run after it starts at 13
+    pool.cache(second, [11, 13], parent=None, token_ids=[1, 2, 5, 6], block_size=2)
+    stored = [e for e in log.pending if e["type"] == "BlockStored"]
+    assert [(e["block_hashes"], e["parent_block_hash"], e["token_ids"]) for e in stored] == [
+        ([11, 12], None, [1, 2, 3, 4]),
+        ([13], 11, [5, 6]),
+    ]
+    assert all(len(e["extra_keys"]) == len(e["block_hashes"]) for e in stored)
+    log.pending.clear()
+    pool.release(first)
+    pool.release(second)
+    pool.allocate(4)  # every cached block evicted
+    assert sorted(e["block_hashes"][0] for e in log.pending) == [11, 12, 13]
+    assert all(e["type"] == "BlockRemoved" and len(e["block_hashes"]) == 1 for e in log.pending)
