@@ -129,8 +129,9 @@ def by_prefix(
 ) -> None:
     """Move to the front of `ranked` the backend that holds the request's session, else the
     one likeliest to hold most of its prefix (ties: the least filled), among those the
-    herding guard does not pass over. A prefix no backend holds goes where the engines
-    last reported caching it, else to the less filled of its two homes: the backends its
+    herding guard does not pass over. A prefix no backend holds goes where a request of it
+    is in flight, else where the engines last reported caching it, else to the less filled
+    of its two homes: the backends its
     first block's key ranks highest (rendezvous hashing), so replicas that keep their own
     indexes send a new prefix, and so its later requests, to the same two backends at
     most, while load still picks between them."""
@@ -152,10 +153,15 @@ def by_prefix(
         if matched > most:
             best, most = i, matched
     if not most and prefix and eligible:
-        # where the engines last cached it (kv_index.py), else its two homes, first first:
-        # the less filled, the first when equally filled
+        # where a request of the prefix is in flight (its prompt is being prefilled there,
+        # cached before the engine tells it: a second copy elsewhere is one more prefill
+        # and evicts others'), else where the engines last cached it (kv_index.py), else
+        # its two homes, first first: the less filled, the first when equally filled
+        pending = [i for i in eligible if mine[i]]
         stored = {i: at for i in eligible if (at := held.stored_at(ranked[i][2])) is not None}
-        if stored:
+        if pending:
+            best = max(pending, key=mine.__getitem__)
+        elif stored:
             best = max(stored, key=stored.__getitem__)
         else:
             ranks = sorted(eligible, key=lambda i: _weight(prefix[0], ranked[i][2].name))

@@ -167,3 +167,36 @@ def test_a_prompt_held_nowhere_goes_where_it_was_cached_last() -> None:
 
     assert pick(views) == "b"
     assert pick({"a": views["a"], "c": views["c"], "d": views["d"]}) == "c"
+
+
+def test_a_prompt_held_nowhere_follows_a_request_of_it_in_flight() -> None:
+    """A request of the prompt in flight on a backend is prefilling it there, before the
+    engine reports the blocks: the next one goes along, not to where it was cached last,
+    so the prompt is computed and cached once."""
+    from types import SimpleNamespace
+
+    from gateway.admission.kv_events import EventsView
+    from gateway.admission.prefix_index import PrefixIndex
+    from gateway.admission.prefix_route import GroupLoads, Held, by_prefix
+
+    prompt = list(range(64))
+    views = {name: EventsView(connected=True) for name in "abcd"}
+    views["b"].blocks.apply([stored(prompt, hashes=[10, 11, 12, 13], size=16)], at=2.0)
+    views["b"].blocks.apply([Removed([10, 11, 12, 13])], at=7.0)
+    backends = [SimpleNamespace(name=name, block_size=16) for name in "abcd"]
+    loads = GroupLoads()
+
+    def pick() -> str:
+        # a backend's fill counts what is in flight there
+        fills = {b.name: loads.held(b.name, b"first") / 1000 for b in backends}
+        ranked = [(fills[b.name], i, b, 900, 1000) for i, b in enumerate(backends)]
+        held = Held(PrefixIndex(), [b"first"], events=views, token_ids=prompt)
+        by_prefix(ranked, tokens=64, prefix=[b"first"], session=None, held=held, loads=loads,
+                  target_fill=0.9)  # fmt: skip
+        return str(ranked[0][2].name)
+
+    assert pick() == "b"
+    loads.add("first-request", "d", b"first", 64)
+    assert pick() == "d"
+    loads.remove("first-request")  # served, and its blocks reported: the view decides again
+    assert pick() == "b"
