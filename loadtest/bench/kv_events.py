@@ -242,6 +242,9 @@ def report(figures: dict[str, Any]) -> str:
         each = ", ".join(f"{_cell(r['hit_rate'], '.3f')} / {_cell(r['ttft_p90_s'], '.3f')}"
                          for r in runs)  # fmt: skip
         lines.append(f"  {name} hit rate / TTFT p90 (s) by round: {each}")
+        for r, run in enumerate(runs):
+            for error, count in run.get("failures", {}).items():
+                lines.append(f"  {name} round {r + 1}: {count} x {error}")
     lines.append("")
     arms = figures["arms"]
     if not {"events", "prefix", "oracle-static"} <= set(arms):

@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -121,12 +122,15 @@ async def send(
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
                                  headers=headers) as response:  # fmt: skip
+            error = None
             async for line in response.aiter_lines():
                 if ttft is None and line.startswith("data:") and '"content"' in line:
                     ttft = time.perf_counter() - start
-            return {"status": response.status_code, "ttft_s": ttft}
+                elif error is None and (response.status_code != 200 or '"error"' in line):
+                    error = f"{response.status_code} {line[:160]}"
+            return {"status": response.status_code, "ttft_s": ttft, "error": error}
     except httpx.HTTPError as exc:
-        return {"status": 0, "ttft_s": None, "error": type(exc).__name__}
+        return {"status": 0, "ttft_s": None, "error": f"0 {type(exc).__name__}: {exc}"[:160]}
     finally:
         if arm.oracle is not None and arm.gateway is None:
             arm.oracle.in_flight[pick] -= 1
@@ -153,7 +157,9 @@ def arm_figures(
     ttfts = sorted(r["ttft_s"] for r in results if r["ttft_s"] is not None)
     return {
         "requests": len(results),
-        "ok": sum(1 for r in results if r["status"] == 200),
+        "ok": sum(1 for r in results if r["status"] == 200 and r.get("error") is None),
+        # what went wrong, by status and the start of its error, with how often
+        "failures": dict(Counter(r["error"] for r in results if r.get("error") is not None)),
         "hit_rate": hits / queries if queries else None,
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p90_s": percentile(ttfts, 90),
