@@ -217,8 +217,8 @@ def measure(
 
 def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out = dict(runs[0], ok=min(r["ok"] for r in runs))
-    for key in ("hit_rate", "ttft_p50_s", "ttft_p90_s"):
-        values = [r[key] for r in runs if r[key] is not None]
+    for key in ("hit_rate", "ttft_p50_s", "ttft_p90_s", "engine_ttft_mean_s"):
+        values = [r[key] for r in runs if r.get(key) is not None]
         out[key] = statistics.median(values) if values else None
     return out
 
@@ -228,14 +228,15 @@ def _cell(value: Any, spec: str) -> str:
 
 
 def report(figures: dict[str, Any]) -> str:
-    rows = [["arm", "ok", "hit rate", "TTFT p50 (s)", "TTFT p90 (s)"]]
+    rows = [["arm", "ok", "hit rate", "TTFT p50 (s)", "TTFT p90 (s)", "engine TTFT mean (s)"]]
     for name, arm in figures["arms"].items():
         rows.append([name, f"{arm['ok']}/{arm['requests']}", _cell(arm["hit_rate"], ".3f"),
-                     _cell(arm["ttft_p50_s"], ".3f"), _cell(arm["ttft_p90_s"], ".3f")])  # fmt: skip
-    rows.append(["static expected", "", f"{figures['static_expected_hit_rate']:.3f}", "", ""])
+                     _cell(arm["ttft_p50_s"], ".3f"), _cell(arm["ttft_p90_s"], ".3f"),
+                     _cell(arm.get("engine_ttft_mean_s"), ".3f")])  # fmt: skip
+    rows.append(["static expected", "", f"{figures['static_expected_hit_rate']:.3f}", "", "", ""])
     lines = [
         f"{figures['backend']} (medians of {len(next(iter(figures['rounds'].values())))} rounds):",
-        table(rows, ["<", ">", ">", ">", ">"]),
+        table(rows, ["<", ">", ">", ">", ">", ">"]),
         "",
     ]
     for name, runs in figures["rounds"].items():

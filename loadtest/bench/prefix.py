@@ -143,17 +143,23 @@ async def sample(client: httpx.AsyncClient, urls: Sequence[str], out: list[list[
         await asyncio.sleep(SAMPLE_S)
 
 
-async def prefix_counts(client: httpx.AsyncClient, urls: Sequence[str]) -> tuple[float, float]:
+Counts = tuple[float, float, float, float]  # prefix queries, hits; engine TTFT sum, count
+
+
+async def prefix_counts(client: httpx.AsyncClient, urls: Sequence[str]) -> Counts:
+    """The engines' counters: prompt tokens looked up in and found in their prefix caches,
+    and their own time to first token (its sum and count)."""
     states = [backend_state((await client.get(f"{u}/metrics")).text) for u in urls]
-    return sum(s["prefix_queries"] for s in states), sum(s["prefix_hits"] for s in states)
+    keys = ("prefix_queries", "prefix_hits", "ttft_sum", "ttft_count")
+    queries, hits, ttft, answered = (sum(s[k] for s in states) for k in keys)
+    return queries, hits, ttft, answered
 
 
-def arm_figures(
-    results: list[dict[str, Any]], *, before: tuple[float, float], after: tuple[float, float]
-) -> dict[str, Any]:
-    """An arm's answers, and its prefix hit rate from the engines' own counters read
-    (queries, hits) `before` and `after` it."""
-    queries, hits = after[0] - before[0], after[1] - before[1]
+def arm_figures(results: list[dict[str, Any]], *, before: Counts, after: Counts) -> dict[str, Any]:
+    """An arm's answers, its prefix hit rate and the engines' mean TTFT (what of the
+    client's TTFT the engines spent, queueing included), from the engines' own counters
+    read `before` and `after` it."""
+    queries, hits, ttft, answered = (a - b for a, b in zip(after, before, strict=True))
     ttfts = sorted(r["ttft_s"] for r in results if r["ttft_s"] is not None)
     return {
         "requests": len(results),
@@ -163,6 +169,7 @@ def arm_figures(
         "hit_rate": hits / queries if queries else None,
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p90_s": percentile(ttfts, 90),
+        "engine_ttft_mean_s": ttft / answered if answered else None,
     }
 
 

@@ -46,6 +46,9 @@ def backend_state(text: str) -> dict[str, float]:
         # prompt tokens looked up in the prefix cache, and found there (counters)
         "prefix_queries": total(found, "vllm:prefix_cache_queries_total") or 0.0,
         "prefix_hits": total(found, "vllm:prefix_cache_hits_total") or 0.0,
+        # the engine's own time to first token, summed over its requests (counters)
+        "ttft_sum": total(found, "vllm:time_to_first_token_seconds_sum") or 0.0,
+        "ttft_count": total(found, "vllm:time_to_first_token_seconds_count") or 0.0,
     }
 
 
