@@ -11,6 +11,8 @@ def test_a_backends_kv_in_use_leaves_the_null_block_out_of_usage() -> None:
         'vllm:num_preemptions_total{engine="0",model_name="m"} 2.0\n'
         'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 640.0\n'
         'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 480.0\n'
+        'vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 1.5\n'
+        'vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 6.0\n'
     )
     assert backend_state(text) == {
         "capacity": 512,  # 32 blocks of 16, as vLLM reports its cache
@@ -21,4 +23,6 @@ def test_a_backends_kv_in_use_leaves_the_null_block_out_of_usage() -> None:
         "preemptions": 2,
         "prefix_queries": 640,
         "prefix_hits": 480,
+        "ttft_sum": 1.5,
+        "ttft_count": 6,
     }
