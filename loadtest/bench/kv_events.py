@@ -147,8 +147,7 @@ async def run_arm(
     place: Sequence[int],
 ) -> dict[str, Any]:
     urls = [e.url for e in engines]
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    async with httpx.AsyncClient(timeout=300.0, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=300.0, limits=prefix.client_limits(256)) as client:
         before = await prefix_counts(client, urls)
         gate = asyncio.Semaphore(plan.concurrency)
 

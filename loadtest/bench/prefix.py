@@ -144,6 +144,15 @@ async def sample(client: httpx.AsyncClient, urls: Sequence[str], out: list[list[
 
 
 Counts = tuple[float, float, float, float]  # prefix queries, hits; engine TTFT sum, count
+# a kept-alive connection is dropped by the client well before uvicorn's 5 s keep-alive drops
+# it (httpx's default is the same 5 s), so a request is never written to a connection the
+# server is closing, which fails it with a ReadError
+KEEPALIVE_S = 2.0
+
+
+def client_limits(connections: int) -> httpx.Limits:
+    return httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
+                        keepalive_expiry=KEEPALIVE_S)  # fmt: skip
 
 
 async def prefix_counts(client: httpx.AsyncClient, urls: Sequence[str]) -> Counts:
@@ -174,7 +183,7 @@ def arm_figures(results: list[dict[str, Any]], *, before: Counts, after: Counts)
 
 
 async def run_arm(arm: Arm, turns: Sequence[Turn], plan: Plan) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    limits = client_limits(1024)
     async with httpx.AsyncClient(timeout=120.0, limits=limits) as client:
         before = await prefix_counts(client, arm.urls)
         running: list[list[float]] = []
