@@ -12,7 +12,10 @@ the backend:
   backends, but a tenant's prompt stays where it is cached however the other tenants'
   requests fall (each prompt placed on two backends is one more prefill of it);
 - every token in flight there, past PREFIX_FLOOR: a well-filled backend's load weighs
-  more than a cached prefill.
+  more than a cached prefill, as far as the gateway's own index guesses it. A backend
+  whose KV events say it holds most of the prompt is exempt: there the request costs a
+  decode slot, while on another it is a whole prefill that evicts others' prompts, and
+  the engine's report is no guess.
 """
 
 from __future__ import annotations
@@ -131,10 +134,9 @@ def by_prefix(
     one likeliest to hold most of its prefix (ties: the least filled), among those the
     herding guard does not pass over. A prefix no backend holds goes where a request of it
     is in flight, else where the engines last reported caching it, else to the less filled
-    of its two homes: the backends its
-    first block's key ranks highest (rendezvous hashing), so replicas that keep their own
-    indexes send a new prefix, and so its later requests, to the same two backends at
-    most, while load still picks between them."""
+    of its two homes: the backends its first block's key ranks highest (rendezvous
+    hashing), so replicas that keep their own indexes send a new prefix, and so its later
+    requests, to the same two backends at most, while load still picks between them."""
     capacity = sum(c for *_, c in ranked)
     mean = (sum(fill * c for fill, *_, c in ranked) + tokens) / capacity
     group = group_of(prefix, session)
@@ -146,7 +148,11 @@ def by_prefix(
     for i, (fill, _, backend, _, size) in enumerate(ranked):
         adds = tokens - min(tokens, held.cached(backend) or 0)  # what it allocates there
         after = fill + adds / size
-        if _over((mine[i] + adds) / size, mean) or (after > floor and _over(after, mean)):
+        # a backend that reports holding most of the prompt serves it for a decode slot,
+        # where another would prefill it and evict others' prompts: its load does not
+        # pass it over, only the prefix's own
+        loaded = after > floor and _over(after, mean) and 2 * adds > tokens
+        if _over((mine[i] + adds) / size, mean) or loaded:
             continue
         eligible.append(i)
         matched = math.inf if backend.name == home else held.tokens(backend)

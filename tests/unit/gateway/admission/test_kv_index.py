@@ -200,3 +200,31 @@ def test_a_prompt_held_nowhere_follows_a_request_of_it_in_flight() -> None:
     assert pick() == "d"
     loads.remove("first-request")  # served, and its blocks reported: the view decides again
     assert pick() == "b"
+
+
+def test_a_well_filled_backend_that_reports_the_prompt_keeps_it() -> None:
+    """Past the floor a backend's load passes it over, as far as the gateway's index
+    guesses it holds the prompt; where its engine reports holding it, another backend
+    would prefill it whole, so only the prefix's own load there counts."""
+    from types import SimpleNamespace
+
+    from gateway.admission.kv_events import EventsView
+    from gateway.admission.prefix_index import PrefixIndex
+    from gateway.admission.prefix_route import GroupLoads, Held, by_prefix
+
+    prompt = list(range(400))  # 25 blocks of 16
+    holder = EventsView(connected=True)
+    holder.blocks.apply([stored(prompt, hashes=list(range(25)), size=16)])
+    a, b = SimpleNamespace(name="a", block_size=16), SimpleNamespace(name="b", block_size=16)
+
+    def pick(events: dict[str, EventsView]) -> str:
+        # a is 70% full of other tenants' requests, b idle: past the floor, over the mean
+        ranked = [(0.0, 1, b, 900, 1000), (0.7, 0, a, 900, 1000)]
+        held = Held(PrefixIndex(), [b"first"], events=events, token_ids=prompt)
+        by_prefix(ranked, tokens=420, prefix=[b"first"], session=None, held=held,
+                  loads=GroupLoads(), target_fill=0.9)  # fmt: skip
+        return str(ranked[0][2].name)
+
+    assert pick({"a": holder, "b": EventsView(connected=True)}) == "a"
+    holder.blocks.apply([Removed(list(range(5, 25)))])  # a fifth of it left: a prefill
+    assert pick({"a": holder, "b": EventsView(connected=True)}) == "b"
