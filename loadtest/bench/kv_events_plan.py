@@ -35,7 +35,7 @@ class Plan:
     direct: float = 0.2  # the share sent straight to a backend
     concurrency: int = 24
     max_tokens: int = 8
-    speed: float = 4.0  # the simulator's
+    speed: float = 1.0  # the simulator's: an 8B model on an H100, in real time
     seed: int = 41
 
 
