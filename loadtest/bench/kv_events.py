@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -264,7 +263,7 @@ def report(figures: dict[str, Any]) -> str:
 
 def tokenizer_dir(real: bool, workdir: Path) -> Path:
     if real:
-        return Path(os.environ.get("TINY_MODEL_DIR", "/tmp/spillgate-tiny-llama"))
+        return real_vllm.model_dir()
     from loadtest.sim.tokenizer_files import write
 
     return write(workdir / "tokenizer")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,8 @@ BYTES_PER_TOKEN = 1024  # the tiny Llama's KV in bf16: 2 layers x 2 heads x 64 d
 # token with a chance of about 1/256: answers of geometric length (mean ~260, p50 ~170,
 # p90 ~530 tokens under max_tokens 2048), the same ones again for the same `seed`.
 STOP_TOKEN_IDS = tuple(range(8, 24))
+MODEL_DIR = Path(os.environ.get("TINY_MODEL_DIR", "/tmp/spillgate-tiny-llama"))
+MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 SETUP_TIMEOUT_S = 3600.0
 START_TIMEOUT_S = 420.0
 
@@ -56,6 +60,22 @@ class RealVllm:
 def install() -> None:
     """Build the vLLM virtualenv unless it is there already (minutes the first time)."""
     subprocess.run(["bash", str(SCRIPTS / "setup.sh")], check=True, timeout=SETUP_TIMEOUT_S)
+
+
+def model_dir() -> Path:
+    """The tiny model's files, made here as serve.sh makes them when some are missing: a
+    benchmark that tokenizes as the server does needs its tokenizer before it starts one."""
+    if all((MODEL_DIR / name).is_file() and (MODEL_DIR / name).stat().st_size
+           for name in MODEL_FILES):  # fmt: skip
+        return MODEL_DIR
+    from loadtest.real_vllm import tiny_model
+
+    MODEL_DIR.parent.mkdir(parents=True, exist_ok=True)
+    made = Path(tempfile.mkdtemp(prefix=f"{MODEL_DIR.name}.tmp.", dir=MODEL_DIR.parent))
+    tiny_model.main(str(made))
+    shutil.rmtree(MODEL_DIR, ignore_errors=True)
+    made.rename(MODEL_DIR)
+    return MODEL_DIR
 
 
 def is_up(server: RealVllm) -> bool:
