@@ -98,6 +98,18 @@ class Oracle:
         self._cached[backend].update(blocks)
 
 
+def stream_error(line: str) -> bool:
+    """Whether a line of a 200 stream is an error event (or no JSON at all): a model's text
+    may well say "error"."""
+    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+        return False
+    try:
+        event = json.loads(line[5:])
+    except ValueError:
+        return True
+    return not isinstance(event, dict) or "error" in event
+
+
 async def send(
     client: httpx.AsyncClient, arm: Arm, turn: Turn, i: int, plan: Plan
 ) -> dict[str, Any]:
@@ -126,7 +138,7 @@ async def send(
             async for line in response.aiter_lines():
                 if ttft is None and line.startswith("data:") and '"content"' in line:
                     ttft = time.perf_counter() - start
-                elif error is None and (response.status_code != 200 or '"error"' in line):
+                elif error is None and (response.status_code != 200 or stream_error(line)):
                     error = f"{response.status_code} {line[:160]}"
             return {"status": response.status_code, "ttft_s": ttft, "error": error}
     except httpx.HTTPError as exc:
