@@ -52,6 +52,7 @@ from gateway.config import hash_key
 from loadtest import real_vllm
 from loadtest.bench import admission_fleet as fleet
 from loadtest.bench.prefix_workload import ORDERS, Plan, Turn, schedules, workload
+from loadtest.loadgen.client import StreamState, error_message
 from loadtest.loadgen.scrape import backend_state
 from loadtest.loadgen.text import table
 from loadtest.percentile import percentile
@@ -98,18 +99,6 @@ class Oracle:
         self._cached[backend].update(blocks)
 
 
-def stream_error(line: str) -> bool:
-    """Whether a line of a 200 stream is an error event (or no JSON at all): a model's text
-    may well say "error"."""
-    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-        return False
-    try:
-        event = json.loads(line[5:])
-    except ValueError:
-        return True
-    return not isinstance(event, dict) or "error" in event
-
-
 async def send(
     client: httpx.AsyncClient, arm: Arm, turn: Turn, i: int, plan: Plan
 ) -> dict[str, Any]:
@@ -128,19 +117,21 @@ async def send(
     body = {"model": model, "messages": turn.messages, "max_tokens": plan.max_tokens,
             "stream": True, "ignore_eos": True}  # fmt: skip
     start = time.perf_counter()
-    ttft = None
     if arm.oracle is not None and arm.gateway is None:
         arm.oracle.in_flight[pick] += 1
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
                                  headers=headers) as response:  # fmt: skip
-            error = None
-            async for line in response.aiter_lines():
-                if ttft is None and line.startswith("data:") and '"content"' in line:
-                    ttft = time.perf_counter() - start
-                elif error is None and (response.status_code != 200 or stream_error(line)):
-                    error = f"{response.status_code} {line[:160]}"
-            return {"status": response.status_code, "ttft_s": ttft, "error": error}
+            if response.status_code != 200:
+                answer = error_message(await response.aread())
+                return {"status": response.status_code, "ttft_s": None,
+                        "error": f"{response.status_code} {answer}"[:160]}  # fmt: skip
+            stream = StreamState()
+            async for chunk in response.aiter_bytes():
+                stream.feed(chunk, time.perf_counter())
+            ttft = None if stream.first is None else stream.first - start
+            error = None if stream.error is None else f"200 {stream.error}"[:160]
+            return {"status": 200, "ttft_s": ttft, "error": error}
     except httpx.HTTPError as exc:
         return {"status": 0, "ttft_s": None, "error": f"0 {type(exc).__name__}: {exc}"[:160]}
     finally:

@@ -47,3 +47,17 @@ def test_a_terminal_error_event_is_reported() -> None:
     state.feed(b'data: {"error":{"message":"upstream reset","type":"x"}}\n\n', now=2.0)
     assert state.error == "upstream reset"
     assert not state.done
+
+
+def test_generated_text_that_says_error_is_no_error() -> None:
+    state = StreamState()
+    state.feed(b'data: {"choices":[{"delta":{"content":"error"}}]}\n\n', now=1.0)
+    state.feed(b'data: {"choices":[{"delta":{"content":"\\"error\\""}}]}\n\n', now=2.0)
+    state.feed(b"data: [DONE]\n\n", now=3.0)
+    assert state.events == 2 and state.error is None and state.done
+
+
+def test_an_event_that_is_no_json_is_an_error() -> None:
+    state = StreamState()
+    state.feed(b'data: {"error": not json\n\n', now=1.0)
+    assert state.error == "malformed SSE event"
