@@ -19,9 +19,9 @@ p90 of
   new text moved to a worker thread.
 
 Tokenizers: the tiny Llama's the real-vLLM runs serve (loadtest/real_vllm/tiny_model.py,
-a 4,096-token BPE; from /tmp/spillgate-tiny-llama when there, else trained here) and the
-simulator's (loadtest/sim/tokenizer_files.py, 512 tokens). Results in BENCHMARKS.md
-("Tokenizing for the KV-events index").
+a 4,096-token BPE; from $TINY_MODEL_DIR, /tmp/spillgate-tiny-llama, when there, else made
+here) and the simulator's (loadtest/sim/tokenizer_files.py, 512 tokens). Results in
+BENCHMARKS.md ("Tokenizing for the KV-events index").
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from gateway.admission.prompt_tokens import PromptTokenizer, prompt_token_ids
 from loadtest.loadgen.text import table
 from loadtest.percentile import percentile
 
-TINY_DIR = Path("/tmp/spillgate-tiny-llama")
 SIZES = (1024, 8192)  # prompt tokens
 USER_TOKENS = 48
 BLOCK_SIZE = 16  # vLLM's default on GPUs: the most keys a prompt makes
@@ -140,14 +139,11 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def tokenizers(workdir: Path) -> dict[str, Path]:
-    from loadtest.real_vllm import tiny_model
+    from loadtest import real_vllm
     from loadtest.sim import tokenizer_files
 
-    tiny = TINY_DIR
-    if not (tiny / "tokenizer.json").is_file():
-        tiny = workdir / "tiny"
-        tiny.mkdir()
-        tiny_model.main(str(tiny))
+    shared = real_vllm.MODEL_DIR
+    tiny = shared if real_vllm.has_model(shared) else real_vllm.model_dir(workdir / "tiny")
     return {"tiny": tiny, "sim": tokenizer_files.write(workdir / "sim")}
 
 

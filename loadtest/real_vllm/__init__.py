@@ -62,20 +62,26 @@ def install() -> None:
     subprocess.run(["bash", str(SCRIPTS / "setup.sh")], check=True, timeout=SETUP_TIMEOUT_S)
 
 
-def model_dir() -> Path:
-    """The tiny model's files, made here as serve.sh makes them when some are missing: a
-    benchmark that tokenizes as the server does needs its tokenizer before it starts one."""
-    if all((MODEL_DIR / name).is_file() and (MODEL_DIR / name).stat().st_size
-           for name in MODEL_FILES):  # fmt: skip
-        return MODEL_DIR
+def has_model(directory: Path) -> bool:
+    """Whether `directory` holds every file serve.sh needs of the tiny model."""
+    return all((directory / name).is_file() and (directory / name).stat().st_size
+               for name in MODEL_FILES)  # fmt: skip
+
+
+def model_dir(directory: Path = MODEL_DIR) -> Path:
+    """The tiny model's files in `directory`, made as serve.sh makes them when some are
+    missing (tiny_model.py needs only `tokenizers`): what tokenizes as the server does needs
+    them before a server starts."""
+    if has_model(directory):
+        return directory
     from loadtest.real_vllm import tiny_model
 
-    MODEL_DIR.parent.mkdir(parents=True, exist_ok=True)
-    made = Path(tempfile.mkdtemp(prefix=f"{MODEL_DIR.name}.tmp.", dir=MODEL_DIR.parent))
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    made = Path(tempfile.mkdtemp(prefix=f"{directory.name}.tmp.", dir=directory.parent))
     tiny_model.main(str(made))
-    shutil.rmtree(MODEL_DIR, ignore_errors=True)
-    made.rename(MODEL_DIR)
-    return MODEL_DIR
+    shutil.rmtree(directory, ignore_errors=True)
+    made.rename(directory)
+    return directory
 
 
 def is_up(server: RealVllm) -> bool:

@@ -14,7 +14,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 CONFIGS = HERE / "configs"
 TOOLS = ("guidellm", "inference-perf")
-TOKENIZER_DIR = Path(os.environ.get("TINY_MODEL_DIR", "/tmp/spillgate-tiny-llama"))
 
 
 def venv(tool: str) -> Path:

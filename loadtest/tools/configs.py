@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 
-from loadtest.tools import CONFIGS, TOKENIZER_DIR, venv
+from loadtest.real_vllm import MODEL_DIR
+from loadtest.tools import CONFIGS, venv
 
 WORKLOADS = ("steady", "shared-prefix")
 
@@ -46,7 +47,7 @@ def guidellm_scenario(
     seed: int,
     rate: float | None = None,
     duration_s: int | None = None,
-    tokenizer: Path = TOKENIZER_DIR,
+    tokenizer: Path = MODEL_DIR,
 ) -> dict[str, Any]:
     scenario = copy.deepcopy(base)
     spec = scenario["spec"]
@@ -74,7 +75,7 @@ def inference_perf_config(
     seed: int,
     rate: float | None = None,
     duration_s: int | None = None,
-    tokenizer: Path = TOKENIZER_DIR,
+    tokenizer: Path = MODEL_DIR,
 ) -> dict[str, Any]:
     config = copy.deepcopy(base)
     config["server"].update(base_url=target.url, model_name=target.model)
@@ -103,7 +104,7 @@ def write(
     seed: int,
     rate: float | None = None,
     duration_s: int | None = None,
-    tokenizer: Path = TOKENIZER_DIR,
+    tokenizer: Path = MODEL_DIR,
 ) -> list[str]:
     """Write the arm's config into `out`; return the command that runs the tool on it."""
     out.mkdir(parents=True, exist_ok=True)

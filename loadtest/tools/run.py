@@ -28,7 +28,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,7 +44,7 @@ from loadtest.bench import admission_fleet as fleet
 from loadtest.bench import prefix as prefix_bench
 from loadtest.loadgen.scrape import backend_state
 from loadtest.procs import free_port, wait_for_port
-from loadtest.tools import TOKENIZER_DIR, TOOLS, configs, results, venv
+from loadtest.tools import TOOLS, configs, results, venv
 from loadtest.tools.configs import Target
 
 TOOL_TIMEOUT_S = 900.0
@@ -64,20 +63,6 @@ PREFIX_BACKENDS = 4
 # capacity more than the others, and at 16,384 tokens that is less than one of these
 # requests (a 15 s trial there: hit rate 0.46 with prefix routing, 0.37 without).
 PREFIX_KV_TOKENS = 65_536
-
-
-def ensure_tokenizer(directory: Path = TOKENIZER_DIR) -> Path:
-    """The tiny Llama's files (tokenizer and config), made offline when missing; guidellm's
-    virtualenv brings the `tokenizers` package tiny_model.py needs."""
-    if (directory / "tokenizer.json").is_file() and (directory / "config.json").is_file():
-        return directory
-    python = venv("guidellm") / "bin" / "python"
-    tmp = Path(tempfile.mkdtemp(prefix=directory.name + ".", dir=directory.parent))
-    script = real_vllm.SCRIPTS / "tiny_model.py"
-    subprocess.run([str(python), str(script), str(tmp)], check=True, timeout=600)
-    shutil.rmtree(directory, ignore_errors=True)
-    tmp.rename(directory)
-    return directory
 
 
 def check_installed(tools: Sequence[str]) -> None:
@@ -263,7 +248,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     check_installed(args.tools)
-    ensure_tokenizer()
+    real_vllm.model_dir()
     if args.run == "vllm" and len(os.sched_getaffinity(0)) > 1:
         os.sched_setaffinity(0, {1})  # vLLM gets core 0; everything this starts, core 1
     out = args.out or Path(tempfile.mkdtemp(prefix=f"spillgate-tools-{args.run}-"))
