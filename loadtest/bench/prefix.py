@@ -128,7 +128,7 @@ async def send(
                         "error": f"{response.status_code} {answer}"[:160]}  # fmt: skip
             stream = StreamState()
             async for chunk in response.aiter_bytes():
-                stream.feed(chunk, time.perf_counter())
+                stream.feed(chunk, now=time.perf_counter())
             ttft = None if stream.first is None else stream.first - start
             error = None if stream.error is None else f"200 {stream.error}"[:160]
             return {"status": 200, "ttft_s": ttft, "error": error}

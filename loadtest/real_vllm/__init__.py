@@ -78,7 +78,11 @@ def model_dir(directory: Path = MODEL_DIR) -> Path:
 
     directory.parent.mkdir(parents=True, exist_ok=True)
     made = Path(tempfile.mkdtemp(prefix=f"{directory.name}.tmp.", dir=directory.parent))
-    tiny_model.main(str(made))
+    try:
+        tiny_model.main(str(made))
+    except BaseException:  # a half-made model must not be left beside the real one
+        shutil.rmtree(made, ignore_errors=True)
+        raise
     shutil.rmtree(directory, ignore_errors=True)
     made.rename(directory)
     return directory
