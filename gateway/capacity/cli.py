@@ -44,6 +44,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work = parser.add_argument_group("workload")
     work.add_argument("--prompt-tokens", type=int, default=1536)
     work.add_argument("--output-tokens", type=int, default=512)
+    work.add_argument(
+        "--shared-prompt-tokens",
+        type=int,
+        metavar="S",
+        help="prompt tokens that requests open with in common (a system prompt); vLLM's "
+        "prefix cache holds their whole blocks once per replica (default 0)",
+    )
+    work.add_argument(
+        "--shared-share",
+        type=float,
+        metavar="F",
+        help="share of requests that carry the shared prompt, 0 to 1 (default 1)",
+    )
     rate = work.add_mutually_exclusive_group()
     rate.add_argument("--rps", type=float, help="peak requests per second")
     rate.add_argument("--sessions", type=int, help="peak concurrent sessions")
@@ -89,6 +102,17 @@ def _model(args: argparse.Namespace, catalog: Catalog) -> ModelSpec:
     return catalog.model(args.model)
 
 
+def _workload(args: argparse.Namespace) -> throughput.Workload:
+    if args.shared_share is not None and args.shared_prompt_tokens is None:
+        raise CapacityError("--shared-share needs --shared-prompt-tokens: the prompt it shares")
+    return throughput.Workload(
+        prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens,
+        shared_prompt_tokens=args.shared_prompt_tokens or 0,
+        shared_share=1.0 if args.shared_share is None else args.shared_share,
+    )
+
+
 def build_plan(args: argparse.Namespace) -> Plan:
     catalog = load_catalog(args.catalog)
     if not args.gpu:
@@ -104,9 +128,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         _model(args, catalog),
         catalog.gpu(args.gpu),
         options=replica_options(args),
-        workload=throughput.Workload(
-            prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens
-        ),
+        workload=_workload(args),
         demand=demand,
     )
 

@@ -90,6 +90,45 @@ def blocks_per_request(tokens: int, block_size: int) -> int:
     return max(1, math.ceil(tokens / block_size))
 
 
+def shared_prompt_blocks(*, shared_prompt_tokens: int, shared_share: float, block_size: int) -> int:
+    """The blocks of a shared prompt that one engine holds once: its whole blocks (a partial
+    block is hashed with what follows it in each request, so the prefix cache never shares
+    it), and none when no request carries it."""
+    return shared_prompt_tokens // block_size if shared_share > 0 else 0
+
+
+def sessions_at_kv_bound(
+    *,
+    num_blocks: int,
+    block_size: int,
+    tokens: int,
+    shared_prompt_tokens: int = 0,
+    shared_share: float = 1.0,
+) -> int:
+    """Sessions of `tokens` each (prompt + output) that fit at once, every block reserved.
+
+    With prefix caching, the shared prompt's whole blocks are reference-counted: held once
+    while any session carrying it runs. A session that carries it holds the rest of its
+    blocks; one that does not holds all of them. For a share F of carriers:
+
+        floor((num_blocks - shared) / (F x (whole - shared) + (1 - F) x whole))
+
+    and never fewer than without sharing: n sessions of which k >= 1 carry the prompt hold
+    n x whole - (k - 1) x shared blocks, while the mean form charges all the shared blocks
+    to less than one carrier when F x n < 1.
+    """
+    whole = blocks_per_request(tokens, block_size)
+    alone = num_blocks // whole
+    shared = shared_prompt_blocks(
+        shared_prompt_tokens=shared_prompt_tokens, shared_share=shared_share, block_size=block_size
+    )
+    if shared == 0:
+        return alone
+    mean_own = whole - shared_share * shared
+    # Within float rounding of a whole number of sessions, the whole number is meant.
+    return max(alone, math.floor((num_blocks - shared) / mean_own + 1e-9))
+
+
 def max_concurrency(*, num_blocks: int, block_size: int, max_model_len: int) -> float:
     """vLLM's "Maximum concurrency for N tokens per request"."""
     return num_blocks / blocks_per_request(max_model_len, block_size)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from gateway.capacity import kv
+
 
 @dataclass(frozen=True, kw_only=True)
 class StepCost:
@@ -49,6 +51,15 @@ class ReplicaProfile:
         """Blocks one session of `tokens` (prompt + output) holds at its longest."""
         return max(1, math.ceil(tokens / self.block_size))
 
-    def sessions_at_kv_bound(self, tokens: int) -> int:
-        """Sessions of `tokens` each that fit in the KV cache at once, every block reserved."""
-        return self.num_gpu_blocks // self.blocks_per_session(tokens)
+    def sessions_at_kv_bound(
+        self, tokens: int, *, shared_prompt_tokens: int = 0, shared_share: float = 1.0
+    ) -> int:
+        """Sessions of `tokens` each that fit in the KV cache at once, every block reserved;
+        a share of them carrying a prompt of `shared_prompt_tokens` that vLLM holds once."""
+        return kv.sessions_at_kv_bound(
+            num_blocks=self.num_gpu_blocks,
+            block_size=self.block_size,
+            tokens=tokens,
+            shared_prompt_tokens=shared_prompt_tokens,
+            shared_share=shared_share,
+        )

@@ -44,6 +44,7 @@ class Plan:
     profile: ReplicaProfile
     max_concurrency: float
     sessions_per_replica: int  # at the KV bound
+    sessions_without_sharing: int  # at the KV bound, each session holding all its blocks
     running_limit: int  # the KV bound, or max_num_seqs when lower
     at_bound: LoadPoint
     knee: int
@@ -58,6 +59,14 @@ class Plan:
     @property
     def kv_bytes_per_token(self) -> int:
         return int(self.profile.step_cost.kv_bytes_per_token_per_rank)
+
+    @property
+    def shared_prompt_blocks(self) -> int:
+        return kv.shared_prompt_blocks(
+            shared_prompt_tokens=self.workload.shared_prompt_tokens,
+            shared_share=self.workload.shared_share,
+            block_size=self.profile.block_size,
+        )
 
     @property
     def gpus_needed(self) -> int | None:
@@ -131,6 +140,7 @@ def make_plan(
             max_model_len=profile.max_model_len or model.max_position,
         ),
         sessions_per_replica=sessions,
+        sessions_without_sharing=profile.sessions_at_kv_bound(workload.tokens),
         running_limit=running,
         at_bound=throughput.predict(profile, workload, running),
         knee=throughput.knee(profile, workload),
@@ -164,6 +174,9 @@ def plan_json(plan: Plan) -> dict[str, object]:
         "max_model_len": plan.profile.max_model_len,
         "prompt_tokens": plan.workload.prompt_tokens,
         "output_tokens": plan.workload.output_tokens,
+        "shared_prompt_tokens": plan.workload.shared_prompt_tokens,
+        "shared_share": plan.workload.shared_share,
+        "shared_prompt_blocks": plan.shared_prompt_blocks,
         "kv_bytes_per_token": plan.kv_bytes_per_token,
         "usable_gib": round(budget.usable_gib, 4),
         "weights_gib": round(budget.weights_gib, 4),
@@ -174,6 +187,7 @@ def plan_json(plan: Plan) -> dict[str, object]:
         "kv_cache_tokens": plan.profile.kv_cache_tokens,
         "max_concurrency": round(plan.max_concurrency, 2),
         "sessions_per_replica": plan.sessions_per_replica,
+        "sessions_per_replica_without_sharing": plan.sessions_without_sharing,
         "max_num_seqs": plan.profile.max_num_seqs,
         "running_limit": plan.running_limit,
         "decode_tokens_per_s": round(plan.at_bound.output_tokens_per_s, 1),

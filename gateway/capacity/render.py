@@ -42,6 +42,22 @@ def _kv_rows(plan: Plan) -> list[str]:
     ]
 
 
+def _shared_prompt_rows(plan: Plan) -> list[str]:
+    w = plan.workload
+    if w.shared_prompt_tokens == 0:
+        return []
+    whole = plan.profile.blocks_per_session(w.tokens)
+    own = whole - plan.shared_prompt_blocks
+    return [
+        f"Shared prompt: {w.shared_prompt_tokens:,} tokens, carried by "
+        f"{w.shared_share * 100:.3g}% of requests",
+        _row("whole blocks, held once", f"{plan.shared_prompt_blocks:,}"),
+        _row("blocks of a session carrying it", f"{own:,} of {whole:,}"),
+        _row("sessions at the KV bound", f"{plan.sessions_per_replica:,}"),
+        _row("  without sharing", f"{plan.sessions_without_sharing:,}"),
+    ]
+
+
 def _limit_rows(plan: Plan) -> list[str]:
     if plan.running_limit == plan.sessions_per_replica:
         return []
@@ -95,7 +111,10 @@ def plan_table(plan: Plan) -> str:
         f"{plan.model.name} on {o.tp} x {plan.gpu.name} (kv {o.kv_dtype}, block {o.block_size}, "
         f"gpu_memory_utilization {o.gpu_memory_utilization:g})"
     )
-    sections = [[head], _memory_rows(plan), _kv_rows(plan), _replica_rows(plan)]
+    sections = [[head], _memory_rows(plan), _kv_rows(plan)]
+    if shared := _shared_prompt_rows(plan):
+        sections.append(shared)
+    sections.append(_replica_rows(plan))
     sections.append(_workload_rows(plan))
     if plan.warnings:
         sections.append([f"warning: {w}" for w in plan.warnings])

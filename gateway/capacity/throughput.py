@@ -1,7 +1,8 @@
 """Sessions to tokens per second and TTFT: the steady state of a continuously batching engine.
 
 The model, for a closed loop of `c` clients, each sending requests of P prompt and O output
-tokens, against a replica that holds S such sessions in its KV cache (every block reserved):
+tokens, against a replica that holds S such sessions in its KV cache (every block reserved,
+a shared prompt's whole blocks once):
 
 - B = min(c, S) sessions run (S capped at vLLM's max_num_seqs); the other c - B wait.
 - A running session is on average half way through its output, so the batch's KV holds
@@ -32,12 +33,29 @@ KNEE_FACTOR = 2.0
 
 @dataclass(frozen=True, kw_only=True)
 class Workload:
+    """Sessions of P prompt and O output tokens; a share of them (`shared_share`) open with
+    the same `shared_prompt_tokens` of their prompt, which vLLM's prefix cache holds once."""
+
     prompt_tokens: int
     output_tokens: int
+    shared_prompt_tokens: int = 0
+    shared_share: float = 1.0
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.output_tokens < 1:
             raise CapacityError("prompt and output tokens must each be at least 1")
+        if self.shared_prompt_tokens < 0:
+            raise CapacityError(
+                f"--shared-prompt-tokens must be at least 0, not {self.shared_prompt_tokens}"
+            )
+        if self.shared_prompt_tokens >= self.prompt_tokens:
+            raise CapacityError(
+                f"--shared-prompt-tokens ({self.shared_prompt_tokens}) must be less than "
+                f"--prompt-tokens ({self.prompt_tokens}): each request has tokens of its own "
+                "after the prompt it shares"
+            )
+        if not 0 <= self.shared_share <= 1:
+            raise CapacityError(f"--shared-share must be in [0, 1], not {self.shared_share:g}")
 
     @property
     def tokens(self) -> int:
@@ -64,7 +82,11 @@ class LoadPoint:
 
 
 def kv_bound(profile: ReplicaProfile, workload: Workload) -> int:
-    sessions = profile.sessions_at_kv_bound(workload.tokens)
+    sessions = profile.sessions_at_kv_bound(
+        workload.tokens,
+        shared_prompt_tokens=workload.shared_prompt_tokens,
+        shared_share=workload.shared_share,
+    )
     if sessions < 1:
         raise CapacityError(
             f"one session of {workload.tokens} tokens needs "

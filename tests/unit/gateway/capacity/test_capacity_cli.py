@@ -84,3 +84,63 @@ def test_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--list"]) == 0
     out = capsys.readouterr().out
     assert "deepseek-v3" in out and "mi300x" in out
+
+
+# A 16,384-token cache of 128 blocks of 128 tokens: 2 GiB at 16 MiB a block.
+SMALL_CACHE = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--kv-cache-gib", "2",
+               "--block-size", "128", "--max-model-len", "16384",
+               "--prompt-tokens", "1547", "--output-tokens", "1"]  # fmt: skip
+
+
+def test_shared_prompt_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL_CACHE, "--shared-prompt-tokens", "1487", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_gpu_blocks"] == 128
+    assert (out["shared_prompt_tokens"], out["shared_share"], out["shared_prompt_blocks"]) == (
+        1487, 1.0, 11,
+    )  # fmt: skip
+    assert out["sessions_per_replica"] == 58  # (128 - 11) // (13 - 11)
+    assert out["sessions_per_replica_without_sharing"] == 9  # 128 // 13
+    assert out["sessions_at_fill"] == 34  # floor(58 x 0.6)
+
+
+def test_shared_prompt_carried_by_half_the_requests(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*SMALL_CACHE, "--shared-prompt-tokens", "1487", "--shared-share", "0.5", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["shared_share"] == 0.5
+    assert out["sessions_per_replica"] == 15  # 117 / (0.5 x 2 + 0.5 x 13) = 15.6
+
+
+def test_shared_prompt_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL_CACHE, "--shared-prompt-tokens", "1487", "--shared-share", "0.5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index("Shared prompt: 1,487 tokens, carried by 50% of requests")
+    assert [" ".join(line.split()) for line in lines[start + 1 : start + 6]] == [
+        "whole blocks, held once 11",
+        "blocks of a session carrying it 2 of 13",
+        "sessions at the KV bound 15",
+        "without sharing 9",
+        "",
+    ]
+
+
+def test_no_shared_prompt_no_section(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(LAUNCH) == 0
+    assert "Shared prompt" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--shared-prompt-tokens", "1547"], "--shared-prompt-tokens (1547) must be less than"),
+        (["--shared-prompt-tokens", "-5"], "--shared-prompt-tokens must be at least 0, not -5"),
+        (["--shared-prompt-tokens", "10", "--shared-share", "2"], "--shared-share must be in"),
+        (["--shared-share", "0.5"], "--shared-share needs --shared-prompt-tokens"),
+    ],
+)
+def test_shared_prompt_errors(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*SMALL_CACHE, *flags]) == 2
+    assert capsys.readouterr().err.startswith(f"spillgate plan: error: {message}")
