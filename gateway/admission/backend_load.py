@@ -6,10 +6,12 @@ including traffic that bypasses the gateway. Admission takes the larger of the t
 (gateway/admission/router.py), and a backend that preempts sequences or keeps requests waiting
 lowers its effective fill (gateway/admission/fill.py).
 
-vLLM: `vllm:kv_cache_usage_perc` (0..1), `vllm:num_requests_waiting`,
-`vllm:num_preemptions_total` (a counter). SGLang: `sglang:token_usage` (0..1),
-`sglang:num_queue_reqs`, and `sglang:num_retracted_reqs` (requests it retracted, SGLang's
-preemption, a gauge: any is taken as a preemption). vLLM's prefix-cache counters
+vLLM: `vllm:kv_cache_usage_perc` (0..1), `vllm:num_requests_running`,
+`vllm:num_requests_waiting`, `vllm:num_preemptions_total` (a counter). SGLang:
+`sglang:token_usage` (0..1), `sglang:num_running_reqs`, `sglang:num_queue_reqs`, and
+`sglang:num_retracted_reqs` (requests it retracted, SGLang's preemption, a gauge: any is
+taken as a preemption). Nothing running and nothing waiting is an idle backend, which ends
+a back-off; a page without a running count never reads as idle. vLLM's prefix-cache counters
 (`vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`, in tokens) are read too,
 to show beside the prefix index's own guess (gateway/admission/prefix_index.py). Engines of one
 server (data parallel) are averaged for the usage and added up for the rest.
@@ -34,12 +36,15 @@ SCRAPE_TIMEOUT_S = 0.4  # an answer later than this is no answer: the scrape is 
 STALE_S = 3.0  # a load older than this is not used: admission falls back to the ledger
 
 USAGE = ("vllm:kv_cache_usage_perc", "sglang:token_usage")
+RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 PREEMPTIONS = ("vllm:num_preemptions_total",)
 RETRACTED = ("sglang:num_retracted_reqs",)
 PREFIX_QUERIES = ("vllm:prefix_cache_queries_total",)  # prompt tokens looked up, a counter
 PREFIX_HITS = ("vllm:prefix_cache_hits_total",)  # of them, the tokens found cached
-_WANTED = frozenset((*USAGE, *WAITING, *PREEMPTIONS, *RETRACTED, *PREFIX_QUERIES, *PREFIX_HITS))
+_WANTED = frozenset(
+    (*USAGE, *RUNNING, *WAITING, *PREEMPTIONS, *RETRACTED, *PREFIX_QUERIES, *PREFIX_HITS)
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,6 +55,7 @@ class ReportedLoad:
     waiting: int  # requests waiting inside it
     preemptions: float | None  # its preemption counter, where it has one
     retracted: int = 0  # SGLang's retracted requests
+    running: int | None = None  # requests running inside it; None where it does not say
     prefix_queries: float | None = None  # vLLM's prefix-cache counters, where it has them
     prefix_hits: float | None = None
 
@@ -79,8 +85,10 @@ def load_from_metrics(text: str) -> ReportedLoad | None:
         found = [sum(values[n]) for n in names if n in values]
         return found[0] if found else None
 
+    running = total(RUNNING)
     return ReportedLoad(
         kv_usage=min(1.0, max(0.0, sum(usage) / len(usage))),
+        running=None if running is None else int(running),
         waiting=int(total(WAITING) or 0),
         preemptions=total(PREEMPTIONS),
         retracted=int(total(RETRACTED) or 0),

@@ -87,6 +87,7 @@ class Backend:
             now=now,
             preempted=preempted,
             waiting=load.waiting > 0,
+            idle=load.running == 0 and load.waiting == 0,  # running unknown: not idle
             held=load.kv_usage,
             reserved=reserved / capacity if capacity else None,
         )

@@ -207,21 +207,37 @@ async def until(check: Any, *, within_s: float = 10.0) -> None:
 
 
 def test_a_backend_that_preempts_lowers_its_effective_fill_and_says_why(fleet: Fleet) -> None:
-    # the old reservation of 8 + 16 tokens each while every answer runs to 256: 20 at once
-    # outgrow the 2,032-token cache
-    done = asyncio.run(streams(fleet, 20, {"model": "static"}))
+    """Lowered at once; back at the target once the backend runs and queues nothing."""
+    seen: list[tuple[dict[str, int], float, str]] = []  # (back-offs, effective fill, reason)
+
+    async def watch() -> None:
+        while "preemption" not in (seen[-1][0] if seen else {}):
+            status = await asyncio.to_thread(backend_status, fleet, "static")
+            seen.append((status["fill_backoffs"], status["effective_fill"], status["fill_reason"]))
+            await asyncio.sleep(0.02)
+
+    async def scenario() -> list[tuple[int, str, int]]:
+        watcher = asyncio.create_task(watch())
+        # the old reservation of 8 + 16 tokens each while every answer runs to 256: 20 at
+        # once outgrow the 2,032-token cache
+        done = await streams(fleet, 20, {"model": "static"})
+        await asyncio.wait_for(watcher, timeout=3.0)
+        return done
+
+    done = asyncio.run(scenario())
     assert {status for status, _, _ in done} == {200}
     assert preemptions(fleet, "static") > 0
-
-    def backed_off() -> bool:
-        return "preemption" in backend_status(fleet, "static")["fill_backoffs"]
-
-    asyncio.run(until(backed_off, within_s=3.0))
-    status = backend_status(fleet, "static")
-    assert status["effective_fill"] < 0.9 * 0.8  # lowered at once, recovering 0.01 a second
-    assert status["fill_reason"] in ("preemption", "recovering")
+    _, lowered, reason = seen[-1]  # the first read after the back-off
+    assert lowered == pytest.approx(0.9 * 0.8)  # lowered at once
+    assert reason == "preemption"
     text = fleet.metrics_text()
     backoffs = 'spillgate_fill_backoffs_total{backend="static-0",reason="preemption"} '
     assert backoffs in text
-    fill = text_sum(text, "spillgate_effective_fill_ratio", backend="static-0")
-    assert fill < 0.9 * 0.8
+
+    def at_target() -> bool:
+        status = backend_status(fleet, "static")
+        return bool(status["effective_fill"] == 0.9 and status["fill_reason"] == "target")
+
+    asyncio.run(until(at_target, within_s=3.0))  # two idle scrapes, 0.5 s apart
+    fill = text_sum(fleet.metrics_text(), "spillgate_effective_fill_ratio", backend="static-0")
+    assert fill == 0.9

@@ -3,6 +3,8 @@
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from gateway.admission.backend_load import STALE_S, ReportedLoad, load_from_metrics
 from gateway.admission.fill import FillReason
 from gateway.admission.router import Router
@@ -15,6 +17,7 @@ SGLANG = """\
 # HELP sglang:token_usage The token usage
 # TYPE sglang:token_usage gauge
 sglang:token_usage{model_name="m"} 0.28
+sglang:num_running_reqs{model_name="m"} 2.0
 sglang:num_queue_reqs{model_name="m"} 3.0
 sglang:num_retracted_reqs{model_name="m"} 0.0
 """
@@ -23,7 +26,12 @@ sglang:num_retracted_reqs{model_name="m"} 0.0
 def test_reads_vllm_0_32s_own_page() -> None:
     load = load_from_metrics(METRICS_FIXTURE.read_text())
     assert load == ReportedLoad(
-        kv_usage=0.0, waiting=0, preemptions=0.0, prefix_queries=1732.0, prefix_hits=0.0
+        kv_usage=0.0,
+        running=0,
+        waiting=0,
+        preemptions=0.0,
+        prefix_queries=1732.0,
+        prefix_hits=0.0,
     )
     assert load is not None and load.prefix_hit_rate == 0.0
 
@@ -45,8 +53,13 @@ def test_averages_the_usage_of_engines_and_adds_up_the_rest() -> None:
 
 def test_reads_sglangs_equivalents() -> None:
     assert load_from_metrics(SGLANG) == ReportedLoad(
-        kv_usage=0.28, waiting=3, preemptions=None, retracted=0
+        kv_usage=0.28, running=2, waiting=3, preemptions=None, retracted=0
     )
+
+
+def test_a_page_without_a_running_count_leaves_it_unknown() -> None:
+    load = load_from_metrics("vllm:kv_cache_usage_perc 0.0\nvllm:num_requests_waiting 0.0\n")
+    assert load is not None and load.running is None
 
 
 def test_a_page_without_kv_use_reports_nothing() -> None:
@@ -110,6 +123,31 @@ def test_a_preemption_lowers_the_limit_until_the_fill_recovers() -> None:
     assert router.limit(backend) == 400
     clock.advance(STALE_S + 0.1)  # no fresh scrape: the target fill again
     assert router.effective_fill(backend) == 0.5
+
+
+def test_only_a_backend_that_says_it_runs_nothing_and_queues_nothing_ends_a_back_off() -> None:
+    router, clock = _router()
+    backend = router.pools["p"].backends[0]
+
+    def report(*, running: int | None, waiting: int = 0, preemptions: float = 5.0) -> None:
+        clock.advance(0.5)
+        load = ReportedLoad(kv_usage=0.0, running=running, waiting=waiting, preemptions=preemptions)
+        backend.report(load, now=clock.now)
+
+    report(running=0, preemptions=4.0)
+    report(running=0)  # the counter rose: backed off to 0.4
+    assert router.effective_fill(backend) == 0.4
+    report(running=None)  # a page without a running count: unknown, the slow climb
+    report(running=None)
+    assert router.effective_fill(backend) == pytest.approx(0.41)
+    report(running=0, waiting=1)  # queued is not idle (one scrape of it: held still)
+    report(running=3)
+    assert router.effective_fill(backend) == pytest.approx(0.415)
+    report(running=0)
+    assert router.effective_fill(backend) == pytest.approx(0.42)
+    report(running=0)
+    assert router.effective_fill(backend) == 0.5
+    assert backend.fill.reason is FillReason.TARGET
 
 
 def test_feedback_off_ignores_the_backends_report() -> None:

@@ -1,8 +1,15 @@
-"""The effective fill backs off quickly on preemption or waiting, and recovers slowly."""
+"""The effective fill backs off quickly on preemption or waiting, recovers slowly while the
+backend is busy and at once once it is idle, and overbooks as far as the evidence shows."""
 
 import pytest
 
-from gateway.admission.fill import DECAY_PER_S, MAX_OVERBOOK, FillController, FillReason
+from gateway.admission.fill import (
+    DECAY_PER_S,
+    MAX_OVERBOOK,
+    OVERBOOK_PER_S,
+    FillController,
+    FillReason,
+)
 from gateway.clock import ManualClock
 
 
@@ -103,12 +110,49 @@ def test_a_full_ledger_over_a_backend_holding_less_raises_the_fill_to_reach_the_
     assert fill.fill == pytest.approx(0.9 / 0.97)
 
 
-def test_the_calibration_never_passes_the_overbooking_cap() -> None:
+def test_strong_evidence_overbooks_gradually_up_to_target_over_ratio() -> None:
+    """The ledger reserves ~2.9x what the backend holds: the fill goes to 0.9 ÷ 0.35."""
+    clock = ManualClock()
+    fill = FillController(0.9)
+    scrape(fill, clock, 0.0, held=0.0, reserved=0.0)
+    busy(fill, clock, 0.5, ratio=0.35)  # one scrape moves the ratio by half a second's decay
+    assert fill.held_per_reserved == pytest.approx(1 - DECAY_PER_S / 2)
+    assert fill.fill == pytest.approx(0.9 / (1 - DECAY_PER_S / 2))
+    busy(fill, clock, 9.5, ratio=0.35)  # 10 s: the ratio still bounds the rise
+    assert fill.held_per_reserved == pytest.approx(0.7)
+    assert fill.fill == pytest.approx(0.9 / 0.7)
+    busy(fill, clock, 5.0, ratio=0.35)  # 15 s: the ratio at 0.55, its last bound
+    assert fill.fill == pytest.approx(0.9 / 0.55)
+    busy(fill, clock, 10.0, ratio=0.35)  # then the rate: 0.09 a second
+    assert fill.held_per_reserved == pytest.approx(0.35)
+    assert fill.fill == pytest.approx(0.9 / 0.55 + 10.0 * OVERBOOK_PER_S * 0.9)
+    busy(fill, clock, 0.5, ratio=0.35)
+    assert fill.held_per_reserved == pytest.approx(0.35)
+    assert fill.fill == pytest.approx(0.9 / 0.35)
+    assert fill.reason is FillReason.CALIBRATED
+    busy(fill, clock, 60.0, ratio=0.35)  # no further than the evidence
+    assert fill.fill == pytest.approx(0.9 / 0.35)
+    busy(fill, clock, 0.5, ratio=0.7)  # a higher ratio brings it down at once
+    assert fill.fill == pytest.approx(0.9 / 0.7)
+
+
+def test_the_fill_never_passes_the_overbooking_cap() -> None:
+    """A backend reporting nothing held under a full ledger: the ratio stops at 1 ÷ 4."""
     clock = ManualClock()
     fill = FillController(0.8)
-    busy(fill, clock, 100.0, ratio=0.5)
-    assert fill.held_per_reserved == pytest.approx(0.5)
+    busy(fill, clock, 200.0, ratio=0.0)
+    assert fill.held_per_reserved == pytest.approx(1 / MAX_OVERBOOK)
     assert fill.fill == pytest.approx(0.8 * MAX_OVERBOOK)
+
+
+def test_a_thinly_filled_ledger_never_raises_the_fill() -> None:
+    clock = ManualClock()
+    fill = FillController(0.9)
+    for _ in range(200):  # 100 s of a ledger at 0.44, just under half the target
+        scrape(fill, clock, 0.5, held=0.44 * 0.35, reserved=0.44)
+    assert fill.held_per_reserved == 1.0
+    assert fill.fill == 0.9
+    assert fill.reason is FillReason.TARGET
 
 
 def test_the_ratio_moves_only_on_a_well_filled_ledger_a_second_a_scrape_at_most() -> None:
@@ -137,7 +181,7 @@ def test_a_back_off_forgets_the_calibration_and_recovers_only_to_the_target() ->
     clock = ManualClock()
     fill = FillController(0.9)
     busy(fill, clock, 100.0, ratio=0.8)
-    assert fill.fill == pytest.approx(0.9 * MAX_OVERBOOK)
+    assert fill.fill == pytest.approx(0.9 / 0.8)
     clock.advance(0.5)
     assert fill.observe(now=clock.monotonic(), preempted=True, waiting=False) is (
         FillReason.PREEMPTION
@@ -149,3 +193,98 @@ def test_a_back_off_forgets_the_calibration_and_recovers_only_to_the_target() ->
     assert fill.held_per_reserved == 1.0
     busy(fill, clock, 2.0, ratio=0.8)
     assert fill.held_per_reserved == pytest.approx(1 - 2 * DECAY_PER_S)
+
+
+def test_a_preemption_while_overbooked_drops_the_fill_at_once_and_starts_again_from_1() -> None:
+    clock = ManualClock()
+    fill = FillController(0.9)
+    busy(fill, clock, 100.0, ratio=0.35)
+    assert fill.fill == pytest.approx(0.9 / 0.35)
+    clock.advance(0.5)
+    assert fill.observe(now=clock.monotonic(), preempted=True, waiting=False) is (
+        FillReason.PREEMPTION
+    )
+    assert fill.fill == pytest.approx(0.72)
+    assert fill.held_per_reserved == 1.0
+    busy(fill, clock, 18.0, ratio=0.35)  # back at the target, busy: 0.01 a second
+    assert fill.fill == pytest.approx(0.9)
+    busy(fill, clock, 1.0, ratio=0.35)  # the calibration from 1 again
+    assert fill.held_per_reserved == pytest.approx(1 - DECAY_PER_S)
+    assert fill.fill == pytest.approx(0.9 / (1 - DECAY_PER_S))
+
+
+def test_requests_waiting_in_a_full_backend_while_overbooked_drop_the_fill_at_once() -> None:
+    clock = ManualClock()
+    fill = FillController(0.9)
+    busy(fill, clock, 100.0, ratio=0.35)
+    for reason in (None, FillReason.WAITING):
+        clock.advance(0.5)
+        assert (
+            fill.observe(
+                now=clock.monotonic(), preempted=False, waiting=True, held=0.95, reserved=2.5
+            )
+            is reason
+        )
+    assert fill.fill == pytest.approx(0.72)
+    assert fill.held_per_reserved == 1.0
+
+
+def idle(fill: FillController, clock: ManualClock) -> None:
+    clock.advance(0.5)
+    assert fill.observe(now=clock.monotonic(), preempted=False, waiting=False, idle=True) is None
+
+
+def test_an_idle_backend_is_back_at_the_target_on_the_second_idle_scrape() -> None:
+    clock = ManualClock()
+    fill = FillController(0.9)
+    for _ in range(10):
+        clock.advance(0.5)
+        fill.observe(now=clock.monotonic(), preempted=True, waiting=False, idle=True)
+    assert fill.fill == pytest.approx(0.9 * 0.8**10)
+    idle(fill, clock)  # the first may fall between two requests: the slow climb
+    assert fill.fill == pytest.approx(0.9 * 0.8**10 + 0.005)
+    assert fill.reason is FillReason.RECOVERING
+    idle(fill, clock)
+    assert fill.fill == 0.9
+    assert fill.reason is FillReason.TARGET
+    assert fill.held_per_reserved == 1.0  # idle says nothing of what reservations hold
+
+
+def test_the_scrape_that_backs_off_does_not_count_as_idle() -> None:
+    clock = ManualClock()
+    fill = FillController(0.9)
+    idle(fill, clock)
+    idle(fill, clock)
+    clock.advance(0.5)
+    assert fill.observe(now=clock.monotonic(), preempted=True, waiting=False, idle=True) is (
+        FillReason.PREEMPTION
+    )
+    idle(fill, clock)
+    assert fill.fill == pytest.approx(0.725)
+    idle(fill, clock)
+    assert fill.fill == 0.9
+
+
+def test_a_busy_scrape_between_idle_ones_starts_the_count_again() -> None:
+    clock = ManualClock()
+    fill = FillController(0.9)
+    clock.advance(0.5)
+    fill.observe(now=clock.monotonic(), preempted=True, waiting=False)
+    idle(fill, clock)
+    calm(fill, clock, 0.5)  # running again: the evidence may still be there
+    idle(fill, clock)
+    assert fill.fill == pytest.approx(0.735)
+    assert fill.reason is FillReason.RECOVERING
+    idle(fill, clock)
+    assert fill.fill == 0.9
+
+
+def test_a_busy_backend_still_climbs_back_slowly() -> None:
+    clock = ManualClock()
+    fill = FillController(0.9)
+    clock.advance(0.5)
+    fill.observe(now=clock.monotonic(), preempted=True, waiting=False)
+    for _ in range(20):
+        calm(fill, clock, 0.5)
+    assert fill.fill == pytest.approx(0.82)
+    assert fill.reason is FillReason.RECOVERING
