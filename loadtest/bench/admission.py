@@ -19,12 +19,18 @@ early (the simulator's realistic lengths; on a real vLLM sixteen stop token ids 
 per prompt, so every arm gets the same answers). Bursts of 24 and 48 (3 runs each, the
 table shows medians), then a 5x spike into a pool whose overflow chain ends at a simulated
 provider. The learning arms are warmed first with a seeded warm-up, so their figures start
-from samples. Each run starts from an idle engine (on a real vLLM, an empty prefix cache)
-and, through a gateway, once that gateway aims at its target fill again: the other arms'
-traffic bypasses it, and requests waiting inside vLLM make it back off. Every 0.25 s the
-backend's /metrics and the gateway's /admin/status are read. The backend runs on one core
-and everything else on the others (`off_core`). Figures go in BENCHMARKS.md ("Admission
-by what the backends hold").
+from samples. Each run starts from an idle engine with an empty prefix cache and, through a
+gateway, once that gateway aims at its target fill again: the other arms' traffic bypasses
+it, and requests waiting inside vLLM make it back off. Every 0.25 s the backend's /metrics
+and the gateway's /admin/status are read. The backend runs on one core and everything else
+on the others (`off_core`). Figures go in BENCHMARKS.md ("Admission by what the backends
+hold").
+
+With `--shared-prompt TOKENS` every chat opens with a system message of about that many
+tokens before its user message (`--prompt-tokens` long), the same text on every arm: the
+engine holds it once for all the requests in flight, and the gateway should count it so
+(issue 49). `--prompt-mix mixed` gives a third of the chats message A, a third message B
+and a third a message of their own.
 """
 
 from __future__ import annotations
@@ -34,12 +40,13 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import statistics
 import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +59,16 @@ from loadtest.bench.admission_watch import Watch, summarize
 from loadtest.bench.machine import logs_dir, progress
 from loadtest.loadgen.run import RunTarget, run_schedule
 from loadtest.loadgen.scrape import Scraper
-from loadtest.loadgen.workload import LengthDist, PlannedRequest, TenantKey, Workload, plan_requests
+from loadtest.loadgen.workload import (
+    CHARS_PER_TOKEN,
+    MESSAGE_OVERHEAD_TOKENS,
+    LengthDist,
+    PlannedRequest,
+    TenantKey,
+    Workload,
+    message_tokens,
+    plan_requests,
+)
 from loadtest.real_vllm import reset_prefix_cache
 
 IDLE_TIMEOUT_S = 180.0
@@ -61,6 +77,24 @@ DIRECT = "direct"
 # Direct runs last in each round: the bursts it lets into the engine (requests waiting inside
 # vLLM, preemptions) lower the learned gateway's effective fill, which is then let recover.
 ARMS = (*fleet.ARMS, DIRECT)
+PROMPT_MIXES = ("shared", "mixed")
+# Words of three letters: with their space, four characters, one token as the simulator
+# counts text and one token of the real vLLM's tiny byte-level BPE, so a system message
+# is about as long on either backend.
+_SYSTEM_WORDS = ("the", "for", "and", "not", "def", "any", "use", "may", "all", "key")
+
+
+def system_text(tokens: int, *, label: str, seed: int) -> str:
+    """A system message of about `tokens` tokens (with its chat framing): seeded words after
+    `label`, which starts it, so messages of different labels share no block."""
+    rng = random.Random(f"bench-admission-system/{seed}/{label}")
+    chars = max(1, tokens - MESSAGE_OVERHEAD_TOKENS) * CHARS_PER_TOKEN
+    words = [f"{label}:"]
+    size = len(words[0])
+    while size < chars:
+        words.append(rng.choice(_SYSTEM_WORDS))
+        size += len(words[-1]) + 1
+    return " ".join(words)[:chars]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,8 +106,10 @@ class BenchPlan:
     warmup: int = 64  # requests through each pool of the learning arms before measuring
     warmup_rate: float = 4.0  # per second: slow enough that the warm-up neither queues nor spills
     max_tokens: int = 2048
-    prompt_tokens: str = "uniform:32:256"
+    prompt_tokens: str = "uniform:32:256"  # the user message's
     seed: int = 20
+    shared_prompt: int = 0  # tokens of the system message each chat opens with; 0: none
+    prompt_mix: str = "shared"  # which requests share it: see `open_chats`
 
     def workload(self, model: str) -> Workload:
         return Workload(
@@ -84,16 +120,43 @@ class BenchPlan:
         )
 
     def burst(self, size: int, run: int, model: str) -> list[PlannedRequest]:
-        return plan_requests([0.0] * size, self.workload(model), seed=self.seed + 100 * size + run)
+        return self.requests([0.0] * size, model, seed=self.seed + 100 * size + run)
 
     def spike(self, run: int, model: str) -> list[PlannedRequest]:
         size = self.spike_factor * min(self.bursts)
         times = [self.spike_window_s * i / size for i in range(size)]
-        return plan_requests(times, self.workload(model), seed=self.seed + 7 + run)
+        return self.requests(times, model, seed=self.seed + 7 + run)
 
     def warmup_requests(self, model: str) -> list[PlannedRequest]:
         times = [i / self.warmup_rate for i in range(self.warmup)]
-        return plan_requests(times, self.workload(model), seed=self.seed - 1)
+        return self.requests(times, model, seed=self.seed - 1)
+
+    def requests(self, times: Sequence[float], model: str, *, seed: int) -> list[PlannedRequest]:
+        return self.open_chats(plan_requests(times, self.workload(model), seed=seed), seed=seed)
+
+    def open_chats(self, plans: Sequence[PlannedRequest], *, seed: int) -> list[PlannedRequest]:
+        """`plans` opened by a system message of `shared_prompt` tokens. `shared`: the same
+        one in every chat of every run. `mixed`: a third of the chats open with message A, a
+        third with B (as long), the rest each with one of their own, placed by `seed`; A and
+        B are those of `shared` mode in every run, the others new in each."""
+        if self.shared_prompt <= 0:
+            return list(plans)
+        common = {
+            label: system_text(self.shared_prompt, label=label, seed=self.seed)
+            for label in ("A", "B")
+        }
+        labels = ["A"] * len(plans)
+        if self.prompt_mix == "mixed":
+            third = len(plans) // 3
+            labels = ["A"] * third + ["B"] * third + [""] * (len(plans) - 2 * third)
+            random.Random(f"bench-admission-mix/{seed}").shuffle(labels)
+        opened = []
+        for plan, label in zip(plans, labels, strict=True):
+            own = f"U{seed}-{plan.index}"
+            system = common.get(label) or system_text(self.shared_prompt, label=own, seed=seed)
+            prompt = plan.prompt_tokens + message_tokens(system)
+            opened.append(replace(plan, system=system, prompt_tokens=prompt))
+        return opened
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,7 +184,8 @@ class Bench:
         return RunTarget(label=arm, urls=[gateway or self.backend.url], keys=keys, shape=shape)
 
     async def idle(self) -> None:
-        """Until the backend runs nothing: a run starts from an empty engine."""
+        """Until the backend runs nothing, then its prefix cache emptied: a run starts from
+        an empty engine."""
         scraper = self.scraper(DIRECT)
         deadline = time.monotonic() + IDLE_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -130,8 +194,9 @@ class Bench:
                 if state["running"] == 0 and state["waiting"] == 0:
                     break
             await asyncio.sleep(0.2)
-        if self.backend.kind == "real-vllm":
-            await asyncio.to_thread(reset_prefix_cache, self.backend.url)
+        # every arm sends the same prompts: a cache left from the arm before would hand
+        # the next one its prefill
+        await asyncio.to_thread(reset_prefix_cache, self.backend.url)
 
     async def settle(self, arm: str) -> dict[str, float | None]:
         """Until the arm's gateway aims at its target fill again: another arm's traffic (it
@@ -175,6 +240,8 @@ class Bench:
             await asyncio.gather(sampling, return_exceptions=True)
         after = await scraper.backend(self.backend.url)
         preempted = after["preemptions"] - before["preemptions"]
+        queried = after["prefix_queries"] - before["prefix_queries"]
+        hits = after["prefix_hits"] - before["prefix_hits"]
         backoffs = {
             reason: n - backed_off.get(reason, 0)
             for reason, n in (await self.backoffs(arm)).items()
@@ -186,6 +253,7 @@ class Bench:
             preemptions=preempted,
             backoffs=sum(backoffs.values()) if arm in self.gateways else None,
             backoffs_by_reason={reason: n for reason, n in backoffs.items() if n},
+            prefix_hit_share=hits / queried if queried > 0 else None,
             elapsed_s=data.elapsed_s,
             **settled,
         )
@@ -212,9 +280,8 @@ class Bench:
                 data = await run_schedule(
                     plans, target=target, duration_s=plans[-1].at_s, sample_interval_s=1.0
                 )
-                seen = out.setdefault(arm, {})[target.shape.model] = dict(
-                    Counter(r.outcome for r in data.results)
-                )
+                seen: dict[str, Any] = dict(Counter(r.outcome for r in data.results))
+                out.setdefault(arm, {})[target.shape.model] = seen
                 errors = [r.error for r in data.results if r.error]
                 if errors:
                     seen["first_error"] = errors[0]
@@ -303,7 +370,24 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, BenchPla
     p.add_argument("--warmup", type=int, default=64)
     p.add_argument("--warmup-rate", type=float, default=4.0)
     p.add_argument("--max-tokens", type=int, default=2048)
-    p.add_argument("--prompt-tokens", default="uniform:32:256")
+    p.add_argument(
+        "--prompt-tokens", default="uniform:32:256", help="the user message's length, drawn"
+    )
+    p.add_argument(
+        "--shared-prompt",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="open every chat with a system message of about TOKENS tokens, the same on "
+        "every arm (default 0: none)",
+    )
+    p.add_argument(
+        "--prompt-mix",
+        choices=PROMPT_MIXES,
+        default="shared",
+        help="with --shared-prompt: every chat opens with the same message (shared), or a "
+        "third with message A, a third with B and a third each with its own (mixed)",
+    )
     p.add_argument("--seed", type=int, default=20)
     p.add_argument(
         "--queue-wait",
@@ -323,6 +407,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, BenchPla
         max_tokens=args.max_tokens,
         prompt_tokens=args.prompt_tokens,
         seed=args.seed,
+        shared_prompt=args.shared_prompt,
+        prompt_mix=args.prompt_mix,
     )
     return args, plan
 

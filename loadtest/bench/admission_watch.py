@@ -105,16 +105,27 @@ def streaming_at_once(results: Sequence[Result]) -> int:
     return most
 
 
-def summarize(arm: str, results: Sequence[Result], watch: Watch, **extra: Any) -> dict[str, Any]:
+def summarize(
+    arm: str,
+    results: Sequence[Result],
+    watch: Watch,
+    *,
+    elapsed_s: float | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One run's figures; with `elapsed_s` (from the first send to the last byte), the
+    backend's answer tokens per second over it."""
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     spilled = [r for r in ok if r.outcome == "provider"]
+    answered = sum(r.completion_tokens for r in ok if r.outcome in ON_BACKEND)
     points = watch.backend
     return {
         "arm": arm,
         "requests": len(results),
         "ok": len(ok),
         "refused": sum(r.status == 503 for r in results),
+        "queued": sum(r.outcome == "queued" for r in results),
         "errors": sum(not r.ok and r.status != 503 for r in results),
         "outcomes": dict(Counter(r.outcome for r in results)),
         "running_max": max((p.running for p in points), default=None),
@@ -124,11 +135,14 @@ def summarize(arm: str, results: Sequence[Result], watch: Watch, **extra: Any) -
         "reserved_peak": max((p.reserved for p in watch.gateway), default=None),
         "used_per_reserved": watch.used_per_reserved(),
         "ttft_p50_s": statistics.median(ttft) if ttft else None,
+        "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in ok) if ok else None,
         "completion_tokens_mean": statistics.fmean(r.completion_tokens for r in ok) if ok else None,
+        "output_tokens_per_s": answered / elapsed_s if elapsed_s else None,
         "spill_requests": len(spilled),
         "spill_tokens": sum(r.prompt_tokens + r.completion_tokens for r in spilled),
         "samples": len(points) + len(watch.gateway),
         "sample_failures": watch.failures,
         "first_error": next((r.error for r in results if r.error), None),
+        "elapsed_s": elapsed_s,
         **extra,
     }

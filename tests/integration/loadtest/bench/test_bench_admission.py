@@ -4,13 +4,16 @@ plumbing (processes, arms, sampling, medians, targets, JSON), not a measurement.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
 
 from gateway.cli import main
+from loadtest.bench.admission import BenchPlan
 from loadtest.bench.admission_watch import streaming_at_once
 from loadtest.loadgen.client import Result
+from loadtest.loadgen.workload import message_tokens
 
 ARMS = ["static", "whole", "learned", "direct"]
 
@@ -78,3 +81,41 @@ def test_streaming_at_once_counts_overlapping_answers_the_backend_gave() -> None
     ]
     assert streaming_at_once(results) == 3
     assert streaming_at_once([]) == 0
+
+
+def test_a_shared_system_prompt_opens_every_chat_on_every_arm(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    args = [
+        "--bursts", "4", "--runs", "1", "--spike-factor", "1", "--warmup", "3",
+        "--warmup-rate", "100", "--spike-window", "0.2", "--max-tokens", "40",
+        "--sim-speed", "50", "--shared-prompt", "200", "--prompt-tokens", "uniform:10:20",
+        "--json", str(out),
+    ]  # fmt: skip
+    assert main(["bench", "admission", *args]) == 0
+    figures = json.loads(out.read_text())
+    plan = BenchPlan(shared_prompt=200, prompt_tokens="uniform:10:20", max_tokens=40)
+    burst = plan.burst(4, 0, "sim")
+    assert len({p.system for p in burst}) == 1 and message_tokens(burst[0].system) == 200
+    # the backend counted the system message in every prompt, and found it cached
+    planned = statistics.fmean(p.prompt_tokens for p in burst)
+    runs = figures["bursts"]["4"]["runs"]
+    for arm in ARMS:
+        (run,) = runs[arm]
+        assert (run["ok"], run["refused"], run["queued"]) == (4, 0, 0)
+        assert run["prompt_tokens_mean"] == planned
+        assert run["prefix_hit_share"] > 0
+        assert run["output_tokens_per_s"] > 0
+    assert [t["target"] for t in figures["targets"]][-4:] == [
+        "running at once ≥ 90 % of direct's (shared prompt of 200 tokens, burst of 4)",
+        "TTFT p50 ≤ 1.5× direct's (shared prompt of 200 tokens, burst of 4)",
+        "0 refusals (shared prompt of 200 tokens, burst of 4)",
+        "0 preemptions (shared prompt of 200 tokens, burst of 4)",
+    ]
+    printed = capsys.readouterr().out
+    assert "every chat opens with the same system message of 200 tokens" in printed
+    for row in ("running at once (max)", "refusals (503)", "queued", "TTFT p50 (s)"):
+        assert row in printed
+    for row in ("peak KV used", "preemptions", "output tokens/s", "prompt tokens found cached"):
+        assert row in printed

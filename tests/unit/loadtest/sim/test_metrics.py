@@ -6,6 +6,7 @@ from gateway.admission.metrics_text import samples, values
 from loadtest.sim.config import SimConfig, resolve
 from loadtest.sim.metrics import SimMetrics
 from loadtest.sim.scheduler import Scheduler, SchedulerLimits, SeqState, Sequence
+from loadtest.sim.tokens import chat_prompt_ids
 
 
 def usage(scheduler: Scheduler[Sequence], config: SimConfig) -> float:
@@ -56,4 +57,30 @@ def test_cached_blocks_nobody_holds_count_as_free_in_kv_usage() -> None:
     scheduler.add(seq)
     scheduler.complete(scheduler.schedule())
     assert seq.state is SeqState.FINISHED and scheduler.pool.num_cached == 4
+    assert usage(scheduler, config) == 0.0
+
+
+def test_a_prefix_ten_running_chats_share_is_counted_once_in_kv_usage() -> None:
+    """As vLLM's block pool does: the system message's full blocks are held once, with a
+    reference each, and every chat adds only the blocks of its own tail."""
+    config = SimConfig(kv_tokens=64 * 16, block_size=16)  # 63 usable blocks
+    scheduler: Scheduler[Sequence] = Scheduler(SchedulerLimits(num_blocks=64, block_size=16))
+    system = {"role": "system", "content": "the fleet holds every token " * 45}
+    chats = [
+        chat_prompt_ids([system, {"role": "user", "content": f"question {i} " * 3}])
+        for i in range(10)
+    ]
+    common = next(i for i, ids in enumerate(zip(*chats, strict=False)) if len(set(ids)) > 1)
+    shared = common // 16
+    own = [-(-len(ids) // 16) - shared for ids in chats]
+    assert shared == 20 and own == [1] * 10  # unshared: 210 blocks, more than the cache
+    seqs = [Sequence(prompt_tokens=len(ids), max_tokens=4, prompt_token_ids=ids) for ids in chats]
+    for seq in seqs:
+        scheduler.add(seq)
+    scheduler.complete(scheduler.schedule())
+    assert all(seq.state is SeqState.RUNNING for seq in seqs)
+    assert scheduler.used_blocks == shared + sum(own) == 30
+    assert usage(scheduler, config) == 30 / 63
+    while scheduler.has_work:
+        scheduler.complete(scheduler.schedule())
     assert usage(scheduler, config) == 0.0
