@@ -9,7 +9,7 @@ through these; `gateway/app.py` builds the chains and hands each the concrete pa
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
@@ -224,8 +224,18 @@ class PoolRoom(Protocol):
         """Tell the forecast what waits in `pool`: the KV tokens of each waiting request."""
         ...
 
-    def has_room(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
-        """Whether a reservation would find room now (from the last known tokens in flight)."""
+    def has_room(
+        self,
+        pool: str,
+        tokens: int,
+        *,
+        sequences: int = 1,
+        prompt: bytes = b"",
+        token_ids: Sequence[int] = (),
+    ) -> bool:
+        """Whether a reservation would find room now (from the last known tokens in flight);
+        with the request's `prompt` or `token_ids`, its shared prompt blocks counted as the
+        reservation counts them."""
         ...
 
     def fits_ever(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:

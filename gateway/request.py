@@ -62,6 +62,11 @@ class InferenceRequest(NamedTuple):
     # prefix (gateway/admission/prefix_index.py)
     prefix: tuple[bytes, ...] = ()
     session: str | None = None
+    # its prompt as its blocks are keyed (gateway/admission/prefix_index.py: a chat's
+    # messages, a completion's prompt), by which the blocks it shares with requests in
+    # flight are reserved once (gateway/admission/holders.py); empty where the prompt is
+    # not all in the request (a Responses continuation) or not a prompt (embeddings)
+    prompt: bytes = b""
     # its prompt's token ids as the engine sees them, where its pool has backends that
     # publish KV events (gateway/admission/kv_index.py)
     token_ids: tuple[int, ...] = ()

@@ -36,7 +36,9 @@ class DegradePolicy:
         return cls(to_pool=pool.degrade_to, room=deps.room, latencies=deps.latencies)
 
     def predict_ttft_s(self, request: InferenceRequest) -> float | None:
-        if not self._room.has_room(self._to, request.sequence_tokens, sequences=request.n):
+        if not self._room.has_room(
+            self._to, request.sequence_tokens, sequences=request.n, prompt=request.prompt
+        ):
             return math.inf
         return predict(self._latencies.local, self._to, request)
 

@@ -55,6 +55,9 @@ class Backend:
     served_model: str
     configured_capacity: int | None  # None: discovered from the backend's metrics
     block_size: int = 16  # tokens per KV block: configured, or discovered with the capacity
+    # whether it holds a prompt prefix shared by requests in flight once (discovered with
+    # the capacity: vLLM's enable_prefix_caching); unknown counts as not
+    prefix_caching: bool = False
     discovered_capacity: int | None = None
     max_model_len: int | None = None  # the served model's context, from the backend's /v1/models
     root: str | None = None  # the weights it loaded, from the same listing
@@ -318,6 +321,7 @@ class FleetWatcher:
             if cache is not None:
                 backend.discovered_capacity = cache.tokens
                 backend.block_size = cache.block_size
+                backend.prefix_caching = cache.prefix_caching
                 backend.last_scrape = now
         if lengths:
             try:

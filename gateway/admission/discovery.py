@@ -25,6 +25,7 @@ class KvCache(NamedTuple):
 
     tokens: int
     block_size: int
+    prefix_caching: bool = False  # every engine holds a shared prompt prefix once
 
 
 def capacity_from_metrics(text: str) -> KvCache | None:
@@ -32,11 +33,16 @@ def capacity_from_metrics(text: str) -> KvCache | None:
 
     vLLM: `vllm:cache_config_info` labels num_gpu_blocks × block_size per engine, less one
     block per engine: vLLM's block pool keeps one (the null block) back, so 32 blocks hold
-    31 blocks of sequences. SGLang: `sglang:max_total_num_tokens`, allocated token by token.
+    31 blocks of sequences; its `enable_prefix_caching` label says whether a prefix shared
+    by running requests is held once. SGLang: `sglang:max_total_num_tokens`, allocated
+    token by token (its radix cache is not reported, so taken as not sharing). Several
+    engines behind one address may each hold a shared prefix: the ledger counts it once,
+    and what the engines report holding beyond the ledger covers the rest.
     """
     total = 0
     block_size = 0
     found = False
+    sharing = True
     for sample in samples(text, (VLLM_CACHE, SGLANG_TOKENS)):
         if sample.name == VLLM_CACHE:
             blocks = sample.labels.get("num_gpu_blocks", "")
@@ -45,11 +51,15 @@ def capacity_from_metrics(text: str) -> KvCache | None:
                 total += (int(blocks) - 1) * int(size)
                 block_size = max(block_size, int(size))
                 found = True
+                sharing &= sample.labels.get("enable_prefix_caching") == "True"
         else:
             total += int(sample.value)
             block_size = max(block_size, 1)
             found = True
-    return KvCache(tokens=total, block_size=block_size) if found else None
+            sharing = False
+    if not found:
+        return None
+    return KvCache(tokens=total, block_size=block_size, prefix_caching=sharing)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,29 +1,60 @@
 """Tokens in flight per backend: reserve-if-it-fits and release, nothing else.
 
-The local ledger is the embedded default; a Redis ledger with leases shares the same
-truth across replicas.
+A reservation's shared prompt blocks are held once per backend, however many requests in
+flight hold them (gateway/admission/holders.py): a backend's tokens in flight are its
+requests' own tokens plus each shared block once. The local ledger is the embedded
+default; a Redis ledger with leases shares the same truth across replicas.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import NamedTuple, Protocol
+
+from gateway.admission.holders import NO_BLOCKS, Holders, SharedBlocks
 
 
 class Reservation(NamedTuple):
-    """What one admitted request holds on one backend (a NamedTuple: one per request)."""
+    """What one admitted request holds on one backend (a NamedTuple: one per request):
+    `tokens`, its whole size, grown as it streams, of which `shared` are prompt blocks it
+    holds in common with the other requests in flight there (counted once for all)."""
 
     backend: str
     tokens: int
     lease: str
+    shared: SharedBlocks = NO_BLOCKS
+
+    @property
+    def own_tokens(self) -> int:
+        """Its tokens beyond the shared blocks: what no other request holds with it."""
+        return self.tokens - self.shared.tokens
+
+
+@dataclass(slots=True, eq=False)
+class InFlight:
+    """The router's one record of a reservation in flight, read by the forecast and the
+    prefix herding guard: the reservation as it now stands (grown as its stream grows) and
+    when it was taken."""
+
+    reservation: Reservation
+    at: float
 
 
 class Ledger(Protocol):
     """Counts tokens and sessions in flight per backend; never negative, never over a limit."""
 
-    async def reserve(self, backend: str, tokens: int, *, limit: int) -> Reservation | None:
-        """Reserve `tokens` on `backend` if in-flight + tokens ≤ limit; else None."""
+    async def reserve(
+        self, backend: str, tokens: int, *, limit: int, shared: SharedBlocks = NO_BLOCKS
+    ) -> Reservation | None:
+        """Reserve `tokens` on `backend`, of which `shared` held once with other holders,
+        if in-flight + its cost (`cost`) ≤ limit; else None."""
+        ...
+
+    def cost(self, backend: str, tokens: int, shared: SharedBlocks = NO_BLOCKS) -> int:
+        """What reserving `tokens` (with `shared`) on `backend` would add to its tokens in
+        flight now: the whole, less the shared blocks another holder there holds."""
         ...
 
     async def release(self, reservation: Reservation) -> None:
@@ -53,23 +84,31 @@ class LocalLedger:
         self._tokens: dict[str, int] = {}
         self._sessions: dict[str, int] = {}
         self._open: dict[str, Reservation] = {}
+        self._holders = Holders()
         self._ids = itertools.count()
 
-    async def reserve(self, backend: str, tokens: int, *, limit: int) -> Reservation | None:
+    async def reserve(
+        self, backend: str, tokens: int, *, limit: int, shared: SharedBlocks = NO_BLOCKS
+    ) -> Reservation | None:
         held = self._tokens.get(backend, 0)
-        if held + tokens > limit:
+        if held + self.cost(backend, tokens, shared) > limit:
             return None
-        reservation = Reservation(backend, tokens, str(next(self._ids)))
-        self._tokens[backend] = held + tokens
+        reservation = Reservation(backend, tokens, str(next(self._ids)), shared)
+        added = self._holders.hold(backend, shared)
+        self._tokens[backend] = held + reservation.own_tokens + added
         self._sessions[backend] = self._sessions.get(backend, 0) + 1
         self._open[reservation.lease] = reservation
         return reservation
+
+    def cost(self, backend: str, tokens: int, shared: SharedBlocks = NO_BLOCKS) -> int:
+        return tokens - shared.tokens + self._holders.new_tokens(backend, shared)
 
     async def release(self, reservation: Reservation) -> None:
         held = self._open.pop(reservation.lease, None)
         if held is None:
             return
-        self._tokens[held.backend] -= held.tokens
+        freed = self._holders.drop(held.backend, held.shared)
+        self._tokens[held.backend] -= held.own_tokens + freed
         self._sessions[held.backend] -= 1
 
     async def extend(self, reservation: Reservation, tokens: int) -> Reservation:

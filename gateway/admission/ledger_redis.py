@@ -24,6 +24,12 @@ grants to what is held (restoring what a restart lost), then shared admission re
 RECOVERY_REFRESHES refreshes still capped at the share, until every replica has restored
 its own. Mode changes go to `on_mode_change`, failed calls to `on_store_error`.
 
+Shared prompt blocks (gateway/admission/holders.py) are counted once per replica: each
+replica's own holders decide what a request adds, and Redis sums the replicas' usage. So a
+prompt held on a backend counts at most once per replica that has a holder of it there (with
+N replicas, N - 1 copies too many at worst, against one per request without sharing); a
+crashed replica's holds expire with its lease, as every reservation does.
+
 The grants and the totals are counted in ledger_grant.py; the calls to ledger.lua, and the
 asks that wait for one, are ledger_calls.py's. This module decides when to call.
 """
@@ -40,6 +46,7 @@ from typing import Any, Literal
 
 import redis.asyncio as aioredis
 
+from gateway.admission.holders import NO_BLOCKS, Holders, SharedBlocks
 from gateway.admission.ledger import Reservation
 from gateway.admission.ledger_calls import GrantCalls, parse_reply
 from gateway.admission.ledger_grant import Grants, Seen
@@ -103,6 +110,7 @@ class RedisLedger:
         )
         self.channel = self._calls.channel
         self._held: dict[str, Reservation] = {}  # admitted here, by lease id
+        self._holders = Holders()  # this replica's holders of shared blocks
         self._ids = itertools.count()
         self._mode: LedgerMode = "shared"
         self._capped_until = -math.inf
@@ -125,32 +133,42 @@ class RedisLedger:
 
     # -- the Ledger role ------------------------------------------------------------------
 
-    async def reserve(self, backend: str, tokens: int, *, limit: int) -> Reservation | None:
+    async def reserve(
+        self, backend: str, tokens: int, *, limit: int, shared: SharedBlocks = NO_BLOCKS
+    ) -> Reservation | None:
         grant = self._grants.grant(backend)
-        lease = Reservation(backend, tokens, f"{self.replica_id}:{next(self._ids)}")
+        lease = Reservation(backend, tokens, f"{self.replica_id}:{next(self._ids)}", shared)
+        cost = self.cost(backend, tokens, shared)
         share = limit // self._share
         capped = self._mode == "local" or self._clock.monotonic() < self._capped_until
-        if capped and grant.used + tokens > share:
+        if capped and grant.used + cost > share:
             return None
         if self._mode == "shared":
             grant.limit = limit
-            if grant.sent is None and grant.fits(tokens, limit):
-                grant.take(tokens)
-                return self._hold(lease)
-            admitted = await self._calls.ask(backend, grant, tokens, limit)
+            if grant.sent is None and grant.fits(cost, limit):
+                grant.take(cost)
+                return self._hold(lease, cost)
+            admitted = await self._calls.ask(backend, grant, cost, limit)
             if admitted is not None:  # Redis answered; an admitted ask is counted already
-                return self._hold(lease) if admitted else None
-        if grant.used + tokens > share:  # Redis did not answer (or is not asked)
+                return self._hold(lease, cost) if admitted else None
+        if grant.used + cost > share:  # Redis did not answer (or is not asked)
             return None
-        grant.take(tokens)
-        return self._hold(lease)
+        grant.take(cost)
+        return self._hold(lease, cost)
+
+    def cost(self, backend: str, tokens: int, shared: SharedBlocks = NO_BLOCKS) -> int:
+        """Shared blocks count once per replica: each replica's own holders decide, so with
+        N replicas a prompt held on one backend counts at most N times, not once per
+        request."""
+        return tokens - shared.tokens + self._holders.new_tokens(backend, shared)
 
     async def release(self, reservation: Reservation) -> None:
         held = self._held.pop(reservation.lease, None)
         if held is None:
             return
         grant = self._grants.grant(held.backend)
-        grant.give(held.tokens)  # what the lease holds now: grown, perhaps
+        freed = self._holders.drop(held.backend, held.shared)
+        grant.give(held.own_tokens + freed)  # what the lease holds now: grown, perhaps
         if self._mode == "shared" and grant.sent is None and grant.excess(self._spare_permille) > 0:
             await asyncio.wait([self._calls.send(held.backend, grant)])  # published: queues wake
 
@@ -187,6 +205,7 @@ class RedisLedger:
         """Stop refreshing and give back every grant (within the time budget)."""
         await self.stop()
         self._held.clear()
+        self._holders = Holders()
         held = [b for b, grant in self._grants.items() if grant.granted or grant.sessions]
         for grant in self._grants.values():
             grant.used = grant.sessions = grant.granted = 0
@@ -252,8 +271,12 @@ class RedisLedger:
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _hold(self, lease: Reservation) -> Reservation:
+    def _hold(self, lease: Reservation, cost: int) -> Reservation:
+        """Hold `lease`, admitted at `cost`: what its shared blocks add is counted as it is
+        now (another request may have taken or let go of them while Redis was asked)."""
         self._held[lease.lease] = lease
+        added = self._holders.hold(lease.backend, lease.shared)
+        self._grants.grant(lease.backend).used += lease.own_tokens + added - cost
         return lease
 
     def _shared(self) -> bool:

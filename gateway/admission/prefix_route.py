@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from gateway.admission.backends import Backend
 from gateway.admission.kv_events import EventsView
 from gateway.admission.kv_index import block_keys
+from gateway.admission.ledger import InFlight
 from gateway.admission.prefix_index import PrefixIndex
 
 PREFIX_SKEW = 1.25
@@ -92,32 +93,39 @@ def group_of(prefix: Sequence[bytes], session: str | None) -> Group | None:
 
 
 class GroupLoads:
-    """Tokens each prefix group holds in flight on each backend, as this process reserved
-    them (in shared mode, each replica counts its own: the pool's fill is shared)."""
+    """What each prefix group holds in flight on each backend, as this process reserved it
+    (in shared mode, each replica counts its own: the pool's fill is shared): its requests'
+    own tokens, and their shared prompt blocks once. Read from each reservation's one
+    record, so a stream is counted at the size it has grown to."""
 
     def __init__(self) -> None:
-        self._tokens: dict[str, dict[Group, int]] = {}  # backend → group → tokens
-        self._leases: dict[str, tuple[str, Group, int]] = {}  # lease → (backend, group, tokens)
+        self._members: dict[tuple[str, Group], dict[str, InFlight]] = {}
+        self._groups: dict[str, tuple[str, Group]] = {}  # lease → (backend, group)
 
     def held(self, backend: str, group: Group) -> int:
-        return self._tokens.get(backend, {}).get(group, 0)
+        members = self._members.get((backend, group))
+        if not members:
+            return 0
+        own = shared = 0
+        for record in members.values():
+            own += record.reservation.own_tokens
+            shared = max(shared, record.reservation.shared.tokens)
+        return own + shared
 
-    def add(self, lease: str, backend: str, group: Group, tokens: int) -> None:
-        groups = self._tokens.setdefault(backend, {})
-        groups[group] = groups.get(group, 0) + tokens
-        self._leases[lease] = (backend, group, tokens)
+    def add(self, record: InFlight, group: Group) -> None:
+        lease = record.reservation.lease
+        where = (record.reservation.backend, group)
+        self._members.setdefault(where, {})[lease] = record
+        self._groups[lease] = where
 
     def remove(self, lease: str) -> None:
-        entry = self._leases.pop(lease, None)
-        if entry is None:
+        where = self._groups.pop(lease, None)
+        if where is None:
             return
-        backend, group, tokens = entry
-        groups = self._tokens[backend]
-        left = groups[group] - tokens
-        if left > 0:
-            groups[group] = left
-        else:
-            del groups[group]
+        members = self._members[where]
+        del members[lease]
+        if not members:
+            del self._members[where]
 
 
 def by_prefix(

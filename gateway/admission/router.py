@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Collection, Sequence
 
@@ -12,7 +13,8 @@ from gateway.admission.forecast import (
     expected_hold_s,
     seconds_until_fits,
 )
-from gateway.admission.ledger import Ledger, Reservation
+from gateway.admission.holders import NO_BLOCKS, SharedBlocks, shared_blocks
+from gateway.admission.ledger import InFlight, Ledger, Reservation
 from gateway.admission.prefix_route import GroupLoads, Held, Ranked, by_prefix, group_of
 from gateway.clock import Clock
 from gateway.upstream.target import Target
@@ -40,8 +42,8 @@ class Router:
         self._backends = {b.name: b for p in pools.values() for b in p.backends}
         self._listeners: list[ReleaseListener] = []
         self._holds = {name: HoldTimes() for name in pools}
-        # pool → lease → (reserved at, reservation): the ages the forecast reads
-        self._held: dict[str, dict[str, tuple[float, Reservation]]] = {name: {} for name in pools}
+        # pool → lease → its one record: the reservations and ages the forecast reads
+        self._held: dict[str, dict[str, InFlight]] = {name: {} for name in pools}
         self._forecasts: dict[tuple[str, int], tuple[float, float]] = {}  # → (at, seconds)
         self._waiting: dict[str, WaitingTokens] = {}
         self._targets: dict[str, Target] = {}
@@ -101,8 +103,8 @@ class Router:
         return self._view(backend, capacity, self.clock.monotonic())[0] / capacity
 
     def effective_fill(self, backend: Backend) -> float:
-        """The fill admission aims at on `backend`: the target, or less after a back-off
-        (gateway/admission/fill.py) while the backend's load is fresh."""
+        """The fill admission aims at on `backend`: the target, less after a back-off, more
+        while calibrated (gateway/admission/fill.py), while the backend's load is fresh."""
         settings = self.pools[backend.pool].settings
         fresh = settings.feedback and backend.reported_load(self.clock.monotonic()) is not None
         return backend.fill.fill if fresh else settings.target_fill
@@ -178,13 +180,18 @@ class Router:
         prefix: Sequence[bytes] = (),
         session: str | None = None,
         token_ids: Sequence[int] = (),
+        prompt: bytes = b"",
         running: bool = False,
     ) -> Reservation | None:
         """Reserve `sequences` sequences of up to `tokens` tokens each, in whole KV blocks, on
-        the least-filled backend with room under the target fill, else None. With `prefix`
-        (the keys of the prompt's leading blocks) or a `session`, the backend likeliest to
-        hold them goes first, within the herding guard (`_by_prefix`); with the prompt's
-        `token_ids`, a backend that publishes KV events is scored by what it reports holding.
+        the backend with room under the target fill that is least filled once it holds the
+        request, else None. With its `prompt` (the bytes its blocks are keyed by) or its
+        `token_ids`, the prompt blocks that requests in flight on a backend already hold
+        are not reserved there again (gateway/admission/holders.py): a backend where its
+        siblings run costs it less. With `prefix` (the keys of the prompt's leading blocks)
+        or a `session`, the backend likeliest to hold them goes first, within the herding
+        guard (`_by_prefix`); with the prompt's `token_ids`, a backend that publishes KV
+        events is scored by what it reports holding.
 
         A request larger than the target fill allows but within a backend's KV cache is
         reserved on an idle backend, alone: the ledger's limit is then its own size. A
@@ -194,7 +201,13 @@ class Router:
         """
         ranked = self._ranked(pool, exclude)
         if running:
-            ranked = [(fill, i, b, capacity, capacity) for fill, i, b, _, capacity in ranked]
+            ranked = [
+                (f, i, b, max(limit, capacity), capacity) for f, i, b, limit, capacity in ranked
+            ]
+        blocks = self._blocks(pool, prompt, token_ids, sequences=sequences)
+        if blocks and len(ranked) > 1:  # least filled once the request is held there
+            cost = functools.partial(self._cost, tokens=tokens, sequences=sequences, blocks=blocks)
+            ranked.sort(key=lambda r: (r[0] + cost(r[2]) / r[4], r[1]))
         if prefix or session:
             if self.pools[pool].settings.routing != "prefix":
                 prefix, session = (), None
@@ -207,7 +220,8 @@ class Router:
                 if need <= capacity:
                     alone.append((backend, need))
                 continue
-            reservation = await self.ledger.reserve(backend.name, need, limit=limit)
+            shared = _shared(backend, blocks)
+            reservation = await self.ledger.reserve(backend.name, need, limit=limit, shared=shared)
             if reservation is not None:
                 return self._hold(reservation, prefix, session)
         for backend, need in alone:  # in-flight + need ≤ need: only when idle
@@ -216,6 +230,30 @@ class Router:
             if reservation is not None:
                 return self._hold(reservation, prefix, session)
         return None
+
+    def _blocks(
+        self, pool: str, prompt: bytes, token_ids: Sequence[int], *, sequences: int
+    ) -> dict[int, SharedBlocks]:
+        """The request's shared prompt blocks at each block size of the pool's backends that
+        cache prefixes (none for a request of several choices: each is reserved whole)."""
+        if sequences != 1 or not (prompt or token_ids):
+            return {}
+        p = self.pools[pool]
+        cpt = p.estimator.chars_per_token
+        return {
+            b.block_size: shared_blocks(
+                prompt=prompt, token_ids=token_ids, block_size=b.block_size, chars_per_token=cpt
+            )
+            for b in p.backends
+            if b.prefix_caching
+        }
+
+    def _cost(
+        self, backend: Backend, *, tokens: int, sequences: int, blocks: dict[int, SharedBlocks]
+    ) -> int:
+        """What the request would add to `backend`'s tokens in flight now."""
+        need = kv_tokens(tokens, sequences=sequences, block_size=backend.block_size)
+        return self.ledger.cost(backend.name, need, _shared(backend, blocks))
 
     def _by_prefix(
         self,
@@ -240,10 +278,12 @@ class Router:
         session: str | None = None,
     ) -> Reservation:
         pool = self._backends[reservation.backend].pool
-        self._held[pool][reservation.lease] = (self.clock.monotonic(), reservation)
+        record = self._held[pool][reservation.lease] = InFlight(
+            reservation=reservation, at=self.clock.monotonic()
+        )
         group = group_of(prefix, session)
         if group is not None:
-            self._groups.add(reservation.lease, reservation.backend, group, reservation.tokens)
+            self._groups.add(record, group)
             backend = self._backends[reservation.backend]
             fresh = self.pools[pool].prefixes.routed(
                 backend.name,
@@ -263,12 +303,22 @@ class Router:
         blocks = self.capacity(found) // found.block_size
         self.pools[pool].prefixes.learn(backend, keys, blocks=blocks)
 
-    def has_room(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
+    def has_room(
+        self,
+        pool: str,
+        tokens: int,
+        *,
+        sequences: int = 1,
+        prompt: bytes = b"",
+        token_ids: Sequence[int] = (),
+    ) -> bool:
         """Whether `admit` would find room now (from the last known tokens in flight)."""
         held = self.ledger.tokens_in_flight
+        blocks = self._blocks(pool, prompt, token_ids, sequences=sequences)
         for *_, backend, limit, capacity in self._ranked(pool, ()):
             need = kv_tokens(tokens, sequences=sequences, block_size=backend.block_size)
-            if need <= capacity and held(backend.name) + need <= max(limit, need):
+            cost = self._cost(backend, tokens=tokens, sequences=sequences, blocks=blocks)
+            if need <= capacity and held(backend.name) + cost <= max(limit, need):
                 return True
         return False
 
@@ -323,7 +373,9 @@ class Router:
             limits = [self.capacity(b) for b in backends]
         pairs = zip(limits, backends, strict=True)
         room = sum(max(0, limit - in_flight(b.name)) for limit, b in pairs)
-        held = [(now - at, r.tokens) for at, r in self._held[pool].values()]
+        # what each request frees as it ends: its own tokens (shared blocks go with the
+        # last holder, counted among the unaged)
+        held = [(now - r.at, r.reservation.own_tokens) for r in self._held[pool].values()]
         unaged = sum(in_flight(b.name) for b in backends) - sum(size for _, size in held)
         waiting = self._waiting.get(pool)
         return seconds_until_fits(
@@ -346,18 +398,18 @@ class Router:
         generating already. Returns what it now holds."""
         grown = await self.ledger.extend(reservation, tokens)
         pool = self._backends[reservation.backend].pool
-        entry = self._held[pool].get(reservation.lease)
-        if entry is not None:
-            self._held[pool][reservation.lease] = (entry[0], grown)
+        record = self._held[pool].get(reservation.lease)
+        if record is not None:
+            record.reservation = grown
         return grown
 
     async def release(self, reservation: Reservation) -> None:
         pool = self._backends[reservation.backend].pool
-        entry = self._held[pool].pop(reservation.lease, None)  # gone even if the release fails
+        record = self._held[pool].pop(reservation.lease, None)  # gone even if the release fails
         self._groups.remove(reservation.lease)
         await self.ledger.release(reservation)
-        if entry is not None:
-            self._holds[pool].observe(self.clock.monotonic() - entry[0])
+        if record is not None:
+            self._holds[pool].observe(self.clock.monotonic() - record.at)
         self._freed(reservation.backend)
 
     def released_elsewhere(self, backend: str, tokens: int) -> None:
@@ -375,6 +427,11 @@ class Router:
         pool = self._backends[backend].pool
         for listener in self._listeners:
             listener(pool)
+
+
+def _shared(backend: Backend, blocks: dict[int, SharedBlocks]) -> SharedBlocks:
+    """The request's shared blocks on `backend`: none where it does not cache prefixes."""
+    return blocks.get(backend.block_size, NO_BLOCKS) if backend.prefix_caching else NO_BLOCKS
 
 
 def _limit(capacity: int, target_fill: float) -> int:

@@ -135,6 +135,7 @@ class Exchange:
             prefix=request.prefix,
             session=request.session,
             token_ids=request.token_ids,
+            prompt=request.prompt,
             running=running,
         )
 

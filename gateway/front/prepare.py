@@ -2,8 +2,9 @@
 
 Its body is parsed (gateway/front/parse.py) for the pool its model names, and the request
 is completed with what the later stages read from it and never change: the output it
-reserves (the pool's expected output, gateway/admission/output_lengths.py), where its
-prefix is cached (prefix routing), whether it may wait as a batch, its objectives, and,
+reserves (the pool's expected output, gateway/admission/output_lengths.py), its prompt as
+its blocks are keyed (the blocks it shares with requests in flight are reserved once),
+where its prefix is cached (prefix routing), whether it may wait as a batch, its objectives, and,
 for a Responses continuation, the one backend it may go to. For a pool whose backends
 publish KV events, one awaited step more: the prompt's token ids (`tokenized`).
 """
@@ -71,6 +72,8 @@ class Preparer:
             chars_per_token=pool.estimator.chars_per_token,
         )
         request = self._expect(request, pool)
+        if request.endpoint is Endpoint.CHAT or request.endpoint is Endpoint.COMPLETIONS:
+            request = request._replace(prompt=prompt_bytes(request.body))
         if len(pool.backends) > 1 and pool.settings.routing == "prefix":  # else no choice
             request = self._locate(request, pool, fields)
         if tenant.batchable or fields.get(BATCHABLE_HEADER_BYTES) == b"true":
@@ -119,7 +122,7 @@ class Preparer:
         user = request.body.get("user")
         if session is None and isinstance(user, str) and user:
             session = user
-        keys = block_keys(prompt_bytes(request.body), block_size=pool.backends[0].block_size)
+        keys = block_keys(request.prompt, block_size=pool.backends[0].block_size)
         return request._replace(
             prefix=keys,
             session=None if session is None else f"{request.tenant}\0{session}",

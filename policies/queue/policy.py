@@ -349,7 +349,11 @@ class QueuePolicy:
                     continue
                 request = entry.request
                 if not self._room.has_room(
-                    self._pool, request.sequence_tokens, sequences=request.n
+                    self._pool,
+                    request.sequence_tokens,
+                    sequences=request.n,
+                    prompt=request.prompt,
+                    token_ids=request.token_ids,
                 ):
                     return  # the next release, or this waiter leaving, drains again
                 if self._fleet.rivals and self._fleet.gives_way(

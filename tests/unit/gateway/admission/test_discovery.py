@@ -20,7 +20,9 @@ def test_reads_vllm_cache_config_from_a_real_server() -> None:
     text = (FIXTURES / "vllm-0.32-metrics.txt").read_text()
     # num_gpu_blocks="8192" × block_size="128" in the captured vLLM 0.32 output, less the
     # one block vLLM keeps back
-    assert capacity_from_metrics(text) == KvCache(tokens=8191 * 128, block_size=128)
+    assert capacity_from_metrics(text) == KvCache(
+        tokens=8191 * 128, block_size=128, prefix_caching=True
+    )
 
 
 def test_keeps_one_block_back_per_engine() -> None:

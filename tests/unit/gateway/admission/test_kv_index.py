@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gateway.admission.kv_events import decode
 from gateway.admission.kv_index import BackendBlocks, Cleared, Removed, Stored, block_keys
+from gateway.admission.ledger import InFlight, Reservation
 
 FIXTURE = Path(__file__).parents[3] / "fixtures" / "vllm-0.32-kv-events.bin"
 
@@ -124,7 +125,8 @@ def test_blocks_an_engine_reports_holding_do_not_count_against_the_herding_guard
     a, b = SimpleNamespace(name="a", block_size=16), SimpleNamespace(name="b", block_size=16)
     prefix = [b"first-block"]
     loads = GroupLoads()
-    loads.add("earlier", "a", prefix[0], 200)  # the tenant's earlier request, in flight on a
+    # the tenant's earlier request, in flight on a
+    loads.add(InFlight(reservation=Reservation("a", 200, "earlier"), at=0.0), prefix[0])
 
     def pick(events: dict[str, EventsView]) -> str:
         ranked = [(0.0, 1, b, 900, 1000), (0.2, 0, a, 900, 1000)]
@@ -196,7 +198,7 @@ def test_a_prompt_held_nowhere_follows_a_request_of_it_in_flight() -> None:
         return str(ranked[0][2].name)
 
     assert pick() == "b"
-    loads.add("first-request", "d", b"first", 64)
+    loads.add(InFlight(reservation=Reservation("d", 64, "first-request"), at=0.0), b"first")
     assert pick() == "d"
     loads.remove("first-request")  # served, and its blocks reported: the view decides again
     assert pick() == "b"

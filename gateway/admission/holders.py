@@ -1,0 +1,118 @@
+"""The prompt blocks that requests in flight hold on each backend, counted once.
+
+An engine with prefix caching (vLLM's default) holds a prompt's full blocks once, however
+many running requests begin with them: each block has a reference count, and when its last
+holder ends it goes to the evictable queue, cached but no longer in use. One application's
+system prompt in front of every request is held once per engine, and each request adds only
+its own remainder and output. The ledger counts the same way: a request's reservation on a
+backend is its whole size less the shared blocks that another holder there already holds.
+
+Which blocks a request shares (`shared_blocks`):
+
+- with the prompt's token ids (a pool that tokenizes, gateway/admission/prompt_tokens.py),
+  its full blocks exactly as the engine keys them, all but a block that ends the prompt
+  (the engine computes a prompt's last token again, so a prompt cached whole is not wholly
+  shared);
+- otherwise from the prompt's bytes, keyed as prefix routing keys them
+  (gateway/admission/prefix_index.py): a key covers CHARS_PER_TOKEN × block_size bytes,
+  which the pool's learned characters per token turn into blocks. A guess must err
+  towards reserving more, never towards admitting past the cache, so a block is given
+  back as margin for where the engine's block boundary falls; what that over-counts, the
+  fill calibration may correct from what the backend reports
+  (gateway/admission/fill.py).
+
+A request of several choices (`n`) shares nothing here: each choice is reserved whole.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple
+
+from gateway.admission import kv_index, prefix_index
+
+
+class SharedBlocks(NamedTuple):
+    """The leading prompt blocks one request holds in common with other holders: their keys
+    (chained, so a key matches only where everything before it does) and the tokens each
+    stands for."""
+
+    keys: tuple[Hashable, ...] = ()
+    block_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return len(self.keys) * self.block_tokens
+
+
+NO_BLOCKS = SharedBlocks()
+
+
+def shared_blocks(
+    *,
+    prompt: bytes,
+    token_ids: Sequence[int],
+    block_size: int,
+    chars_per_token: float,
+) -> SharedBlocks:
+    """The blocks of a prompt that other requests may hold with it on a backend whose
+    blocks are `block_size` tokens."""
+    if block_size <= 0:
+        return NO_BLOCKS
+    if token_ids:
+        exact = kv_index.block_keys(token_ids[:-1], block_size)
+        return SharedBlocks(tuple(exact), block_size) if exact else NO_BLOCKS
+    if not prompt:
+        return NO_BLOCKS
+    keys = prefix_index.block_keys(prompt, block_size=block_size)
+    covered = math.floor(len(keys) * prefix_index.CHARS_PER_TOKEN / chars_per_token)
+    count = min(len(keys), covered) - 1  # one block of margin: the boundary is a guess
+    return SharedBlocks(keys[:count], block_size) if count > 0 else NO_BLOCKS
+
+
+class Holders:
+    """Per backend, how many requests in flight hold each shared prompt block (the engine's
+    reference count)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[str, dict[Hashable, int]] = {}
+
+    def new_tokens(self, backend: str, shared: SharedBlocks) -> int:
+        """The tokens of `shared` that no request in flight holds on `backend` yet: what a
+        new holder of them would allocate there."""
+        if not shared.keys:
+            return 0
+        refs = self._refs.get(backend)
+        if not refs:
+            return shared.tokens
+        return sum(key not in refs for key in shared.keys) * shared.block_tokens
+
+    def hold(self, backend: str, shared: SharedBlocks) -> int:
+        """One more holder of `shared` on `backend`; the tokens it newly holds there."""
+        if not shared.keys:
+            return 0
+        refs = self._refs.setdefault(backend, {})
+        added = 0
+        for key in shared.keys:
+            count = refs.get(key, 0)
+            added += count == 0
+            refs[key] = count + 1
+        return added * shared.block_tokens
+
+    def drop(self, backend: str, shared: SharedBlocks) -> int:
+        """One holder of `shared` on `backend` fewer; the tokens no holder holds any more."""
+        if not shared.keys:
+            return 0
+        refs = self._refs.get(backend, {})
+        freed = 0
+        for key in shared.keys:
+            count = refs.get(key)
+            if count is None:
+                continue
+            if count > 1:
+                refs[key] = count - 1
+            else:
+                del refs[key]
+                freed += 1
+        return freed * shared.block_tokens
