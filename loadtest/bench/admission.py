@@ -30,7 +30,8 @@ With `--shared-prompt TOKENS` every chat opens with a system message of about th
 tokens before its user message (`--prompt-tokens` long), the same text on every arm: the
 engine holds it once for all the requests in flight, and the gateway should count it so
 (issue 49). `--prompt-mix mixed` gives a third of the chats message A, a third message B
-and a third a message of their own.
+and a third a message of their own. `--replicas N` runs the learned arm as N gateways
+sharing one redis-server, the requests split between them round-robin.
 """
 
 from __future__ import annotations
@@ -40,13 +41,12 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,21 +54,14 @@ import httpx
 
 from loadtest.bench import admission_fleet as fleet
 from loadtest.bench.admission_fleet import ADMIN_TOKEN
+from loadtest.bench.admission_plan import PROMPT_MIXES, BenchPlan
 from loadtest.bench.admission_report import report, targets
 from loadtest.bench.admission_watch import Watch, summarize
 from loadtest.bench.machine import logs_dir, progress
 from loadtest.loadgen.run import RunTarget, run_schedule
 from loadtest.loadgen.scrape import Scraper
-from loadtest.loadgen.workload import (
-    CHARS_PER_TOKEN,
-    MESSAGE_OVERHEAD_TOKENS,
-    LengthDist,
-    PlannedRequest,
-    TenantKey,
-    Workload,
-    message_tokens,
-    plan_requests,
-)
+from loadtest.loadgen.workload import PlannedRequest
+from loadtest.procs import RedisProcess
 from loadtest.real_vllm import reset_prefix_cache
 
 IDLE_TIMEOUT_S = 180.0
@@ -77,111 +70,44 @@ DIRECT = "direct"
 # Direct runs last in each round: the bursts it lets into the engine (requests waiting inside
 # vLLM, preemptions) lower the learned gateway's effective fill, which is then let recover.
 ARMS = (*fleet.ARMS, DIRECT)
-PROMPT_MIXES = ("shared", "mixed")
-# Words of three letters: with their space, four characters, one token as the simulator
-# counts text and one token of the real vLLM's tiny byte-level BPE, so a system message
-# is about as long on either backend.
-_SYSTEM_WORDS = ("the", "for", "and", "not", "def", "any", "use", "may", "all", "key")
-
-
-def system_text(tokens: int, *, label: str, seed: int) -> str:
-    """A system message of about `tokens` tokens (with its chat framing): seeded words after
-    `label`, which starts it, so messages of different labels share no block."""
-    rng = random.Random(f"bench-admission-system/{seed}/{label}")
-    chars = max(1, tokens - MESSAGE_OVERHEAD_TOKENS) * CHARS_PER_TOKEN
-    words = [f"{label}:"]
-    size = len(words[0])
-    while size < chars:
-        words.append(rng.choice(_SYSTEM_WORDS))
-        size += len(words[-1]) + 1
-    return " ".join(words)[:chars]
-
-
-@dataclass(frozen=True, kw_only=True)
-class BenchPlan:
-    bursts: tuple[int, ...] = (24, 48)
-    runs: int = 3
-    spike_factor: int = 5  # the spike is this many times the smallest burst
-    spike_window_s: float = 1.0  # over which the spike's requests arrive, evenly
-    warmup: int = 64  # requests through each pool of the learning arms before measuring
-    warmup_rate: float = 4.0  # per second: slow enough that the warm-up neither queues nor spills
-    max_tokens: int = 2048
-    prompt_tokens: str = "uniform:32:256"  # the user message's
-    seed: int = 20
-    shared_prompt: int = 0  # tokens of the system message each chat opens with; 0: none
-    prompt_mix: str = "shared"  # which requests share it: see `open_chats`
-
-    def workload(self, model: str) -> Workload:
-        return Workload(
-            model=model,
-            prompt_tokens=LengthDist.parse(self.prompt_tokens),
-            output_tokens=LengthDist.parse(str(self.max_tokens)),
-            tenants=[TenantKey(name=fleet.TENANT, key=fleet.KEY)],
-        )
-
-    def burst(self, size: int, run: int, model: str) -> list[PlannedRequest]:
-        return self.requests([0.0] * size, model, seed=self.seed + 100 * size + run)
-
-    def spike(self, run: int, model: str) -> list[PlannedRequest]:
-        size = self.spike_factor * min(self.bursts)
-        times = [self.spike_window_s * i / size for i in range(size)]
-        return self.requests(times, model, seed=self.seed + 7 + run)
-
-    def warmup_requests(self, model: str) -> list[PlannedRequest]:
-        times = [i / self.warmup_rate for i in range(self.warmup)]
-        return self.requests(times, model, seed=self.seed - 1)
-
-    def requests(self, times: Sequence[float], model: str, *, seed: int) -> list[PlannedRequest]:
-        return self.open_chats(plan_requests(times, self.workload(model), seed=seed), seed=seed)
-
-    def open_chats(self, plans: Sequence[PlannedRequest], *, seed: int) -> list[PlannedRequest]:
-        """`plans` opened by a system message of `shared_prompt` tokens. `shared`: the same
-        one in every chat of every run. `mixed`: a third of the chats open with message A, a
-        third with B (as long), the rest each with one of their own, placed by `seed`; A and
-        B are those of `shared` mode in every run, the others new in each."""
-        if self.shared_prompt <= 0:
-            return list(plans)
-        common = {
-            label: system_text(self.shared_prompt, label=label, seed=self.seed)
-            for label in ("A", "B")
-        }
-        labels = ["A"] * len(plans)
-        if self.prompt_mix == "mixed":
-            third = len(plans) // 3
-            labels = ["A"] * third + ["B"] * third + [""] * (len(plans) - 2 * third)
-            random.Random(f"bench-admission-mix/{seed}").shuffle(labels)
-        opened = []
-        for plan, label in zip(plans, labels, strict=True):
-            own = f"U{seed}-{plan.index}"
-            system = common.get(label) or system_text(self.shared_prompt, label=own, seed=seed)
-            prompt = plan.prompt_tokens + message_tokens(system)
-            opened.append(replace(plan, system=system, prompt_tokens=prompt))
-        return opened
+REPLICATED = "learned"  # the arm `--replicas` runs as several gateways
 
 
 @dataclass(frozen=True, kw_only=True)
 class Bench:
     backend: fleet.Backend
-    gateways: dict[str, str]  # arm → gateway URL
+    gateways: dict[str, str]  # arm → gateway URL (its first replica's, when several)
     client: httpx.AsyncClient
+    # arm → every replica's URL, for an arm run as several gateways sharing one Redis
+    replicas: Mapping[str, Sequence[str]] = field(default_factory=dict)
 
     def scraper(self, arm: str) -> Scraper:
+        return self._scraper(self.gateways.get(arm))
+
+    def _scraper(self, gateway_url: str | None) -> Scraper:
         return Scraper(
             client=self.client,
-            gateway_url=self.gateways.get(arm),
+            gateway_url=gateway_url,
             admin_token=ADMIN_TOKEN,
             backend_urls=[self.backend.url],
             with_queue_depth=False,
         )
 
+    def urls(self, arm: str) -> list[str]:
+        """The arm's gateways: its replicas, its one gateway, or none (`direct`)."""
+        if arm in self.replicas:
+            return list(self.replicas[arm])
+        return [self.gateways[arm]] if arm in self.gateways else []
+
     def target(self, arm: str, *, spike: bool) -> RunTarget:
-        gateway = self.gateways.get(arm)
+        """Where the arm's requests go: round-robin over its gateways, else the backend."""
+        gateways = self.urls(arm)
         model = self.backend.model
-        if gateway is not None and spike:
+        if gateways and spike:
             model += fleet.SPIKE_SUFFIX
         shape = fleet.BenchShape(model=model, extra=self.backend.extra)
-        keys = {fleet.TENANT: fleet.KEY} if gateway else {}
-        return RunTarget(label=arm, urls=[gateway or self.backend.url], keys=keys, shape=shape)
+        keys = {fleet.TENANT: fleet.KEY} if gateways else {}
+        return RunTarget(label=arm, urls=gateways or [self.backend.url], keys=keys, shape=shape)
 
     async def idle(self) -> None:
         """Until the backend runs nothing, then its prefix cache emptied: a run starts from
@@ -199,17 +125,17 @@ class Bench:
         await asyncio.to_thread(reset_prefix_cache, self.backend.url)
 
     async def settle(self, arm: str) -> dict[str, float | None]:
-        """Until the arm's gateway aims at its target fill again: another arm's traffic (it
-        bypasses this gateway) may have made it back off. Returns the wait and the fill."""
+        """Until the arm's gateways aim at their target fill again: another arm's traffic (it
+        bypasses them) may have made them back off. Returns the wait and the lowest fill."""
         waited = time.monotonic()
         fill: float | None = None
-        if arm in self.gateways:
-            scraper = self.scraper(arm)
+        scrapers = [self._scraper(url) for url in self.urls(arm)]
+        if scrapers:
             while time.monotonic() - waited < SETTLE_TIMEOUT_S:
-                status = await scraper.status()
                 fills = [
                     b.get("effective_fill", p["target_fill"]) / p["target_fill"]
-                    for p in status["pools"]
+                    for scraper in scrapers
+                    for p in (await scraper.status())["pools"]
                     for b in p["backends"]
                 ]
                 fill = min(fills)
@@ -251,7 +177,7 @@ class Bench:
             data.results,
             watch,
             preemptions=preempted,
-            backoffs=sum(backoffs.values()) if arm in self.gateways else None,
+            backoffs=sum(backoffs.values()) if self.urls(arm) else None,
             backoffs_by_reason={reason: n for reason, n in backoffs.items() if n},
             prefix_hit_share=hits / queried if queried > 0 else None,
             elapsed_s=data.elapsed_s,
@@ -259,32 +185,38 @@ class Bench:
         )
 
     async def backoffs(self, arm: str) -> dict[str, int]:
-        """The arm's gateway's fill back-offs so far, by reason (none for `direct`)."""
-        if arm not in self.gateways:
-            return {}
-        status = await self.scraper(arm).status()
+        """The arm's gateways' fill back-offs so far, by reason (none for `direct`)."""
         counted: Counter[str] = Counter()
-        for pool in status["pools"]:
-            for backend in pool["backends"]:
-                counted.update(backend.get("fill_backoffs", {}))
+        for url in self.urls(arm):
+            status = await self._scraper(url).status()
+            for pool in status["pools"]:
+                for backend in pool["backends"]:
+                    counted.update(backend.get("fill_backoffs", {}))
         return dict(counted)
 
     async def warm(self, plan: BenchPlan) -> dict[str, Any]:
         """The learning arms see `plan.warmup` seeded answers per pool before they are
-        measured; the outcomes per arm and pool."""
+        measured, every replica of an arm the whole warm-up; the outcomes per arm and pool."""
         out: dict[str, Any] = {}
         for arm in fleet.LEARNING:
             for spike in (False, True):
                 target = self.target(arm, spike=spike)
                 plans = plan.warmup_requests(target.shape.model)
-                data = await run_schedule(
-                    plans, target=target, duration_s=plans[-1].at_s, sample_interval_s=1.0
-                )
-                seen: dict[str, Any] = dict(Counter(r.outcome for r in data.results))
-                out.setdefault(arm, {})[target.shape.model] = seen
-                errors = [r.error for r in data.results if r.error]
+                outcomes: Counter[str] = Counter()
+                errors: list[str] = []
+                for url in target.urls:
+                    data = await run_schedule(
+                        plans,
+                        target=replace(target, urls=[url]),
+                        duration_s=plans[-1].at_s,
+                        sample_interval_s=1.0,
+                    )
+                    outcomes.update(r.outcome for r in data.results)
+                    errors += [r.error for r in data.results if r.error]
+                seen: dict[str, Any] = dict(outcomes)
                 if errors:
                     seen["first_error"] = errors[0]
+                out.setdefault(arm, {})[target.shape.model] = seen
         return out
 
 
@@ -329,23 +261,27 @@ async def _main(args: argparse.Namespace, plan: BenchPlan, workdir: Path) -> dic
     with contextlib.ExitStack() as stack:
         found = stack.enter_context(fleet.backend(args, workdir))
         provider_url = stack.enter_context(fleet.provider(workdir=workdir))
-        gateways = {
-            arm: stack.enter_context(
-                fleet.gateway(
-                    fleet.gateway_config(
-                        backend=found,
-                        provider_url=provider_url,
-                        arm=arm,
-                        queue_wait_s=args.queue_wait,
-                    ),
-                    workdir=workdir,
-                    arm=arm,
-                )
+        redis_url = stack.enter_context(RedisProcess()).url if args.replicas > 1 else None
+        gateways: dict[str, list[str]] = {}
+        for arm in fleet.ARMS:
+            config = fleet.gateway_config(
+                backend=found, provider_url=provider_url, arm=arm, queue_wait_s=args.queue_wait
             )
-            for arm in fleet.ARMS
-        }
+            if arm == REPLICATED and redis_url is not None:
+                started = fleet.replicas(
+                    config, workdir=workdir, arm=arm, count=args.replicas, redis_url=redis_url
+                )
+                gateways[arm] = stack.enter_context(started)
+            else:
+                one = stack.enter_context(fleet.gateway(config, workdir=workdir, arm=arm))
+                gateways[arm] = [one]
         async with httpx.AsyncClient(timeout=5.0) as client:
-            bench = Bench(backend=found, gateways=gateways, client=client)
+            bench = Bench(
+                backend=found,
+                gateways={arm: urls[0] for arm, urls in gateways.items()},
+                replicas={arm: urls for arm, urls in gateways.items() if len(urls) > 1},
+                client=client,
+            )
             status = await bench.scraper("learned").status()
             capacity = status["pools"][0]["backends"][0]["capacity_tokens"]
             figures = await run_bench(bench, plan)
@@ -354,6 +290,7 @@ async def _main(args: argparse.Namespace, plan: BenchPlan, workdir: Path) -> dic
         "model": found.model,
         "capacity_tokens": capacity,
         "arms": {arm: fleet.ARMS.get(arm, "no gateway") for arm in ARMS},
+        "replicas": {REPLICATED: args.replicas},
         "plan": asdict(plan),
         **figures,
     }
@@ -394,9 +331,18 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, BenchPla
         type=float,
         help="the gateways' queue.max_wait_s (default: the gateway's own, auto)",
     )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help=f"run the {REPLICATED} arm as this many gateways sharing one redis-server, the "
+        "requests split round-robin (default 1: one gateway, no Redis)",
+    )
     p.add_argument("--json", type=Path)
     p.add_argument("--logs", type=Path, help="keep the gateways' and simulators' output here")
     args = p.parse_args(argv)
+    if args.replicas < 1:
+        p.error("--replicas must be at least 1")
     plan = BenchPlan(
         bursts=tuple(int(b) for b in args.bursts.split(",")),
         runs=args.runs,

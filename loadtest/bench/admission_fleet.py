@@ -230,6 +230,22 @@ def gateway(
 
 
 @contextlib.contextmanager
+def replicas(
+    config: dict[str, Any], *, workdir: Path, arm: str, count: int, redis_url: str
+) -> Iterator[list[str]]:
+    """`count` gateways of `config` sharing `redis_url` (the tenants' local share, should
+    Redis fail, sized for them all), their URLs once every one is ready."""
+    shared = {**config, "ratelimit": {"replicas": count}}
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(
+                gateway(shared, workdir=workdir, arm=f"{arm}-{i}", redis_url=redis_url)
+            )
+            for i in range(count)
+        ]
+
+
+@contextlib.contextmanager
 def backend(args: argparse.Namespace, workdir: Path) -> Iterator[Backend]:
     core = backend_core()
     if args.real_vllm:

@@ -121,6 +121,8 @@ def shared_prompt_targets(figures: dict[str, Any]) -> list[dict[str, Any]]:
     refused = [r["refused"] for r in burst["runs"]["learned"]]
     preempted = sum(r["preemptions"] for r in burst["runs"]["learned"])
     where = f"shared prompt of {figures['plan']['shared_prompt']} tokens, burst of {size}"
+    if (count := figures.get("replicas", {}).get("learned", 1)) > 1:
+        where += f", {count} replicas"
     return [
         _compare(
             f"running at once ≥ 90 % of direct's ({where})",
@@ -160,6 +162,12 @@ def report(figures: dict[str, Any]) -> str:
         f"{load.get('after', 0):.1f} after (other work on the machine)",
     ]
     lines.append(prompt_line(figures["plan"]))
+    for arm, count in figures.get("replicas", {}).items():
+        if count > 1:
+            lines.append(
+                f"the {arm} arm runs as {count} gateways sharing one redis-server, the requests "
+                "split round-robin"
+            )
     if figures.get("queue_wait_s") is not None:
         lines.append(f"the gateways' queue waits up to {figures['queue_wait_s']:g} s (not 2 s)")
     if figures.get("warmup"):

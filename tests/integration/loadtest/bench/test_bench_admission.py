@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import main
-from loadtest.bench.admission import BenchPlan
+from loadtest.bench.admission_plan import BenchPlan
 from loadtest.bench.admission_watch import streaming_at_once
 from loadtest.loadgen.client import Result
 from loadtest.loadgen.workload import message_tokens
@@ -119,3 +119,28 @@ def test_a_shared_system_prompt_opens_every_chat_on_every_arm(
         assert row in printed
     for row in ("peak KV used", "preemptions", "output tokens/s", "prompt tokens found cached"):
         assert row in printed
+
+
+def test_the_learned_arm_runs_as_replicas_sharing_one_redis(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    args = [
+        "--bursts", "4", "--runs", "1", "--spike-factor", "1", "--warmup", "3",
+        "--warmup-rate", "100", "--spike-window", "0.2", "--max-tokens", "40",
+        "--sim-speed", "50", "--shared-prompt", "200", "--prompt-tokens", "uniform:10:20",
+        "--replicas", "2", "--logs", str(tmp_path / "logs"), "--json", str(out),
+    ]  # fmt: skip
+    assert main(["bench", "admission", *args]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["replicas"] == {"learned": 2}
+    # every replica learned from the whole warm-up
+    assert figures["warmup"]["learned"] == {"sim": {"local": 6}, "sim-spike": {"local": 6}}
+    assert figures["warmup"]["whole"] == {"sim": {"local": 3}, "sim-spike": {"local": 3}}
+    (run,) = figures["bursts"]["4"]["runs"]["learned"]
+    assert (run["ok"], run["refused"], run["errors"], run["preemptions"]) == (4, 0, 0, 0)
+    logs = sorted(p.name for p in (tmp_path / "logs").glob("gateway-learned*.yaml"))
+    assert logs == ["gateway-learned-0.yaml", "gateway-learned-1.yaml"]
+    printed = capsys.readouterr().out
+    assert "the learned arm runs as 2 gateways sharing one redis-server" in printed
+    assert "0 refusals (shared prompt of 200 tokens, burst of 4, 2 replicas)" in printed

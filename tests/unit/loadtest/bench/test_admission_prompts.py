@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
-from loadtest.bench.admission import BenchPlan, system_text
+from loadtest.bench.admission_plan import BenchPlan, system_text
 from loadtest.loadgen.workload import message_tokens
 from loadtest.sim.tokens import chat_prompt_tokens
 
