@@ -112,9 +112,9 @@ def targets(figures: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def shared_prompt_targets(figures: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 49's acceptance, on the largest burst: through the gateway (learned) as many
-    streams at once as direct nearly, as fast a first token nearly, none refused or
-    preempted, every request's chat opening with the shared system prompt."""
+    """Issue 49's acceptance, on the largest burst of chats opened by system messages:
+    through the gateway (learned) nearly as many streams at once as direct and nearly as
+    fast a first token, none refused or preempted."""
     size = max(figures["bursts"], key=int)
     burst = figures["bursts"][size]
     learned, direct = burst["median"]["learned"], burst["median"]["direct"]
