@@ -240,12 +240,12 @@ class Router:
             return {}
         p = self.pools[pool]
         cpt = p.estimator.chars_per_token
+        sizes = {b.block_size for b in p.backends if b.prefix_caching}
         return {
-            b.block_size: shared_blocks(
-                prompt=prompt, token_ids=token_ids, block_size=b.block_size, chars_per_token=cpt
+            size: shared_blocks(
+                prompt=prompt, token_ids=token_ids, block_size=size, chars_per_token=cpt
             )
-            for b in p.backends
-            if b.prefix_caching
+            for size in sizes
         }
 
     def _cost(
