@@ -41,14 +41,19 @@ SLOW_STEPS = StepCost(
 
 @asynccontextmanager
 async def streaming(
-    url: str, key: str, question: str, *, system: dict[str, str] = SYSTEM
+    url: str,
+    key: str,
+    question: str,
+    *,
+    system: dict[str, str] = SYSTEM,
+    max_tokens: int = MAX_TOKENS,
 ) -> AsyncIterator[None]:
     """A stream, read in the background from its first event on, until the block ends;
     then the client leaves, which releases its reservation."""
     body = {
         "model": "m",
         "messages": [system, {"role": "user", "content": question}],
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "stream": True,
     }
     headers = {"authorization": f"Bearer {key}"}
