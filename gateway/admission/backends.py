@@ -178,6 +178,12 @@ class Pool:
         return min(known) if known else FALLBACK_MAX_MODEL_LEN
 
     @property
+    def shares_prefixes(self) -> bool:
+        """Whether some backend of the pool holds a prompt prefix shared by requests in
+        flight once: then a request's shared blocks are worth keying."""
+        return any(b.prefix_caching for b in self.backends)
+
+    @property
     def root(self) -> str | None:
         """The weights the pool's backends serve, as the first to report them said."""
         return next((b.root for b in self.backends if b.root is not None), None)

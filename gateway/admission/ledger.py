@@ -91,24 +91,29 @@ class LocalLedger:
         self, backend: str, tokens: int, *, limit: int, shared: SharedBlocks = NO_BLOCKS
     ) -> Reservation | None:
         held = self._tokens.get(backend, 0)
-        if held + self.cost(backend, tokens, shared) > limit:
+        if held + (self.cost(backend, tokens, shared) if shared.keys else tokens) > limit:
             return None
         reservation = Reservation(backend, tokens, str(next(self._ids)), shared)
-        added = self._holders.hold(backend, shared)
-        self._tokens[backend] = held + reservation.own_tokens + added
+        if shared.keys:  # most requests share nothing: that path stays as cheap as it was
+            tokens += self._holders.hold(backend, shared) - shared.tokens
+        self._tokens[backend] = held + tokens
         self._sessions[backend] = self._sessions.get(backend, 0) + 1
         self._open[reservation.lease] = reservation
         return reservation
 
     def cost(self, backend: str, tokens: int, shared: SharedBlocks = NO_BLOCKS) -> int:
+        if not shared.keys:
+            return tokens
         return tokens - shared.tokens + self._holders.new_tokens(backend, shared)
 
     async def release(self, reservation: Reservation) -> None:
         held = self._open.pop(reservation.lease, None)
         if held is None:
             return
-        freed = self._holders.drop(held.backend, held.shared)
-        self._tokens[held.backend] -= held.own_tokens + freed
+        freed = held.tokens
+        if held.shared.keys:
+            freed += self._holders.drop(held.backend, held.shared) - held.shared.tokens
+        self._tokens[held.backend] -= freed
         self._sessions[held.backend] -= 1
 
     async def extend(self, reservation: Reservation, tokens: int) -> Reservation:

@@ -204,7 +204,11 @@ class Router:
             ranked = [
                 (f, i, b, max(limit, capacity), capacity) for f, i, b, limit, capacity in ranked
             ]
-        blocks = self._blocks(pool, prompt, token_ids, sequences=sequences)
+        blocks = (
+            self._blocks(pool, prompt, token_ids, sequences=sequences)
+            if prompt or token_ids
+            else {}
+        )
         if blocks and len(ranked) > 1:  # least filled once the request is held there
             cost = functools.partial(self._cost, tokens=tokens, sequences=sequences, blocks=blocks)
             ranked.sort(key=lambda r: (r[0] + cost(r[2]) / r[4], r[1]))

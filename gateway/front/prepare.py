@@ -72,9 +72,12 @@ class Preparer:
             chars_per_token=pool.estimator.chars_per_token,
         )
         request = self._expect(request, pool)
-        if request.endpoint is Endpoint.CHAT or request.endpoint is Endpoint.COMPLETIONS:
+        by_prefix = len(pool.backends) > 1 and pool.settings.routing == "prefix"  # else no choice
+        if (by_prefix or pool.shares_prefixes) and (
+            request.endpoint is Endpoint.CHAT or request.endpoint is Endpoint.COMPLETIONS
+        ):
             request = request._replace(prompt=prompt_bytes(request.body))
-        if len(pool.backends) > 1 and pool.settings.routing == "prefix":  # else no choice
+        if by_prefix:
             request = self._locate(request, pool, fields)
         if tenant.batchable or fields.get(BATCHABLE_HEADER_BYTES) == b"true":
             request = request._replace(batchable=True)
@@ -122,7 +125,8 @@ class Preparer:
         user = request.body.get("user")
         if session is None and isinstance(user, str) and user:
             session = user
-        keys = block_keys(request.prompt, block_size=pool.backends[0].block_size)
+        prompt = request.prompt or prompt_bytes(request.body)  # a Responses request's: none
+        keys = block_keys(prompt, block_size=pool.backends[0].block_size)
         return request._replace(
             prefix=keys,
             session=None if session is None else f"{request.tenant}\0{session}",

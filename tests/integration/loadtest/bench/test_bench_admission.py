@@ -83,16 +83,19 @@ def test_streaming_at_once_counts_overlapping_answers_the_backend_gave() -> None
     assert streaming_at_once([]) == 0
 
 
+# one burst of 4 behind a 200-token system message, a spike of 4, on a fast simulator
+SHARED_QUICK = [
+    "--bursts", "4", "--runs", "1", "--spike-factor", "1", "--warmup", "3",
+    "--warmup-rate", "100", "--spike-window", "0.2", "--max-tokens", "40",
+    "--sim-speed", "50", "--shared-prompt", "200", "--prompt-tokens", "uniform:10:20",
+]  # fmt: skip
+
+
 def test_a_shared_system_prompt_opens_every_chat_on_every_arm(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "bench.json"
-    args = [
-        "--bursts", "4", "--runs", "1", "--spike-factor", "1", "--warmup", "3",
-        "--warmup-rate", "100", "--spike-window", "0.2", "--max-tokens", "40",
-        "--sim-speed", "50", "--shared-prompt", "200", "--prompt-tokens", "uniform:10:20",
-        "--json", str(out),
-    ]  # fmt: skip
+    args = [*SHARED_QUICK, "--json", str(out)]
     assert main(["bench", "admission", *args]) == 0
     figures = json.loads(out.read_text())
     plan = BenchPlan(shared_prompt=200, prompt_tokens="uniform:10:20", max_tokens=40)
@@ -125,12 +128,7 @@ def test_the_learned_arm_runs_as_replicas_sharing_one_redis(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "bench.json"
-    args = [
-        "--bursts", "4", "--runs", "1", "--spike-factor", "1", "--warmup", "3",
-        "--warmup-rate", "100", "--spike-window", "0.2", "--max-tokens", "40",
-        "--sim-speed", "50", "--shared-prompt", "200", "--prompt-tokens", "uniform:10:20",
-        "--replicas", "2", "--logs", str(tmp_path / "logs"), "--json", str(out),
-    ]  # fmt: skip
+    args = [*SHARED_QUICK, "--replicas", "2", "--logs", str(tmp_path / "logs"), "--json", str(out)]
     assert main(["bench", "admission", *args]) == 0
     figures = json.loads(out.read_text())
     assert figures["replicas"] == {"learned": 2}
