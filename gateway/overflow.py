@@ -231,11 +231,12 @@ class PoolRoom(Protocol):
         *,
         sequences: int = 1,
         prompt: bytes = b"",
+        prompt_tokens: int = 0,
         token_ids: Sequence[int] = (),
     ) -> bool:
         """Whether a reservation would find room now (from the last known tokens in flight);
-        with the request's `prompt` or `token_ids`, its shared prompt blocks counted as the
-        reservation counts them."""
+        with the request's `prompt` (of `prompt_tokens`) or `token_ids`, its shared prompt
+        blocks counted as the reservation counts them."""
         ...
 
     def fits_ever(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:

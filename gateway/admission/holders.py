@@ -14,19 +14,21 @@ Which blocks a request shares (`shared_blocks`):
   (the engine computes a prompt's last token again, so a prompt cached whole is not wholly
   shared);
 - otherwise from the prompt's bytes, keyed as prefix routing keys them
-  (gateway/admission/prefix_index.py): a key covers CHARS_PER_TOKEN × block_size bytes,
-  which the pool's learned characters per token turn into blocks. A guess must err
-  towards reserving more, never towards admitting past the cache, so a block is given
-  back as margin for where the engine's block boundary falls; what that over-counts, the
-  fill calibration may correct from what the backend reports
-  (gateway/admission/fill.py).
+  (gateway/admission/prefix_index.py): the keyed bytes' share of the prompt's bytes, times
+  the prompt's estimated tokens, is what they cover in whole blocks, never more than the
+  keys. So the credit is counted as the request's own size is (by the pool's learned
+  characters per token), and bytes that are not text (JSON escapes, multibyte characters)
+  cover no more tokens than their characters do: a request never holds less than its own
+  estimate's remainder. A guess must err towards reserving more, never towards admitting
+  past the cache, so a block is given back as margin for where the engine's block
+  boundary falls; what that over-counts, the fill calibration may correct from what the
+  backend reports (gateway/admission/fill.py).
 
 A request of several choices (`n`) shares nothing here: each choice is reserved whole.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
@@ -54,10 +56,10 @@ def shared_blocks(
     prompt: bytes,
     token_ids: Sequence[int],
     block_size: int,
-    chars_per_token: float,
+    prompt_tokens: int,
 ) -> SharedBlocks:
-    """The blocks of a prompt that other requests may hold with it on a backend whose
-    blocks are `block_size` tokens."""
+    """The blocks of a prompt (of `prompt_tokens` tokens, as estimated) that other
+    requests may hold with it on a backend whose blocks are `block_size` tokens."""
     if block_size <= 0:
         return NO_BLOCKS
     if token_ids:
@@ -66,7 +68,8 @@ def shared_blocks(
     if not prompt:
         return NO_BLOCKS
     keys = prefix_index.block_keys(prompt, block_size=block_size)
-    covered = math.floor(len(keys) * prefix_index.CHARS_PER_TOKEN / chars_per_token)
+    # the estimate's whole blocks in the keyed bytes (a key: CHARS_PER_TOKEN x block_size)
+    covered = prompt_tokens * len(keys) * prefix_index.CHARS_PER_TOKEN // len(prompt)
     count = min(len(keys), covered) - 1  # one block of margin: the boundary is a guess
     return SharedBlocks(keys[:count], block_size) if count > 0 else NO_BLOCKS
 

@@ -17,6 +17,7 @@ from gateway.admission.holders import NO_BLOCKS, SharedBlocks, shared_blocks
 from gateway.admission.ledger import InFlight, Ledger, Reservation
 from gateway.admission.prefix_route import GroupLoads, Held, Ranked, by_prefix, group_of
 from gateway.clock import Clock
+from gateway.request import InferenceRequest
 from gateway.upstream.target import Target
 
 ReleaseListener = Callable[[str], None]
@@ -181,17 +182,19 @@ class Router:
         session: str | None = None,
         token_ids: Sequence[int] = (),
         prompt: bytes = b"",
+        prompt_tokens: int = 0,
         running: bool = False,
     ) -> Reservation | None:
         """Reserve `sequences` sequences of up to `tokens` tokens each, in whole KV blocks, on
         the backend with room under the target fill that is least filled once it holds the
-        request, else None. With its `prompt` (the bytes its blocks are keyed by) or its
-        `token_ids`, the prompt blocks that requests in flight on a backend already hold
-        are not reserved there again (gateway/admission/holders.py): a backend where its
-        siblings run costs it less. With `prefix` (the keys of the prompt's leading blocks)
-        or a `session`, the backend likeliest to hold them goes first, within the herding
-        guard (`_by_prefix`); with the prompt's `token_ids`, a backend that publishes KV
-        events is scored by what it reports holding.
+        request, else None. With its `prompt` (the bytes its blocks are keyed by, of
+        `prompt_tokens` as estimated) or its `token_ids`, the prompt blocks that requests
+        in flight on a backend already hold are not reserved there again
+        (gateway/admission/holders.py): a backend where its siblings run costs it less.
+        With `prefix` (the keys of the prompt's leading blocks) or a `session`, the backend
+        likeliest to hold them goes first, within the herding guard (`_by_prefix`); with the
+        prompt's `token_ids`, a backend that publishes KV events is scored by what it
+        reports holding.
 
         A request larger than the target fill allows but within a backend's KV cache is
         reserved on an idle backend, alone: the ledger's limit is then its own size. A
@@ -205,7 +208,7 @@ class Router:
                 (f, i, b, max(limit, capacity), capacity) for f, i, b, limit, capacity in ranked
             ]
         blocks = (
-            self._blocks(pool, prompt, token_ids, sequences=sequences)
+            self._blocks(pool, prompt, prompt_tokens, token_ids, sequences=sequences)
             if prompt or token_ids
             else {}
         )
@@ -236,21 +239,39 @@ class Router:
         return None
 
     def _blocks(
-        self, pool: str, prompt: bytes, token_ids: Sequence[int], *, sequences: int
+        self,
+        pool: str,
+        prompt: bytes,
+        prompt_tokens: int,
+        token_ids: Sequence[int],
+        *,
+        sequences: int,
     ) -> dict[int, SharedBlocks]:
         """The request's shared prompt blocks at each block size of the pool's backends that
         cache prefixes (none for a request of several choices: each is reserved whole)."""
         if sequences != 1 or not (prompt or token_ids):
             return {}
-        p = self.pools[pool]
-        cpt = p.estimator.chars_per_token
-        sizes = {b.block_size for b in p.backends if b.prefix_caching}
+        sizes = {b.block_size for b in self.pools[pool].backends if b.prefix_caching}
         return {
             size: shared_blocks(
-                prompt=prompt, token_ids=token_ids, block_size=size, chars_per_token=cpt
+                prompt=prompt, token_ids=token_ids, block_size=size, prompt_tokens=prompt_tokens
             )
             for size in sizes
         }
+
+    def shared_in_flight(self, request: InferenceRequest) -> int:
+        """The most of the request's prompt that requests in flight hold on one backend of
+        its pool: tokens it would not reserve again there (0 without a keyed prompt)."""
+        if not request.prompt or request.n != 1:
+            return 0
+        blocks = self._blocks(request.pool, request.prompt, request.prompt_tokens, (), sequences=1)
+        most = 0
+        for backend in self.pools[request.pool].backends:
+            shared = _shared(backend, blocks)
+            if shared.keys:
+                new = self.ledger.cost(backend.name, shared.tokens, shared)
+                most = max(most, shared.tokens - new)
+        return most
 
     def _cost(
         self, backend: Backend, *, tokens: int, sequences: int, blocks: dict[int, SharedBlocks]
@@ -314,11 +335,12 @@ class Router:
         *,
         sequences: int = 1,
         prompt: bytes = b"",
+        prompt_tokens: int = 0,
         token_ids: Sequence[int] = (),
     ) -> bool:
         """Whether `admit` would find room now (from the last known tokens in flight)."""
         held = self.ledger.tokens_in_flight
-        blocks = self._blocks(pool, prompt, token_ids, sequences=sequences)
+        blocks = self._blocks(pool, prompt, prompt_tokens, token_ids, sequences=sequences)
         for *_, backend, limit, capacity in self._ranked(pool, ()):
             need = kv_tokens(tokens, sequences=sequences, block_size=backend.block_size)
             cost = self._cost(backend, tokens=tokens, sequences=sequences, blocks=blocks)

@@ -136,6 +136,7 @@ class Exchange:
             session=request.session,
             token_ids=request.token_ids,
             prompt=request.prompt,
+            prompt_tokens=request.prompt_tokens,
             running=running,
         )
 

@@ -71,12 +71,12 @@ class Preparer:
             max_model_len=pool.max_model_len,
             chars_per_token=pool.estimator.chars_per_token,
         )
-        request = self._expect(request, pool)
         by_prefix = len(pool.backends) > 1 and pool.settings.routing == "prefix"  # else no choice
         if (by_prefix or pool.shares_prefixes) and (
             request.endpoint is Endpoint.CHAT or request.endpoint is Endpoint.COMPLETIONS
         ):
             request = request._replace(prompt=prompt_bytes(request.body))
+        request = self._expect(request, pool)
         if by_prefix:
             request = self._locate(request, pool, fields)
         if tenant.batchable or fields.get(BATCHABLE_HEADER_BYTES) == b"true":
@@ -99,6 +99,10 @@ class Preparer:
         A request that is not streamed cannot grow its reservation as it goes; it reserves
         its whole expected output, and the backends' reported KV use
         (gateway/admission/backend_load.py) covers an answer longer than that within a scrape.
+
+        What a stream holds of its own, and so how many such streams a backend holds at once
+        (its share of their spread), leaves out the prompt blocks that requests in flight
+        already hold: those stay held when it ends.
         """
         if pool.settings.reservation.mode == "max_tokens" or not request.max_output_tokens:
             return request  # the whole of max_tokens (or the pool's default); embeddings: 0
@@ -110,7 +114,7 @@ class Preparer:
             tenant=request.tenant,
             cap=cap,
             room=self._router.room(pool.name),
-            prompt_tokens=request.prompt_tokens,
+            prompt_tokens=request.prompt_tokens - self._router.shared_in_flight(request),
             streaming=request.stream,
         )
         return request._replace(output_reserve=reserve.output, headroom=reserve.headroom)

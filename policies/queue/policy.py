@@ -353,6 +353,7 @@ class QueuePolicy:
                     request.sequence_tokens,
                     sequences=request.n,
                     prompt=request.prompt,
+                    prompt_tokens=request.prompt_tokens,
                     token_ids=request.token_ids,
                 ):
                     return  # the next release, or this waiter leaving, drains again

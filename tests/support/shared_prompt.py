@@ -7,11 +7,12 @@ request reserving its whole `max_tokens` (`reservation: {mode: max_tokens}`):
   4,030 bytes, and the user message's JSON follows it; blocks of 16 tokens are keyed every
   64 bytes (4 characters a token), so the first 62 keys lie wholly in the system message
   and the 63rd spans into the user message (4,030 + 30 bytes: 63 whole keys);
-- at the estimator's first 4 characters a token those 63 keys cover 63 blocks, one of which
-  is kept back as margin for where the engine's block boundary falls: 62 blocks, 992
-  tokens, are shared;
-- the prompt is estimated at int((4,000 + 16 + 2 + 16) / 4) + 1 = 1,009 tokens; with
-  `max_tokens` 2,000 a request needs ceil(3,009 / 16) = 189 blocks, 3,024 tokens.
+- the prompt is estimated at int((4,000 + 16 + 2 + 16) / 4) + 1 = 1,009 tokens (the
+  estimator's first 4 characters a token); with `max_tokens` 2,000 a request needs
+  ceil(3,009 / 16) = 189 blocks, 3,024 tokens;
+- the 63 keys hold 4,032 of the prompt's 4,060 bytes: 1,009 x 4,032 / 4,060 = 1,002 of its
+  estimated tokens, 62 whole blocks, one of which is kept back as margin for where the
+  engine's block boundary falls: 61 blocks, 976 tokens, are shared.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from gateway.capacity.perf import StepCost
 SYSTEM = {"role": "system", "content": "x" * 4000}
 OTHER_SYSTEM = {"role": "system", "content": "y" * 4000}
 NEED = 3024  # one request's whole reservation
-SHARED = 992  # the system message's blocks, held once
+SHARED = 976  # the system message's blocks, held once
 MAX_TOKENS = 2000
 # a decode step of 10 ms: a stream of 2,000 tokens outlasts a test
 SLOW_STEPS = StepCost(

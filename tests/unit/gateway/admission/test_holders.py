@@ -7,6 +7,7 @@ from gateway.admission.holders import NO_BLOCKS, Holders, SharedBlocks, shared_b
 from gateway.admission.ledger import LocalLedger
 from gateway.admission.prefix_index import block_keys, prompt_bytes
 from gateway.admission.router import Router
+from gateway.request import Endpoint, InferenceRequest
 from tests.support.routers import local_router
 
 BLOCK = 16
@@ -17,27 +18,37 @@ def chat(system: str, user: str) -> bytes:
     return prompt_bytes(body)
 
 
-def test_byte_keyed_blocks_keep_one_block_of_margin() -> None:
-    prompt = b"x" * (10 * 64 + 5)  # 10 whole keys of 64 bytes at 4 characters a token
-    assert shared_blocks(prompt=prompt, token_ids=(), block_size=BLOCK, chars_per_token=4.0) == (
-        SharedBlocks(block_keys(prompt, block_size=BLOCK)[:9], BLOCK)
-    )
-    # 5 characters a token: the 640 bytes are 128 tokens, 8 blocks; one of margin
-    longer = shared_blocks(prompt=prompt, token_ids=(), block_size=BLOCK, chars_per_token=5.0)
-    assert len(longer.keys) == 7
-    # fewer characters a token: never more blocks than the keys cover, less the margin
-    shorter = shared_blocks(prompt=prompt, token_ids=(), block_size=BLOCK, chars_per_token=2.0)
-    assert len(shorter.keys) == 9
-    # a prompt of one block shares nothing: its one block is the margin
-    one = shared_blocks(prompt=b"x" * 70, token_ids=(), block_size=BLOCK, chars_per_token=4.0)
-    assert one == NO_BLOCKS
+def test_byte_keyed_blocks_are_the_estimate_s_whole_blocks_less_one_of_margin() -> None:
+    prompt = b"x" * (10 * 64 + 5)  # 10 whole keys of 64 bytes, 645 bytes in all
+    keys = block_keys(prompt, block_size=BLOCK)
+
+    def shared(tokens: int) -> int:
+        found = shared_blocks(prompt=prompt, token_ids=(), block_size=BLOCK, prompt_tokens=tokens)
+        assert found.keys == keys[: len(found.keys)]
+        assert found.block_tokens == (BLOCK if found.keys else 0)
+        return len(found.keys)
+
+    # 4 characters a token: 162 tokens, 640 of 645 bytes keyed: 10 blocks, one of margin
+    assert shared(162) == 9
+    # 5 characters a token: 129 tokens, 128 of them keyed: 8 blocks
+    assert shared(129) == 7
+    # denser text: never more blocks than keys
+    assert shared(323) == 9
+    # bytes that are not characters (escapes, multibyte) cover fewer tokens: 81 estimated
+    # tokens for 645 bytes, 80 keyed, 5 blocks
+    assert shared(81) == 4
+    # a prompt of one block shares nothing: its one block is the margin; nor does a prompt
+    # of no estimate
+    one = b"x" * 70
+    assert shared_blocks(prompt=one, token_ids=(), block_size=BLOCK, prompt_tokens=18) == NO_BLOCKS
+    assert shared(0) == 0
 
 
 def test_token_blocks_are_exact_but_for_a_block_that_ends_the_prompt() -> None:
     ids = tuple(range(64))  # exactly 4 blocks: the engine computes the last token again
-    exact = shared_blocks(prompt=b"", token_ids=ids, block_size=BLOCK, chars_per_token=4.0)
+    exact = shared_blocks(prompt=b"", token_ids=ids, block_size=BLOCK, prompt_tokens=64)
     assert (len(exact.keys), exact.tokens) == (3, 48)
-    longer = shared_blocks(prompt=b"", token_ids=(*ids, 7), block_size=BLOCK, chars_per_token=4.0)
+    longer = shared_blocks(prompt=b"", token_ids=(*ids, 7), block_size=BLOCK, prompt_tokens=65)
     assert (longer.keys[:3], len(longer.keys)) == (exact.keys, 4)
 
 
@@ -85,20 +96,22 @@ def sharing_router(capacities: list[int], **pool: object) -> Router:
 def test_a_sibling_goes_where_its_prompt_is_held_as_the_engine_would_count_it() -> None:
     async def scenario() -> None:
         router = sharing_router([10_000, 10_000], routing="least_filled")
-        system = "S" * 64 * 40  # 40 keyed blocks: 39 shared, 624 tokens
-        first = await router.reserve("p", 700, prompt=chat(system, "one"))
-        assert first is not None and first.shared.tokens == 39 * BLOCK
-        other = await router.reserve("p", 100)  # the other backend: 100 against 704
+        system = "S" * 64 * 40
+        # 2,621 bytes, 40 keys; 649 tokens estimated, 2,560 bytes of them keyed: 39 blocks,
+        # 38 shared (608 tokens); 700 tokens reserve 44 blocks, 704
+        first = await router.reserve("p", 700, prompt=chat(system, "one"), prompt_tokens=649)
+        assert first is not None and first.shared.tokens == 38 * BLOCK
+        other = await router.reserve("p", 300)  # the other backend: 304 against 704
         assert other is not None and other.backend != first.backend
         # least filled as they stand, the other backend; once it is held, the first: there
-        # the request adds 704 - 624 = 80 tokens, 0.8 % against the other's 1 % + 7 %
-        second = await router.reserve("p", 700, prompt=chat(system, "two"))
+        # the request adds 704 - 608 = 96 tokens, 8.0 % against the other's 10.08 %
+        second = await router.reserve("p", 700, prompt=chat(system, "two"), prompt_tokens=649)
         assert second is not None and second.backend == first.backend
-        assert router.ledger.tokens_in_flight(first.backend) == 704 + 80
+        assert router.ledger.tokens_in_flight(first.backend) == 704 + 96
         # where the backend does not cache prefixes, nothing is shared
         router.pools["p"].backends[0].prefix_caching = False
         router.pools["p"].backends[1].prefix_caching = False
-        third = await router.reserve("p", 700, prompt=chat(system, "three"))
+        third = await router.reserve("p", 700, prompt=chat(system, "three"), prompt_tokens=649)
         assert third is not None and third.shared == NO_BLOCKS
 
     asyncio.run(scenario())
@@ -120,5 +133,25 @@ def test_the_herding_guard_sees_a_stream_at_the_size_it_has_grown_to() -> None:
         await router.extend(first, 2000)
         third = await router.reserve("p", 300, prefix=prefix)
         assert third is not None and third.backend != first.backend
+
+    asyncio.run(scenario())
+
+
+def test_what_a_request_would_find_held_of_its_prompt_in_flight() -> None:
+    async def scenario() -> None:
+        router = sharing_router([10_000, 10_000], routing="least_filled")
+        system = "S" * 64 * 40  # as above: 38 blocks shared, 608 tokens
+        request = InferenceRequest(
+            endpoint=Endpoint.CHAT, tenant="t", pool="p", priority="standard", stream=True,
+            client_wants_usage=False, prompt_chars=2600, prompt_tokens=651,
+            max_output_tokens=100, body={}, prompt=chat(system, "two"),
+        )  # fmt: skip
+        assert router.shared_in_flight(request) == 0  # nothing in flight holds it
+        first = await router.reserve("p", 700, prompt=chat(system, "one"), prompt_tokens=649)
+        assert first is not None
+        assert router.shared_in_flight(request) == 38 * BLOCK
+        await router.release(first)
+        assert router.shared_in_flight(request) == 0
+        assert router.shared_in_flight(request._replace(n=2)) == 0  # each choice whole
 
     asyncio.run(scenario())
