@@ -111,8 +111,8 @@ class LocalLedger:
         if held is None:
             return
         freed = held.tokens
-        if held.shared.keys:
-            freed += self._holders.drop(held.backend, held.shared) - held.shared.tokens
+        if held.shared.keys:  # its own tokens, and the blocks it was the last to hold
+            freed = held.own_tokens + self._holders.drop(held.backend, held.shared)
         self._tokens[held.backend] -= freed
         self._sessions[held.backend] -= 1
 

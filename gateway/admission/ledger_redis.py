@@ -160,6 +160,8 @@ class RedisLedger:
         """Shared blocks count once per replica: each replica's own holders decide, so with
         N replicas a prompt held on one backend counts at most N times, not once per
         request."""
+        if not shared.keys:
+            return tokens
         return tokens - shared.tokens + self._holders.new_tokens(backend, shared)
 
     async def release(self, reservation: Reservation) -> None:

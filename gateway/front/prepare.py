@@ -129,8 +129,7 @@ class Preparer:
         user = request.body.get("user")
         if session is None and isinstance(user, str) and user:
             session = user
-        prompt = request.prompt or prompt_bytes(request.body)  # a Responses request's: none
-        keys = block_keys(prompt, block_size=pool.backends[0].block_size)
+        keys = block_keys(request.prompt, block_size=pool.backends[0].block_size)
         return request._replace(
             prefix=keys,
             session=None if session is None else f"{request.tenant}\0{session}",
