@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from gateway.config import Priority
 from gateway.outcome import Outcome
-from gateway.request import Endpoint, InferenceRequest
+from gateway.request import Endpoint, InferenceRequest, SharedBlocks
 
 # not only for the checker: a policy predicts its time to first token from the targets'
 # recent answers (PredictsTtft)
@@ -230,13 +230,10 @@ class PoolRoom(Protocol):
         tokens: int,
         *,
         sequences: int = 1,
-        prompt: bytes = b"",
-        prompt_tokens: int = 0,
-        token_ids: Sequence[int] = (),
+        shared: Sequence[SharedBlocks] = (),
     ) -> bool:
         """Whether a reservation would find room now (from the last known tokens in flight);
-        with the request's `prompt` (of `prompt_tokens`) or `token_ids`, its shared prompt
-        blocks counted as the reservation counts them."""
+        the request's `shared` blocks counted as the reservation counts them."""
         ...
 
     def fits_ever(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:

@@ -5,6 +5,7 @@ but the config, so every room can import it."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from enum import StrEnum
 from typing import Any, NamedTuple
 
@@ -36,6 +37,22 @@ API_NAMES = {
 }
 
 
+class SharedBlocks(NamedTuple):
+    """The leading prompt blocks one request may hold in common with other requests in
+    flight on a backend whose blocks are `block_tokens` tokens: their keys (chained, so a
+    key matches only where everything before it does; gateway/admission/holders.py)."""
+
+    keys: tuple[Hashable, ...] = ()
+    block_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return len(self.keys) * self.block_tokens
+
+
+NO_BLOCKS = SharedBlocks()
+
+
 class InferenceRequest(NamedTuple):
     """One parsed request; immutable (a NamedTuple: one is made per request, and a frozen
     dataclass costs several times as much to build)."""
@@ -62,11 +79,12 @@ class InferenceRequest(NamedTuple):
     # prefix (gateway/admission/prefix_index.py)
     prefix: tuple[bytes, ...] = ()
     session: str | None = None
-    # its prompt as its blocks are keyed (gateway/admission/prefix_index.py: a chat's
-    # messages, a completion's prompt), by which the blocks it shares with requests in
-    # flight are reserved once (gateway/admission/holders.py); empty where the prompt is
-    # not all in the request (a Responses continuation) or not a prompt (embeddings)
-    prompt: bytes = b""
+    # the blocks it may share with requests in flight, one set per block size of its
+    # pool's backends that cache prefixes, worked out once (gateway/admission/holders.py):
+    # a backend holding them already does not reserve them again; none where its pool
+    # caches no prefixes, for several choices, or where the prompt is not all in the
+    # request (a Responses continuation) or not a prompt (embeddings)
+    shared: tuple[SharedBlocks, ...] = ()
     # its prompt's token ids as the engine sees them, where its pool has backends that
     # publish KV events (gateway/admission/kv_index.py)
     token_ids: tuple[int, ...] = ()

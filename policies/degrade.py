@@ -37,11 +37,7 @@ class DegradePolicy:
 
     def predict_ttft_s(self, request: InferenceRequest) -> float | None:
         if not self._room.has_room(
-            self._to,
-            request.sequence_tokens,
-            sequences=request.n,
-            prompt=request.prompt,
-            prompt_tokens=request.prompt_tokens,
+            self._to, request.sequence_tokens, sequences=request.n, shared=request.shared
         ):
             return math.inf
         return predict(self._latencies.local, self._to, request)

@@ -178,10 +178,11 @@ class Pool:
         return min(known) if known else FALLBACK_MAX_MODEL_LEN
 
     @property
-    def shares_prefixes(self) -> bool:
-        """Whether some backend of the pool holds a prompt prefix shared by requests in
-        flight once: then a request's shared blocks are worth keying."""
-        return any(b.prefix_caching for b in self.backends)
+    def shared_block_sizes(self) -> frozenset[int]:
+        """The block sizes of the pool's backends that hold a prompt prefix shared by
+        requests in flight once: a request's shared blocks are keyed at each (none: the
+        pool shares nothing, and no request's prompt is keyed for it)."""
+        return frozenset(b.block_size for b in self.backends if b.prefix_caching)
 
     @property
     def root(self) -> str | None:

@@ -7,22 +7,22 @@ system prompt in front of every request is held once per engine, and each reques
 its own remainder and output. The ledger counts the same way: a request's reservation on a
 backend is its whole size less the shared blocks that another holder there already holds.
 
-Which blocks a request shares (`shared_blocks`):
+Which blocks a request shares, worked out once as it is prepared (gateway/front/prepare.py):
 
-- with the prompt's token ids (a pool that tokenizes, gateway/admission/prompt_tokens.py),
-  its full blocks exactly as the engine keys them, all but a block that ends the prompt
-  (the engine computes a prompt's last token again, so a prompt cached whole is not wholly
-  shared);
+- with the prompt's token ids (a pool that tokenizes, gateway/admission/prompt_tokens.py;
+  `token_blocks`), its full blocks exactly as the engine keys them, all but a block that
+  ends the prompt (the engine computes a prompt's last token again, so a prompt cached
+  whole is not wholly shared);
 - otherwise from the prompt's bytes, keyed as prefix routing keys them
-  (gateway/admission/prefix_index.py): the keyed bytes' share of the prompt's bytes, times
-  the prompt's estimated tokens, is what they cover in whole blocks, never more than the
-  keys. So the credit is counted as the request's own size is (by the pool's learned
-  characters per token), and bytes that are not text (JSON escapes, multibyte characters)
-  cover no more tokens than their characters do: a request never holds less than its own
-  estimate's remainder. A guess must err towards reserving more, never towards admitting
-  past the cache, so a block is given back as margin for where the engine's block
-  boundary falls; what that over-counts, the fill calibration may correct from what the
-  backend reports (gateway/admission/fill.py).
+  (gateway/admission/prefix_index.py; `byte_blocks`): the keyed bytes' share of the
+  prompt's bytes, times the prompt's estimated tokens, is what they cover in whole blocks,
+  never more than the keys. So the credit is counted as the request's own size is (by the
+  pool's learned characters per token), and bytes that are not text (JSON escapes,
+  multibyte characters) cover no more tokens than their characters do: a request never
+  holds less than its own estimate's remainder. A guess must err towards reserving more,
+  never towards admitting past the cache, so a block is given back as margin for where the
+  engine's block boundary falls; what that over-counts, the fill calibration may correct
+  from what the backend reports (gateway/admission/fill.py).
 
 A request of several choices (`n`) shares nothing here: each choice is reserved whole.
 """
@@ -30,48 +30,28 @@ A request of several choices (`n`) shares nothing here: each choice is reserved 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import NamedTuple
 
 from gateway.admission import kv_index, prefix_index
+from gateway.request import NO_BLOCKS, SharedBlocks
 
 
-class SharedBlocks(NamedTuple):
-    """The leading prompt blocks one request holds in common with other holders: their keys
-    (chained, so a key matches only where everything before it does) and the tokens each
-    stands for."""
-
-    keys: tuple[Hashable, ...] = ()
-    block_tokens: int = 0
-
-    @property
-    def tokens(self) -> int:
-        return len(self.keys) * self.block_tokens
-
-
-NO_BLOCKS = SharedBlocks()
-
-
-def shared_blocks(
-    *,
-    prompt: bytes,
-    token_ids: Sequence[int],
-    block_size: int,
-    prompt_tokens: int,
+def byte_blocks(
+    keys: Sequence[bytes], *, prompt_bytes: int, prompt_tokens: int, block_size: int
 ) -> SharedBlocks:
-    """The blocks of a prompt (of `prompt_tokens` tokens, as estimated) that other
-    requests may hold with it on a backend whose blocks are `block_size` tokens."""
-    if block_size <= 0:
+    """The shared blocks of a prompt of `prompt_bytes` bytes and `prompt_tokens` estimated
+    tokens, whose byte-keyed blocks of `block_size` are `keys` (prefix_index.block_keys)."""
+    if not keys or prompt_bytes <= 0:
         return NO_BLOCKS
-    if token_ids:
-        exact = kv_index.block_keys(token_ids[:-1], block_size)
-        return SharedBlocks(tuple(exact), block_size) if exact else NO_BLOCKS
-    if not prompt:
-        return NO_BLOCKS
-    keys = prefix_index.block_keys(prompt, block_size=block_size)
     # the estimate's whole blocks in the keyed bytes (a key: CHARS_PER_TOKEN x block_size)
-    covered = prompt_tokens * len(keys) * prefix_index.CHARS_PER_TOKEN // len(prompt)
+    covered = prompt_tokens * len(keys) * prefix_index.CHARS_PER_TOKEN // prompt_bytes
     count = min(len(keys), covered) - 1  # one block of margin: the boundary is a guess
-    return SharedBlocks(keys[:count], block_size) if count > 0 else NO_BLOCKS
+    return SharedBlocks(tuple(keys[:count]), block_size) if count > 0 else NO_BLOCKS
+
+
+def token_blocks(token_ids: Sequence[int], *, block_size: int) -> SharedBlocks:
+    """The shared blocks of a prompt of `token_ids`, exactly as the engine keys them."""
+    exact = kv_index.block_keys(token_ids[:-1], block_size)
+    return SharedBlocks(tuple(exact), block_size) if exact else NO_BLOCKS
 
 
 class Holders:

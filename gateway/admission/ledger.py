@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
-from gateway.admission.holders import NO_BLOCKS, Holders, SharedBlocks
+from gateway.admission.holders import Holders
+from gateway.request import NO_BLOCKS, SharedBlocks
 
 
 class Reservation(NamedTuple):

@@ -46,11 +46,12 @@ from typing import Any, Literal
 
 import redis.asyncio as aioredis
 
-from gateway.admission.holders import NO_BLOCKS, Holders, SharedBlocks
+from gateway.admission.holders import Holders
 from gateway.admission.ledger import Reservation
 from gateway.admission.ledger_calls import GrantCalls, parse_reply
 from gateway.admission.ledger_grant import Grants, Seen
 from gateway.clock import Clock
+from gateway.request import NO_BLOCKS, SharedBlocks
 from gateway.shared.batch import RedisBatcher
 from gateway.tasks import Periodic
 

@@ -13,11 +13,10 @@ from gateway.admission.forecast import (
     expected_hold_s,
     seconds_until_fits,
 )
-from gateway.admission.holders import NO_BLOCKS, SharedBlocks, shared_blocks
 from gateway.admission.ledger import InFlight, Ledger, Reservation
 from gateway.admission.prefix_route import GroupLoads, Held, Ranked, by_prefix, group_of
 from gateway.clock import Clock
-from gateway.request import InferenceRequest
+from gateway.request import NO_BLOCKS, SharedBlocks
 from gateway.upstream.target import Target
 
 ReleaseListener = Callable[[str], None]
@@ -181,15 +180,13 @@ class Router:
         prefix: Sequence[bytes] = (),
         session: str | None = None,
         token_ids: Sequence[int] = (),
-        prompt: bytes = b"",
-        prompt_tokens: int = 0,
+        shared: Sequence[SharedBlocks] = (),
         running: bool = False,
     ) -> Reservation | None:
         """Reserve `sequences` sequences of up to `tokens` tokens each, in whole KV blocks, on
         the backend with room under the target fill that is least filled once it holds the
-        request, else None. With its `prompt` (the bytes its blocks are keyed by, of
-        `prompt_tokens` as estimated) or its `token_ids`, the prompt blocks that requests
-        in flight on a backend already hold are not reserved there again
+        request, else None. Of its `shared` blocks (InferenceRequest.shared), those that
+        requests in flight on a backend already hold are not reserved there again
         (gateway/admission/holders.py): a backend where its siblings run costs it less.
         With `prefix` (the keys of the prompt's leading blocks) or a `session`, the backend
         likeliest to hold them goes first, within the herding guard (`_by_prefix`); with the
@@ -207,13 +204,8 @@ class Router:
             ranked = [
                 (f, i, b, max(limit, capacity), capacity) for f, i, b, limit, capacity in ranked
             ]
-        blocks = (
-            self._blocks(pool, prompt, prompt_tokens, token_ids, sequences=sequences)
-            if prompt or token_ids
-            else {}
-        )
-        if blocks and len(ranked) > 1:  # least filled once the request is held there
-            cost = functools.partial(self._cost, tokens=tokens, sequences=sequences, blocks=blocks)
+        if shared and len(ranked) > 1:  # least filled once the request is held there
+            cost = functools.partial(self._cost, tokens=tokens, sequences=sequences, shared=shared)
             ranked.sort(key=lambda r: (r[0] + cost(r[2]) / r[4], r[1]))
         if prefix or session:
             if self.pools[pool].settings.routing != "prefix":
@@ -227,8 +219,9 @@ class Router:
                 if need <= capacity:
                     alone.append((backend, need))
                 continue
-            shared = _shared(backend, blocks)
-            reservation = await self.ledger.reserve(backend.name, need, limit=limit, shared=shared)
+            reservation = await self.ledger.reserve(
+                backend.name, need, limit=limit, shared=_shared(backend, shared)
+            )
             if reservation is not None:
                 return self._hold(reservation, prefix, session)
         for backend, need in alone:  # in-flight + need ≤ need: only when idle
@@ -238,47 +231,23 @@ class Router:
                 return self._hold(reservation, prefix, session)
         return None
 
-    def _blocks(
-        self,
-        pool: str,
-        prompt: bytes,
-        prompt_tokens: int,
-        token_ids: Sequence[int],
-        *,
-        sequences: int,
-    ) -> dict[int, SharedBlocks]:
-        """The request's shared prompt blocks at each block size of the pool's backends that
-        cache prefixes (none for a request of several choices: each is reserved whole)."""
-        if sequences != 1 or not (prompt or token_ids):
-            return {}
-        sizes = {b.block_size for b in self.pools[pool].backends if b.prefix_caching}
-        return {
-            size: shared_blocks(
-                prompt=prompt, token_ids=token_ids, block_size=size, prompt_tokens=prompt_tokens
-            )
-            for size in sizes
-        }
-
-    def shared_in_flight(self, request: InferenceRequest) -> int:
-        """The most of the request's prompt that requests in flight hold on one backend of
-        its pool: tokens it would not reserve again there (0 without a keyed prompt)."""
-        if not request.prompt or request.n != 1:
-            return 0
-        blocks = self._blocks(request.pool, request.prompt, request.prompt_tokens, (), sequences=1)
+    def shared_in_flight(self, pool: str, shared: Sequence[SharedBlocks]) -> int:
+        """The most of a request's `shared` blocks that requests in flight hold on one
+        backend of `pool`: tokens it would not reserve again there."""
         most = 0
-        for backend in self.pools[request.pool].backends:
-            shared = _shared(backend, blocks)
-            if shared.keys:
-                new = self.ledger.cost(backend.name, shared.tokens, shared)
-                most = max(most, shared.tokens - new)
+        for backend in self.pools[pool].backends if shared else ():
+            blocks = _shared(backend, shared)
+            if blocks.keys:
+                new = self.ledger.cost(backend.name, blocks.tokens, blocks)
+                most = max(most, blocks.tokens - new)
         return most
 
     def _cost(
-        self, backend: Backend, *, tokens: int, sequences: int, blocks: dict[int, SharedBlocks]
+        self, backend: Backend, *, tokens: int, sequences: int, shared: Sequence[SharedBlocks]
     ) -> int:
         """What the request would add to `backend`'s tokens in flight now."""
         need = kv_tokens(tokens, sequences=sequences, block_size=backend.block_size)
-        return self.ledger.cost(backend.name, need, _shared(backend, blocks))
+        return self.ledger.cost(backend.name, need, _shared(backend, shared))
 
     def _by_prefix(
         self,
@@ -334,16 +303,13 @@ class Router:
         tokens: int,
         *,
         sequences: int = 1,
-        prompt: bytes = b"",
-        prompt_tokens: int = 0,
-        token_ids: Sequence[int] = (),
+        shared: Sequence[SharedBlocks] = (),
     ) -> bool:
         """Whether `admit` would find room now (from the last known tokens in flight)."""
         held = self.ledger.tokens_in_flight
-        blocks = self._blocks(pool, prompt, prompt_tokens, token_ids, sequences=sequences)
         for *_, backend, limit, capacity in self._ranked(pool, ()):
             need = kv_tokens(tokens, sequences=sequences, block_size=backend.block_size)
-            cost = self._cost(backend, tokens=tokens, sequences=sequences, blocks=blocks)
+            cost = self._cost(backend, tokens=tokens, sequences=sequences, shared=shared)
             if need <= capacity and held(backend.name) + cost <= max(limit, need):
                 return True
         return False
@@ -455,9 +421,14 @@ class Router:
             listener(pool)
 
 
-def _shared(backend: Backend, blocks: dict[int, SharedBlocks]) -> SharedBlocks:
-    """The request's shared blocks on `backend`: none where it does not cache prefixes."""
-    return blocks.get(backend.block_size, NO_BLOCKS) if backend.prefix_caching else NO_BLOCKS
+def _shared(backend: Backend, shared: Sequence[SharedBlocks]) -> SharedBlocks:
+    """A request's shared blocks on `backend`: those of its block size, none where it does
+    not cache prefixes."""
+    if backend.prefix_caching:
+        for blocks in shared:
+            if blocks.block_tokens == backend.block_size:
+                return blocks
+    return NO_BLOCKS
 
 
 def _limit(capacity: int, target_fill: float) -> int:

@@ -135,8 +135,7 @@ class Exchange:
             prefix=request.prefix,
             session=request.session,
             token_ids=request.token_ids,
-            prompt=request.prompt,
-            prompt_tokens=request.prompt_tokens,
+            shared=request.shared,
             running=running,
         )
 

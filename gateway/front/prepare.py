@@ -2,11 +2,13 @@
 
 Its body is parsed (gateway/front/parse.py) for the pool its model names, and the request
 is completed with what the later stages read from it and never change: the output it
-reserves (the pool's expected output, gateway/admission/output_lengths.py), its prompt as
-its blocks are keyed (the blocks it shares with requests in flight are reserved once),
-where its prefix is cached (prefix routing), whether it may wait as a batch, its objectives, and,
-for a Responses continuation, the one backend it may go to. For a pool whose backends
-publish KV events, one awaited step more: the prompt's token ids (`tokenized`).
+reserves (the pool's expected output, gateway/admission/output_lengths.py), the prompt
+blocks it may share with requests in flight (reserved once where they are held; its prompt
+is keyed once, for these and for prefix routing), where its prefix is cached (prefix
+routing), whether it may wait as a batch, its objectives, and, for a Responses
+continuation, the one backend it may go to. For a pool whose backends publish KV events,
+one awaited step more: the prompt's token ids (`tokenized`), whose blocks then replace
+those guessed from its bytes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from gateway.admission.backends import Pool
+from gateway.admission.holders import byte_blocks, token_blocks
 from gateway.admission.prefix_index import block_keys, prompt_bytes
 from gateway.admission.prompt_tokens import prompt_token_ids
 from gateway.admission.router import Router
@@ -72,13 +75,10 @@ class Preparer:
             chars_per_token=pool.estimator.chars_per_token,
         )
         by_prefix = len(pool.backends) > 1 and pool.settings.routing == "prefix"  # else no choice
-        if (by_prefix or pool.shares_prefixes) and (
-            request.endpoint is Endpoint.CHAT or request.endpoint is Endpoint.COMPLETIONS
-        ):
-            request = request._replace(prompt=prompt_bytes(request.body))
+        request, routed = self._keyed(request, pool, by_prefix=by_prefix)
         request = self._expect(request, pool)
         if by_prefix:
-            request = self._locate(request, pool, fields)
+            request = self._locate(request, fields, routed)
         if tenant.batchable or fields.get(BATCHABLE_HEADER_BYTES) == b"true":
             request = request._replace(batchable=True)
         return self._objectives(request, tenant, fields)
@@ -89,6 +89,35 @@ class Preparer:
             raise ModelNotFound(f"The model {model!r} does not exist.", param="model")
         check_pool_kind(pool.settings.kind, self._endpoint, model)
         return pool
+
+    @staticmethod
+    def _keyed(
+        request: InferenceRequest, pool: Pool, *, by_prefix: bool
+    ) -> tuple[InferenceRequest, tuple[bytes, ...]]:
+        """`request` with the blocks it may share with requests in flight (`shared`), and
+        its prompt's keys at the block size prefix routing places it by: its prompt is
+        keyed once per block size, for both, and only where one of them wants it."""
+        sizes = pool.shared_block_sizes if request.n == 1 else frozenset()
+        prompted = request.endpoint is Endpoint.CHAT or request.endpoint is Endpoint.COMPLETIONS
+        if not (prompted and (by_prefix or sizes)):
+            return request, ()
+        prompt = prompt_bytes(request.body)
+        routed = pool.backends[0].block_size
+        keys = {
+            size: block_keys(prompt, block_size=size)
+            for size in ({routed, *sizes} if by_prefix else sizes)
+        }
+        shared = [
+            byte_blocks(
+                keys[size],
+                prompt_bytes=len(prompt),
+                prompt_tokens=request.prompt_tokens,
+                block_size=size,
+            )
+            for size in sizes
+        ]
+        request = request._replace(shared=tuple(blocks for blocks in shared if blocks.keys))
+        return request, keys.get(routed, ())
 
     def _expect(self, request: InferenceRequest, pool: Pool) -> InferenceRequest:
         """`request` with the output it reserves: the smaller of its cap (max_tokens, or
@@ -114,22 +143,23 @@ class Preparer:
             tenant=request.tenant,
             cap=cap,
             room=self._router.room(pool.name),
-            prompt_tokens=request.prompt_tokens - self._router.shared_in_flight(request),
+            prompt_tokens=request.prompt_tokens
+            - self._router.shared_in_flight(request.pool, request.shared),
             streaming=request.stream,
         )
         return request._replace(output_reserve=reserve.output, headroom=reserve.headroom)
 
     @staticmethod
     def _locate(
-        request: InferenceRequest, pool: Pool, fields: Mapping[bytes, bytes]
+        request: InferenceRequest, fields: Mapping[bytes, bytes], keys: tuple[bytes, ...]
     ) -> InferenceRequest:
-        """`request` with what prefix routing places it by: the keys of its prompt's leading
-        blocks, and its session (the header, else the body's `user`), within its tenant."""
+        """`request` with what prefix routing places it by: `keys`, those of its prompt's
+        leading blocks, and its session (the header, else the body's `user`), within its
+        tenant."""
         session = header_text(fields, SESSION_HEADER_BYTES)
         user = request.body.get("user")
         if session is None and isinstance(user, str) and user:
             session = user
-        keys = block_keys(request.prompt, block_size=pool.backends[0].block_size)
         return request._replace(
             prefix=keys,
             session=None if session is None else f"{request.tenant}\0{session}",
@@ -139,8 +169,13 @@ class Preparer:
         """`request` with its prompt as the engine's token ids, which the KV-events index
         matches (gateway/admission/prompt_tokens.py: new text past a few hundred
         characters is tokenized off the event loop)."""
-        tokenizer = self._router.pools[request.pool].tokenizer
-        return request._replace(token_ids=await prompt_token_ids(request.body, tokenizer))
+        pool = self._router.pools[request.pool]
+        token_ids = await prompt_token_ids(request.body, pool.tokenizer)
+        if not request.shared:
+            return request._replace(token_ids=token_ids)
+        # the engine's own blocks, exactly, in place of those guessed from the bytes
+        shared = [token_blocks(token_ids, block_size=s.block_tokens) for s in request.shared]
+        return request._replace(token_ids=token_ids, shared=tuple(s for s in shared if s.keys))
 
     @staticmethod
     def _objectives(

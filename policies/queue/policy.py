@@ -349,12 +349,7 @@ class QueuePolicy:
                     continue
                 request = entry.request
                 if not self._room.has_room(
-                    self._pool,
-                    request.sequence_tokens,
-                    sequences=request.n,
-                    prompt=request.prompt,
-                    prompt_tokens=request.prompt_tokens,
-                    token_ids=request.token_ids,
+                    self._pool, request.sequence_tokens, sequences=request.n, shared=request.shared
                 ):
                     return  # the next release, or this waiter leaving, drains again
                 if self._fleet.rivals and self._fleet.gives_way(

@@ -3,11 +3,17 @@
 
 import asyncio
 
-from gateway.admission.holders import NO_BLOCKS, Holders, SharedBlocks, shared_blocks
+import orjson
+
+from gateway.admission.holders import Holders, byte_blocks, token_blocks
 from gateway.admission.ledger import LocalLedger
 from gateway.admission.prefix_index import block_keys, prompt_bytes
 from gateway.admission.router import Router
-from gateway.request import Endpoint, InferenceRequest
+from gateway.clock import ManualClock
+from gateway.front.auth import Tenant
+from gateway.front.prepare import Preparer
+from gateway.ratelimit.base import TenantLimits
+from gateway.request import NO_BLOCKS, Endpoint, SharedBlocks
 from tests.support.routers import local_router
 
 BLOCK = 16
@@ -23,7 +29,7 @@ def test_byte_keyed_blocks_are_the_estimate_s_whole_blocks_less_one_of_margin() 
     keys = block_keys(prompt, block_size=BLOCK)
 
     def shared(tokens: int) -> int:
-        found = shared_blocks(prompt=prompt, token_ids=(), block_size=BLOCK, prompt_tokens=tokens)
+        found = byte_blocks(keys, prompt_bytes=len(prompt), prompt_tokens=tokens, block_size=BLOCK)
         assert found.keys == keys[: len(found.keys)]
         assert found.block_tokens == (BLOCK if found.keys else 0)
         return len(found.keys)
@@ -39,16 +45,16 @@ def test_byte_keyed_blocks_are_the_estimate_s_whole_blocks_less_one_of_margin() 
     assert shared(81) == 4
     # a prompt of one block shares nothing: its one block is the margin; nor does a prompt
     # of no estimate
-    one = b"x" * 70
-    assert shared_blocks(prompt=one, token_ids=(), block_size=BLOCK, prompt_tokens=18) == NO_BLOCKS
+    one = block_keys(b"x" * 70, block_size=BLOCK)
+    assert byte_blocks(one, prompt_bytes=70, prompt_tokens=18, block_size=BLOCK) == NO_BLOCKS
     assert shared(0) == 0
 
 
 def test_token_blocks_are_exact_but_for_a_block_that_ends_the_prompt() -> None:
     ids = tuple(range(64))  # exactly 4 blocks: the engine computes the last token again
-    exact = shared_blocks(prompt=b"", token_ids=ids, block_size=BLOCK, prompt_tokens=64)
+    exact = token_blocks(ids, block_size=BLOCK)
     assert (len(exact.keys), exact.tokens) == (3, 48)
-    longer = shared_blocks(prompt=b"", token_ids=(*ids, 7), block_size=BLOCK, prompt_tokens=65)
+    longer = token_blocks((*ids, 7), block_size=BLOCK)
     assert (longer.keys[:3], len(longer.keys)) == (exact.keys, 4)
 
 
@@ -93,25 +99,31 @@ def sharing_router(capacities: list[int], **pool: object) -> Router:
     return router
 
 
+def shared_of(prompt: bytes, *, tokens: int) -> tuple[SharedBlocks, ...]:
+    """What prepare works out for a prompt of `tokens` estimated tokens, at BLOCK."""
+    keys = block_keys(prompt, block_size=BLOCK)
+    return (byte_blocks(keys, prompt_bytes=len(prompt), prompt_tokens=tokens, block_size=BLOCK),)
+
+
 def test_a_sibling_goes_where_its_prompt_is_held_as_the_engine_would_count_it() -> None:
     async def scenario() -> None:
         router = sharing_router([10_000, 10_000], routing="least_filled")
         system = "S" * 64 * 40
         # 2,621 bytes, 40 keys; 649 tokens estimated, 2,560 bytes of them keyed: 39 blocks,
         # 38 shared (608 tokens); 700 tokens reserve 44 blocks, 704
-        first = await router.reserve("p", 700, prompt=chat(system, "one"), prompt_tokens=649)
+        first = await router.reserve("p", 700, shared=shared_of(chat(system, "one"), tokens=649))
         assert first is not None and first.shared.tokens == 38 * BLOCK
         other = await router.reserve("p", 300)  # the other backend: 304 against 704
         assert other is not None and other.backend != first.backend
         # least filled as they stand, the other backend; once it is held, the first: there
         # the request adds 704 - 608 = 96 tokens, 8.0 % against the other's 10.08 %
-        second = await router.reserve("p", 700, prompt=chat(system, "two"), prompt_tokens=649)
+        second = await router.reserve("p", 700, shared=shared_of(chat(system, "two"), tokens=649))
         assert second is not None and second.backend == first.backend
         assert router.ledger.tokens_in_flight(first.backend) == 704 + 96
         # where the backend does not cache prefixes, nothing is shared
         router.pools["p"].backends[0].prefix_caching = False
         router.pools["p"].backends[1].prefix_caching = False
-        third = await router.reserve("p", 700, prompt=chat(system, "three"), prompt_tokens=649)
+        third = await router.reserve("p", 700, shared=shared_of(chat(system, "three"), tokens=649))
         assert third is not None and third.shared == NO_BLOCKS
 
     asyncio.run(scenario())
@@ -141,17 +153,32 @@ def test_what_a_request_would_find_held_of_its_prompt_in_flight() -> None:
     async def scenario() -> None:
         router = sharing_router([10_000, 10_000], routing="least_filled")
         system = "S" * 64 * 40  # as above: 38 blocks shared, 608 tokens
-        request = InferenceRequest(
-            endpoint=Endpoint.CHAT, tenant="t", pool="p", priority="standard", stream=True,
-            client_wants_usage=False, prompt_chars=2600, prompt_tokens=651,
-            max_output_tokens=100, body={}, prompt=chat(system, "two"),
-        )  # fmt: skip
-        assert router.shared_in_flight(request) == 0  # nothing in flight holds it
-        first = await router.reserve("p", 700, prompt=chat(system, "one"), prompt_tokens=649)
+        shared = shared_of(chat(system, "two"), tokens=651)
+        assert router.shared_in_flight("p", shared) == 0  # nothing in flight holds it
+        first = await router.reserve("p", 700, shared=shared_of(chat(system, "one"), tokens=649))
         assert first is not None
-        assert router.shared_in_flight(request) == 38 * BLOCK
+        assert router.shared_in_flight("p", shared) == 38 * BLOCK
         await router.release(first)
-        assert router.shared_in_flight(request) == 0
-        assert router.shared_in_flight(request._replace(n=2)) == 0  # each choice whole
+        assert router.shared_in_flight("p", shared) == 0
 
     asyncio.run(scenario())
+
+
+def test_a_prompt_is_keyed_once_as_it_is_prepared_and_only_where_it_may_share() -> None:
+    router = sharing_router([10_000])  # one backend: no prefix routing to key it for
+    preparer = Preparer(Endpoint.CHAT, router=router, clock=ManualClock())
+    limits = TenantLimits(tenant="t", requests_per_minute=10, tokens_per_minute=10**6)
+    tenant = Tenant(name="t", key_hash=b"", priority="standard", pools=frozenset(),
+                    limits=limits, ttft_budget_s=None)  # fmt: skip
+    messages = [{"role": "system", "content": "S" * 64 * 40}, {"role": "user", "content": "two"}]
+    body = {"model": "p", "messages": messages, "max_tokens": 50}
+    request = preparer.request(tenant, {}, orjson.dumps(body))
+    # its estimate: int((2,560 + 16 + 3 + 16) / 4) + 1 = 649 tokens, as above
+    assert request.prompt_tokens == 649
+    assert request.shared == shared_of(chat(messages[0]["content"], "two"), tokens=649)
+    # several choices: each is reserved whole, so nothing is keyed
+    several = preparer.request(tenant, {}, orjson.dumps({**body, "n": 2}))
+    assert several.shared == ()
+    # a pool that caches no prefixes keys nothing
+    router.pools["p"].backends[0].prefix_caching = False
+    assert preparer.request(tenant, {}, orjson.dumps(body)).shared == ()
