@@ -18,15 +18,18 @@ peak, with a share of the spread, so a full ledger leaves part of the KV cache u
 the rest of a spike goes to the queue and to paid providers. A scrape taken while the ledger
 holds at least EVIDENCE_FILL_SHARE of the target is evidence: it measures what the backend
 holds per reserved token. The highest such ratio lately seen (`held_per_reserved`: from 1,
-coming down to lower evidence by at most DECAY_PER_S per second of evidence, never below
-1 ÷ MAX_OVERBOOK) calibrates the fill towards target ÷ ratio, so that what the backend really
-holds at the peak reaches the target fill. The fill rises towards it by at most
-OVERBOOK_PER_S × target per second of evidence, and comes down to it at once when a higher
-ratio is seen; a scrape of a thinly filled ledger moves neither. A ratio of 0.35 so takes a
-target of 0.9 to 2.57 over about 25 s of a well-filled ledger, a ledger that reserves ~2.9x
-what the backend holds. The fill may pass 1: the ledger then reserves more than the KV cache,
-as the backend's own reports show it can. Any back-off drops the fill from the target, however
-far it was overbooked, and forgets the calibration: the ratio starts again from 1.
+coming down to lower evidence by at most DECAY_PER_S per second of evidence) calibrates the
+fill towards target ÷ ratio, so that what the backend really holds at the peak reaches the
+target fill. The fill rises towards it by at most OVERBOOK_PER_S × target per second of
+evidence, and comes down to it at once when a higher ratio is seen; a scrape of a thinly
+filled ledger moves neither. It never passes MAX_FILL, the whole KV cache: the ledger never
+reserves more than the backend holds, so where the share it reports is of a cache other than
+the capacity the gateway counts (a configured capacity), or streams grow past what their
+peaks were expected to be, the evidence cannot admit past the cache. (A shared prompt, the
+great over-count, is counted once by the ledger itself: gateway/admission/holders.py.) At a
+target of 0.8 a ratio of 0.8 or less so takes the fill to the whole cache, 1.25x the target.
+Any back-off drops the fill from the target, however far it was overbooked, and forgets the
+calibration: the ratio starts again from 1.
 
 At most EVIDENCE_STEP_S of evidence counts from one scrape, however far apart scrapes are.
 """
@@ -39,7 +42,7 @@ BACKOFF_FACTOR = 0.8
 RECOVERY_PER_S = 0.01  # the climb back to the target while the backend is busy
 IDLE_SCRAPES = 2  # scrapes in a row of an idle backend that end a back-off
 MIN_FILL_SHARE = 0.1  # the fill never drops below this share of the target fill
-MAX_OVERBOOK = 4.0  # the fill never passes this multiple of the target fill
+MAX_FILL = 1.0  # the fill never passes the whole KV cache
 OVERBOOK_PER_S = 0.1  # the calibrated fill rises by this share of the target per second
 EVIDENCE_FILL_SHARE = 0.5  # a scrape calibrates when the ledger holds this share of the target
 DECAY_PER_S = 0.03  # how fast the ratio comes down to lower evidence, per second of evidence
@@ -136,7 +139,7 @@ class FillController:
             return  # too few streams for their sum to say anything about the next peak
         step = min(since, EVIDENCE_STEP_S)
         decayed = self.held_per_reserved - DECAY_PER_S * step
-        lowest = 1.0 / MAX_OVERBOOK
+        lowest = self.target / MAX_FILL  # where target ÷ ratio reaches the whole cache
         self.held_per_reserved = min(1.0, max(held / reserved, decayed, lowest))
         rising = self.fill + self.target * OVERBOOK_PER_S * step
         self.fill = max(self.target, min(self.target / self.held_per_reserved, rising))

@@ -201,9 +201,7 @@ class Router:
         """
         ranked = self._ranked(pool, exclude)
         if running:
-            ranked = [
-                (f, i, b, max(limit, capacity), capacity) for f, i, b, limit, capacity in ranked
-            ]
+            ranked = [(fill, i, b, capacity, capacity) for fill, i, b, _, capacity in ranked]
         if shared and len(ranked) > 1:  # least filled once the request is held there
             cost = functools.partial(self._cost, tokens=tokens, sequences=sequences, shared=shared)
             ranked.sort(key=lambda r: (r[0] + cost(r[2]) / r[4], r[1]))

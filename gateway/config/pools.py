@@ -279,10 +279,9 @@ class PoolSettings(_Model):
             "that reports no running count is never idle); while the ledger holds at least "
             "half the target, the highest recent ratio of what the backend holds to what the "
             "ledger reserves (starting at 1, coming down by at most 0.03 a second of such "
-            "reads, never below 0.25) raises the effective fill towards `target_fill` ÷ that "
-            "ratio, by at most 0.1 × `target_fill` a second of such reads, past 1 where the "
-            "ratio says so (the ledger then reserves more than the KV cache) and at most 4 × "
-            "`target_fill`, and a back-off resets it; a read older than 3 s is not used (the "
+            "reads) raises the effective fill towards `target_fill` ÷ that "
+            "ratio, by at most 0.1 × `target_fill` a second of such reads, never past the whole "
+            "KV cache, and a back-off resets it; a read older than 3 s is not used (the "
             "ledger alone, at `target_fill`). `false`: the ledger alone"
         ),
     )

@@ -5,7 +5,7 @@ import pytest
 
 from gateway.admission.fill import (
     DECAY_PER_S,
-    MAX_OVERBOOK,
+    MAX_FILL,
     OVERBOOK_PER_S,
     FillController,
     FillReason,
@@ -110,39 +110,42 @@ def test_a_full_ledger_over_a_backend_holding_less_raises_the_fill_to_reach_the_
     assert fill.fill == pytest.approx(0.9 / 0.97)
 
 
-def test_strong_evidence_overbooks_gradually_up_to_target_over_ratio() -> None:
-    """The ledger reserves ~2.9x what the backend holds: the fill goes to 0.9 ÷ 0.35."""
+def test_strong_evidence_overbooks_gradually_up_to_the_whole_cache() -> None:
+    """The ledger reserves ~2.9x what the backend holds: the fill climbs from 0.5 towards
+    0.5 ÷ 0.35, as fast as the ratio comes down and at most 0.05 a second, and stops at the
+    whole cache."""
     clock = ManualClock()
-    fill = FillController(0.9)
+    fill = FillController(0.5)
     scrape(fill, clock, 0.0, held=0.0, reserved=0.0)
     busy(fill, clock, 0.5, ratio=0.35)  # one scrape moves the ratio by half a second's decay
     assert fill.held_per_reserved == pytest.approx(1 - DECAY_PER_S / 2)
-    assert fill.fill == pytest.approx(0.9 / (1 - DECAY_PER_S / 2))
-    busy(fill, clock, 9.5, ratio=0.35)  # 10 s: the ratio still bounds the rise
+    assert fill.fill == pytest.approx(0.5 / (1 - DECAY_PER_S / 2))
+    busy(fill, clock, 9.5, ratio=0.35)  # 10 s: the ratio bounds the rise
     assert fill.held_per_reserved == pytest.approx(0.7)
-    assert fill.fill == pytest.approx(0.9 / 0.7)
+    assert fill.fill == pytest.approx(0.5 / 0.7)
     busy(fill, clock, 5.0, ratio=0.35)  # 15 s: the ratio at 0.55, its last bound
-    assert fill.fill == pytest.approx(0.9 / 0.55)
-    busy(fill, clock, 10.0, ratio=0.35)  # then the rate: 0.09 a second
-    assert fill.held_per_reserved == pytest.approx(0.35)
-    assert fill.fill == pytest.approx(0.9 / 0.55 + 10.0 * OVERBOOK_PER_S * 0.9)
-    busy(fill, clock, 0.5, ratio=0.35)
-    assert fill.held_per_reserved == pytest.approx(0.35)
-    assert fill.fill == pytest.approx(0.9 / 0.35)
+    assert fill.fill == pytest.approx(0.5 / 0.55)
+    busy(fill, clock, 0.5, ratio=0.35)  # then the rate: 0.05 a second
+    assert fill.held_per_reserved == pytest.approx(0.535)
+    assert fill.fill == pytest.approx(0.5 / 0.55 + 0.5 * OVERBOOK_PER_S * 0.5)
+    busy(fill, clock, 1.5, ratio=0.35)  # 17 s: the ratio at the target, the fill at the cache
+    assert fill.held_per_reserved == pytest.approx(0.5)
+    assert fill.fill == MAX_FILL
     assert fill.reason is FillReason.CALIBRATED
-    busy(fill, clock, 60.0, ratio=0.35)  # no further than the evidence
-    assert fill.fill == pytest.approx(0.9 / 0.35)
-    busy(fill, clock, 0.5, ratio=0.7)  # a higher ratio brings it down at once
-    assert fill.fill == pytest.approx(0.9 / 0.7)
+    busy(fill, clock, 60.0, ratio=0.35)  # no further than the whole cache
+    assert fill.fill == MAX_FILL
+    busy(fill, clock, 0.5, ratio=0.8)  # a higher ratio brings it down at once
+    assert fill.fill == pytest.approx(0.5 / 0.8)
 
 
-def test_the_fill_never_passes_the_overbooking_cap() -> None:
-    """A backend reporting nothing held under a full ledger: the ratio stops at 1 ÷ 4."""
+def test_the_fill_never_passes_the_whole_cache() -> None:
+    """A backend reporting nothing held under a full ledger: the ratio stops where target ÷
+    ratio is the whole cache, and with it the fill."""
     clock = ManualClock()
     fill = FillController(0.8)
     busy(fill, clock, 200.0, ratio=0.0)
-    assert fill.held_per_reserved == pytest.approx(1 / MAX_OVERBOOK)
-    assert fill.fill == pytest.approx(0.8 * MAX_OVERBOOK)
+    assert fill.held_per_reserved == pytest.approx(0.8)
+    assert fill.fill == pytest.approx(MAX_FILL)
 
 
 def test_a_thinly_filled_ledger_never_raises_the_fill() -> None:
@@ -181,7 +184,7 @@ def test_a_back_off_forgets_the_calibration_and_recovers_only_to_the_target() ->
     clock = ManualClock()
     fill = FillController(0.9)
     busy(fill, clock, 100.0, ratio=0.8)
-    assert fill.fill == pytest.approx(0.9 / 0.8)
+    assert fill.fill == pytest.approx(MAX_FILL)  # 0.9 ÷ 0.8 is past the whole cache
     clock.advance(0.5)
     assert fill.observe(now=clock.monotonic(), preempted=True, waiting=False) is (
         FillReason.PREEMPTION
@@ -199,7 +202,7 @@ def test_a_preemption_while_overbooked_drops_the_fill_at_once_and_starts_again_f
     clock = ManualClock()
     fill = FillController(0.9)
     busy(fill, clock, 100.0, ratio=0.35)
-    assert fill.fill == pytest.approx(0.9 / 0.35)
+    assert fill.fill == pytest.approx(MAX_FILL)  # overbooked up to the whole cache
     clock.advance(0.5)
     assert fill.observe(now=clock.monotonic(), preempted=True, waiting=False) is (
         FillReason.PREEMPTION
