@@ -1,9 +1,10 @@
 """Backends and pools as the router sees them: capacity, health, and the loop refreshing both.
 
 A backend is in rotation until a probe or a request shows it cannot serve: nothing
-answers at its URL, it answers 5xx, it no longer serves the model the pool names, or
-requests to it keep failing. It is back once a probe succeeds (an ejected one no sooner
-than EJECT_S later). Each change is logged once, with its reason.
+answers at its URL, it answers 5xx, it no longer serves the model the pool names, it
+breaks a stream off, or requests to it keep failing. Its health (health.py) decides, and
+when it is back: on a probe that passes (an ejected one only once its cool-down is over).
+Each change of rotation is logged once, with its reason.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from gateway.admission.discovery import (
     models_from_listing,
 )
 from gateway.admission.fill import FillController, FillReason
+from gateway.admission.health import BackendHealth, Change
 from gateway.admission.kv_events import EventsView, KvEvents
 from gateway.admission.output_lengths import WINDOW, LengthSource, OutputLengths
 from gateway.admission.prefix_index import PrefixIndex
 from gateway.admission.prompt_tokens import PromptTokenizer
-from gateway.breaker import CircuitBreaker
-from gateway.clock import Clock, SystemClock
+from gateway.clock import Clock
 from gateway.config import BackendSettings, PoolSettings, ReservationSettings
 from gateway.config.references import backend_name
 from gateway.errors import BackendUnavailable
@@ -41,8 +42,6 @@ from gateway.upstream.forward import unreachable_reason
 
 log = logging.getLogger("spillgate.backends")
 
-FAILURES_BEFORE_EJECT = 3
-EJECT_S = 5.0
 # a pool's context limit when it sets none and no backend reports one
 FALLBACK_MAX_MODEL_LEN = 32_768
 
@@ -63,10 +62,8 @@ class Backend:
     root: str | None = None  # the weights it loaded, from the same listing
     last_scrape: float = float("-inf")
     last_probe: float = float("-inf")
-    # opened by requests failing in a row; the probe is its trial (FleetWatcher)
-    breaker: CircuitBreaker = field(default_factory=lambda: _breaker(SystemClock()))
-    ejected_until: float = float("-inf")  # an ejected backend is probed back no sooner
-    down_reason: str | None = None  # why it is out of rotation; None while in rotation
+    # in rotation or not, and why: fed by its requests and by the probe (FleetWatcher)
+    health: BackendHealth = field(default_factory=BackendHealth)
     fill: FillController = field(default_factory=lambda: FillController(1.0))
     load: ReportedLoad | None = None  # what it last reported holding (backend_load.py)
     load_at: float = float("-inf")
@@ -108,20 +105,13 @@ class Backend:
         return self.discovered_capacity
 
     def healthy(self, now: float) -> bool:
-        return self.down_reason is None
+        """In rotation: routing may send it requests."""
+        return self.health.in_rotation(now)
 
-    def mark_down(self, reason: str, *, now: float, hold_s: float = 0.0) -> None:
-        """Out of rotation, for `reason`; a probe brings it back, no sooner than `hold_s`."""
-        self.ejected_until = max(self.ejected_until, now + hold_s)
-        if self.down_reason is None:
-            log.warning("backend %s is down: %s", self.name, reason)
-        self.down_reason = reason  # a new reason while down is no change of state: not logged
-
-    def mark_up(self) -> None:
-        self.breaker.record_success()
-        if self.down_reason is not None:
-            log.warning("backend %s is up again (was: %s)", self.name, self.down_reason)
-            self.down_reason = None
+    @property
+    def down_reason(self) -> str | None:
+        """Why it is out of rotation; None while in rotation."""
+        return self.health.reason
 
     def record_failure(
         self, now: float, *, reason: str = "", unreachable: str | None = None
@@ -129,16 +119,32 @@ class Backend:
         """A request to the backend failed before its answer. `unreachable` (why nothing
         answered at its address) takes it out of rotation at once."""
         if unreachable is not None:
-            self.breaker.record_failure(retry_after=0.0)  # out at once, until a probe answers
-            self.mark_down(unreachable, now=now)
-        elif self.breaker.record_failure():
-            last = f" (last: {reason})" if reason else ""
-            self.mark_down(
-                f"{FAILURES_BEFORE_EJECT} requests in a row failed{last}", now=now, hold_s=EJECT_S
-            )
+            self._told(self.health.unreachable(unreachable))
+        else:
+            self._told(self.health.failed(now, reason))
 
-    def record_success(self) -> None:
-        self.breaker.record_success()
+    def record_success(self, now: float) -> None:
+        """A request to the backend was answered in full."""
+        self._told(self.health.served(now))
+
+    def broke_off(self) -> None:
+        """A stream it was answering broke off mid-answer."""
+        self._told(self.health.broke_off())
+
+    def probe_failed(self, reason: str) -> None:
+        self._told(self.health.probe_failed(reason))
+
+    def probe_passed(self, now: float) -> None:
+        self._told(self.health.probe_passed(now))
+
+    def _told(self, change: Change | None) -> None:
+        # a new reason while out is no change of rotation: not logged
+        if change is None:
+            return
+        if change.up:
+            log.warning("backend %s is up again (was: %s)", self.name, change.reason)
+        else:
+            log.warning("backend %s is down: %s", self.name, change.reason)
 
     def learn(self, models: list[ServedModel]) -> str | None:
         """Take what the backend's /v1/models says; the reason it cannot serve, if any."""
@@ -201,7 +207,7 @@ class Pool:
 def build_pools(pools: list[PoolSettings], *, clock: Clock) -> dict[str, Pool]:
     built: dict[str, Pool] = {}
     for pool in pools:
-        backends = [_backend(pool, i, b, clock) for i, b in enumerate(pool.backends)]
+        backends = [_backend(pool, i, b) for i, b in enumerate(pool.backends)]
         # the events index needs the prompt's tokens: only with a tokenizer, routing by prefix
         tokenizer = None
         if pool.routing == "prefix" and pool.tokenizer is not None:
@@ -221,11 +227,7 @@ def build_pools(pools: list[PoolSettings], *, clock: Clock) -> dict[str, Pool]:
     return built
 
 
-def _breaker(clock: Clock) -> CircuitBreaker:
-    return CircuitBreaker(failures=FAILURES_BEFORE_EJECT, cooldown_s=EJECT_S, clock=clock)
-
-
-def _backend(pool: PoolSettings, index: int, b: BackendSettings, clock: Clock) -> Backend:
+def _backend(pool: PoolSettings, index: int, b: BackendSettings) -> Backend:
     return Backend(
         name=backend_name(pool.name, index, b.name),
         pool=pool.name,
@@ -234,7 +236,6 @@ def _backend(pool: PoolSettings, index: int, b: BackendSettings, clock: Clock) -
         configured_capacity=None if b.capacity == "auto" else b.capacity,
         block_size=b.block_size,
         fill=FillController(pool.target_fill),
-        breaker=_breaker(clock),
     )
 
 
@@ -290,7 +291,7 @@ class FleetWatcher:
             for name, pool in self._pools.items()
             for backend in pool.backends
             if now - backend.last_probe >= pool.settings.capacity_refresh_s
-            or (backend.down_reason is not None and now >= backend.ejected_until)
+            or backend.health.probe_due(now)
         ]
         await asyncio.gather(*jobs)
         for name in learning:
@@ -312,13 +313,13 @@ class FleetWatcher:
             else:
                 await self._get(backend, "/health", budget_s)
         except ProbeFailed as exc:
-            backend.mark_down(exc.reason, now=now)
+            backend.probe_failed(exc.reason)
             return
         mismatch = None if models is None else backend.learn(models)
         if mismatch is not None:
-            backend.mark_down(mismatch, now=now)
-        elif backend.down_reason is not None and now >= backend.ejected_until:
-            backend.mark_up()
+            backend.probe_failed(mismatch)
+        else:
+            backend.probe_passed(now)
 
     @staticmethod
     def _read_metrics(backend: Backend, text: str, *, now: float, lengths: bool) -> None:

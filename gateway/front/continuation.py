@@ -57,6 +57,8 @@ class Serving(Protocol):
 
     async def broke_off(self, name: str, tried: set[str]) -> None: ...
 
+    def answered(self, name: str) -> None: ...
+
 
 class Continuation:
     """The continuation of one request's stream, cut on the backend in `tried` last."""
@@ -153,7 +155,7 @@ class Continuation:
         exchange.metrics.stream_continuations.labels(follow.pool, "succeeded").inc()
         went_on = Served(served.outcome, backend.name, served.pool, relayed, served.started_at)
         if relayed.cut is None:
-            backend.record_success()
+            exchange.answered(backend.name)
         else:
             await exchange.broke_off(backend.name, self._tried)
         return went_on, relayed.cut

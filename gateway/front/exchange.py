@@ -221,7 +221,7 @@ class Exchange:
             self.metrics.stream_continuations_refused.labels(request.pool, not_resumable).inc()
             await self.broke_off(backend.name, tried)
         else:
-            backend.record_success()
+            self.answered(backend.name)
         return served
 
     def forward_held(
@@ -275,14 +275,14 @@ class Exchange:
 
     async def broke_off(self, name: str, tried: set[str]) -> None:
         """Backend `name` broke off a stream mid-answer: most likely it is going away (a
-        restart, a drain, a crash), so it takes no new request until a probe finds it
-        serving again (gateway/admission/backends.py)."""
-        # out until its next good probe, not held out as a backend failing in a row is: a
-        # restart that cut many streams is back as soon as it serves
-        self.router.backend(name).mark_down(
-            "it broke off a stream mid-answer", now=self.clock.monotonic()
-        )
+        restart, a drain, a crash), so it drains: no new request until a probe finds it
+        serving again (gateway/admission/health.py)."""
+        self.router.backend(name).broke_off()
         await self._leave(name, "mid-stream", tried)
+
+    def answered(self, name: str) -> None:
+        """Backend `name` answered this request in full: its failures in a row start again."""
+        self.router.backend(name).record_success(self.clock.monotonic())
 
     def growth(self, request: InferenceRequest, block_size: int) -> Growth | None:
         """What grows a streaming request's reservation with its answer (in `learned`

@@ -7,8 +7,9 @@ import logging
 
 import pytest
 
-from gateway.admission.backends import EJECT_S, FALLBACK_MAX_MODEL_LEN, Backend, build_pools
+from gateway.admission.backends import FALLBACK_MAX_MODEL_LEN, Backend, build_pools
 from gateway.admission.discovery import ServedModel
+from gateway.admission.health import EJECT_S, HealthState
 from gateway.clock import ManualClock
 from gateway.config import PoolSettings
 
@@ -29,12 +30,12 @@ def test_an_unreachable_backend_is_out_at_once_and_each_change_is_logged_once(
     caplog.set_level(logging.INFO)
     b = backend()
     b.record_failure(0.0, reason="ClientConnectorError: ...", unreachable="connection refused")
-    b.mark_down("connection refused", now=1.0)  # the probes find the same, again and again
-    b.mark_down("connection refused", now=2.0)
+    b.probe_failed("connection refused")  # the probes find the same, again and again
+    b.probe_failed("connection refused")
     assert not b.healthy(2.0) and b.down_reason == "connection refused"
-    b.mark_up()
-    b.mark_up()
-    assert b.healthy(3.0) and b.down_reason is None
+    b.probe_passed(3.0)
+    b.probe_passed(4.0)
+    assert b.healthy(4.0) and b.down_reason is None
     assert lines(caplog) == [
         "backend b is down: connection refused",
         "backend b is up again (was: connection refused)",
@@ -48,7 +49,8 @@ def test_failed_requests_eject_on_the_third_and_hold_it_out_for_the_ejection_tim
     assert b.healthy(10.0)
     b.record_failure(10.0, reason="timeout before the first byte")
     assert b.down_reason == "3 requests in a row failed (last: timeout before the first byte)"
-    assert b.ejected_until == 10.0 + EJECT_S
+    assert b.health.state(10.0 + EJECT_S - 0.001) is HealthState.EJECTED
+    assert b.health.state(10.0 + EJECT_S) is HealthState.PROBING
 
 
 def test_a_listing_without_the_served_model_names_what_the_backend_serves() -> None:
