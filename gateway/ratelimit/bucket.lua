@@ -9,7 +9,8 @@
 --       request_capacity, tokens_per_minute, token_capacity, tokens (the cost; for
 --       "adjust" the tokens to charge, negative to refund; "refund" gives back one request
 --       and `tokens`: an admission its caller never used), and for "adjust" ARGV[7]
---       requests to charge (what a replica admitted on its own while Redis was away).
+--       requests to charge (what a replica admitted on its own while Redis was away);
+--       whatever "adjust" charges, the debt it leaves is at most one bucket.
 --       For "acquire", ARGV[7] and ARGV[8]: the requests and tokens the caller would take
 --       beyond this request, as a slice it spends on its own (gateway/ratelimit/redis_limiter.py);
 --       it gets at most a quarter of what each bucket holds after the request, and nothing
@@ -26,13 +27,20 @@ local cost = tonumber(ARGV[6])
 local time = redis.call('TIME')
 local now = tonumber(time[1]) + tonumber(time[2]) / 1000000
 
+-- A level stays within one bucket either way: a settlement may leave debt, at most one
+-- bucket's worth (bucket.py's settled_level says why), so every wait it implies and every
+-- key's expiry stays bounded; a level stored out of that range is read as its bound.
+local function bounded(lv, cap)
+  return math.max(-cap, math.min(cap, lv))
+end
+
 local function level(key, per_minute, cap)
   local saved = redis.call('HMGET', key, 'level', 'at')
   local lv, at = tonumber(saved[1]), tonumber(saved[2])
-  if lv == nil or at == nil then
+  if lv == nil or at == nil or lv ~= lv then
     return cap
   end
-  return math.min(cap, lv + math.max(0, now - at) * per_minute / 60)
+  return bounded(lv + math.max(0, now - at) * per_minute / 60, cap)
 end
 
 -- The key lives until its bucket would be full again; after that, absent means full.
@@ -55,10 +63,10 @@ end
 if op == 'adjust' then
   local charged = tonumber(ARGV[7] or '0')
   if charged ~= 0 then
-    r = math.min(rcap, r - charged)
+    r = bounded(r - charged, rcap)
     store(KEYS[1], r, rpm, rcap)
   end
-  t = math.min(tcap, t - cost)
+  t = bounded(t - cost, tcap)
   store(KEYS[2], t, tpm, tcap)
   return reply(0, r, t)
 end

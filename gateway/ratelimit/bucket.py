@@ -2,14 +2,26 @@
 
 Pure functions of levels and time, so both implementations report the same numbers.
 The refill itself is written out in LocalRateLimiter._levels and in bucket.lua, and
-bucket.lua repeats `refusal_reason` inside Redis; keep them in step.
+bucket.lua repeats `refusal_reason` and the bounds of `settled_level` inside Redis; keep
+them in step.
+
+A settlement may leave a bucket in debt (an answer that used more than it reserved: a
+stream that grew), but never more than one bucket's worth: the usage it settles with is
+what a backend said, and no number a backend says may lock a tenant out for longer than
+the bucket can mean. So a level stays within [-capacity, capacity], every wait it implies
+is at most two refills of the bucket (from its floor to full), and a Redis key's expiry
+stays finite.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from typing import TypeGuard
 
 from gateway.ratelimit.base import Decision, Reason, TenantLimits
+
+log = logging.getLogger("spillgate.ratelimit")
 
 
 def wait_s(level: float, *, need: float, per_minute: int) -> float:
@@ -18,10 +30,47 @@ def wait_s(level: float, *, need: float, per_minute: int) -> float:
 
 
 def check_tokens(**counts: int) -> None:
-    """Token counts are never negative; one that is is a caller's bug, not a refusal."""
+    """A request's cost is the gateway's own count, never negative: one that is is a caller's
+    bug, not a refusal (what an answer says it used is read by `settlement`)."""
     for name, value in counts.items():
         if value < 0:
             raise ValueError(f"{name} must not be negative, got {value}")
+
+
+def is_count(value: object) -> TypeGuard[int]:
+    """Whether `value` is a token count: an int, not negative (a bool is no count)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def settlement(limits: TenantLimits, *, reserved: object, used: object) -> int:
+    """What settling a reservation charges the token bucket: `used - reserved`, negative for
+    a refund.
+
+    Whatever `used` is, this does not raise: it comes from what an answer said, and the
+    settling path must go on to release everything else. A `reserved` or `used` that is not
+    a count settles as the reservation (nothing back, nothing more), with a warning. The
+    charge is held within two buckets: a level spans no more, so a larger one could change
+    nothing, and Redis is never sent a number it cannot hold.
+    """
+    if is_count(reserved) and is_count(used):
+        span = 2 * limits.token_capacity
+        return max(-span, min(span, used - reserved))
+    log.warning(
+        "%s: a reservation of %.40r tokens settled as it stood: used %.40r is not a token count",
+        limits.tenant,
+        reserved,
+        used,
+    )
+    return 0
+
+
+def settled_level(level: float, charge: int, *, capacity: int, debt: int) -> float:
+    """A bucket's level after a settlement's `charge`: never above the bucket's `capacity`,
+    and a charge takes it no lower than `debt` below zero (a level already lower stays)."""
+    after = level - charge
+    if charge > 0:
+        return max(after, min(level, -debt))
+    return min(after, capacity)
 
 
 def refusal_reason(limits: TenantLimits, *, requests: float, tokens: float, cost: int) -> Reason:

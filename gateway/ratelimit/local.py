@@ -57,11 +57,23 @@ class LocalRateLimiter:
         return bucket.decision(limits, requests=requests, tokens=level, reason="", retry_after=0.0)
 
     async def reconcile(self, limits: TenantLimits, *, reserved: int, used: int) -> None:
-        bucket.check_tokens(reserved=reserved, used=used)
-        if reserved == used:
+        charge = bucket.settlement(limits, reserved=reserved, used=used)
+        if charge == 0:
             return
         levels = self._levels(limits)
-        levels.tokens = min(float(limits.token_capacity), levels.tokens + reserved - used)
+        capacity = limits.token_capacity
+        levels.tokens = bucket.settled_level(
+            levels.tokens, charge, capacity=capacity, debt=capacity
+        )
+
+    def charge(self, limits: TenantLimits, *, tokens: int, debt: int) -> None:
+        """Debit `tokens` beyond what an admission took, whether or not the bucket holds
+        them, leaving at most `debt` owed: a share admitting a request its tenant's whole
+        bucket holds though the share's does not (gateway/ratelimit/resilient.py)."""
+        levels = self._levels(limits)
+        levels.tokens = bucket.settled_level(
+            levels.tokens, tokens, capacity=limits.token_capacity, debt=debt
+        )
 
     def cap(self, limits: TenantLimits, *, requests: float, tokens: float) -> None:
         """Hold a tenant's buckets at no more than these levels (what the shared store last

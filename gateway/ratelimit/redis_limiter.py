@@ -252,17 +252,18 @@ class RedisRateLimiter:
         return sent
 
     async def reconcile(self, limits: TenantLimits, *, reserved: int, used: int) -> None:
-        bucket.check_tokens(reserved=reserved, used=used)
-        if reserved == used:
+        charge = bucket.settlement(limits, reserved=reserved, used=used)
+        if charge == 0:
             return
         held = self._slices.get(limits.tenant)
         now = asyncio.get_running_loop().time()
-        if held is None or not held.settle(used - reserved, now):
-            await self._run("adjust", limits, used - reserved)
+        if held is None or not held.settle(charge, now):
+            await self._run("adjust", limits, charge)
 
     async def charge(self, limits: TenantLimits, *, requests: int, tokens: int) -> None:
         """Debit what was admitted elsewhere (a replica's own admissions while Redis was
-        away), whether or not the buckets hold it: what they lack becomes debt."""
+        away), whether or not the buckets hold it: what they lack becomes debt, at most
+        one bucket."""
         if requests or tokens:
             await self._run("adjust", limits, tokens, requests)
 

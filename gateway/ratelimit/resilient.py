@@ -27,7 +27,8 @@ nothing more from the share than its refill. What the share admits is owed, and 
 to the shared buckets once the store answers again. So, per tenant, during an outage the
 fleet admits at most what the shared buckets held when each replica last heard from them
 (each replica 1/`replicas` of what it heard; together at most one bucket) plus their
-refill over the outage; afterwards the shared buckets carry it as debt.
+refill over the outage; afterwards the shared buckets carry it as debt (at most one
+bucket: gateway/ratelimit/bucket.py).
 
 Every failed call is reported to `on_store_error`; every change of
 mode ("shared", "local", "allow", "deny") to `on_mode_change`, starting with "shared".
@@ -174,14 +175,18 @@ class ResilientRateLimiter:
         else:
             decision = await self._fallback.acquire(share, share.token_capacity)
             if decision.allowed:
-                await self._fallback.reconcile(share, reserved=share.token_capacity, used=tokens)
+                beyond = tokens - share.token_capacity
+                self._fallback.charge(share, tokens=beyond, debt=limits.token_capacity)
         if decision.allowed:
             self._owe(limits, requests=1, tokens=tokens)
         return decision
 
     async def reconcile(self, limits: TenantLimits, *, reserved: int, used: int) -> None:
-        if reserved == used:
+        charge = bucket.settlement(limits, reserved=reserved, used=used)
+        if charge == 0:
             return
+        # what reaches the stores below is a count whatever `used` was: checked once here
+        used = reserved + charge
         shared = await self._ask_primary(
             lambda: self._primary.reconcile(limits, reserved=reserved, used=used)
         )
@@ -189,7 +194,7 @@ class ResilientRateLimiter:
             await self._fallback.reconcile(
                 limits.divided(self._replicas), reserved=reserved, used=used
             )
-            self._owe(limits, requests=0, tokens=used - reserved)
+            self._owe(limits, requests=0, tokens=charge)
 
     async def peek(self, limits: TenantLimits) -> Decision:
         shared = await self._ask_primary(lambda: self._primary.peek(limits))
