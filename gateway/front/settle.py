@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 
 from gateway.admission.backends import Pool
+from gateway.admission.held import HeldReservation
 from gateway.clock import Clock
 from gateway.front.auth import Tenant
 from gateway.front.exchange import Exchange
@@ -60,21 +61,35 @@ class Settlement:
             # the tokens really used: what the upstream generated is unknown when `cut`,
             # so the charge stands
             used = _used(request, served, cut=cut)
-            held = exchange.held
-            if used == charged:
-                await held.release()
-            elif self.shared:
-                refund = self.limiter.reconcile(tenant.limits, reserved=charged, used=used)
-                await asyncio.gather(held.release(), refund)
-            else:
-                await held.release()
-                await self.limiter.reconcile(tenant.limits, reserved=charged, used=used)
         finally:
-            refused = outcome is Outcome.REJECTED
-            pool.demand.end(charged, started=began, used=used, refused=refused)
-            self._record(
-                request, pool, served, outcome, arrived=arrived, prediction=exchange.prediction
-            )
+            try:
+                await self._release(tenant, exchange.held, charged=charged, used=used)
+            finally:
+                refused = outcome is Outcome.REJECTED
+                pool.demand.end(charged, started=began, used=used, refused=refused)
+                self._record(
+                    request, pool, served, outcome, arrived=arrived, prediction=exchange.prediction
+                )
+
+    async def _release(
+        self, tenant: Tenant, held: HeldReservation, *, charged: int, used: int
+    ) -> None:
+        """Release the reservation and settle the tenant's bucket, each to its end whatever
+        the other does: an error in one must not keep the other."""
+        if used == charged:
+            await held.release()
+            return
+        refund = self.limiter.reconcile(tenant.limits, reserved=charged, used=used)
+        if self.shared:
+            results = await asyncio.gather(held.release(), refund, return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            return
+        try:
+            await held.release()
+        finally:
+            await refund
 
     def _record(
         self,
