@@ -119,11 +119,25 @@ class ProviderGate:
         await self.slots.release(slot)
 
     async def release(self, claim: Claim, *, used: int | None) -> None:
-        """Give the slot back, and the budget the answer did not use (none if unknown)."""
-        await self.slots.release(claim.slot)
-        spent = claim.tokens if used is None else used
-        if spent != claim.tokens:
-            await self.budget.settle(reserved=claim.tokens, used=spent)
+        """Give the slot back, and the budget the answer did not use (none if unknown, or
+        if `used` is no count); each is given back whatever giving back the other does."""
+        try:
+            await self.slots.release(claim.slot)
+        finally:
+            spent = self.counted(used)
+            if spent is None:
+                spent = claim.tokens
+            if spent != claim.tokens:
+                await self.budget.settle(reserved=claim.tokens, used=spent)
+
+    def counted(self, tokens: object) -> int | None:
+        """A token count the provider's answer gave, as the gate accounts it: at most a
+        minute of the provider's budget (the most a claim can hold: one answer that says
+        it used more cannot take the budget from every tenant for longer), or None for
+        what is not a count (a negative number, a float, a string)."""
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            return None
+        return min(tokens, self.settings.tokens_per_minute)
 
     def cost(self, *, prompt_tokens: int, completion_tokens: int) -> float:
         s = self.settings

@@ -6,7 +6,9 @@ an answer that is not one) is a failed spill: it is counted in
 and the request passes to the next policy. The client never sees the provider's error:
 it names the provider's model and account. A 429's `Retry-After` keeps the breaker open
 that long; a refusal of this one request (400, 413, 422) leaves the breaker as it was, so
-no client can open it for everyone. Spend is counted per provider from the real usage.
+no client can open it for everyone. Spend is counted per provider from the real usage: a
+count the provider gives is believed up to a minute of its budget (ProviderGate.counted),
+and a usage that is no count keeps the claim spent and adds no dollars.
 
 Its prediction for a request with a TTFT objective (gateway/slo.py): the provider's recent
 time to first token, or never while its breaker is open or its concurrency is spent.
@@ -102,14 +104,39 @@ class ProviderPolicy:
             gate.breaker.release_trial()
             await gate.release(claim, used=None)
             raise
-        self._settle(served)
-        usage = served.relayed.usage
-        await gate.release(claim, used=usage.total if usage.known else None)
+        used: tuple[int, int] | None = None
+        try:
+            used = self._used(served)
+            self._settle(served, used)
+        finally:  # whatever recording the answer does, the slot and the budget settle
+            await gate.release(claim, used=None if used is None else sum(used))
         return served
 
-    def _settle(self, served: Served) -> None:
+    def _used(self, served: Served) -> tuple[int, int] | None:
+        """The prompt and completion tokens the answer used, as the gate counts them; None
+        when unknown, or when the provider said something that is no count."""
+        usage = served.relayed.usage
+        if not usage.known:
+            return None
+        gate = self._gate
+        prompt, completion = (
+            gate.counted(usage.prompt_tokens),
+            gate.counted(usage.completion_tokens),
+        )
+        if prompt is None or completion is None:
+            log.warning(
+                "provider %s answered pool %s with a usage that is no count (prompt %.40r, "
+                "completion %.40r): its claim stays spent",
+                gate.name,
+                served.pool,
+                usage.prompt_tokens,
+                usage.completion_tokens,
+            )
+            return None
+        return prompt, completion
+
+    def _settle(self, served: Served, used: tuple[int, int] | None) -> None:
         gate, relayed = self._gate, served.relayed
-        usage = relayed.usage
         if relayed.completed:
             gate.breaker.record_success()
         else:
@@ -123,8 +150,8 @@ class ProviderPolicy:
                 served.pool,
                 gate.redact(said)[:LOGGED_DETAIL_CHARS],
             )
-        if usage.known:
-            cost = gate.cost(
-                prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens
-            )
-            self._metrics.provider_cost.labels(gate.name).inc(cost)
+        if used is not None:
+            prompt, completion = used
+            cost = gate.cost(prompt_tokens=prompt, completion_tokens=completion)
+            if math.isfinite(cost):  # counts are bounded; a price of `inf` is not
+                self._metrics.provider_cost.labels(gate.name).inc(cost)
