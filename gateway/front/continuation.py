@@ -20,7 +20,7 @@ from gateway.outcome import Outcome
 from gateway.request import InferenceRequest
 from gateway.upstream.forward import Forwards
 from gateway.upstream.relay import Relayed, StreamCut, StreamRelay
-from gateway.upstream.resume import ContinuationLeg, Partial, continued, read_partial
+from gateway.upstream.resume import ContinuationLeg, Partial, continued
 from gateway.upstream.served import Served
 from gateway.upstream.target import Target
 
@@ -79,7 +79,7 @@ class Continuation:
         count: asyncio.Task[int | None] | None = None  # the original prompt's tokens
         try:
             while True:
-                partial = read_partial(cut.relay.kept or [], request.endpoint)
+                partial = cut.relay.partial()
                 if partial.finished or cut.relay.finished:  # broke off after its last token
                     await cut.finish()
                     return served.ended(completed=True)

@@ -31,23 +31,23 @@ class Usage:
 
     @classmethod
     def from_json(cls, usage: Any) -> Usage:
+        """The usage of an answer the gateway made itself (a cached one); an upstream's is
+        checked against its request (gateway/upstream/usage.py)."""
         if not isinstance(usage, dict):
             return cls()
         if "input_tokens" in usage:  # the Responses API's names
-            return cls(
-                prompt_tokens=int(usage["input_tokens"] or 0),
-                completion_tokens=int(usage.get("output_tokens") or 0),
-                known=True,
-            )
-        return cls(
-            prompt_tokens=int(usage.get("prompt_tokens") or 0),
-            completion_tokens=int(usage.get("completion_tokens") or 0),
-            known=True,
-        )
+            prompt, completion = usage["input_tokens"], usage.get("output_tokens")
+        else:
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        return cls(prompt_tokens=_count(prompt), completion_tokens=_count(completion), known=True)
 
     @property
     def total(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 class StreamWatch(Protocol):
@@ -96,17 +96,47 @@ def sse_error_event(message: str, *, code: str = "upstream_error") -> bytes:
     return b"data: " + orjson.dumps(error) + b"\n\n" + DONE
 
 
-# an event that carries an error instead of a chunk of the answer
+# an event's data that carries an error instead of a chunk of the answer
+ERROR_DATA = re.compile(rb'\s*\{\s*"error"\s*:')
+# a batch of events where one may carry an error (a cheap first look)
 ERROR_EVENT = re.compile(rb'data:\s*\{\s*"error"\s*:')
+
+
+def event_data(event: bytes) -> bytes | None:
+    """The data of one server-sent event (its `\\n`-separated lines, without the blank line
+    that ended it), as the WHATWG spec reads it: the values of its `data` fields, with or
+    without the space after the colon, joined by line breaks; `id`, `event`, `retry` and
+    comment lines aside. None when it has no data (a comment: a keep-alive ping)."""
+    if event.startswith(b"data: ") and b"\n" not in event:  # how vLLM and OpenAI send them
+        return event[6:]
+    data = [
+        line[6:] if line.startswith(b"data: ") else line[5:]
+        for line in event.split(b"\n")
+        if line.startswith(b"data:")
+    ]
+    return b"\n".join(data) if data else None
+
+
+def event_json(event: bytes) -> dict[str, Any] | None:
+    """The JSON object one event's data holds, else None."""
+    data = event_data(event)
+    if data is None:
+        return None
+    try:
+        payload = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return payload if isinstance(payload, dict) else None
 
 
 def failure_event(event: bytes) -> bool:
     """An error event for a failure of the upstream's, not of the request: its code is a
     5xx, or it has none."""
-    if not ERROR_EVENT.match(event):
+    data = event_data(event)
+    if data is None or not ERROR_DATA.match(data):
         return False
     try:
-        error = orjson.loads(event[event.index(b"{") :]).get("error")
+        error = orjson.loads(data).get("error")
     except (orjson.JSONDecodeError, AttributeError):
         return True
     code = error.get("code") if isinstance(error, dict) else None

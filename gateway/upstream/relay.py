@@ -23,19 +23,25 @@ import orjson
 from starlette.types import Send
 
 from gateway.clock import Clock
+from gateway.request import Endpoint
 from gateway.upstream.answer import (
     DONE,
+    ERROR_DATA,
     ERROR_EVENT,
     AnswerRecorder,
     ModelSwap,
     StreamWatch,
     Usage,
     carry_over,
+    event_data,
+    event_json,
     failure_event,
     sse_error_event,
 )
 from gateway.upstream.deadline import Deadline
-from gateway.upstream.http_head import TransportError
+from gateway.upstream.http_head import ProtocolError, TransportError
+from gateway.upstream.resume import Partial, read_partial
+from gateway.upstream.usage import UsageCheck
 
 log = logging.getLogger("spillgate.relay")
 
@@ -60,9 +66,14 @@ _NOTABLE = {
 }
 _USAGE_EVENT, _FINISH_EVENT, _ABORTED_EVENT = map(re.compile, (_USAGE, _FINISH, _ABORTED))
 # the Responses API's last event, whichever way the response ended: each carries its usage
-FINAL_RESPONSE_EVENTS = frozenset(
-    b"event: response." + end for end in (b"completed", b"incomplete", b"failed")
+FINAL_RESPONSE_TYPES = frozenset(
+    b"response." + end for end in (b"completed", b"incomplete", b"failed")
 )
+# the defaults of ServerSettings.upstream_max_event_bytes and upstream_max_kept_bytes
+MAX_EVENT_BYTES = 1 << 20
+MAX_KEPT_BYTES = 1 << 20
+# what a resumable stream keeps as events, before they are folded into the answer so far
+FOLD_BYTES = 256 * 1024
 HIDDEN_ERROR = (
     b'data: {"error":{"message":"The provider failed mid-stream; the response is incomplete.",'
     b'"type":"server_error","param":null,"code":"upstream_error"}}'
@@ -71,17 +82,28 @@ HIDDEN_ERROR = (
 
 @dataclass(slots=True)
 class Relayed:
-    usage: Usage
+    usage: Usage  # as the gateway takes it: checked against the request
     first_byte_at: float | None  # Clock time when the first byte reached the client
     completed: bool  # False when the upstream broke mid-stream
     upstream_error: bytes = b""  # an error event the upstream sent, hidden from the client
     # a stream whose upstream broke off, still open to the client: the caller continues it
     # on another backend, or ends it (StreamCut)
     cut: StreamCut | None = None
+    # what was corrected in the usage the upstream told, and what it told
+    # (gateway/upstream/usage.py)
+    flaws: tuple[str, ...] = ()
+    reported: Any = None
 
 
 class StreamRelay:
     """Cuts upstream chunks at event boundaries and relays them; reads the usage event.
+
+    Events are read as the WHATWG spec defines them, whichever of the three line endings
+    the upstream uses (CR and CRLF go out as LF, so the client gets each event as it
+    completes), with `data:` lines with or without their space, and `id`, `event`,
+    `retry` and comment lines. Only a chunk's new bytes are searched for an event's end,
+    and one event may hold at most `max_event_bytes`: past it the upstream has failed
+    (EventTooLarge), and its stream ends as any broken stream does.
 
     One relay serves the client's whole stream: where the stream is continued on another
     backend after its own broke off (gateway/upstream/resume.py), each continuation is a
@@ -98,29 +120,49 @@ class StreamRelay:
         hide_errors: bool = False,
         growth: StreamWatch | None = None,
         resumable: bool = False,
+        endpoint: Endpoint = Endpoint.CHAT,
+        check: UsageCheck | None = None,
+        max_event_bytes: int = MAX_EVENT_BYTES,
+        max_kept_bytes: int = MAX_KEPT_BYTES,
     ) -> None:
         """`hide_errors`: the upstream's error events (an external provider's, which name
         its model and account) are replaced by the gateway's own; the caller logs them.
-        `growth` sees every batch of events before it goes out. `resumable`: the events
-        the client got are kept, so that a stream cut mid-answer can be continued."""
+        `growth` sees every batch of events before it goes out. `resumable`: the answer
+        the client got (of `endpoint`) is kept, so that a stream cut mid-answer can be
+        continued; an answer past `max_kept_bytes` of text is not, from there on. `check`:
+        what the request could have used, which the usage told is checked against (None:
+        taken as told)."""
         self._send = send
         self._growth = growth
         self._swap = swap
         self._keep_usage = keep_usage
         self._recorder = recorder
         self._hide_errors = hide_errors
-        self._pending = b""
+        self._check = check
+        self._max_event = max_event_bytes
+        self._max_kept = max_kept_bytes
+        self._endpoint = endpoint
+        # the bytes of the event under way, and their length; a CR that ended the last
+        # chunk, held until the next shows whether an LF follows it
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._cr = False
         # a resumable stream looks for error events too: one of the upstream's own failing
         # (an engine that died or aborted it) breaks the leg off like a lost connection
         self._notable = _NOTABLE[(keep_usage, hide_errors, resumable)]
         self._broken: str | None = None  # why the upstream's own error event broke the leg
         self._held: bytes | None = None  # a finishing event, until the next event arrives
         self._leg: Leg | None = None  # a continuation's rewriting, from its second leg on
-        self.usage = Usage()
+        self.reported: Any = None  # the last usage object the upstream told
+        self.events = 0  # data events relayed: the gateway's own count of the output
         self.upstream_error = b""  # the error event the upstream sent, hidden from the client
         self.first_byte_at: float | None = None  # Clock time the client got its first byte
-        # what the client got, event batches as sent (only when resumable)
+        # what the client got (only when resumable): its latest event batches as sent, and
+        # the answer in them before those (`partial`)
         self.kept: list[bytes] | None = [] if resumable else None
+        self._kept_bytes = 0
+        self._folded: Partial | None = None
+        self.kept_too_long = False  # it was resumable, until its answer passed the bound
         # output tokens the client got from earlier legs: the usage event's counts are
         # told as the client's, not the continuation's (whose prompt holds them)
         self.carried = 0
@@ -140,7 +182,8 @@ class StreamRelay:
         """Relay a continuation from here on: `leg` rewrites its events as the client's
         stream had them, `carried` output tokens came before it, and `prompt` counts the
         original prompt's tokens, if it has by the time the usage event comes."""
-        self._pending = b""  # the broken leg's unfinished event never reaches the client
+        self._pending, self._pending_bytes = [], 0  # the broken leg's unfinished event is lost
+        self._cr = False
         self._broken = None
         self._leg = leg
         self.carried = carried
@@ -158,6 +201,21 @@ class StreamRelay:
             return None
         return count.result()
 
+    @property
+    def usage(self) -> Usage:
+        """The usage as the gateway takes it (`checked`)."""
+        return self.checked()[0]
+
+    def checked(self) -> tuple[Usage, tuple[str, ...]]:
+        """The usage told, checked against the request; what was corrected."""
+        if self._check is None:
+            return Usage.from_json(self.reported), ()
+        return self._check.check(self.reported, events=self.events)
+
+    def partial(self) -> Partial:
+        """The answer the client got so far (only when resumable)."""
+        return read_partial(self.kept or [], self._endpoint, before=self._folded)
+
     def recorded(self) -> None:
         """The answer ended whole: the recorder may keep it."""
         if self._recorder is not None:
@@ -170,45 +228,93 @@ class StreamRelay:
 
     async def end(self, last: bytes = b"") -> None:
         """Close the client's stream with `last`, what is held going first."""
-        self._pending = b""
+        self._pending, self._pending_bytes = [], 0
         if self._held is not None:
             last = self._outgoing(self._held + b"\n\n") + last
             self._held = None
         await self._send({"type": "http.response.body", "body": last, "more_body": False})
 
-    async def feed(self, chunk: bytes) -> None:
-        data = self._pending + chunk if self._pending else chunk
-        cut = data.rfind(b"\n\n")
-        if cut < 0:
-            self._pending = data
-            return
-        out, self._pending = data[: cut + 2], data[cut + 2 :]
-        await self._emit(out)
+    async def feed(self, chunk: bytes) -> bool:
+        """Relay the events `chunk` completes; whether one of them carried data (progress:
+        a comment, such as a keep-alive ping, is none)."""
+        if self._cr or b"\r" in chunk:
+            chunk = self._lf(chunk)
+        cut = chunk.rfind(b"\n\n")
+        if cut < 0 and chunk[:1] == b"\n" and self._pending and self._pending[-1][-1:] == b"\n":
+            cut = -1  # the blank line began in the chunk before
+        elif cut < 0:
+            if chunk:
+                self._pending.append(chunk)
+                self._pending_bytes += len(chunk)
+                if self._pending_bytes > self._max_event:
+                    raise EventTooLarge(
+                        f"The upstream sent an event longer than {self._max_event} bytes; "
+                        "the response is incomplete."
+                    )
+            return False
+        out = chunk[: cut + 2]
+        if self._pending:
+            out = b"".join(self._pending) + out
+        rest = chunk[cut + 2 :]
+        self._pending, self._pending_bytes = ([rest], len(rest)) if rest else ([], 0)
+        return await self._emit(out)
+
+    def _lf(self, chunk: bytes) -> bytes:
+        """`chunk` with its CRLF and CR line endings as LF; a CR that ends it is held."""
+        if self._cr:
+            chunk = b"\r" + chunk
+            self._cr = False
+        if chunk.endswith(b"\r"):
+            chunk = chunk[:-1]
+            self._cr = True
+        return chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
 
     async def flush(self) -> None:
         """Relay what is left after the upstream's last blank line, treated like the rest,
         and a finishing event still held (the upstream sent nothing after it)."""
+        if self._cr:
+            self._cr = False
+            self._pending.append(b"\n")
         if self._pending:
-            rest, self._pending = self._pending, b""
+            rest = b"".join(self._pending)
+            self._pending, self._pending_bytes = [], 0
             await self._emit(rest)
         if self._held is not None:
             held, self._held = self._outgoing(self._held + b"\n\n"), None
             await self._send({"type": "http.response.body", "body": held, "more_body": True})
 
-    async def _emit(self, out: bytes) -> None:
+    async def _emit(self, out: bytes) -> bool:
         if self._leg is not None:
             out = self._leg.rewrite(out)
         if self._held is not None or self._notable.search(out):
             out = self._rewrite(out)
         out = self._outgoing(out)
+        data = out.count(b"data:")
+        self.events += data
         if self._growth is not None and self._growth.seen(out):
             await self._growth.grow()
         if out:
             if self.kept is not None:
-                self.kept.append(out)
+                self._keep(out)
             await self._send({"type": "http.response.body", "body": out, "more_body": True})
         if self._broken is not None:
             raise UpstreamFailed(self._broken)
+        return data > 0
+
+    def _keep(self, out: bytes) -> None:
+        """Keep `out` for a continuation: past FOLD_BYTES of events, they are folded into
+        the answer so far, and an answer past `max_kept_bytes` is not kept at all."""
+        assert self.kept is not None
+        self.kept.append(out)
+        self._kept_bytes += len(out)
+        if self._kept_bytes <= FOLD_BYTES:
+            return
+        self._folded = self.partial()
+        self.kept.clear()
+        self._kept_bytes = 0
+        if len(self._folded.text) > self._max_kept:
+            self.kept, self._folded = None, None
+            self.kept_too_long = True
 
     def _outgoing(self, out: bytes) -> bytes:
         """`out` as the client gets it (the model name swapped back), shown to the recorder."""
@@ -227,16 +333,18 @@ class StreamRelay:
                 self._broken = "The upstream failed mid-stream; the response is incomplete."
                 kept.append(b"")  # the events before it end as they came, with a blank line
                 break  # what follows it, its [DONE] included, is the broken leg's
-            if self._hide_errors and ERROR_EVENT.match(event):
-                event = self._hidden(event)
+            if self._hide_errors and ERROR_EVENT.search(event):
+                data = event_data(event)
+                if data is not None and ERROR_DATA.match(data):
+                    event = self._hidden(event)
             payload = self._usage_payload(event)
-            if payload is None and event.startswith(b"event: "):
+            if payload is None and b"event:" in event:
                 self._typed_event(event)
             if payload is not None:
-                if self.carried:
+                if self.carried and isinstance(payload["usage"], dict):
                     carry_over(payload["usage"], self.carried, prompt=self._counted())
                     event = b"data: " + orjson.dumps(payload)
-                self.usage = Usage.from_json(payload["usage"])
+                self.reported = payload["usage"]
                 if not self._keep_usage and not payload.get("choices"):
                     if self._held is not None:
                         self._held = _with_fingerprint(self._held, payload)
@@ -257,16 +365,15 @@ class StreamRelay:
         """A typed event (the Responses API's `event: response.*`): the final one
         (`response.completed`, or `.incomplete`, `.failed`) carries the usage inside its
         response object."""
-        head, _, data = event.partition(b"\ndata: ")
-        if head not in FINAL_RESPONSE_EVENTS:
+        kind = next(
+            (line[6:].strip() for line in event.split(b"\n") if line.startswith(b"event:")), b""
+        )
+        if kind not in FINAL_RESPONSE_TYPES:
             return
-        try:
-            payload = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return
-        response = payload.get("response") if isinstance(payload, dict) else None
-        if isinstance(response, dict):
-            self.usage = Usage.from_json(response.get("usage"))
+        payload = event_json(event)
+        response = payload.get("response") if payload is not None else None
+        if isinstance(response, dict) and "usage" in response:
+            self.reported = response["usage"]
 
     def _hidden(self, event: bytes) -> bytes:
         self.upstream_error = event
@@ -274,20 +381,22 @@ class StreamRelay:
 
     @staticmethod
     def _usage_payload(event: bytes) -> dict[str, Any] | None:
-        """The event's JSON when it carries a usage object, else None."""
-        if not event.startswith(b"data: ") or not _USAGE_EVENT.search(event):
+        """The event's JSON when it carries a usage object (or what stands in one's
+        place: the usage told is checked, gateway/upstream/usage.py), else None."""
+        if not _USAGE_EVENT.search(event):
             return None
-        try:
-            payload = orjson.loads(event[6:])
-        except orjson.JSONDecodeError:
-            return None
-        if isinstance(payload, dict) and payload.get("usage"):
+        payload = event_json(event)
+        if payload is not None and payload.get("usage") is not None:
             return payload
         return None
 
 
 class UpstreamFailed(TransportError):
     """The upstream's stream carried an error event of its own failing (a 5xx, or none)."""
+
+
+class EventTooLarge(ProtocolError):
+    """The upstream sent an event longer than the relay's bound, or none that ends."""
 
 
 class Leg(Protocol):
@@ -332,33 +441,51 @@ async def relay_stream(
 ) -> Relayed:
     """Relay one upstream's stream through `relay`, its response already started. An
     upstream that breaks off leaves a resumable relay's stream open (`Relayed.cut`), and
-    ends any other with an error event."""
+    ends any other with an error event. Idle is the time since the last event with data:
+    comments and keep-alive pings are relayed, but show no progress."""
     if relay.first_byte_at is None:
         relay.first_byte_at = clock.monotonic()
     try:
         await relay.feed(first_chunk)
         with Deadline.after(min(idle_s, deadline - clock.monotonic())) as budget:
             async for chunk in chunks:
-                await relay.feed(chunk)
-                budget.push(min(idle_s, deadline - clock.monotonic()))
+                if await relay.feed(chunk):
+                    budget.push(min(idle_s, deadline - clock.monotonic()))
     except (TimeoutError, TransportError, OSError) as exc:
         message = "The upstream stopped responding mid-stream; the response is incomplete."
-        if isinstance(exc, UpstreamFailed):
+        if isinstance(exc, UpstreamFailed | EventTooLarge):
             message = str(exc)
         elif not isinstance(exc, TimeoutError):
             message = f"The upstream connection failed mid-stream: {type(exc).__name__}."
         if relay.kept is not None:
-            return Relayed(relay.usage, relay.first_byte_at, False, cut=StreamCut(relay, message))
+            return _relayed(relay, completed=False, cut=StreamCut(relay, message))
         await relay.flush()
         await relay.end(sse_error_event(message))
-        return Relayed(relay.usage, relay.first_byte_at, False)  # not completed
+        return _relayed(relay, completed=False)
     await relay.flush()
     failed = bool(relay.upstream_error)
     if not failed:
         relay.recorded()
     await relay.end()
+    return _relayed(relay, completed=not failed, upstream_error=relay.upstream_error)
+
+
+def _relayed(
+    relay: StreamRelay,
+    *,
+    completed: bool,
+    cut: StreamCut | None = None,
+    upstream_error: bytes = b"",
+) -> Relayed:
+    usage, flaws = relay.checked()
     return Relayed(
-        relay.usage, relay.first_byte_at, not failed, upstream_error=relay.upstream_error
+        usage,
+        relay.first_byte_at,
+        completed,
+        upstream_error=upstream_error,
+        cut=cut,
+        flaws=flaws,
+        reported=relay.reported,
     )
 
 
@@ -371,12 +498,21 @@ async def send_json_body(
     swap: ModelSwap | None,
     recorder: AnswerRecorder | None,
     clock: Clock,
+    check: UsageCheck | None = None,
+    parsed: Any = None,
 ) -> Relayed:
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        parsed = None
-    usage = Usage.from_json(parsed.get("usage")) if isinstance(parsed, dict) else Usage()
+    """Answer with one JSON document (`parsed` already, where given), its usage read and
+    `check`ed, where given."""
+    if parsed is None:
+        try:
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            parsed = None
+    reported = parsed.get("usage") if isinstance(parsed, dict) else None
+    usage = Usage.from_json(reported)
+    flaws: tuple[str, ...] = ()
+    if check is not None and status == 200:
+        usage, flaws = check.check(reported, events=None)
     if swap is not None:
         body = swap(body)
     all_headers = [*headers, (b"content-length", b"%d" % len(body))]
@@ -385,4 +521,4 @@ async def send_json_body(
         recorder.feed(body)
         recorder.finish(usage)
     await send({"type": "http.response.body", "body": body, "more_body": False})
-    return Relayed(usage, clock.monotonic(), True)
+    return Relayed(usage, clock.monotonic(), True, flaws=flaws, reported=reported)

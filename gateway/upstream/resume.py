@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import orjson
 
 from gateway.request import Endpoint, InferenceRequest
+from gateway.upstream.answer import event_json
 
 # how a request asks for log probabilities, a grammar, or the prompt back
 _LOGPROB_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs")
@@ -95,16 +96,19 @@ class Partial(NamedTuple):
     created: bytes | None
 
 
-def read_partial(kept: list[bytes], endpoint: Endpoint) -> Partial:
-    """The answer so far, from the event batches the client got."""
-    text: list[str] = []
-    tokens = 0
-    finished = False
-    why: str | None = None
-    id_: bytes | None = None
-    created: bytes | None = None
+def read_partial(
+    kept: list[bytes], endpoint: Endpoint, *, before: Partial | None = None
+) -> Partial:
+    """The answer so far, from the event batches the client got (after what it got
+    `before` them, where that was read already)."""
+    text: list[str] = [] if before is None else [before.text]
+    tokens = 0 if before is None else before.tokens
+    finished = before is not None and before.finished
+    why = None if before is None else before.refusal
+    id_ = None if before is None else before.id
+    created = None if before is None else before.created
     for event in b"".join(kept).split(b"\n\n"):
-        payload = _data(event)
+        payload = event_json(event)
         if payload is None:
             continue
         if id_ is None and isinstance(payload.get("id"), str):
@@ -131,16 +135,6 @@ def read_partial(kept: list[bytes], endpoint: Endpoint) -> Partial:
         if choice.get("finish_reason"):
             finished = True
     return Partial("".join(text), tokens, finished, why, id_, created)
-
-
-def _data(event: bytes) -> dict[str, Any] | None:
-    if not event.startswith(b"data:"):
-        return None
-    try:
-        payload = orjson.loads(event[5:])
-    except orjson.JSONDecodeError:
-        return None
-    return payload if isinstance(payload, dict) else None
 
 
 def continued(request: InferenceRequest, partial: Partial) -> InferenceRequest | None:
@@ -236,7 +230,7 @@ class ContinuationLeg:
     def _open(self, out: bytes) -> bytes:
         kept = []
         for event in out.split(b"\n\n"):
-            payload = None if self._opened else _data(event)
+            payload = None if self._opened else event_json(event)
             if payload is not None:
                 if self._own_id is None and isinstance(payload.get("id"), str):
                     self._own_id = orjson.dumps(payload["id"])

@@ -17,7 +17,7 @@ from starlette.types import Send
 
 from gateway.clock import Clock
 from gateway.request import Endpoint
-from gateway.upstream.answer import DONE, SSE_HEADERS, Usage
+from gateway.upstream.answer import DONE, SSE_HEADERS, Usage, event_data
 from gateway.upstream.relay import Relayed
 
 Document = dict[str, Any]
@@ -74,9 +74,10 @@ class CompletionRecorder:
         pieces: list[str] = []
         finish_reason: Any = None
         for event in raw.split(b"\n\n"):
-            if not event.startswith(b"data: ") or event == DONE.strip():
+            data = event_data(event)
+            if data is None or data == b"[DONE]":
                 continue
-            chunk = _parse(event[6:])
+            chunk = _parse(data)
             if chunk is None or "error" in chunk:
                 return None
             choices = chunk.get("choices") or []

@@ -8,7 +8,14 @@ from starlette.types import Message
 from gateway.clock import ManualClock
 from gateway.request import Endpoint
 from gateway.upstream.answer import model_swap
-from gateway.upstream.relay import HIDDEN_ERROR, Relayed, StreamRelay, relay_stream, send_json_body
+from gateway.upstream.relay import (
+    HIDDEN_ERROR,
+    EventTooLarge,
+    Relayed,
+    StreamRelay,
+    relay_stream,
+    send_json_body,
+)
 from gateway.upstream.resume import ContinuationLeg, read_partial
 from tests.vllm_capture import sse
 
@@ -364,3 +371,43 @@ def test_a_continuation_tells_the_prompt_the_backend_counted_for_the_original() 
     assert (guessed.usage.prompt_tokens, guessed.usage.completion_tokens) == (7, 11)
     failed = asyncio.run(go(RuntimeError("no count")))  # a failed count breaks nothing
     assert (failed.usage.prompt_tokens, failed.usage.completion_tokens) == (7, 11)
+
+
+@pytest.mark.parametrize("ending", [b"\r\n", b"\r"], ids=["crlf", "cr"])
+@pytest.mark.parametrize("step", [1, 2, 5, 64])
+def test_every_line_ending_is_read_however_the_chunks_cut_it(ending: bytes, step: int) -> None:
+    """CRLF and CR streams go out as LF, each event whole, wherever a chunk ends (a CR at
+    one chunk's end and its LF at the next's start are one line ending, not two)."""
+    whole = (CHUNK + CHUNK + USAGE + DONE).replace(b"\n", ending)
+    pieces = [whole[i : i + step] for i in range(0, len(whole), step)]
+    out, relay = _run(pieces, keep_usage=True, served="pool")
+    assert out == CHUNK + CHUNK + USAGE + DONE
+    assert relay.usage.total == 18
+
+
+def test_a_data_line_without_its_space_or_after_an_id_line_is_read() -> None:
+    usage = USAGE.replace(b"data: ", b"id: 4\nevent: message\ndata:")
+    out, relay = _run([CHUNK, usage, DONE], keep_usage=False, served="pool")
+    assert relay.usage.total == 18
+    assert b'"usage"' not in out
+
+
+def test_an_event_past_the_bound_fails_the_upstream() -> None:
+    async def go() -> None:
+        relay = StreamRelay(
+            send=_ignore, swap=None, keep_usage=True, recorder=None, max_event_bytes=1000
+        )
+        await relay.feed(CHUNK)
+        for _ in range(20):
+            await relay.feed(b"data: " + b"x" * 100)
+
+    with pytest.raises(EventTooLarge, match="longer than 1000 bytes"):
+        asyncio.run(go())
+
+
+def test_a_comment_is_relayed_but_is_no_progress() -> None:
+    async def go() -> list[bool]:
+        relay = StreamRelay(send=_ignore, swap=None, keep_usage=True, recorder=None)
+        return [await relay.feed(c) for c in (b": ping\n\n", CHUNK, b"data: {", b"}\n\n")]
+
+    assert asyncio.run(go()) == [False, True, False, True]
