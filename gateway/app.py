@@ -41,8 +41,9 @@ from gateway.ratelimit.budget import provider_budgets
 from gateway.shared_mode import SharedMode
 from gateway.slo import Latencies
 from gateway.tasks import start_all
-from gateway.upstream.forward import Forwarder
+from gateway.upstream.forward import AnswerBounds, Forwarder
 from gateway.upstream.pool import UpstreamPool
+from gateway.upstream.usage import Corrections
 from policies.deps import PolicyDeps
 from policies.provider.gate import build_gates
 from policies.registry import answer_recorders, arrival_checks, build_chain, service_counters
@@ -115,7 +116,17 @@ def create_app(
         recorders=answer_recorders(chains),
         arrival_checks=arrival_checks(chains),
         services=service_counters(chains),
-        forwarder=Forwarder(upstream, clock=clock),
+        forwarder=Forwarder(
+            upstream,
+            clock=clock,
+            bounds=AnswerBounds(
+                body_bytes=settings.server.upstream_max_body_bytes,
+                event_bytes=settings.server.upstream_max_event_bytes,
+                kept_bytes=settings.server.upstream_max_kept_bytes,
+            ),
+            corrections=Corrections(metrics.usage_corrections, clock=clock),
+            not_kept=lambda target: metrics.streams_not_kept.labels(target).inc(),
+        ),
         metrics=metrics,
         clock=clock,
         max_body_bytes=settings.server.max_body_bytes,

@@ -186,6 +186,19 @@ class GatewayMetrics:
             "spillgate_upstream_errors", "Failed upstream attempts", ["target", "reason"],
             registry=r,
         )  # fmt: skip
+        self.usage_corrections = Counter(
+            "spillgate_usage_corrections",
+            "Answers whose usage the gateway corrected before charging it, by target and "
+            "reason (gateway/upstream/usage.py): a count missing, not a number, negative, "
+            "zero, or more or less than the request could have used",
+            ["target", "reason"], registry=r,
+        )  # fmt: skip
+        self.streams_not_kept = Counter(
+            "spillgate_streams_not_kept",
+            "Resumable streams whose answer passed server.upstream_max_kept_bytes: from there "
+            "on, a break-off ends them rather than continuing them elsewhere",
+            ["target"], registry=r,
+        )  # fmt: skip
         self.stream_continuations = Counter(
             "spillgate_stream_continuations",
             "Streams continued on another backend after theirs broke off mid-answer, by "

@@ -56,6 +56,34 @@ class ServerSettings(_Model):
         gt=0,
         description="the same bound in header fields, 1xx answers and trailers counted in",
     )
+    upstream_max_body_bytes: int = Field(
+        64 << 20,
+        gt=0,
+        description=(
+            "a bound on an upstream body read whole: an answer not streamed (an embeddings "
+            "batch of 2,048 inputs at 1,024 dimensions is about 40 MiB as JSON), a count from "
+            "`/tokenize`; a refusal of a stream is read up to 64 KiB. Past it the attempt "
+            "fails (a protocol error naming this bound), and is tried on another backend"
+        ),
+    )
+    upstream_max_event_bytes: int = Field(
+        1 << 20,
+        gt=0,
+        description=(
+            "a bound on one server-sent event of an upstream's stream; past it (an event "
+            "that never ends) the stream ends with an error event, or goes on on another "
+            "backend where it can (`continue_streams`), and the backend's failure is counted"
+        ),
+    )
+    upstream_max_kept_bytes: int = Field(
+        1 << 20,
+        gt=0,
+        description=(
+            "the answer's text that a resumable stream keeps to continue from "
+            "(`continue_streams`); a stream past it is no longer continued if its backend "
+            "breaks off (`spillgate_streams_not_kept_total`), and is relayed to its end as before"
+        ),
+    )
 
 
 class TracingSettings(_Model):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import orjson
 from starlette.types import Send
@@ -23,9 +24,17 @@ from gateway.upstream.deadline import Deadline
 from gateway.upstream.http import Response
 from gateway.upstream.http_head import ConnectFailed, ProtocolError, Route, TransportError
 from gateway.upstream.pool import UpstreamPool
-from gateway.upstream.relay import Relayed, StreamRelay, relay_stream, send_json_body
+from gateway.upstream.relay import (
+    MAX_EVENT_BYTES,
+    MAX_KEPT_BYTES,
+    Relayed,
+    StreamRelay,
+    relay_stream,
+    send_json_body,
+)
 from gateway.upstream.resume import count_body
 from gateway.upstream.target import Target
+from gateway.upstream.usage import Corrections, UsageCheck
 
 # Fields some SDKs and proxies read to pick the upstream or its credentials. The gateway
 # alone chooses where a request goes and with which key, so they never travel on.
@@ -43,6 +52,28 @@ UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "iden
 USAGE_OPTION_ENDPOINTS = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
 # a provider's readable success holds one of these: choices, embeddings, a response's output
 ANSWER_KEYS = frozenset({"choices", "data", "output"})
+# what an answer of each endpoint holds, whoever sent it
+ENDPOINT_ANSWER_KEY = {
+    Endpoint.CHAT: "choices",
+    Endpoint.COMPLETIONS: "choices",
+    Endpoint.EMBEDDINGS: "data",
+    Endpoint.RESPONSES: "output",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerBounds:
+    """What the gateway reads of an upstream's answer at most (ServerSettings'
+    `upstream_max_*_bytes`): a body read whole (an answer not streamed, a refusal, a
+    count), one event of a stream, and the text a resumable stream keeps."""
+
+    body_bytes: int = 64 << 20
+    event_bytes: int = MAX_EVENT_BYTES
+    kept_bytes: int = MAX_KEPT_BYTES
+
+
+class BodyTooLarge(ProtocolError):
+    """An upstream's body passed AnswerBounds.body_bytes."""
 
 
 def upstream_body(request: InferenceRequest, model: str) -> bytes:
@@ -104,9 +135,23 @@ COUNT_S = 2.0
 
 
 class Forwarder:
-    def __init__(self, pool: UpstreamPool, *, clock: Clock) -> None:
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        *,
+        clock: Clock,
+        bounds: AnswerBounds = AnswerBounds(),
+        corrections: Corrections | None = None,
+        not_kept: Callable[[str], None] | None = None,
+    ) -> None:
+        """`corrections` counts the usage corrected (gateway/upstream/usage.py), by target;
+        `not_kept` is told the target of each resumable stream whose answer passed
+        `bounds.kept_bytes`."""
         self._pool = pool
         self._clock = clock
+        self._bounds = bounds
+        self._corrections = corrections
+        self._not_kept = not_kept
         # by target name, base and endpoint: a target's headers and timeouts never change
         self._routes: dict[tuple[str, str, str], Route] = {}
 
@@ -144,7 +189,7 @@ class Forwarder:
         try:
             with Deadline.after(COUNT_S):
                 response = await self._pool.post(route, count_body(request, target.model))
-                body = await response.read()
+                body = await _read(response, self._bounds.body_bytes)
         except (TimeoutError, TransportError):
             return None
         finally:
@@ -185,13 +230,14 @@ class Forwarder:
         if deadline is None or deadline > end:
             deadline = end
         swap = model_swap(target.model, public_model)
+        check = UsageCheck.of(request)
         if not request.stream:
-            status, body = await self._whole(
+            status, body, answer = await self._whole(
                 target, request, deadline=deadline, trace_headers=trace_headers
             )
             if target.external:
-                _check_external_body(status, body)
-            return await send_json_body(
+                _check_external_body(status, body, answer)
+            relayed = await send_json_body(
                 body,
                 send=send,
                 status=status,
@@ -199,7 +245,10 @@ class Forwarder:
                 swap=swap,
                 recorder=recorder if status == 200 else None,
                 clock=clock,
+                check=check,
+                parsed=answer,
             )
+            return self._told(target, relayed)
         try:
             with Deadline.after(min(t.first_token, deadline - now)):
                 response = await self._post(target, request, trace_headers)
@@ -213,10 +262,10 @@ class Forwarder:
                 done = response.complete
                 raise _refusal(response)
             if response.status >= 400:
-                body = await self._read_body(response, deadline)
+                body = await self._read_body(response, deadline, idle_s=t.idle)
                 done = True
                 if target.external or relay is not None:  # a continuation: nothing to relay
-                    _check_external_body(response.status, body)
+                    _check_external_body(response.status, body, None)
                 return await send_json_body(
                     body,
                     send=send,
@@ -226,6 +275,13 @@ class Forwarder:
                     recorder=None,
                     clock=clock,
                 )
+            try:
+                if target.external:
+                    _check_encoding(response)  # the rest is read from its first bytes, below
+                else:
+                    _check_stream_head(response)
+            except UnusableAnswer as exc:
+                raise _unavailable(exc, answered=True, target=target) from None
             chunks = aiter(response)
             try:
                 with Deadline.after(min(t.first_token, deadline - clock.monotonic())):
@@ -237,6 +293,7 @@ class Forwarder:
             if target.external:
                 _check_external_first_chunk(first)
             if relay is None:
+                bounds = self._bounds
                 relay = StreamRelay(
                     send=send,
                     swap=swap,
@@ -245,6 +302,10 @@ class Forwarder:
                     hide_errors=target.external,
                     growth=growth,
                     resumable=resumable,
+                    endpoint=request.endpoint,
+                    check=check,
+                    max_event_bytes=bounds.event_bytes,
+                    max_kept_bytes=bounds.kept_bytes,
                 )
                 await relay.start(status=200, headers=[*SSE_HEADERS, *headers])
             relayed = await relay_stream(
@@ -256,7 +317,10 @@ class Forwarder:
                 clock=clock,
             )
             done = relayed.completed
-            return relayed
+            if relay.kept_too_long and self._not_kept is not None:
+                relay.kept_too_long = False  # told once
+                self._not_kept(target.name)
+            return self._told(target, relayed)
         finally:
             # a fully read response gives its connection back; anything else closes it,
             # which is also how an abandoned request is cancelled at the upstream
@@ -265,6 +329,12 @@ class Forwarder:
             else:
                 response.close()
 
+    def _told(self, target: Target, relayed: Relayed) -> Relayed:
+        """`relayed`, its usage's corrections counted against `target`."""
+        if relayed.flaws and self._corrections is not None:
+            self._corrections.report(target.name, relayed.flaws, relayed.reported)
+        return relayed
+
     async def _whole(
         self,
         target: Target,
@@ -272,11 +342,13 @@ class Forwarder:
         *,
         deadline: float,
         trace_headers: Mapping[str, str] | None,
-    ) -> tuple[int, bytes]:
-        """A non-streaming answer, status and body. Its head is its first byte, which vLLM
+    ) -> tuple[int, bytes, Any]:
+        """A non-streaming answer: its status, its body, and its body's JSON where it is a
+        success (a 4xx is relayed as it came). Its head is its first byte, which vLLM
         sends once the whole answer is generated: the head must come within `first_token`,
         and then no gap in the body may exceed `idle`. A backend that holds a request
-        longer has hung, and the request may go elsewhere, as nothing reached the client."""
+        longer has hung, and the request may go elsewhere, as nothing reached the client;
+        so may a success that is not one (`_answer`)."""
         clock = self._clock
         t = target.timeouts
         response: Response | None = None
@@ -286,12 +358,26 @@ class Forwarder:
                 if _refused(response):
                     await self._drain(response, deadline)  # see forward
                     raise _refusal(response)
+                if response.status < 400:
+                    _check_encoding(response)
                 chunks: list[bytes] = []
+                read = 0
+                limit = self._bounds.body_bytes
                 budget.push(min(t.idle, deadline - clock.monotonic()))
                 async for chunk in response:
+                    read += len(chunk)
+                    if read > limit:
+                        raise _too_large(limit)
                     chunks.append(chunk)
                     budget.push(min(t.idle, deadline - clock.monotonic()))
-                return response.status, b"".join(chunks)
+                body = b"".join(chunks)
+                try:
+                    answer = _answer(response.status, body, request.endpoint)
+                except UnusableAnswer:
+                    if not target.external:
+                        raise
+                    answer = None  # a provider's: told with its body (_check_external_body)
+                return response.status, body, answer
         except (TimeoutError, TransportError) as exc:
             raise _unavailable(exc, answered=response is not None, target=target) from None
         finally:
@@ -310,18 +396,86 @@ class Forwarder:
         except (TimeoutError, TransportError):
             return
 
-    async def _read_body(self, response: Response, deadline: float) -> bytes:
+    async def _read_body(self, response: Response, deadline: float, *, idle_s: float) -> bytes:
+        """A refusal of a stream (a 4xx with its JSON error), read under the idle timer."""
+        clock = self._clock
+        chunks: list[bytes] = []
+        read = 0
+        limit = min(self._bounds.body_bytes, REFUSAL_BODY_MAX)
         try:
-            with Deadline.after(deadline - self._clock.monotonic()):
-                return await response.read()
+            with Deadline.after(min(idle_s, deadline - clock.monotonic())) as budget:
+                async for chunk in response:
+                    read += len(chunk)
+                    if read > limit:
+                        raise _too_large(limit)
+                    chunks.append(chunk)
+                    budget.push(min(idle_s, deadline - clock.monotonic()))
         except (TimeoutError, TransportError) as exc:
             raise _unavailable(exc, answered=True, target=None) from None
+        return b"".join(chunks)
+
+
+async def _read(response: Response, limit: int) -> bytes:
+    """`response`'s whole body, BodyTooLarge past `limit` bytes."""
+    chunks: list[bytes] = []
+    read = 0
+    async for chunk in response:
+        read += len(chunk)
+        if read > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> BodyTooLarge:
+    return BodyTooLarge(f"a body past {limit} bytes (server.upstream_max_body_bytes)")
+
+
+def _check_encoding(response: Response) -> None:
+    """Answers are asked for uncompressed (UPSTREAM_HEADERS) and relayed as they come: one
+    compressed anyway would reach the client as bytes labelled JSON or events."""
+    encoding = response.headers.get(b"content-encoding", b"identity").strip().lower()
+    if encoding != b"identity":
+        raise UnusableAnswer(f"content-encoding {encoding.decode('latin-1')[:40]!r}")
+
+
+def _check_stream_head(response: Response) -> None:
+    """A stream's success: events, uncompressed."""
+    if response.status != 200:
+        raise UnusableAnswer(f"status {response.status}: not an answer")
+    _check_encoding(response)
+    kind = response.headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+    if kind != b"text/event-stream":
+        raise UnusableAnswer(f"not an event stream: content-type {kind.decode('latin-1')[:60]!r}")
+
+
+def _answer(status: int, body: bytes, endpoint: Endpoint) -> Any:
+    """A success's JSON: an OpenAI answer for `endpoint`, UnusableAnswer otherwise (an HTML
+    page, JSON that is not an answer); None for a refusal (4xx), relayed as it came."""
+    if status >= 400:
+        return None
+    if status != 200:
+        raise UnusableAnswer(f"status {status}: not an answer")
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise UnusableAnswer("a 200 that is not JSON") from None
+    key = ENDPOINT_ANSWER_KEY.get(endpoint)
+    if not isinstance(answer, dict) or (key is not None and key not in answer):
+        raise UnusableAnswer(f"a 200 that is not an answer of {endpoint}")
+    return answer
+
+
+class UnusableAnswer(ProtocolError):
+    """A success that is none: not JSON, not an answer of its endpoint, compressed."""
 
 
 def _unavailable(exc: Exception, *, answered: bool, target: Target | None) -> UpstreamUnavailable:
     """A timeout or connection error before the answer's head arrived, or while its body
     was read (`answered`), as the failure the caller may try elsewhere."""
     timed_out = isinstance(exc, TimeoutError)
+    if isinstance(exc, ProtocolError):  # what the upstream broke: a bound, bad HTTP, junk
+        return UpstreamUnavailable(f"{type(exc).__name__}: {exc}")
     if answered:
         return UpstreamUnavailable(f"body not read: {type(exc).__name__}", timed_out=timed_out)
     if timed_out:
@@ -329,8 +483,6 @@ def _unavailable(exc: Exception, *, answered: bool, target: Target | None) -> Up
     if isinstance(exc, ConnectFailed) and target is not None:
         why = unreachable_reason(target.api_base.removesuffix("/v1"), exc.os_error)
         return UpstreamUnavailable(f"{type(exc).__name__}: {why}", unreachable=why)
-    if isinstance(exc, ProtocolError):  # what the upstream broke: a bound, bad HTTP
-        return UpstreamUnavailable(f"{type(exc).__name__}: {exc}")
     return UpstreamUnavailable(type(exc).__name__)
 
 
@@ -360,14 +512,10 @@ def _refusal(response: Response) -> UpstreamUnavailable:
 _ERROR_EVENT = re.compile(rb'\s*data:\s*\{\s*"error"\s*:')
 
 
-def _check_external_body(status: int, body: bytes) -> None:
+def _check_external_body(status: int, body: bytes, answer: Any) -> None:
     """A provider's refusal (any status but 200), or a 200 that is not a JSON answer."""
     if status != 200:
         raise UpstreamUnavailable(f"status {status}", status=status, detail=body)
-    try:
-        answer = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        answer = None
     if not isinstance(answer, dict) or "error" in answer or ANSWER_KEYS.isdisjoint(answer):
         raise UpstreamUnavailable("bad body", status=status, detail=body)
 

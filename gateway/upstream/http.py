@@ -24,7 +24,8 @@ cancelled upstream: the server sees the connection go.
 What it does with an upstream that answers in ways it should not:
 
 - informational answers (1xx) before the answer are skipped (RFC 9110 §15.2); a 101 is a
-  ProtocolError, as nothing asked to switch protocols;
+  ProtocolError, as nothing asked to switch protocols, and so is a status outside 100 to
+  599 (`099` is no informational answer) or a transfer coding other than `chunked`;
 - an answer's heads (informational ones included) and its trailers hold at most
   `max_header_bytes` of names and values and `max_headers` fields between them (Envoy's
   60 KiB and 100); past either, ProtocolError, and the connection closes. Trailers are
@@ -302,11 +303,18 @@ class Connection(asyncio.Protocol):
         if response is None or head is None:
             return
         status = self._parser.get_status_code()
+        if not 100 <= status <= 599:  # RFC 9110 §15: three digits, 1 to 5 first
+            raise ProtocolError(f"the upstream answered with status {status}, which is none")
         if status < 200:
             if status == 101:
                 raise ProtocolError("the upstream switched protocols, which nothing asked for")
             response.headers.clear()  # an informational answer's: the answer follows
             return
+        coding = response.headers.get(b"transfer-encoding")
+        if coding is not None and coding.strip().lower() != b"chunked":
+            # h11's rule: a body is chunked or of a stated length; a coding the gateway did
+            # not ask for (`gzip, chunked`) would reach the client as bytes it cannot read
+            raise ProtocolError("the upstream's transfer-encoding is not just chunked")
         response.status = status
         if not head.done():
             head.set_result(response)

@@ -154,14 +154,16 @@ class Post:
     body: dict[str, Any]
 
 
-# what to write back to a POST; None: close the connection without a word
-Answer = Callable[[Post], bytes | None]
+# what to write back to a POST: its bytes, or pieces to write one by one as they come
+# (an answer that takes its time); None: close the connection without a word
+Answer = Callable[[Post], bytes | AsyncIterator[bytes] | None]
 
 
 class Backend:
     """A backend for the gateway, on a thread of its own: a GET (the gateway's probes)
     gets a 404, which the gateway does not hold against a backend; a POST gets what
-    `answer` returns. Keeps every POST, and counts the connections POSTs came on."""
+    `answer` returns (written as it comes, where it is an async iterator). Keeps every
+    POST, and counts the connections POSTs came on."""
 
     def __init__(self, answer: Answer) -> None:
         self.answer = answer
@@ -222,8 +224,13 @@ class Backend:
                 answer = self.answer(post)
                 if answer is None:
                     break
-                writer.write(answer)
-                await writer.drain()
+                if isinstance(answer, bytes):
+                    writer.write(answer)
+                    await writer.drain()
+                    continue
+                async for piece in answer:
+                    writer.write(piece)
+                    await writer.drain()
         writer.close()
 
 

@@ -4,23 +4,16 @@ gateway runs on asyncio's loop and on uvloop's (the `loop` fixture)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-import uvloop
 
-from gateway.app import create_app
-from gateway.config import parse_settings
-from tests.support.fleet import ADMIN_TOKEN, admin_status, tenant
-from tests.support.harness import ServerThread
+from tests.support import hostile
+from tests.support.fleet import admin_status
 from tests.support.metrics import text_sum
 from tests.support.raw_server import Backend, Post, chat_answer, refusal
-
-KEY = "sk-hostile-test-key"
 
 
 @pytest.fixture(params=["asyncio", "uvloop"])
@@ -28,36 +21,13 @@ def loop(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@contextlib.contextmanager
-def gateway_before(backend: Backend, loop: str) -> Iterator[str]:
-    """The gateway under uvicorn, on `loop`'s event loop, with one backend; its URL.
-    ServerThread runs `asyncio.run`, which makes its loop by the policy in force as the
-    thread starts."""
-    settings = parse_settings({
-        "tenants": [tenant("acme", KEY)],
-        "pools": [{
-            "name": "big",
-            # a fixed capacity: the gateway probes /health, and needs no /metrics
-            "backends": [{"url": backend.url, "served_model": "m", "capacity": 65_536}],
-        }],
-    })  # fmt: skip
-    app = create_app(settings, environ={"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN})
-    policy = asyncio.get_event_loop_policy()
-    if loop == "uvloop":
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    try:
-        server = ServerThread(app).start()
-    finally:
-        asyncio.set_event_loop_policy(policy)
-    try:
-        yield server.url
-    finally:
-        server.stop()
+def gateway_before(backend: Backend, loop: str) -> contextlib.AbstractContextManager[str]:
+    return hostile.gateway_before(backend, loop=loop)
 
 
 def chat(url: str, *, stream: bool) -> str:
     """A chat completion through the official client: the answer's text."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=10)
+    client = hostile.client(url)
     messages: list[openai.types.chat.ChatCompletionMessageParam] = [
         {"role": "user", "content": "hi"}
     ]

@@ -1,0 +1,502 @@
+"""Nothing a backend says can poison the gateway: the content of its answers (usage, event
+framing, sizes, pings, junk successes), as the official client sees it through the
+gateway, on asyncio's loop and on uvloop's. Each backend is a real server on loopback that
+answers that way (tests/support/raw_server.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from tests.support.fleet import admin_status
+from tests.support.hostile import KEY, OTHER_KEY, client, gateway_before
+from tests.support.metrics import metric_sum
+from tests.support.raw_server import SSE_HEAD, Backend, Post, chat_answer
+
+MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def loop(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _chunk(model: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-p",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": model,
+        **fields,
+    }
+
+
+def json_answer(post: Post, *, usage: Any, content: str = "Hello there") -> bytes:
+    body = orjson.dumps({
+        "id": "chatcmpl-p", "object": "chat.completion", "created": 1, "model": post.body["model"],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                     "finish_reason": "stop"}],
+        "usage": usage,
+    })  # fmt: skip
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+    return head % len(body) + body
+
+
+def sse_events(post: Post, *, tokens: list[str], usage: Any) -> list[dict[str, Any]]:
+    model = post.body["model"]
+    events = [_chunk(model, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}}])]
+    events += [_chunk(model, choices=[{"index": 0, "delta": {"content": t}}]) for t in tokens]
+    events.append(_chunk(model, choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}]))
+    events.append(_chunk(model, choices=[], usage=usage))
+    return events
+
+
+def chunked(pieces: list[bytes], *, head: bytes | None = None) -> bytes:
+    head = head or (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    return head + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces if p) + b"0\r\n\r\n"
+
+
+def sse_answer(post: Post, *, tokens: list[str], usage: Any) -> bytes:
+    events = sse_events(post, tokens=tokens, usage=usage)
+    return chunked([b"data: " + orjson.dumps(e) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"])
+
+
+def chat(url: str, *, stream: bool, key: str = KEY, **extra: Any) -> str:
+    ask = client(url, key=key)
+    if not stream:
+        answer = ask.chat.completions.create(model="big", messages=MESSAGES, **extra)
+        return answer.choices[0].message.content or ""
+    events = ask.chat.completions.create(model="big", messages=MESSAGES, stream=True, **extra)
+    return "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+
+
+def raw_stream(url: str, **body: Any) -> bytes:
+    """A streamed chat's bytes as the client gets them, whatever they are."""
+    payload = {"model": "big", "messages": MESSAGES, "stream": True, **body}
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json=payload, timeout=30,
+        headers={"authorization": f"Bearer {KEY}"},
+    ) as response:  # fmt: skip
+        return b"".join(response.iter_bytes())
+
+
+def rss() -> int:
+    """This process's resident memory, in bytes (the gateway runs in one of its threads)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def corrections(url: str, reason: str) -> float:
+    return metric_sum(url, "spillgate_usage_corrections_total", target="big-0", reason=reason)
+
+
+def errors(url: str, target: str = "big-0") -> float:
+    return metric_sum(url, "spillgate_upstream_errors_total", target=target)
+
+
+def in_flight(url: str) -> int:
+    return sum(b["tokens_in_flight"] for p in admin_status(url)["pools"] for b in p["backends"])
+
+
+# -- usage is evidence, not truth
+
+
+@pytest.mark.parametrize("told", [10**18, 1e300], ids=["1e18", "1e300"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_huge_usage_leaves_the_tenant_admitted(loop: str, told: Any, stream: bool) -> None:
+    """The backend says it generated 10**18 tokens for an 8-token request: the tenant's
+    next requests are admitted (the count is bounded by max_tokens), and the correction
+    is counted against the backend."""
+    usage = {"prompt_tokens": 3, "completion_tokens": told, "total_tokens": told}
+
+    def answer(post: Post) -> bytes:
+        if post.body.get("stream"):
+            return sse_answer(post, tokens=["Hello", " there"], usage=usage)
+        return json_answer(post, usage=usage)
+
+    with (
+        Backend(answer) as backend,
+        gateway_before(backend, loop=loop, limits={"tokens_per_minute": 100_000}) as url,
+    ):
+        texts = [chat(url, stream=stream, max_tokens=8) for _ in range(3)]
+        corrected = corrections(url, "completion_too_large")
+        completion = metric_sum(url, "spillgate_tokens_total", target="big-0", kind="completion")
+    assert texts == ["Hello there"] * 3
+    assert corrected == 3
+    assert completion == 3 * 8
+
+
+@pytest.mark.parametrize(
+    "told", [-5, "lots", [5], {"n": 1}, None], ids=["negative", "text", "list", "object", "null"]
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_usage_that_is_no_count_is_answered_and_metrics_stay_readable(
+    loop: str, told: Any, stream: bool
+) -> None:
+    """Negative or non-numeric counts: the answer reaches the client whole (a stream ends
+    with [DONE]), /metrics still answers, and nothing is left reserved."""
+    usage = {"prompt_tokens": told, "completion_tokens": told, "total_tokens": told}
+
+    def answer(post: Post) -> bytes:
+        if post.body.get("stream"):
+            return sse_answer(post, tokens=["Hello", " there"], usage=usage)
+        return json_answer(post, usage=usage)
+
+    with Backend(answer) as backend, gateway_before(backend, loop=loop) as url:
+        if stream:
+            raw = raw_stream(url)
+            assert raw.rstrip().endswith(b"data: [DONE]") and b"Hello" in raw
+        else:
+            assert chat(url, stream=False) == "Hello there"
+        scraped = httpx.get(f"{url}/metrics", timeout=10)
+        left = in_flight(url)
+    assert scraped.status_code == 200
+    assert left == 0
+
+
+@pytest.mark.parametrize(
+    "usage", [{}, {"prompt_tokens": 0, "completion_tokens": 0}], ids=["empty", "zeros"]
+)
+def test_a_usage_of_nothing_is_no_refund(loop: str, usage: dict[str, Any]) -> None:
+    """A backend that says its answers cost nothing: the tenant is charged its reservation,
+    so a tokens_per_minute of 2,000 admits about four requests of max_tokens 500, not all."""
+
+    def answer(post: Post) -> bytes:
+        return json_answer(post, usage=usage)
+
+    with (
+        Backend(answer) as backend,
+        gateway_before(backend, loop=loop, limits={"tokens_per_minute": 2_000}) as url,
+    ):
+        statuses = []
+        for _ in range(12):
+            try:
+                chat(url, stream=False, max_tokens=500)
+                statuses.append(200)
+            except openai.RateLimitError:
+                statuses.append(429)
+    assert statuses.count(200) <= 4
+    assert statuses.count(429) >= 8
+
+
+def test_a_stream_told_to_cost_nothing_is_charged_its_events(loop: str) -> None:
+    """300 tokens streamed, usage says 0: the gateway counts the events it relayed."""
+
+    def answer(post: Post) -> bytes:
+        usage = {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+        return sse_answer(post, tokens=["x"] * 300, usage=usage)
+
+    with Backend(answer) as backend, gateway_before(backend, loop=loop) as url:
+        assert chat(url, stream=True) == "x" * 300
+        completion = metric_sum(url, "spillgate_tokens_total", target="big-0", kind="completion")
+        corrected = corrections(url, "completion_zero")
+    assert completion >= 300 - 14
+    assert corrected == 1
+
+
+# -- every SSE dialect
+
+
+def _dialect(kind: str) -> Callable[[bytes], bytes]:
+    """How one event (its data line and blank line, LF-ended) goes out in `kind`."""
+    return {
+        "crlf": lambda e: e.replace(b"\n", b"\r\n"),
+        "cr": lambda e: e.replace(b"\n", b"\r"),
+        "no-space": lambda e: e.replace(b"data: ", b"data:"),
+        "id-first": lambda e: b"id: 7\nevent: message\n" + e,
+        "comments": lambda e: b": ping\n\n" + e,
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", ["crlf", "cr", "no-space", "id-first", "comments"])
+def test_every_sse_dialect_streams_as_it_comes_and_its_usage_is_read(loop: str, kind: str) -> None:
+    """The backend holds the rest of its stream until the client has the first token: a
+    gateway that waited for the end would never deliver it. Its usage (7) is what is
+    counted, and the usage chunk does not reach a client that did not ask for it."""
+    first_seen = threading.Event()
+    shape = _dialect(kind)
+    usage = {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
+
+    async def answer_async(post: Post) -> AsyncIterator[bytes]:
+        events = sse_events(post, tokens=["Hello", " there"], usage=usage)
+        lines = [shape(b"data: " + orjson.dumps(e) + b"\n\n") for e in events]
+        lines.append(shape(b"data: [DONE]\n\n"))
+        yield SSE_HEAD
+        for i, line in enumerate(lines):
+            if i == 2:
+                await asyncio.to_thread(first_seen.wait, 10)
+            yield b"%x\r\n%s\r\n" % (len(line), line)
+        yield b"0\r\n\r\n"
+
+    def answer(post: Post) -> AsyncIterator[bytes]:
+        return answer_async(post)
+
+    with Backend(answer) as backend, gateway_before(backend, loop=loop) as url:
+        ask = client(url)
+        events = ask.chat.completions.create(model="big", messages=MESSAGES, stream=True)
+        text, usages = [], []
+        for event in events:
+            if event.choices and event.choices[0].delta.content:
+                text.append(event.choices[0].delta.content)
+                first_seen.set()
+            if event.usage is not None:
+                usages.append(event.usage)
+        completion = metric_sum(url, "spillgate_tokens_total", target="big-0", kind="completion")
+    assert "".join(text) == "Hello there"
+    assert usages == []
+    assert completion == 7
+
+
+def test_an_event_that_never_ends_is_cut_at_the_bound(loop: str) -> None:
+    """48 MB with no blank line: the client gets an error event naming the bound, the
+    gateway holds no more than about the bound, and the backend's failure is counted."""
+    rise: list[int] = []
+
+    async def answer_async(post: Post) -> AsyncIterator[bytes]:
+        yield SSE_HEAD
+        first = (
+            b"data: "
+            + orjson.dumps(_chunk("m", choices=[{"index": 0, "delta": {"content": "a"}}]))
+            + b"\n\n"
+        )
+        yield b"%x\r\n%s\r\n" % (len(first), first)
+        before = rss()
+        piece = b"data: " + b"x" * (1 << 20)
+        try:
+            for _ in range(48):
+                yield b"%x\r\n%s\r\n" % (len(piece), piece)
+        finally:
+            rise.append(rss() - before)
+
+    def answer(post: Post) -> AsyncIterator[bytes]:
+        return answer_async(post)
+
+    with Backend(answer) as backend, gateway_before(
+        backend, loop=loop, server={"upstream_max_event_bytes": 4 << 20},
+        pool={"continue_streams": 0},
+    ) as url:  # fmt: skip
+        raw = raw_stream(url)
+        failed = errors(url)
+    assert b"longer than 4194304 bytes" in raw
+    assert raw.rstrip().endswith(b"data: [DONE]")
+    assert failed == 1
+    assert rise and rise[0] < 32 << 20
+
+
+def test_a_resumable_stream_past_its_kept_bound_is_relayed_whole_and_not_kept(loop: str) -> None:
+    """A backend that ignores max_tokens and streams 16 MB: the client gets all of it, the
+    gateway keeps no more of it than the bound, and says it stopped keeping it."""
+    rise: list[int] = []
+    piece = "y" * 4096
+
+    async def answer_async(post: Post) -> AsyncIterator[bytes]:
+        yield SSE_HEAD
+        before = rss()
+        for _ in range(4096):
+            line = (
+                b"data: "
+                + orjson.dumps(_chunk("m", choices=[{"index": 0, "delta": {"content": piece}}]))
+                + b"\n\n"
+            )
+            yield b"%x\r\n%s\r\n" % (len(line), line)
+        rise.append(rss() - before)
+        done = b"data: [DONE]\n\n"
+        yield b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done)
+
+    def answer(post: Post) -> AsyncIterator[bytes]:
+        return answer_async(post)
+
+    with (
+        Backend(answer) as backend,
+        gateway_before(backend, loop=loop, server={"upstream_max_kept_bytes": 256 * 1024}) as url,
+    ):
+        got = 0
+        with httpx.stream(
+            "POST", f"{url}/v1/chat/completions", timeout=60,
+            json={"model": "big", "messages": MESSAGES, "stream": True},
+            headers={"authorization": f"Bearer {KEY}"},
+        ) as response:  # fmt: skip
+            for data in response.iter_bytes():
+                got += data.count(b"y")  # no other y in the events
+        dropped = metric_sum(url, "spillgate_streams_not_kept_total", target="big-0")
+    assert got == 4096 * len(piece)
+    assert dropped == 1
+    assert rise and rise[0] < 8 << 20
+
+
+# -- every body read has a bound
+
+
+def test_a_body_past_its_bound_is_a_502_naming_it(loop: str) -> None:
+    """A 128 MB answer to a request not streamed: a 502 that names the bound, and the
+    gateway read no more than the bound of it."""
+    rise: list[int] = []
+    size = 128 << 20
+
+    async def answer_async(post: Post) -> AsyncIterator[bytes]:
+        yield (
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+            % size
+        )
+        before = rss()
+        piece = b" " * (1 << 20)
+        try:
+            for _ in range(128):
+                yield piece
+        finally:
+            rise.append(rss() - before)
+
+    def answer(post: Post) -> AsyncIterator[bytes]:
+        return answer_async(post)
+
+    with (
+        Backend(answer) as backend,
+        gateway_before(backend, loop=loop, server={"upstream_max_body_bytes": 8 << 20}) as url,
+        pytest.raises(openai.APIStatusError) as refused,
+    ):
+        chat(url, stream=False)
+    assert refused.value.status_code == 502
+    assert "upstream_max_body_bytes" in refused.value.message
+    assert rise and rise[0] < 32 << 20
+
+
+# -- idle means no progress
+
+
+def test_a_backend_that_only_pings_is_idle(loop: str) -> None:
+    """A hung engine that sends `: ping` every 0.1 s after its first token: the stream
+    ends at the idle timeout (1 s), not the total (60 s), and its reservation is freed."""
+
+    async def answer_async(post: Post) -> AsyncIterator[bytes]:
+        yield SSE_HEAD
+        first = (
+            b"data: "
+            + orjson.dumps(_chunk("m", choices=[{"index": 0, "delta": {"content": "a"}}]))
+            + b"\n\n"
+        )
+        yield b"%x\r\n%s\r\n" % (len(first), first)
+        for _ in range(600):
+            await asyncio.sleep(0.1)
+            yield b"8\r\n: ping\n\n\r\n"
+
+    def answer(post: Post) -> AsyncIterator[bytes]:
+        return answer_async(post)
+
+    timeouts = {"idle": 1.0, "total": 60.0}
+    with (
+        Backend(answer) as backend,
+        gateway_before(
+            backend, loop=loop, pool={"timeouts": timeouts, "continue_streams": 0}
+        ) as url,
+    ):
+        began = time.monotonic()
+        raw = raw_stream(url)
+        took = time.monotonic() - began
+        left = in_flight(url)
+    assert b"stopped responding" in raw
+    assert took < 30
+    assert left == 0
+
+
+def test_a_stalled_refusal_body_is_read_under_the_idle_timer(loop: str) -> None:
+    """A 400 to a stream whose body stops after 10 of its 100 bytes: the client is
+    answered at the idle timeout (1 s), not the total (60 s)."""
+
+    async def answer_async(post: Post) -> AsyncIterator[bytes]:
+        yield b"HTTP/1.1 400 Bad\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
+        yield b'{"error":{'
+        await asyncio.sleep(60)
+
+    def answer(post: Post) -> AsyncIterator[bytes]:
+        return answer_async(post)
+
+    timeouts = {"idle": 1.0, "total": 60.0}
+    with (
+        Backend(answer) as backend,
+        gateway_before(backend, loop=loop, pool={"timeouts": timeouts}) as url,
+    ):
+        began = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as refused:
+            chat(url, stream=True)
+        took = time.monotonic() - began
+    assert refused.value.status_code in (502, 504)
+    assert took < 30
+
+
+# -- a junk 200 is a failure
+
+
+def _html(post: Post) -> bytes:
+    body = b"<html><body>Welcome to nginx!</body></html>"
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: %d\r\n\r\n" % len(body)
+        + body
+    )
+
+
+def _gzipped(post: Post) -> bytes:
+    answer = chat_answer(post)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    if post.body.get("stream"):
+        return head + b"\r\ncontent-encoding: gzip\r\n\r\n" + body
+    packed = gzip.compress(body)
+    head = head.replace(b"content-length: %d" % len(body), b"content-length: %d" % len(packed))
+    return head + b"\r\ncontent-encoding: gzip\r\n\r\n" + packed
+
+
+def _gzip_chunked(post: Post) -> bytes:
+    packed = gzip.compress(b'{"choices":[]}')
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: gzip, chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n0\r\n\r\n"
+        % (len(packed), packed)
+    )
+
+
+def _not_an_answer(body: bytes) -> Callable[[Post], bytes]:
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+    return lambda post: head % len(body) + body
+
+
+def _status_099(post: Post) -> bytes:
+    return b"HTTP/1.1 099 Odd\r\ncontent-length: 5\r\n\r\nJUNK!" + chat_answer(post)
+
+
+JUNK = {
+    "html": _html,
+    "gzip": _gzipped,
+    "gzip-chunked": _gzip_chunked,
+    "result-ok": _not_an_answer(b'{"result":"ok"}'),
+    "list": _not_an_answer(b"[1,2,3]"),
+    "status-099": _status_099,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("kind", list(JUNK))
+def test_a_junk_success_is_the_backends_failure(loop: str, kind: str, stream: bool) -> None:
+    """The first backend answers junk with a 200; the request goes to the second, the
+    client gets its answer, and the junk is counted against the first."""
+    with (
+        Backend(JUNK[kind]) as junk,
+        Backend(chat_answer) as good,
+        gateway_before(junk, good, loop=loop) as url,
+    ):
+        texts = [chat(url, stream=stream, key=key) for key in (KEY, OTHER_KEY, KEY, OTHER_KEY)]
+        failed = errors(url, "big-0")
+    assert texts == ["Hello there"] * 4
+    assert failed >= 1
+    assert len(junk.posts) == failed
