@@ -34,7 +34,14 @@ class Timeouts(_Model):
         ),
     )
     idle: float = Field(
-        30.0, gt=0, description="the longest gap between chunks of a body after its first byte"
+        30.0,
+        gt=0,
+        description=(
+            "the longest gap in an answer after its first byte: between chunks of a body, "
+            "between events with data in a stream (comments and keep-alive pings, such as "
+            "`: ping`, relay but do not count as progress: a hung engine that only pings is "
+            "idle)"
+        ),
     )
     total: float = Field(600.0, gt=0, description="the whole request, all attempts together")
 

@@ -71,7 +71,8 @@ def test_a_misspelt_key_is_refused_with_the_key_it_resembles() -> None:
         "gw.yaml: server.prot: unknown key 'prot'; did you mean 'port'?",
         "gw.yaml: server.zzz: unknown key 'zzz' (known: host, port, max_body_bytes, "
         "max_header_bytes, request_read_timeout_s, admin_token_env, upstream_max_connections, "
-        "upstream_max_header_bytes, upstream_max_headers)",
+        "upstream_max_header_bytes, upstream_max_headers, upstream_max_body_bytes, "
+        "upstream_max_event_bytes, upstream_max_kept_bytes)",
     ]
 
 
