@@ -55,6 +55,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "loadtest.bench.tokenize",
         "what tokenizing a prompt for the KV-events index costs the request path",
     ),
+    "hostile": (
+        "loadtest.bench.hostile",
+        "one tenant timed while another's upstream sends an event that never ends",
+    ),
     "soak": ("loadtest.soak", "minutes of mixed load with faults injected, resources sampled"),
     "tools": ("loadtest.tools.run", "guidellm and inference-perf, direct and through the gateway"),
 }
