@@ -37,6 +37,7 @@ from loadtest.procs import free_port, wait_for_port
 TIMED_KEY, HOSTILE_KEY = "sk-bench-timed", "sk-bench-hostile"
 EVENT_MB = 128
 TARGET_RATIO, TARGET_RISE_MB = 1.5, 32
+UNLIMITED = {"requests_per_minute": 10**9, "tokens_per_minute": 10**12}
 
 
 async def _hostile_server(port: int, megabytes: int) -> None:
@@ -75,8 +76,8 @@ def _config(sim: str, hostile: str, port: int) -> dict[str, Any]:
     return {
         "server": {"host": "127.0.0.1", "port": port},
         "tenants": [
-            {"name": "timed", "key_sha256": hash_key(TIMED_KEY)},
-            {"name": "hostile", "key_sha256": hash_key(HOSTILE_KEY)},
+            {"name": "timed", "key_sha256": hash_key(TIMED_KEY), **UNLIMITED},
+            {"name": "hostile", "key_sha256": hash_key(HOSTILE_KEY), **UNLIMITED},
         ],
         "pools": [
             {"name": "sim", "backends": [{"url": sim, "served_model": "sim", "capacity": 1 << 20}]},
