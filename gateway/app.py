@@ -43,7 +43,7 @@ from gateway.slo import Latencies
 from gateway.tasks import start_all
 from gateway.upstream.forward import AnswerBounds, Forwarder
 from gateway.upstream.pool import UpstreamPool
-from gateway.upstream.usage import Corrections
+from gateway.upstream.usage import AnswerFlaws
 from policies.deps import PolicyDeps
 from policies.provider.gate import build_gates
 from policies.registry import answer_recorders, arrival_checks, build_chain, service_counters
@@ -124,8 +124,11 @@ def create_app(
                 event_bytes=settings.server.upstream_max_event_bytes,
                 kept_bytes=settings.server.upstream_max_kept_bytes,
             ),
-            corrections=Corrections(metrics.usage_corrections, clock=clock),
-            not_kept=lambda target: metrics.streams_not_kept.labels(target).inc(),
+            flaws=AnswerFlaws(
+                corrections=metrics.usage_corrections,
+                not_kept=metrics.streams_not_kept,
+                clock=clock,
+            ),
         ),
         metrics=metrics,
         clock=clock,

@@ -57,10 +57,11 @@ class Growth:
         """The output tokens of the longest choice so far."""
         return max(self._counts)
 
-    def seen(self, out: bytes) -> bool:
-        """Count the events of `out`; whether the reservation must grow now."""
+    def seen(self, out: bytes, events: int | None = None) -> bool:
+        """Count the events of `out` (`events` of them, where the relay counted them
+        already); whether the reservation must grow now."""
         if self._sequences == 1:
-            self._counts[0] += out.count(b"data:")
+            self._counts[0] += out.count(b"data:") if events is None else events
         else:
             for index in _CHOICE.findall(out):
                 i = int(index)

@@ -126,7 +126,7 @@ class Settlement:
         service = self.services.get(served.pool)
         if service is not None:
             service.settled(request, usage.prompt_tokens, usage.completion_tokens)
-        if relayed.flaws:
+        if relayed.corrected is not None:
             return  # a usage the gateway corrected teaches nothing (gateway/upstream/usage.py)
         pool.estimator.observe(prompt_chars=request.prompt_chars, prompt_tokens=usage.prompt_tokens)
         if relayed.completed:

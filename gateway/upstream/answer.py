@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,21 +40,32 @@ class Usage:
             prompt, completion = usage["input_tokens"], usage.get("output_tokens")
         else:
             prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        return cls(prompt_tokens=_count(prompt), completion_tokens=_count(completion), known=True)
+        return cls(
+            prompt_tokens=max(0, token_count(prompt) or 0),
+            completion_tokens=max(0, token_count(completion) or 0),
+            known=True,
+        )
 
     @property
     def total(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
 
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+def token_count(value: Any) -> int | None:
+    """`value` as a whole number, if it is one (JSON may write `5.0`); None otherwise."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return None
 
 
 class StreamWatch(Protocol):
     """Counts what a stream relays (gateway/admission/growth.py); `grow` when `seen` says so."""
 
-    def seen(self, out: bytes) -> bool: ...
+    def seen(self, out: bytes, events: int | None = None) -> bool: ...
 
     async def grow(self) -> None: ...
 
@@ -129,11 +141,18 @@ def event_json(event: bytes) -> dict[str, Any] | None:
     return payload if isinstance(payload, dict) else None
 
 
+def error_data(event: bytes) -> bytes | None:
+    """The data of an error event (one that carries an error instead of a chunk of the
+    answer), else None."""
+    data = event_data(event)
+    return data if data is not None and ERROR_DATA.match(data) else None
+
+
 def failure_event(event: bytes) -> bool:
     """An error event for a failure of the upstream's, not of the request: its code is a
     5xx, or it has none."""
-    data = event_data(event)
-    if data is None or not ERROR_DATA.match(data):
+    data = error_data(event)
+    if data is None:
         return False
     try:
         error = orjson.loads(data).get("error")

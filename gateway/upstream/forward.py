@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,7 +34,7 @@ from gateway.upstream.relay import (
 )
 from gateway.upstream.resume import count_body
 from gateway.upstream.target import Target
-from gateway.upstream.usage import Corrections, UsageCheck
+from gateway.upstream.usage import AnswerFlaws
 
 # Fields some SDKs and proxies read to pick the upstream or its credentials. The gateway
 # alone chooses where a request goes and with which key, so they never travel on.
@@ -70,10 +70,6 @@ class AnswerBounds:
     body_bytes: int = 64 << 20
     event_bytes: int = MAX_EVENT_BYTES
     kept_bytes: int = MAX_KEPT_BYTES
-
-
-class BodyTooLarge(ProtocolError):
-    """An upstream's body passed AnswerBounds.body_bytes."""
 
 
 def upstream_body(request: InferenceRequest, model: str) -> bytes:
@@ -141,17 +137,14 @@ class Forwarder:
         *,
         clock: Clock,
         bounds: AnswerBounds = AnswerBounds(),
-        corrections: Corrections | None = None,
-        not_kept: Callable[[str], None] | None = None,
+        flaws: AnswerFlaws | None = None,
     ) -> None:
-        """`corrections` counts the usage corrected (gateway/upstream/usage.py), by target;
-        `not_kept` is told the target of each resumable stream whose answer passed
-        `bounds.kept_bytes`."""
+        """`flaws` is told of answers not taken as they came: usage corrected
+        (gateway/upstream/usage.py), a resumable stream past `bounds.kept_bytes`."""
         self._pool = pool
         self._clock = clock
         self._bounds = bounds
-        self._corrections = corrections
-        self._not_kept = not_kept
+        self._flaws = flaws
         # by target name, base and endpoint: a target's headers and timeouts never change
         self._routes: dict[tuple[str, str, str], Route] = {}
 
@@ -189,7 +182,7 @@ class Forwarder:
         try:
             with Deadline.after(COUNT_S):
                 response = await self._pool.post(route, count_body(request, target.model))
-                body = await _read(response, self._bounds.body_bytes)
+                body = await response.read(limit=self._bounds.body_bytes)
         except (TimeoutError, TransportError):
             return None
         finally:
@@ -230,7 +223,6 @@ class Forwarder:
         if deadline is None or deadline > end:
             deadline = end
         swap = model_swap(target.model, public_model)
-        check = UsageCheck.of(request)
         if not request.stream:
             status, body, answer = await self._whole(
                 target, request, deadline=deadline, trace_headers=trace_headers
@@ -245,7 +237,7 @@ class Forwarder:
                 swap=swap,
                 recorder=recorder if status == 200 else None,
                 clock=clock,
-                check=check,
+                request=request,
                 parsed=answer,
             )
             return self._told(target, relayed)
@@ -302,8 +294,7 @@ class Forwarder:
                     hide_errors=target.external,
                     growth=growth,
                     resumable=resumable,
-                    endpoint=request.endpoint,
-                    check=check,
+                    request=request,
                     max_event_bytes=bounds.event_bytes,
                     max_kept_bytes=bounds.kept_bytes,
                 )
@@ -317,9 +308,8 @@ class Forwarder:
                 clock=clock,
             )
             done = relayed.completed
-            if relay.kept_too_long and self._not_kept is not None:
-                relay.kept_too_long = False  # told once
-                self._not_kept(target.name)
+            if relay.kept_too_long and self._flaws is not None:
+                self._flaws.not_kept(target.name)  # no leg follows: it cannot be continued
             return self._told(target, relayed)
         finally:
             # a fully read response gives its connection back; anything else closes it,
@@ -331,8 +321,8 @@ class Forwarder:
 
     def _told(self, target: Target, relayed: Relayed) -> Relayed:
         """`relayed`, its usage's corrections counted against `target`."""
-        if relayed.flaws and self._corrections is not None:
-            self._corrections.report(target.name, relayed.flaws, relayed.reported)
+        if relayed.corrected is not None and self._flaws is not None:
+            self._flaws.corrected(target.name, relayed.corrected)
         return relayed
 
     async def _whole(
@@ -360,17 +350,11 @@ class Forwarder:
                     raise _refusal(response)
                 if response.status < 400:
                     _check_encoding(response)
-                chunks: list[bytes] = []
-                read = 0
-                limit = self._bounds.body_bytes
                 budget.push(min(t.idle, deadline - clock.monotonic()))
-                async for chunk in response:
-                    read += len(chunk)
-                    if read > limit:
-                        raise _too_large(limit)
-                    chunks.append(chunk)
-                    budget.push(min(t.idle, deadline - clock.monotonic()))
-                body = b"".join(chunks)
+                body = await response.read(
+                    limit=self._bounds.body_bytes,
+                    progress=lambda: budget.push(min(t.idle, deadline - clock.monotonic())),
+                )
                 try:
                     answer = _answer(response.status, body, request.endpoint)
                 except UnusableAnswer:
@@ -399,43 +383,21 @@ class Forwarder:
     async def _read_body(self, response: Response, deadline: float, *, idle_s: float) -> bytes:
         """A refusal of a stream (a 4xx with its JSON error), read under the idle timer."""
         clock = self._clock
-        chunks: list[bytes] = []
-        read = 0
-        limit = min(self._bounds.body_bytes, REFUSAL_BODY_MAX)
         try:
             with Deadline.after(min(idle_s, deadline - clock.monotonic())) as budget:
-                async for chunk in response:
-                    read += len(chunk)
-                    if read > limit:
-                        raise _too_large(limit)
-                    chunks.append(chunk)
-                    budget.push(min(idle_s, deadline - clock.monotonic()))
+                return await response.read(
+                    limit=REFUSAL_BODY_MAX,
+                    progress=lambda: budget.push(min(idle_s, deadline - clock.monotonic())),
+                )
         except (TimeoutError, TransportError) as exc:
             raise _unavailable(exc, answered=True, target=None) from None
-        return b"".join(chunks)
-
-
-async def _read(response: Response, limit: int) -> bytes:
-    """`response`'s whole body, BodyTooLarge past `limit` bytes."""
-    chunks: list[bytes] = []
-    read = 0
-    async for chunk in response:
-        read += len(chunk)
-        if read > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_large(limit: int) -> BodyTooLarge:
-    return BodyTooLarge(f"a body past {limit} bytes (server.upstream_max_body_bytes)")
 
 
 def _check_encoding(response: Response) -> None:
     """Answers are asked for uncompressed (UPSTREAM_HEADERS) and relayed as they come: one
     compressed anyway would reach the client as bytes labelled JSON or events."""
-    encoding = response.headers.get(b"content-encoding", b"identity").strip().lower()
-    if encoding != b"identity":
+    encoding = response.headers.get(b"content-encoding")
+    if encoding is not None and encoding.strip().lower() != b"identity":
         raise UnusableAnswer(f"content-encoding {encoding.decode('latin-1')[:40]!r}")
 
 

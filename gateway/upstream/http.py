@@ -45,11 +45,17 @@ What it does with an upstream that answers in ways it should not:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Protocol
 
 import httptools
 
-from gateway.upstream.http_head import ConnectionClosed, ProtocolError, TransportError
+from gateway.upstream.http_head import (
+    BodyTooLarge,
+    ConnectionClosed,
+    ProtocolError,
+    TransportError,
+)
 
 # past this many bytes read and not yet taken by the relay, the connection stops reading
 # until the relay catches up (a slow client slows its upstream, as TCP would)
@@ -113,9 +119,21 @@ class Response:
         self._buffered = 0
         return data
 
-    async def read(self) -> bytes:
-        """The whole body."""
-        return b"".join([data async for data in self])
+    async def read(
+        self, *, limit: int | None = None, progress: Callable[[], None] | None = None
+    ) -> bytes:
+        """The whole body; BodyTooLarge once more than `limit` bytes of it have arrived.
+        `progress` is called as each part arrives (to push an idle deadline on)."""
+        parts: list[bytes] = []
+        read = 0
+        async for data in self:
+            read += len(data)
+            if limit is not None and read > limit:
+                raise BodyTooLarge(f"a body past {limit} bytes")
+            parts.append(data)
+            if progress is not None:
+                progress()
+        return b"".join(parts)
 
     def release(self) -> None:
         """Give the connection back for the next request, if the answer ended and the
@@ -311,7 +329,7 @@ class Connection(asyncio.Protocol):
             response.headers.clear()  # an informational answer's: the answer follows
             return
         coding = response.headers.get(b"transfer-encoding")
-        if coding is not None and coding.strip().lower() != b"chunked":
+        if coding is not None and coding != b"chunked" and coding.strip().lower() != b"chunked":
             # h11's rule: a body is chunked or of a stated length; a coding the gateway did
             # not ask for (`gzip, chunked`) would reach the client as bytes it cannot read
             raise ProtocolError("the upstream's transfer-encoding is not just chunked")

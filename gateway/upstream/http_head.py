@@ -36,6 +36,10 @@ class ProtocolError(TransportError):
     """The upstream's bytes were not HTTP/1.1, or not within the client's bounds."""
 
 
+class BodyTooLarge(ProtocolError):
+    """An upstream's body, read whole, passed the bound its reader set."""
+
+
 def header_line(name: str, value: str) -> str:
     """`name: value` and its CRLF; ValueError for a name that is not a token, or a value
     with a line break or another control character in it (HTAB aside)."""

@@ -23,25 +23,24 @@ import orjson
 from starlette.types import Send
 
 from gateway.clock import Clock
-from gateway.request import Endpoint
+from gateway.request import Endpoint, InferenceRequest
 from gateway.upstream.answer import (
     DONE,
-    ERROR_DATA,
     ERROR_EVENT,
     AnswerRecorder,
     ModelSwap,
     StreamWatch,
     Usage,
     carry_over,
-    event_data,
+    error_data,
     event_json,
     failure_event,
     sse_error_event,
 )
 from gateway.upstream.deadline import Deadline
 from gateway.upstream.http_head import ProtocolError, TransportError
-from gateway.upstream.resume import Partial, read_partial
-from gateway.upstream.usage import UsageCheck
+from gateway.upstream.resume import NOTHING, Partial, read_partial
+from gateway.upstream.usage import Corrected, checked_usage
 
 log = logging.getLogger("spillgate.relay")
 
@@ -89,10 +88,8 @@ class Relayed:
     # a stream whose upstream broke off, still open to the client: the caller continues it
     # on another backend, or ends it (StreamCut)
     cut: StreamCut | None = None
-    # what was corrected in the usage the upstream told, and what it told
-    # (gateway/upstream/usage.py)
-    flaws: tuple[str, ...] = ()
-    reported: Any = None
+    # what was corrected in the usage the upstream told (gateway/upstream/usage.py)
+    corrected: Corrected | None = None
 
 
 class StreamRelay:
@@ -120,28 +117,25 @@ class StreamRelay:
         hide_errors: bool = False,
         growth: StreamWatch | None = None,
         resumable: bool = False,
-        endpoint: Endpoint = Endpoint.CHAT,
-        check: UsageCheck | None = None,
+        request: InferenceRequest | None = None,
         max_event_bytes: int = MAX_EVENT_BYTES,
         max_kept_bytes: int = MAX_KEPT_BYTES,
     ) -> None:
         """`hide_errors`: the upstream's error events (an external provider's, which name
         its model and account) are replaced by the gateway's own; the caller logs them.
         `growth` sees every batch of events before it goes out. `resumable`: the answer
-        the client got (of `endpoint`) is kept, so that a stream cut mid-answer can be
-        continued; an answer past `max_kept_bytes` of text is not, from there on. `check`:
-        what the request could have used, which the usage told is checked against (None:
-        taken as told)."""
+        the client got is kept, so that a stream cut mid-answer can be continued; an answer
+        past `max_kept_bytes` of text is not, from there on. `request`: what the usage told
+        is checked against (None: taken as told; a chat, where resumable)."""
         self._send = send
         self._growth = growth
         self._swap = swap
         self._keep_usage = keep_usage
         self._recorder = recorder
         self._hide_errors = hide_errors
-        self._check = check
+        self._request = request
         self._max_event = max_event_bytes
         self._max_kept = max_kept_bytes
-        self._endpoint = endpoint
         # the bytes of the event under way, and their length; a CR that ended the last
         # chunk, held until the next shows whether an LF follows it
         self._pending: list[bytes] = []
@@ -161,7 +155,7 @@ class StreamRelay:
         # the answer in them before those (`partial`)
         self.kept: list[bytes] | None = [] if resumable else None
         self._kept_bytes = 0
-        self._folded: Partial | None = None
+        self._folded = NOTHING
         self.kept_too_long = False  # it was resumable, until its answer passed the bound
         # output tokens the client got from earlier legs: the usage event's counts are
         # told as the client's, not the continuation's (whose prompt holds them)
@@ -201,25 +195,21 @@ class StreamRelay:
             return None
         return count.result()
 
-    @property
-    def usage(self) -> Usage:
-        """The usage as the gateway takes it (`checked`)."""
-        return self.checked()[0]
-
-    def checked(self) -> tuple[Usage, tuple[str, ...]]:
+    def checked(self) -> tuple[Usage, Corrected | None]:
         """The usage told, checked against the request; what was corrected."""
-        if self._check is None:
-            return Usage.from_json(self.reported), ()
-        return self._check.check(self.reported, events=self.events)
+        if self._request is None:
+            return Usage.from_json(self.reported), None
+        return checked_usage(self.reported, self._request, events=self.events)
+
+    def recorded(self, usage: Usage) -> None:
+        """The answer ended whole, having used `usage`: the recorder may keep it."""
+        if self._recorder is not None:
+            self._recorder.finish(usage)
 
     def partial(self) -> Partial:
         """The answer the client got so far (only when resumable)."""
-        return read_partial(self.kept or [], self._endpoint, before=self._folded)
-
-    def recorded(self) -> None:
-        """The answer ended whole: the recorder may keep it."""
-        if self._recorder is not None:
-            self._recorder.finish(self.usage)
+        endpoint = Endpoint.CHAT if self._request is None else self._request.endpoint
+        return read_partial(self.kept or [], endpoint, before=self._folded)
 
     @property
     def finished(self) -> bool:
@@ -291,7 +281,7 @@ class StreamRelay:
         out = self._outgoing(out)
         data = out.count(b"data:")
         self.events += data
-        if self._growth is not None and self._growth.seen(out):
+        if self._growth is not None and self._growth.seen(out, data):
             await self._growth.grow()
         if out:
             if self.kept is not None:
@@ -313,7 +303,7 @@ class StreamRelay:
         self.kept.clear()
         self._kept_bytes = 0
         if len(self._folded.text) > self._max_kept:
-            self.kept, self._folded = None, None
+            self.kept, self._folded = None, NOTHING
             self.kept_too_long = True
 
     def _outgoing(self, out: bytes) -> bytes:
@@ -333,10 +323,8 @@ class StreamRelay:
                 self._broken = "The upstream failed mid-stream; the response is incomplete."
                 kept.append(b"")  # the events before it end as they came, with a blank line
                 break  # what follows it, its [DONE] included, is the broken leg's
-            if self._hide_errors and ERROR_EVENT.search(event):
-                data = event_data(event)
-                if data is not None and ERROR_DATA.match(data):
-                    event = self._hidden(event)
+            if self._hide_errors and ERROR_EVENT.search(event) and error_data(event):
+                event = self._hidden(event)
             payload = self._usage_payload(event)
             if payload is None and b"event:" in event:
                 self._typed_event(event)
@@ -464,10 +452,11 @@ async def relay_stream(
         return _relayed(relay, completed=False)
     await relay.flush()
     failed = bool(relay.upstream_error)
+    relayed = _relayed(relay, completed=not failed, upstream_error=relay.upstream_error)
     if not failed:
-        relay.recorded()
+        relay.recorded(relayed.usage)
     await relay.end()
-    return _relayed(relay, completed=not failed, upstream_error=relay.upstream_error)
+    return relayed
 
 
 def _relayed(
@@ -477,15 +466,14 @@ def _relayed(
     cut: StreamCut | None = None,
     upstream_error: bytes = b"",
 ) -> Relayed:
-    usage, flaws = relay.checked()
+    usage, corrected = relay.checked()
     return Relayed(
         usage,
         relay.first_byte_at,
         completed,
         upstream_error=upstream_error,
         cut=cut,
-        flaws=flaws,
-        reported=relay.reported,
+        corrected=corrected,
     )
 
 
@@ -498,21 +486,21 @@ async def send_json_body(
     swap: ModelSwap | None,
     recorder: AnswerRecorder | None,
     clock: Clock,
-    check: UsageCheck | None = None,
+    request: InferenceRequest | None = None,
     parsed: Any = None,
 ) -> Relayed:
-    """Answer with one JSON document (`parsed` already, where given), its usage read and
-    `check`ed, where given."""
+    """Answer with one JSON document (`parsed` already, where given), its usage read, and
+    checked against `request` where given."""
     if parsed is None:
         try:
             parsed = orjson.loads(body)
         except orjson.JSONDecodeError:
             parsed = None
     reported = parsed.get("usage") if isinstance(parsed, dict) else None
-    usage = Usage.from_json(reported)
-    flaws: tuple[str, ...] = ()
-    if check is not None and status == 200:
-        usage, flaws = check.check(reported, events=None)
+    if request is not None and status == 200:
+        usage, corrected = checked_usage(reported, request, events=None)
+    else:
+        usage, corrected = Usage.from_json(reported), None
     if swap is not None:
         body = swap(body)
     all_headers = [*headers, (b"content-length", b"%d" % len(body))]
@@ -521,4 +509,4 @@ async def send_json_body(
         recorder.feed(body)
         recorder.finish(usage)
     await send({"type": "http.response.body", "body": body, "more_body": False})
-    return Relayed(usage, clock.monotonic(), True, flaws=flaws, reported=reported)
+    return Relayed(usage, clock.monotonic(), True, corrected=corrected)

@@ -86,27 +86,24 @@ def _number(value: Any) -> float:
 
 
 class Partial(NamedTuple):
-    """What the client got of an answer before its stream broke off."""
+    """What the client got of an answer before its stream broke off (nothing, to start)."""
 
-    text: str
-    tokens: int  # its content events: one per token as vLLM streams them
-    finished: bool  # the answer's finishing event came: nothing is left to continue
-    refusal: str | None  # why it cannot be continued faithfully; None when it can
-    id: bytes | None  # the stream's `id` and `created`, as the client saw them
-    created: bytes | None
+    text: str = ""
+    tokens: int = 0  # its content events: one per token as vLLM streams them
+    finished: bool = False  # the answer's finishing event came: nothing is left to continue
+    refusal: str | None = None  # why it cannot be continued faithfully; None when it can
+    id: bytes | None = None  # the stream's `id` and `created`, as the client saw them
+    created: bytes | None = None
 
 
-def read_partial(
-    kept: list[bytes], endpoint: Endpoint, *, before: Partial | None = None
-) -> Partial:
+NOTHING = Partial()
+
+
+def read_partial(kept: list[bytes], endpoint: Endpoint, *, before: Partial = NOTHING) -> Partial:
     """The answer so far, from the event batches the client got (after what it got
     `before` them, where that was read already)."""
-    text: list[str] = [] if before is None else [before.text]
-    tokens = 0 if before is None else before.tokens
-    finished = before is not None and before.finished
-    why = None if before is None else before.refusal
-    id_ = None if before is None else before.id
-    created = None if before is None else before.created
+    text = [before.text]
+    _, tokens, finished, why, id_, created = before
     for event in b"".join(kept).split(b"\n\n"):
         payload = event_json(event)
         if payload is None:

@@ -18,22 +18,19 @@ metrics from it. So every count is read defensively and bounded by the request:
 
 Each correction is named (`prompt_too_large`, `completion_missing`, ...): the forwarder
 counts them by target in `spillgate_usage_corrections_total` and logs them, at most once a
-minute per target (`Corrections`).
+minute per target (`AnswerFlaws`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client import Counter
 
 from gateway.clock import Clock
 from gateway.request import Endpoint, InferenceRequest
-from gateway.upstream.answer import Usage
+from gateway.upstream.answer import Usage, token_count
 
 log = logging.getLogger("spillgate.usage")
 
@@ -43,132 +40,121 @@ PROMPT_FLOOR = 131_072  # tokens: a prompt that fits a 128k context is never imp
 # events: the usage event, `[DONE]`, the Responses API's framing events around its deltas
 FRAMING_EVENTS = 12
 LOG_EVERY_S = 60.0
+_OUTPUT_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+_MISSING: Any = object()
 
 
-@dataclass(frozen=True, slots=True)
-class UsageCheck:
-    """What one request's answer could have used."""
+class Corrected(NamedTuple):
+    """What was corrected in the usage an upstream told (`flaws`), and what it told."""
 
-    prompt_estimate: int
-    prompt_max: int
-    completion_max: int  # all choices together; 0: the endpoint generates nothing
-    completion_charged: int  # what the choices were charged: an answer's fallback
-    choices: int
+    flaws: tuple[str, ...]
+    reported: Any
 
-    @classmethod
-    def of(cls, request: InferenceRequest) -> UsageCheck:
-        estimate = request.prompt_tokens
-        generates = request.endpoint is not Endpoint.EMBEDDINGS
-        per_choice = request.max_output_tokens
-        if generates and not _names_output_limit(request.body):
-            # the engine may generate up to its context, which the gateway's default
-            # (what it reserved) need not reach
-            per_choice = max(per_choice, PROMPT_FLOOR)
-        return cls(
-            prompt_estimate=estimate,
-            prompt_max=max(PROMPT_FACTOR * estimate, PROMPT_FLOOR),
-            completion_max=request.n * per_choice if generates else 0,
-            completion_charged=request.n * request.max_output_tokens if generates else 0,
-            choices=request.n,
-        )
 
-    def check(self, reported: Any, *, events: int | None) -> tuple[Usage, tuple[str, ...]]:
-        """The usage `reported` (the answer's `usage`: None where it had none) as the gateway
-        takes it, and what was corrected. `events`: the data events a stream relayed (None:
-        an answer in one piece)."""
-        if reported is None:
-            return Usage(), ()  # none told (a stream cut short): the charge stands
-        flaws: list[str] = []
-        if not isinstance(reported, dict):
-            reported, flaws = {}, ["usage_not_an_object"]
-        if "input_tokens" in reported:  # the Responses API's names
-            prompt_raw, completion_raw = reported["input_tokens"], reported.get("output_tokens")
-        else:
-            prompt_raw = reported.get("prompt_tokens", _MISSING)
-            completion_raw = reported.get("completion_tokens", _MISSING)
-        prompt, why = _bounded(prompt_raw, low=1, high=self.prompt_max)
-        if why is not None:
-            flaws.append(f"prompt_{why}")
-            prompt = self.prompt_max if why == "too_large" else self.prompt_estimate
-        completion = self._completion(completion_raw, events, flaws)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, known=True), tuple(flaws)
+def checked_usage(
+    reported: Any, request: InferenceRequest, *, events: int | None
+) -> tuple[Usage, Corrected | None]:
+    """The usage `reported` (an answer's `usage`; None where it had none) as the gateway
+    takes it for `request`, and what was corrected, if anything. `events`: the data events
+    a stream relayed (None: an answer in one piece)."""
+    if type(reported) is dict:
+        # the usual answer, told in range, costs no more than these comparisons
+        prompt = reported.get("prompt_tokens")
+        completion = reported.get("completion_tokens")
+        if (
+            type(prompt) is int
+            and type(completion) is int
+            and 0 < prompt <= PROMPT_FLOOR
+            and 0 < completion <= request.n * request.max_output_tokens
+            and (events is None or completion >= events - 2 * request.n - FRAMING_EVENTS)
+        ):
+            return Usage(prompt, completion, known=True), None
+    elif reported is None:
+        return Usage(), None  # none told (a stream cut short): the charge stands
+    return _corrected(reported, request, events)
 
-    def _completion(self, raw: Any, events: int | None, flaws: list[str]) -> int:
-        if not self.completion_max:  # embeddings: nothing generated, whatever is said
-            if raw is not _MISSING and _count(raw) not in (None, 0):
-                flaws.append("completion_too_large")
-            return 0
-        # the least output a stream's events show, and the fallback: the events relayed
-        # (which errs high), or for one piece what was charged
-        least = 0 if events is None else max(0, events - 2 * self.choices - FRAMING_EVENTS)
-        fallback = self.completion_charged if events is None else events
-        fallback = min(fallback, self.completion_max)
-        count, why = _bounded(raw, low=1, high=self.completion_max)
-        if why == "too_large":
+
+def _corrected(
+    reported: Any, request: InferenceRequest, events: int | None
+) -> tuple[Usage, Corrected | None]:
+    flaws: list[str] = []
+    told = reported
+    if not isinstance(told, dict):
+        told, flaws = {}, ["usage_not_an_object"]
+    if "input_tokens" in told:  # the Responses API's names
+        prompt_raw, completion_raw = told["input_tokens"], told.get("output_tokens", _MISSING)
+    else:
+        prompt_raw = told.get("prompt_tokens", _MISSING)
+        completion_raw = told.get("completion_tokens", _MISSING)
+    estimate = request.prompt_tokens
+    prompt_max = max(PROMPT_FACTOR * estimate, PROMPT_FLOOR)
+    prompt, why = _bounded(prompt_raw, high=prompt_max)
+    if why is not None:
+        flaws.append(f"prompt_{why}")
+        prompt = prompt_max if why == "too_large" else estimate
+    completion = _completion(completion_raw, request, events, flaws)
+    usage = Usage(prompt_tokens=prompt, completion_tokens=completion, known=True)
+    return usage, Corrected(tuple(flaws), reported) if flaws else None
+
+
+def _completion(raw: Any, request: InferenceRequest, events: int | None, flaws: list[str]) -> int:
+    if request.endpoint is Endpoint.EMBEDDINGS:  # nothing generated, whatever is said
+        if raw is not _MISSING and token_count(raw) not in (None, 0):
             flaws.append("completion_too_large")
-            return self.completion_max
-        if why is not None:
-            flaws.append(f"completion_{why}")
-            return fallback
-        if count < least:
-            flaws.append("completion_too_small")
-            return least
-        return count
+        return 0
+    per_choice = request.max_output_tokens
+    if not any(request.body.get(key) is not None for key in _OUTPUT_LIMITS):
+        # the engine may generate up to its context, which the gateway's default (what it
+        # reserved) need not reach
+        per_choice = max(per_choice, PROMPT_FLOOR)
+    most = request.n * per_choice
+    # the least output a stream's events show, and the fallback: the events relayed
+    # (which errs high), or for one piece what was charged
+    least = 0 if events is None else max(0, events - 2 * request.n - FRAMING_EVENTS)
+    fallback = request.n * request.max_output_tokens if events is None else events
+    count, why = _bounded(raw, high=most)
+    if why == "too_large":
+        flaws.append("completion_too_large")
+        return most
+    if why is not None:
+        flaws.append(f"completion_{why}")
+        return min(fallback, most)
+    if count < least:
+        flaws.append("completion_too_small")
+        return least
+    return count
 
 
-class _Missing:
-    pass
-
-
-_MISSING: Any = _Missing()
-
-
-def _count(value: Any) -> int | None:
-    """`value` as a count of tokens, if it is a whole number (JSON may write `5.0`)."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    return None
-
-
-def _bounded(value: Any, *, low: int, high: int) -> tuple[int, str | None]:
-    """`value` as a count within [low, high], or why it is not one."""
+def _bounded(value: Any, *, high: int) -> tuple[int, str | None]:
+    """`value` as a count within [1, high], or why it is not one."""
     if value is _MISSING or value is None:
         return 0, "missing"
-    count = _count(value)
+    count = token_count(value)
     if count is None:
         return 0, "not_a_number"
     if count < 0:
         return 0, "negative"
-    if count < low:
+    if count == 0:
         return 0, "zero"
     if count > high:
         return 0, "too_large"
     return count, None
 
 
-def _names_output_limit(body: dict[str, Any]) -> bool:
-    return any(
-        body.get(key) is not None
-        for key in ("max_completion_tokens", "max_tokens", "max_output_tokens")
-    )
+class AnswerFlaws:
+    """What the forwarder tells of answers it could not take as they came: usage the
+    gateway corrected, by target and reason (logged at most once every LOG_EVERY_S per
+    target), and resumable streams whose answer passed the bound on what is kept."""
 
-
-class Corrections:
-    """Counts the usage the gateway corrected, by target and reason, and logs it at most
-    once every LOG_EVERY_S per target."""
-
-    def __init__(self, counter: Counter, *, clock: Clock) -> None:
-        self._counter = counter
+    def __init__(self, *, corrections: Counter, not_kept: Counter, clock: Clock) -> None:
+        self._corrections = corrections
+        self._not_kept = not_kept
         self._clock = clock
         self._logged: dict[str, float] = {}
 
-    def report(self, target: str, flaws: Sequence[str], reported: Any) -> None:
-        for flaw in flaws:
-            self._counter.labels(target, flaw).inc()
+    def corrected(self, target: str, corrected: Corrected) -> None:
+        for flaw in corrected.flaws:
+            self._corrections.labels(target, flaw).inc()
         now = self._clock.monotonic()
         last = self._logged.get(target)
         if last is None or now - last >= LOG_EVERY_S:
@@ -176,6 +162,9 @@ class Corrections:
             log.warning(
                 "%s answered with usage the gateway corrected (%s): %.200r",
                 target,
-                ", ".join(flaws),
-                reported,
+                ", ".join(corrected.flaws),
+                corrected.reported,
             )
+
+    def not_kept(self, target: str) -> None:
+        self._not_kept.labels(target).inc()

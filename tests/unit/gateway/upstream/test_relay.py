@@ -7,7 +7,7 @@ from starlette.types import Message
 
 from gateway.clock import ManualClock
 from gateway.request import Endpoint
-from gateway.upstream.answer import model_swap
+from gateway.upstream.answer import Usage, model_swap
 from gateway.upstream.relay import (
     HIDDEN_ERROR,
     EventTooLarge,
@@ -53,14 +53,14 @@ def test_relays_events_cut_anywhere_and_swaps_the_model_name() -> None:
     pieces = [whole[i : i + 7] for i in range(0, len(whole), 7)]
     out, relay = _run(pieces, keep_usage=True)
     assert out == whole.replace(b'"model":"served"', b'"model":"pool"')
-    assert relay.usage.prompt_tokens == 10 and relay.usage.completion_tokens == 8
+    assert relay.checked()[0].prompt_tokens == 10 and relay.checked()[0].completion_tokens == 8
 
 
 def test_drops_the_usage_chunk_the_client_did_not_ask_for() -> None:
     out, relay = _run([CHUNK, USAGE, DONE], keep_usage=False)
     assert b'"usage"' not in out
     assert out.endswith(DONE)
-    assert relay.usage.known and relay.usage.total == 18
+    assert relay.checked()[0].known and relay.checked()[0].total == 18
     events = [e for e in out.split(b"\n\n") if e.startswith(b"data: {")]
     assert all(orjson.loads(e[6:])["model"] == "pool" for e in events)
 
@@ -158,7 +158,7 @@ def test_a_client_without_usage_gets_the_fingerprint_on_the_finishing_chunk(size
     assert [list(e) for e in ours[-1:]] == [list(e) for e in direct[-1:]]
     assert [list(e) for e in ours[:-1]] == [list(direct[0])] + [list(direct[1])] * (len(ours) - 2)
     assert out.endswith(b"data: [DONE]\n\n")
-    assert relay.usage.prompt_tokens == 10 and relay.usage.completion_tokens == 8
+    assert relay.checked()[0].prompt_tokens == 10 and relay.checked()[0].completion_tokens == 8
 
 
 def test_a_client_that_asked_for_usage_gets_the_stream_as_sent() -> None:
@@ -274,7 +274,7 @@ def test_a_resumable_stream_cut_mid_event_stays_open_and_goes_on_as_one_stream()
         )
         + DONE
     )
-    assert (relay.usage.prompt_tokens, relay.usage.completion_tokens) == (8, 10)
+    assert (relay.checked()[0].prompt_tokens, relay.checked()[0].completion_tokens) == (8, 10)
     assert [m["type"] for m in sent].count("http.response.start") == 1
     assert sent[-1]["more_body"] is False
 
@@ -349,7 +349,7 @@ def test_a_continuation_tells_the_prompt_the_backend_counted_for_the_original() 
     async def send(message: Message) -> None:
         sent.append(message.get("body", b""))
 
-    async def go(counted: int | Exception | None) -> StreamRelay:
+    async def go(counted: int | Exception | None) -> Usage:
         relay = StreamRelay(send=send, swap=None, keep_usage=True, recorder=None, resumable=True)
         count: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
         if isinstance(counted, Exception):
@@ -362,15 +362,15 @@ def test_a_continuation_tells_the_prompt_the_backend_counted_for_the_original() 
             _Chunks([USAGE, DONE], fails=False),
             relay=relay, first_chunk=CHUNK, idle_s=5, deadline=2000, clock=ManualClock(),
         )  # fmt: skip
-        return relay
+        return relay.checked()[0]
 
     exact = asyncio.run(go(6))  # the continuation's 10 prompt tokens held 4 of the text
-    assert (exact.usage.prompt_tokens, exact.usage.completion_tokens) == (6, 11)
+    assert (exact.prompt_tokens, exact.completion_tokens) == (6, 11)
     assert b'"prompt_tokens":6,"total_tokens":17,"completion_tokens":11' in b"".join(sent)
     guessed = asyncio.run(go(None))  # no count: the continuation's less what was streamed
-    assert (guessed.usage.prompt_tokens, guessed.usage.completion_tokens) == (7, 11)
+    assert (guessed.prompt_tokens, guessed.completion_tokens) == (7, 11)
     failed = asyncio.run(go(RuntimeError("no count")))  # a failed count breaks nothing
-    assert (failed.usage.prompt_tokens, failed.usage.completion_tokens) == (7, 11)
+    assert (failed.prompt_tokens, failed.completion_tokens) == (7, 11)
 
 
 @pytest.mark.parametrize("ending", [b"\r\n", b"\r"], ids=["crlf", "cr"])
@@ -382,13 +382,13 @@ def test_every_line_ending_is_read_however_the_chunks_cut_it(ending: bytes, step
     pieces = [whole[i : i + step] for i in range(0, len(whole), step)]
     out, relay = _run(pieces, keep_usage=True, served="pool")
     assert out == CHUNK + CHUNK + USAGE + DONE
-    assert relay.usage.total == 18
+    assert relay.checked()[0].total == 18
 
 
 def test_a_data_line_without_its_space_or_after_an_id_line_is_read() -> None:
     usage = USAGE.replace(b"data: ", b"id: 4\nevent: message\ndata:")
     out, relay = _run([CHUNK, usage, DONE], keep_usage=False, served="pool")
-    assert relay.usage.total == 18
+    assert relay.checked()[0].total == 18
     assert b'"usage"' not in out
 
 
