@@ -95,7 +95,8 @@ class BackendHealth:
         return HealthState.EJECTED if now < self._until else HealthState.PROBING
 
     def in_rotation(self, now: float) -> bool:
-        return self.state(now) is HealthState.UP
+        """Up: every state out of rotation has a reason (`now` decides only which)."""
+        return self._reason is None
 
     def probe_due(self, now: float) -> bool:
         """Whether the next probe decides its return: out, with no cool-down left."""
@@ -138,7 +139,7 @@ class BackendHealth:
         """A request was answered in full: the count of failures starts again, and a
         backend on probation is back."""
         self._failures = 0
-        if self.state(now) is HealthState.PROBING:
+        if self._reason is not None and self.state(now) is HealthState.PROBING:
             return self._up()
         return None
 

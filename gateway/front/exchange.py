@@ -221,7 +221,7 @@ class Exchange:
             self.metrics.stream_continuations_refused.labels(request.pool, not_resumable).inc()
             await self.broke_off(backend.name, tried)
         else:
-            self.answered(backend.name)
+            backend.record_success(self.clock.monotonic())
         return served
 
     def forward_held(
