@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 
 from gateway.admission.backends import Pool
-from gateway.admission.held import HeldReservation
 from gateway.clock import Clock
 from gateway.front.auth import Tenant
 from gateway.front.exchange import Exchange
@@ -56,40 +55,33 @@ class Settlement:
         else fails. `cut`: the answer had begun when the request ended without one (the
         client left mid-stream); `arrived`, when it came; `began`, when its pool's demand
         counted it (gateway/admission/demand.py)."""
-        charged = used = request.charge_tokens
+        charged = request.charge_tokens
+        # the tokens really used (a checked usage: gateway/upstream/usage.py); unknown
+        # when `cut`, so the charge stands
+        used = _used(request, served, cut=cut)
+        held = exchange.held
         try:
-            # the tokens really used: what the upstream generated is unknown when `cut`,
-            # so the charge stands
-            used = _used(request, served, cut=cut)
+            # the reservation and the tenant's bucket each settle to the end, whatever the
+            # other does: an error in one must not keep the other
+            if used == charged:
+                await held.release()
+            elif self.shared:
+                refund = self.limiter.reconcile(tenant.limits, reserved=charged, used=used)
+                results = await asyncio.gather(held.release(), refund, return_exceptions=True)
+                for result in results:
+                    if isinstance(result, BaseException):
+                        raise result
+            else:
+                try:
+                    await held.release()
+                finally:
+                    await self.limiter.reconcile(tenant.limits, reserved=charged, used=used)
         finally:
-            try:
-                await self._release(tenant, exchange.held, charged=charged, used=used)
-            finally:
-                refused = outcome is Outcome.REJECTED
-                pool.demand.end(charged, started=began, used=used, refused=refused)
-                self._record(
-                    request, pool, served, outcome, arrived=arrived, prediction=exchange.prediction
-                )
-
-    async def _release(
-        self, tenant: Tenant, held: HeldReservation, *, charged: int, used: int
-    ) -> None:
-        """Release the reservation and settle the tenant's bucket, each to its end whatever
-        the other does: an error in one must not keep the other."""
-        if used == charged:
-            await held.release()
-            return
-        refund = self.limiter.reconcile(tenant.limits, reserved=charged, used=used)
-        if self.shared:
-            results = await asyncio.gather(held.release(), refund, return_exceptions=True)
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
-            return
-        try:
-            await held.release()
-        finally:
-            await refund
+            refused = outcome is Outcome.REJECTED
+            pool.demand.end(charged, started=began, used=used, refused=refused)
+            self._record(
+                request, pool, served, outcome, arrived=arrived, prediction=exchange.prediction
+            )
 
     def _record(
         self,

@@ -112,28 +112,36 @@ class Response:
             if self.complete:
                 raise StopAsyncIteration
             await self._arrival()
+        return self._take()
+
+    async def read(
+        self, *, limit: int | None = None, progress: Callable[[], None] | None = None
+    ) -> bytes:
+        """The whole body; BodyTooLarge once more than `limit` bytes of it have arrived.
+        `progress` is called each time more arrives after a wait (to push an idle deadline
+        on); a body already here when it is read costs no call."""
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            if self._chunks:
+                size += self._buffered
+                if limit is not None and size > limit:
+                    raise BodyTooLarge(f"a body past {limit} bytes")
+                parts.append(self._take())
+            if self.complete:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            await self._arrival()
+            if progress is not None:
+                progress()
+
+    def _take(self) -> bytes:
+        """What has arrived since the last take, reading resumed if it had paused."""
         data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
         self._chunks.clear()
         if self._buffered > HIGH_WATER and self._connection is not None:
             self._connection.transport.resume_reading()
         self._buffered = 0
         return data
-
-    async def read(
-        self, *, limit: int | None = None, progress: Callable[[], None] | None = None
-    ) -> bytes:
-        """The whole body; BodyTooLarge once more than `limit` bytes of it have arrived.
-        `progress` is called as each part arrives (to push an idle deadline on)."""
-        parts: list[bytes] = []
-        read = 0
-        async for data in self:
-            read += len(data)
-            if limit is not None and read > limit:
-                raise BodyTooLarge(f"a body past {limit} bytes")
-            parts.append(data)
-            if progress is not None:
-                progress()
-        return b"".join(parts)
 
     def release(self) -> None:
         """Give the connection back for the next request, if the answer ended and the
