@@ -307,7 +307,9 @@ class Router:
         held = self.ledger.tokens_in_flight
         for *_, backend, limit, capacity in self._ranked(pool, ()):
             need = kv_tokens(tokens, sequences=sequences, block_size=backend.block_size)
-            cost = self._cost(backend, tokens=tokens, sequences=sequences, shared=shared)
+            cost = (
+                self.ledger.cost(backend.name, need, _shared(backend, shared)) if shared else need
+            )
             if need <= capacity and held(backend.name) + cost <= max(limit, need):
                 return True
         return False
