@@ -110,6 +110,25 @@ def pool(name: str, server: ServerThread, model: str, **options: Any) -> dict[st
     }
 
 
+def spilling(*, key: str, backend: str, provider: str, **options: Any) -> dict[str, Any]:
+    """The config of a gateway on Redis whose one pool, `big` (served model `m` at
+    `backend`), holds nothing locally: every request is the provider `hosted`'s (at
+    `provider`, with `options`), or refused."""
+    return {
+        "redis": {"timeout_ms": 2000},
+        "tenants": [tenant("acme", key)],
+        "pools": [
+            {
+                "name": "big",
+                "backends": [{"url": backend, "served_model": "m", "capacity": 1}],
+                "overflow": ["provider", "reject"],
+                "provider": "hosted",
+            }
+        ],
+        "providers": [{"name": "hosted", "base_url": provider + "/v1", **options}],
+    }
+
+
 @contextlib.contextmanager
 def provider_fleet(
     *,

@@ -27,10 +27,12 @@ COMPLETION_TOKENS = 2
 
 class FakeUpstream:
     """Answers `ANSWER` naming the model it was asked for, with usage of `PROMPT_TOKENS` and
-    `COMPLETION_TOKENS`; with `status` other than 200 it answers that status instead."""
+    `COMPLETION_TOKENS` (or whatever `usage` holds at the time); with `status` other than
+    200 it answers that status instead."""
 
-    def __init__(self, *, status: int = 200) -> None:
+    def __init__(self, *, status: int = 200, usage: dict[str, Any] | None = None) -> None:
         self.status = status
+        self.usage = usage
         self.bodies: list[dict[str, Any]] = []  # what each request sent, in order
         self.app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
 
@@ -45,6 +47,8 @@ class FakeUpstream:
             "completion_tokens": COMPLETION_TOKENS,
             "total_tokens": PROMPT_TOKENS + COMPLETION_TOKENS,
         }
+        if self.usage is not None:
+            usage = dict(self.usage)
         head = {"id": "chatcmpl-1", "model": body["model"], "created": 1}
         if not body.get("stream"):
             message = {"role": "assistant", "content": ANSWER}

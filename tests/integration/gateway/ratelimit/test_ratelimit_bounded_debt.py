@@ -16,10 +16,6 @@ import httpx
 import pytest
 import redis
 import redis.asyncio as aioredis
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from gateway.app import create_app
 from gateway.clock import ManualClock
@@ -34,6 +30,7 @@ from loadtest.procs import RedisProcess
 from tests.support.fleet import tenant
 from tests.support.harness import ServerThread
 from tests.support.ratelimit import connected
+from tests.support.upstream import FakeUpstream
 
 # 1,000 tokens a minute, a bucket of 1,000: from its floor (-1,000) to full is 120 s
 LIMITS = TenantLimits(tenant="acme", requests_per_minute=600, tokens_per_minute=1_000)
@@ -132,29 +129,9 @@ def test_a_usage_that_is_no_count_settles_as_the_reservation(redis_proc: RedisPr
 KEY = "sk-acme-" + secrets.token_hex(8)
 
 
-def told_usage_backend(usage: dict[str, Any]) -> Starlette:
-    """Answers every chat request with whatever `usage` holds at the time."""
-
-    async def chat(request: Request) -> Response:
-        body = await request.json()
-        choice = {"index": 0, "message": {"role": "assistant", "content": "ok"}}
-        return JSONResponse(
-            {
-                "id": "cmpl-1",
-                "object": "chat.completion",
-                "created": 1,
-                "model": body["model"],
-                "choices": [{**choice, "finish_reason": "stop"}],
-                "usage": dict(usage),
-            }
-        )
-
-    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
-
-
 @contextlib.contextmanager
 def gateway(redis_url: str, usage: dict[str, Any]) -> Iterator[str]:
-    backend = ServerThread(told_usage_backend(usage))
+    backend = ServerThread(FakeUpstream(usage=usage).app)
     with backend:
         settings = parse_settings(
             {

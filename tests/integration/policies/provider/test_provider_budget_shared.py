@@ -14,8 +14,8 @@ from loadtest.procs import RedisProcess
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from loadtest.sim.provider import ProviderConfig, create_provider_app
-from tests.support.fleet import tenant
 from tests.support.harness import ServerThread
+from tests.support.overflow import spilling
 
 KEY = "sk-tenant-budget"
 PROVIDER_KEY = "sk-provider-budget"
@@ -33,29 +33,16 @@ def two_gateways(
         answers = ProviderConfig(api_key=PROVIDER_KEY, first_token_latency_s=first_token_latency_s)
         provider = ServerThread(create_provider_app(answers))
         started += [backend, provider.start()]
+        # nothing fits locally: every request is the provider's or refused
         settings = parse_settings(
-            {
-                "redis": {"timeout_ms": 2000},
-                "tenants": [tenant("acme", KEY)],
-                "pools": [
-                    {
-                        "name": "big",
-                        # nothing fits locally: every request is the provider's or refused
-                        "backends": [{"url": backend.url, "served_model": "m", "capacity": 1}],
-                        "overflow": ["provider", "reject"],
-                        "provider": "hosted",
-                    }
-                ],
-                "providers": [
-                    {
-                        "name": "hosted",
-                        "base_url": provider.url + "/v1",
-                        "api_key_env": "HOSTED_KEY",
-                        "tokens_per_minute": BUDGET,
-                        "max_concurrency": max_concurrency,
-                    }
-                ],
-            }
+            spilling(
+                key=KEY,
+                backend=backend.url,
+                provider=provider.url,
+                api_key_env="HOSTED_KEY",
+                tokens_per_minute=BUDGET,
+                max_concurrency=max_concurrency,
+            )
         )
         env = {"HOSTED_KEY": PROVIDER_KEY}
         gateways = [

@@ -16,10 +16,6 @@ from typing import Any
 
 import httpx
 import redis
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from gateway.admission.metrics_text import samples, values
 from gateway.app import create_app
@@ -27,8 +23,9 @@ from gateway.config import parse_settings
 from loadtest.procs import RedisProcess
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
-from tests.support.fleet import tenant
 from tests.support.harness import ServerThread
+from tests.support.overflow import spilling
+from tests.support.upstream import FakeUpstream
 
 KEY = "sk-acme-" + secrets.token_hex(8)
 BUDGET = 60_000  # provider tokens a minute: a thousand a second
@@ -36,53 +33,20 @@ PRICES = {"prompt_price_per_m": 1.0, "completion_price_per_m": 3.0}
 BUDGET_KEY = "spillgate:provider:ratelimit:{hosted}:tokens"
 
 
-def told_usage_provider(usage: dict[str, Any]) -> Starlette:
-    """Answers every chat request with whatever `usage` holds at the time."""
-
-    async def chat(request: Request) -> Response:
-        body = await request.json()
-        choice = {"index": 0, "message": {"role": "assistant", "content": "ok"}}
-        return JSONResponse(
-            {
-                "id": "cmpl-1",
-                "object": "chat.completion",
-                "created": 1,
-                "model": body["model"],
-                "choices": [{**choice, "finish_reason": "stop"}],
-                "usage": dict(usage),
-            }
-        )
-
-    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
-
-
 @contextlib.contextmanager
 def spilling_gateway(redis_url: str, usage: dict[str, Any]) -> Iterator[str]:
     backend = ServerThread(create_sim_app(SimConfig(model="m", kv_tokens=4096)))
-    provider = ServerThread(told_usage_provider(usage))
+    provider = ServerThread(FakeUpstream(usage=usage).app)
     with backend, provider:
         settings = parse_settings(
-            {
-                "redis": {"timeout_ms": 2000},
-                "tenants": [tenant("acme", KEY)],
-                "pools": [
-                    {
-                        "name": "big",
-                        "backends": [{"url": backend.url, "served_model": "m", "capacity": 1}],
-                        "overflow": ["provider", "reject"],
-                        "provider": "hosted",
-                    }
-                ],
-                "providers": [
-                    {
-                        "name": "hosted",
-                        "base_url": provider.url + "/v1",
-                        "tokens_per_minute": BUDGET,
-                        "max_concurrency": 1,
-                        **PRICES,
-                    }
-                ],
-            }
+            spilling(
+                key=KEY,
+                backend=backend.url,
+                provider=provider.url,
+                tokens_per_minute=BUDGET,
+                max_concurrency=1,
+                **PRICES,
+            )
         )
         with ServerThread(create_app(settings, redis_url=redis_url)) as gateway:
             yield gateway.url
