@@ -63,7 +63,7 @@ class ServerSettings(_Model):
             "a bound on an upstream body read whole: an answer not streamed (an embeddings "
             "batch of 2,048 inputs at 1,024 dimensions is about 40 MiB as JSON), a count from "
             "`/tokenize`; a refusal of a stream is read up to 64 KiB. Past it the attempt "
-            "fails (a protocol error naming this bound), and is tried on another backend"
+            "fails (a protocol error naming the bound's size), and is tried on another backend"
         ),
     )
     upstream_max_event_bytes: int = Field(
