@@ -50,8 +50,6 @@ UPSTREAM_HEADERS = {"content-type": "application/json", "accept-encoding": "iden
 
 # where a stream tells its usage only when asked to (the Responses API's always ends with it)
 USAGE_OPTION_ENDPOINTS = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
-# a provider's readable success holds one of these: choices, embeddings, a response's output
-ANSWER_KEYS = frozenset({"choices", "data", "output"})
 # what an answer of each endpoint holds, whoever sent it
 ENDPOINT_ANSWER_KEY = {
     Endpoint.CHAT: "choices",
@@ -475,10 +473,11 @@ _ERROR_EVENT = re.compile(rb'\s*data:\s*\{\s*"error"\s*:')
 
 
 def _check_external_body(status: int, body: bytes, answer: Any) -> None:
-    """A provider's refusal (any status but 200), or a 200 that is not a JSON answer."""
+    """A provider's refusal (any status but 200), or a 200 that is not an answer of its
+    endpoint (`answer` None: `_answer` found none) or that carries an error."""
     if status != 200:
         raise UpstreamUnavailable(f"status {status}", status=status, detail=body)
-    if not isinstance(answer, dict) or "error" in answer or ANSWER_KEYS.isdisjoint(answer):
+    if answer is None or "error" in answer:
         raise UpstreamUnavailable("bad body", status=status, detail=body)
 
 
