@@ -187,6 +187,7 @@ class AdminEndpoints:
         except SpillgateError as exc:
             return error_response(exc)
         pools = []
+        now = self._router.clock.monotonic()
         for name, pool in self._router.pools.items():
             in_rotation = set(self._router.candidates(name))
             backends = [
@@ -202,6 +203,8 @@ class AdminEndpoints:
                     "active_sessions": self._router.ledger.sessions(b.name),
                     "healthy": b in in_rotation,
                     "state": "down" if b.down_reason is not None else "up",
+                    # the health machine's word (gateway/admission/health.py)
+                    "health": b.health.state(now).value,
                     "down_reason": b.down_reason,
                     "max_model_len": b.max_model_len,
                 }

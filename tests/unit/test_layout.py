@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("gateway", "policies", "loadtest")
 # What a policy may import from the gateway besides gateway/overflow.py and the modules it
 # imports: the config, errors, outcomes and clock every part shares, and the one circuit
-# breaker the provider's gate, the rate limiter and the backends all use.
+# breaker the provider's gate and the rate limiter use.
 VOCABULARY = {
     "gateway.config",
     "gateway.errors",

@@ -289,9 +289,11 @@ def test_an_event_that_never_ends_is_cut_at_the_bound(loop: str) -> None:
     ) as url:  # fmt: skip
         raw = raw_stream(url)
         failed = errors(url)
+        (health,) = [b["health"] for p in admin_status(url)["pools"] for b in p["backends"]]
     assert b"longer than 4194304 bytes" in raw
     assert raw.rstrip().endswith(b"data: [DONE]")
     assert failed == 1
+    assert health == "draining"  # out until a probe finds it serving again
     assert rise and rise[0] < 32 << 20
 
 
