@@ -61,6 +61,13 @@ class Holders:
     def __init__(self) -> None:
         self._refs: dict[str, dict[Hashable, int]] = {}
 
+    def cost(self, backend: str, tokens: int, shared: SharedBlocks) -> int:
+        """What a reservation of `tokens`, `shared` among them, would add to `backend`'s
+        tokens in flight now: the whole, less the shared blocks another holder holds there."""
+        if not shared.keys:
+            return tokens
+        return tokens - shared.tokens + self.new_tokens(backend, shared)
+
     def new_tokens(self, backend: str, shared: SharedBlocks) -> int:
         """The tokens of `shared` that no request in flight holds on `backend` yet: what a
         new holder of them would allocate there."""

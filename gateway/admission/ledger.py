@@ -103,9 +103,7 @@ class LocalLedger:
         return reservation
 
     def cost(self, backend: str, tokens: int, shared: SharedBlocks = NO_BLOCKS) -> int:
-        if not shared.keys:
-            return tokens
-        return tokens - shared.tokens + self._holders.new_tokens(backend, shared)
+        return self._holders.cost(backend, tokens, shared)
 
     async def release(self, reservation: Reservation) -> None:
         held = self._open.pop(reservation.lease, None)

@@ -161,9 +161,7 @@ class RedisLedger:
         """Shared blocks count once per replica: each replica's own holders decide, so with
         N replicas a prompt held on one backend counts at most N times, not once per
         request."""
-        if not shared.keys:
-            return tokens
-        return tokens - shared.tokens + self._holders.new_tokens(backend, shared)
+        return self._holders.cost(backend, tokens, shared)
 
     async def release(self, reservation: Reservation) -> None:
         held = self._held.pop(reservation.lease, None)
