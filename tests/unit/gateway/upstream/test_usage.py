@@ -9,21 +9,14 @@ import pytest
 from gateway.request import Endpoint, InferenceRequest
 from gateway.upstream.answer import Usage
 from gateway.upstream.usage import FRAMING_EVENTS, PROMPT_FLOOR, Corrected, checked_usage
+from tests.support.upstream import chat_request
 
 
 def request(endpoint: Endpoint = Endpoint.CHAT, *, n: int = 1, **body: Any) -> InferenceRequest:
-    return InferenceRequest(
-        endpoint=endpoint,
-        tenant="t",
-        pool="p",
-        priority="standard",
-        stream=False,
-        client_wants_usage=False,
-        prompt_chars=400,
-        prompt_tokens=100,
-        max_output_tokens=50,
-        body=body,
-        n=n,
+    """A request of 100 prompt tokens and 50 output tokens a choice, naming a limit in
+    `body` or not."""
+    return chat_request(max_tokens=50, n=n)._replace(
+        endpoint=endpoint, prompt_tokens=100, body=body
     )
 
 

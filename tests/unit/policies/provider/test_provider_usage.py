@@ -15,7 +15,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
 from gateway.ratelimit import LocalRateLimiter
 from gateway.ratelimit.budget import BucketBudget
-from gateway.request import Endpoint, InferenceRequest
+from gateway.request import InferenceRequest
 from gateway.slo import Latencies
 from gateway.upstream.answer import Usage
 from gateway.upstream.relay import Relayed
@@ -23,6 +23,7 @@ from gateway.upstream.served import Served
 from gateway.upstream.target import Target
 from policies.provider.gate import Claim, ProviderGate
 from policies.provider.policy import ProviderPolicy
+from tests.support.upstream import chat_request
 
 BUDGET = 6_000  # tokens a minute
 CLAIM = 1_000  # what each request below claims: its prompt and its output's limit
@@ -65,18 +66,8 @@ def budget_left(budget: BucketBudget) -> float:
 
 
 def request() -> InferenceRequest:
-    return InferenceRequest(
-        endpoint=Endpoint.CHAT,
-        tenant="acme",
-        pool="big",
-        priority="standard",
-        stream=False,
-        client_wants_usage=False,
-        prompt_chars=400,
-        prompt_tokens=100,
-        max_output_tokens=CLAIM - 100,
-        body={"messages": [{"role": "user", "content": "hi"}]},
-    )
+    """A request that claims CLAIM tokens: 100 of prompt and the rest of output."""
+    return chat_request(max_tokens=CLAIM - 100)._replace(prompt_tokens=100)
 
 
 class Answering:
