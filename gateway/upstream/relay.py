@@ -136,8 +136,8 @@ class StreamRelay:
         self._request = request
         self._max_event = max_event_bytes
         self._max_kept = max_kept_bytes
-        # the bytes of the event under way, and their length; a CR that ended the last
-        # chunk, held until the next shows whether an LF follows it
+        # the bytes of the event under way, and their length; whether the last chunk ended
+        # in a CR (an LF that begins the next belongs to its line ending)
         self._pending: list[bytes] = []
         self._pending_bytes = 0
         self._cr = False
@@ -250,21 +250,19 @@ class StreamRelay:
         return await self._emit(out)
 
     def _lf(self, chunk: bytes) -> bytes:
-        """`chunk` with its CRLF and CR line endings as LF; a CR that ends it is held."""
+        """`chunk` with its CRLF and CR line endings as LF. A CR that ends it ends its line
+        at once (holding it for the next chunk would hold a CR-only stream's events back);
+        an LF that begins the next is then the same line ending, and is dropped."""
         if self._cr:
-            chunk = b"\r" + chunk
             self._cr = False
-        if chunk.endswith(b"\r"):
-            chunk = chunk[:-1]
-            self._cr = True
+            if chunk.startswith(b"\n"):
+                chunk = chunk[1:]
+        self._cr = chunk.endswith(b"\r")
         return chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
 
     async def flush(self) -> None:
         """Relay what is left after the upstream's last blank line, treated like the rest,
         and a finishing event still held (the upstream sent nothing after it)."""
-        if self._cr:
-            self._cr = False
-            self._pending.append(b"\n")
         if self._pending:
             rest = b"".join(self._pending)
             self._pending, self._pending_bytes = [], 0

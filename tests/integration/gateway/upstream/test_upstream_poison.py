@@ -237,6 +237,7 @@ def test_every_sse_dialect_streams_as_it_comes_and_its_usage_is_read(loop: str, 
     gateway that waited for the end would never deliver it. Its usage (7) is what is
     counted, and the usage chunk does not reach a client that did not ask for it."""
     first_seen = threading.Event()
+    in_time: list[bool] = []
     shape = _dialect(kind)
     usage = {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
 
@@ -246,8 +247,8 @@ def test_every_sse_dialect_streams_as_it_comes_and_its_usage_is_read(loop: str, 
         lines.append(shape(b"data: [DONE]\n\n"))
         yield SSE_HEAD
         for i, line in enumerate(lines):
-            if i == 2:
-                await asyncio.to_thread(first_seen.wait, 10)
+            if i == 2:  # the client has the first token before the rest is sent
+                in_time.append(await asyncio.to_thread(first_seen.wait, 10))
             yield frame(line)
         yield b"0\r\n\r\n"
 
@@ -262,6 +263,7 @@ def test_every_sse_dialect_streams_as_it_comes_and_its_usage_is_read(loop: str, 
             if event.usage is not None:
                 usages.append(event.usage)
         completion = metric_sum(url, "spillgate_tokens_total", target="big-0", kind="completion")
+    assert in_time == [True]
     assert "".join(text) == "Hello there"
     assert usages == []
     assert completion == 7
