@@ -190,7 +190,9 @@ class Forwarder:
             count = orjson.loads(body).get("count") if response.status == 200 else None
         except (orjson.JSONDecodeError, AttributeError):
             return None
-        return count if isinstance(count, int) and not isinstance(count, bool) else None
+        # a count is evidence too: none that is not a positive whole number (the usage it
+        # goes into is checked against the request, gateway/upstream/usage.py)
+        return count if type(count) is int and count > 0 else None
 
     async def forward(
         self,

@@ -20,7 +20,7 @@ import pytest
 from gateway.clock import SystemClock
 from gateway.config import Timeouts
 from gateway.errors import UpstreamUnavailable
-from gateway.upstream.forward import Forwarder
+from gateway.upstream.forward import AnswerBounds, Forwarder
 from gateway.upstream.http_head import ProtocolError
 from gateway.upstream.pool import UpstreamPool
 from gateway.upstream.target import Target
@@ -287,3 +287,30 @@ def test_retry_after_is_delta_seconds_and_bounded() -> None:
             return taken
 
     assert run(test) == [7.0, 12.0, 0.0, 3600.0, None, None, None, None, None, None, None]
+
+
+def test_a_tokenize_count_is_a_positive_whole_number_within_the_body_bound() -> None:
+    """What `/tokenize` says a prompt counts is evidence too: a count that is not a positive
+    whole number, and an answer past the body bound, count as no answer."""
+    said: list[Any] = [12, -5, 0, 1.5, "lots", [5], True, None]
+
+    def count(value: Any) -> Callable[[Post], bytes]:
+        body = orjson.dumps({"count": value, "max_model_len": 4096, "tokens": []})
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+        return lambda post: head % len(body) + body
+
+    huge = orjson.dumps({"count": 7, "tokens": [1] * 40_000})
+    too_long = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(huge) + huge
+
+    async def test() -> list[int | None]:
+        async with serve(answers(*map(count, said), lambda post: too_long)) as server:
+            pool = UpstreamPool(max_connections=8)
+            forwarder = Forwarder(pool, clock=SystemClock(), bounds=AnswerBounds(body_bytes=64_000))
+            counted = [
+                await forwarder.prompt_tokens(target(server), chat_request())
+                for _ in range(len(said) + 1)
+            ]
+            await pool.aclose()
+            return counted
+
+    assert run(test) == [12, None, None, None, None, None, None, None, None]
