@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.admission.fill import MAX_FILL
 from gateway.app import create_app
 from gateway.config import parse_settings
 from loadtest.procs import free_port
@@ -68,14 +69,14 @@ def test_dashboard_shows_capacity_in_flight_and_outcomes(fleet: Fleet, tmp_path:
     for b in backends:
         row = re.search(rf'data-backend="{b["name"]}".*?</tr>', dom, re.S)
         assert row and f'class="capacity">{CAPACITY:,}<' in row.group(0)
-        # the target fill, 50 %, or up to 1.1 x that once the fill calibrates to what the
-        # backend holds under the two long requests' reservations
+        # the target fill, 50 %, or more once the fill calibrates to what the backend holds
+        # under the two long requests' reservations, never past the whole cache
+        # (gateway/admission/fill.py)
         limit = re.search(r'class="limit-tokens">([\d,]+)<', row.group(0))
-        assert (
-            limit and CAPACITY // 2 <= int(limit.group(1).replace(",", "")) <= 1.1 * CAPACITY // 2
-        )
+        most = MAX_FILL * CAPACITY
+        assert limit and CAPACITY // 2 <= int(limit.group(1).replace(",", "")) <= most
         fill = re.search(r'class="effective-fill"[^>]*>([\d.]+) %( \(calibrated\))?<', row.group(0))
-        assert fill and 50 <= float(fill.group(1)) <= 55
+        assert fill and 50 <= float(fill.group(1)) <= 100 * MAX_FILL
         assert fill.group(2) or float(fill.group(1)) == 50  # above the target: says why
         assert re.search(r'class="kv-used"[^>]*>[\d.]+ %<', row.group(0))
         # one-word prompts fill no whole block: nothing for the prefix index to expect
