@@ -124,57 +124,54 @@ def in_flight(url: str) -> int:
 # -- usage is evidence, not truth
 
 
-@pytest.mark.parametrize("told", [10**18, 1e300], ids=["1e18", "1e300"])
-@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_a_huge_usage_leaves_the_tenant_admitted(loop: str, told: Any, stream: bool) -> None:
-    """The backend says it generated 10**18 tokens for an 8-token request: the tenant's
-    next requests are admitted (the count is bounded by max_tokens), and the correction
-    is counted against the backend."""
-    usage = {"prompt_tokens": 3, "completion_tokens": told, "total_tokens": told}
+# what a backend tells as each count of its usage, by the name the request's `user` gives
+HUGE = {"1e18": 10**18, "1e300": 1e300}
+NO_COUNTS = {"negative": -5, "text": "lots", "list": [5], "object": {"n": 1}, "null": None}
 
-    def answer(post: Post) -> bytes:
-        if post.body.get("stream"):
-            return sse_answer(post, tokens=["Hello", " there"], usage=usage)
-        return json_answer(post, usage=usage)
 
+def telling(post: Post) -> bytes:
+    """An answer whose usage says what the request's `user` names: a huge output, or no
+    count at all in any field."""
+    name = post.body["user"]
+    if name in HUGE:
+        usage = {"prompt_tokens": 3, "completion_tokens": HUGE[name], "total_tokens": HUGE[name]}
+    else:
+        told = NO_COUNTS[name]
+        usage = {"prompt_tokens": told, "completion_tokens": told, "total_tokens": told}
+    if post.body.get("stream"):
+        return sse_answer(post, tokens=["Hello", " there"], usage=usage)
+    return json_answer(post, usage=usage)
+
+
+def test_a_huge_usage_leaves_the_tenant_admitted(loop: str) -> None:
+    """The backend says it generated 10**18 (or 1e300) tokens for an 8-token request: the
+    tenant's next requests are admitted (the count is bounded by max_tokens), and each
+    correction is counted against the backend; streamed and not."""
     with (
-        Backend(answer) as backend,
+        Backend(telling) as backend,
         gateway_before(backend, loop=loop, limits={"tokens_per_minute": 100_000}) as url,
     ):
-        texts = [chat(url, stream=stream, max_tokens=8) for _ in range(3)]
-        corrected = corrections(url, "completion_too_large")
-        completion = metric_sum(url, "spillgate_tokens_total", target="big-0", kind="completion")
-    assert texts == ["Hello there"] * 3
-    assert corrected == 3
-    assert completion == 3 * 8
+        for told in HUGE:
+            for stream in (False, True):
+                before = corrections(url, "completion_too_large")
+                texts = [chat(url, stream=stream, max_tokens=8, user=told) for _ in range(3)]
+                corrected = corrections(url, "completion_too_large") - before
+                completion = metric_sum(url, "spillgate_tokens_total", kind="completion")
+                assert (told, stream, texts) == (told, stream, ["Hello there"] * 3)
+                assert (told, stream, corrected) == (told, stream, 3)
+        assert completion == len(HUGE) * 2 * 3 * 8
 
 
-@pytest.mark.parametrize(
-    "told", [-5, "lots", [5], {"n": 1}, None], ids=["negative", "text", "list", "object", "null"]
-)
-@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_a_usage_that_is_no_count_is_answered_and_metrics_stay_readable(
-    loop: str, told: Any, stream: bool
-) -> None:
-    """Negative or non-numeric counts: the answer reaches the client whole (a stream ends
+def test_a_usage_that_is_no_count_is_answered_and_metrics_stay_readable(loop: str) -> None:
+    """Negative or non-numeric counts: each answer reaches the client whole (a stream ends
     with [DONE]), /metrics still answers, and nothing is left reserved."""
-    usage = {"prompt_tokens": told, "completion_tokens": told, "total_tokens": told}
-
-    def answer(post: Post) -> bytes:
-        if post.body.get("stream"):
-            return sse_answer(post, tokens=["Hello", " there"], usage=usage)
-        return json_answer(post, usage=usage)
-
-    with Backend(answer) as backend, gateway_before(backend, loop=loop) as url:
-        if stream:
-            raw = raw_stream(url)
-            assert raw.rstrip().endswith(b"data: [DONE]") and b"Hello" in raw
-        else:
-            assert chat(url, stream=False) == "Hello there"
-        scraped = httpx.get(f"{url}/metrics", timeout=10)
-        left = in_flight(url)
-    assert scraped.status_code == 200
-    assert left == 0
+    with Backend(telling) as backend, gateway_before(backend, loop=loop) as url:
+        for told in NO_COUNTS:
+            raw = raw_stream(url, user=told)
+            assert raw.rstrip().endswith(b"data: [DONE]") and b"Hello" in raw, told
+            assert chat(url, stream=False, user=told) == "Hello there", told
+            scraped = httpx.get(f"{url}/metrics", timeout=10)
+            assert (told, scraped.status_code, in_flight(url)) == (told, 200, 0)
 
 
 @pytest.mark.parametrize(
