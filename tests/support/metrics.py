@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
 from gateway.admission.metrics_text import families, samples, total
@@ -21,6 +23,17 @@ def text_sum(text: str, name: str, **labels: str) -> float:
 def metric_sum(url: str, name: str, **labels: str) -> float:
     """The same, read off `url`'s /metrics."""
     return text_sum(metrics_text(url), name, **labels)
+
+
+def settled_sum(url: str, name: str, *, requests: int, **labels: str) -> float:
+    """`metric_sum` once the gateway has recorded the outcomes of `requests` requests in all:
+    a stream's client has its last byte before the gateway settles and counts it."""
+    deadline = time.monotonic() + 10
+    while True:
+        text = metrics_text(url)
+        if text_sum(text, "spillgate_requests_total") >= requests or time.monotonic() > deadline:
+            return text_sum(text, name, **labels)
+        time.sleep(0.02)
 
 
 def types(text: str) -> dict[str, str]:

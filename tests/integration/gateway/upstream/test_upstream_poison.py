@@ -20,7 +20,7 @@ import pytest
 
 from tests.support.fleet import admin_status
 from tests.support.hostile import KEY, OTHER_KEY, client, gateway_before
-from tests.support.metrics import metric_sum
+from tests.support.metrics import metric_sum, settled_sum
 from tests.support.raw_server import SSE_HEAD, Backend, Post, chat_answer
 
 MESSAGES: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
@@ -109,8 +109,10 @@ def rss() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def corrections(url: str, reason: str) -> float:
-    return metric_sum(url, "spillgate_usage_corrections_total", target="big-0", reason=reason)
+def corrections(url: str, reason: str, *, requests: int) -> float:
+    """Corrections counted once `requests` requests have been settled."""
+    name = "spillgate_usage_corrections_total"
+    return settled_sum(url, name, requests=requests, target="big-0", reason=reason)
 
 
 def errors(url: str, target: str = "big-0") -> float:
@@ -151,12 +153,16 @@ def test_a_huge_usage_leaves_the_tenant_admitted(loop: str) -> None:
         Backend(telling) as backend,
         gateway_before(backend, loop=loop, limits={"tokens_per_minute": 100_000}) as url,
     ):
+        asked = 0
         for told in HUGE:
             for stream in (False, True):
-                before = corrections(url, "completion_too_large")
+                before = corrections(url, "completion_too_large", requests=asked)
                 texts = [chat(url, stream=stream, max_tokens=8, user=told) for _ in range(3)]
-                corrected = corrections(url, "completion_too_large") - before
-                completion = metric_sum(url, "spillgate_tokens_total", kind="completion")
+                asked += 3
+                corrected = corrections(url, "completion_too_large", requests=asked) - before
+                completion = settled_sum(
+                    url, "spillgate_tokens_total", requests=asked, kind="completion"
+                )
                 assert (told, stream, texts) == (told, stream, ["Hello there"] * 3)
                 assert (told, stream, corrected) == (told, stream, 3)
         assert completion == len(HUGE) * 2 * 3 * 8
@@ -208,8 +214,10 @@ def test_a_stream_told_to_cost_nothing_is_charged_its_events(loop: str) -> None:
 
     with Backend(answer) as backend, gateway_before(backend, loop=loop) as url:
         assert chat(url, stream=True) == "x" * 300
-        completion = metric_sum(url, "spillgate_tokens_total", target="big-0", kind="completion")
-        corrected = corrections(url, "completion_zero")
+        completion = settled_sum(
+            url, "spillgate_tokens_total", requests=1, target="big-0", kind="completion"
+        )
+        corrected = corrections(url, "completion_zero", requests=1)
     assert completion >= 300 - 14
     assert corrected == 1
 
@@ -259,7 +267,9 @@ def test_every_sse_dialect_streams_as_it_comes_and_its_usage_is_read(loop: str, 
                 first_seen.set()
             if event.usage is not None:
                 usages.append(event.usage)
-        completion = metric_sum(url, "spillgate_tokens_total", target="big-0", kind="completion")
+        completion = settled_sum(
+            url, "spillgate_tokens_total", requests=1, target="big-0", kind="completion"
+        )
     assert in_time == [True]
     assert "".join(text) == "Hello there"
     assert usages == []
@@ -322,7 +332,7 @@ def test_a_resumable_stream_past_its_kept_bound_is_relayed_whole_and_not_kept(lo
         ) as response:  # fmt: skip
             for data in response.iter_bytes():
                 got += data.count(b"y")  # no other y in the events
-        dropped = metric_sum(url, "spillgate_streams_not_kept_total", target="big-0")
+        dropped = settled_sum(url, "spillgate_streams_not_kept_total", requests=1, target="big-0")
     assert got == 4096 * len(piece)
     assert dropped == 1
     assert rise and rise[0] < 8 << 20
