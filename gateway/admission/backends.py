@@ -208,10 +208,9 @@ def build_pools(pools: list[PoolSettings], *, clock: Clock) -> dict[str, Pool]:
     built: dict[str, Pool] = {}
     for pool in pools:
         backends = [_backend(pool, i, b) for i, b in enumerate(pool.backends)]
-        # the events index needs the prompt's tokens: only with a tokenizer, routing by prefix
-        tokenizer = None
-        if pool.routing == "prefix" and pool.tokenizer is not None:
-            tokenizer = PromptTokenizer(pool.tokenizer)
+        tokenizer = None if pool.tokenizer is None else PromptTokenizer(pool.tokenizer)
+        # the events index matches the prompt's tokens: only with a tokenizer, routing by prefix
+        by_events = pool.routing == "prefix" and tokenizer is not None
         built[pool.name] = Pool(
             settings=pool,
             backends=backends,
@@ -220,7 +219,7 @@ def build_pools(pools: list[PoolSettings], *, clock: Clock) -> dict[str, Pool]:
             events={
                 backend.name: EventsView()
                 for backend, b in zip(backends, pool.backends, strict=True)
-                if b.kv_events is not None and tokenizer is not None
+                if b.kv_events is not None and by_events
             },
             tokenizer=tokenizer,
         )

@@ -313,10 +313,12 @@ class PoolSettings(_Model):
             "a directory of the served model's tokenizer files, as Hugging Face lays them out "
             "(`tokenizer.json`, and `tokenizer_config.json` with the chat template, or "
             "`chat_template.jinja`): baked into the gateway's image or mounted from the "
-            "volume the engines load the model from. With it, a request to a pool whose "
-            "backends publish `kv_events` is tokenized in process as the engine does it, and "
-            "its blocks matched against what each engine reports holding; without it those "
-            "backends are scored by the gateway's own index"
+            "volume the engines load the model from. With it, a prompt that may share blocks "
+            "with requests in flight (backends that cache prefixes), or is routed by `kv_events`, "
+            "is tokenized in process as the engine does it: its exact size is reserved, and "
+            "its shared blocks are counted exactly instead of guessed from its bytes with a "
+            "block of margin. Without it, backends that publish `kv_events` are scored by the "
+            "gateway's own index"
         ),
     )
     continue_streams: int = Field(

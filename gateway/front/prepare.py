@@ -165,17 +165,30 @@ class Preparer:
             session=None if session is None else f"{request.tenant}\0{session}",
         )
 
+    def tokenizes(self, request: InferenceRequest) -> bool:
+        """Whether `request` is worth its tokens: its pool has the model's tokenizer, and
+        the request may share prompt blocks with requests in flight or is routed by the
+        blocks its pool's engines report holding (KV events)."""
+        pool = self._router.pools[request.pool]
+        return pool.tokenizer is not None and bool(
+            request.shared or (request.prefix and pool.events)
+        )
+
     async def tokenized(self, request: InferenceRequest) -> InferenceRequest:
-        """`request` with its prompt as the engine's token ids, which the KV-events index
-        matches (gateway/admission/prompt_tokens.py: new text past a few hundred
-        characters is tokenized off the event loop)."""
+        """`request` with its prompt as the engine's token ids (gateway/admission/
+        prompt_tokens.py: new text past a few hundred characters is tokenized off the event
+        loop): what the KV-events index matches, the prompt's exact size, and the blocks it
+        shares exactly as the engine keys them, in place of those guessed from its bytes."""
         pool = self._router.pools[request.pool]
         token_ids = await prompt_token_ids(request.body, pool.tokenizer)
-        if not request.shared:
-            return request._replace(token_ids=token_ids)
-        # the engine's own blocks, exactly, in place of those guessed from the bytes
+        if not token_ids:  # not tokenized as the engine would: the guesses stand
+            return request
         shared = [token_blocks(token_ids, block_size=s.block_tokens) for s in request.shared]
-        return request._replace(token_ids=token_ids, shared=tuple(s for s in shared if s.keys))
+        return request._replace(
+            token_ids=token_ids,
+            prompt_tokens=len(token_ids),
+            shared=tuple(s for s in shared if s.keys),
+        )
 
     @staticmethod
     def _objectives(
