@@ -42,6 +42,12 @@ from gateway.upstream.forward import unreachable_reason
 
 log = logging.getLogger("spillgate.backends")
 
+# why a backend whose API is not where its URL says is down (FleetWatcher)
+_NO_API = (
+    "GET {url}/v1/models answered 404: the url should be the server's root, where "
+    "/v1/models is found (without /v1)"
+)
+
 # a pool's context limit when it sets none and no backend reports one
 FALLBACK_MAX_MODEL_LEN = 32_768
 
@@ -252,8 +258,10 @@ class FleetWatcher:
     too few answers of its own to reserve by, the probe also reads the lengths of the
     answers its backends generated, and the pool borrows them (output_lengths.py).
 
-    Any answer below 500 shows a live server: a backend without `/health` or
-    `/v1/models` (a 404) is not held against it, only left unchecked.
+    Any answer below 500 shows a live server: a backend without `/health` or `/metrics`
+    (a 404) is not held against it, only left unchecked. `/v1/models` is the API itself:
+    a 404 there means the URL names no OpenAI-compatible server's root (most often it ends
+    in `/v1`), so every request would be a 404 too, and the backend is down saying so.
     """
 
     TICK_S = 1.0
@@ -354,6 +362,8 @@ class FleetWatcher:
             raise ProbeFailed(f"GET {path} failed: {type(exc).__name__}") from None
         if response.status_code >= 500:
             raise ProbeFailed(f"GET {path} answered {response.status_code}")
+        if response.status_code == 404 and path == "/v1/models":
+            raise ProbeFailed(_NO_API.format(url=backend.url))
         return response.text if response.status_code < 400 else None
 
     async def start(self) -> None:

@@ -4,6 +4,7 @@ chain, with the answer cache and the reservation of output it uses."""
 from __future__ import annotations
 
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 
@@ -45,10 +46,26 @@ class KvEventsSettings(_Model):
         return value
 
 
+def _backend_url(url: str) -> str:
+    """A backend is named by its server's root: the gateway calls `/v1/models`, `/metrics`,
+    `/health` and the API beside them. A provider's `base_url` includes `/v1`, so the suffix
+    is the natural slip, and with it every call answers 404."""
+    stripped = url.rstrip("/")
+    if urlsplit(stripped).path.endswith("/v1"):
+        root = stripped.removesuffix("/v1")
+        raise ValueError(f"drop the `/v1` (the gateway adds the paths it calls): {root!r}")
+    return url
+
+
 class BackendSettings(_Model):
     """One server of the pool."""
 
-    url: str = Field(description="backend base URL (without `/v1`), `http://` or `https://`")
+    url: str = Field(
+        description=(
+            "the server's root URL, `http://` or `https://`, without `/v1` (the gateway adds "
+            "the paths it calls): `http://vllm-0:8000`"
+        )
+    )
     served_model: str | None = Field(
         None,
         description=(
@@ -96,7 +113,7 @@ class BackendSettings(_Model):
     @field_validator("url")
     @classmethod
     def _url(cls, url: str) -> str:
-        return _http_url(url)
+        return _backend_url(_http_url(url))
 
     @field_validator("capacity", mode="before")
     @classmethod

@@ -55,8 +55,8 @@ class FaultBackend:
         if scope["path"].endswith("/health"):
             await _send_all(send, 200, b"ok", b"text/plain")
             return
-        if scope["method"] != "POST":  # no /v1/models, no /metrics: probes learn nothing
-            await _send_all(send, 404, b"not found", b"text/plain")
+        if scope["method"] != "POST":  # a listing of nothing, no metrics: probes learn nothing
+            await _send_all(send, 200, b"{}", b"application/json")
             return
         body = await _read(receive)
         self.arrivals[name] += 1

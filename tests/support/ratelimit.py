@@ -30,6 +30,7 @@ from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from tests.support.harness import ServerThread
 from tests.support.replica import GatewayProcess, wait_ready
+from tests.support.upstream import MODELS_ROUTE
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBFAKETIME = next(iter(sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))), None)
@@ -103,7 +104,7 @@ def short_backend() -> Starlette:
         hang = body["messages"][-1]["content"] == HANG
         return StreamingResponse(_events(base, usage, hang=hang), media_type="text/event-stream")
 
-    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]), MODELS_ROUTE])
 
 
 async def _events(

@@ -161,7 +161,7 @@ Answer = Callable[[Post], bytes | AsyncIterator[bytes] | None]
 
 class Backend:
     """A backend for the gateway, on a thread of its own: a GET (the gateway's probes)
-    gets a 404, which the gateway does not hold against a backend; a POST gets what
+    gets `{}`, which tells the gateway nothing and is not held against it; a POST gets what
     `answer` returns (written as it comes, where it is an async iterator). Keeps every
     POST, and counts the connections POSTs came on."""
 
@@ -216,7 +216,7 @@ class Backend:
                         length = int(line.partition(b":")[2])
                 body = await reader.readexactly(length)
                 if not head.startswith(b"POST "):
-                    writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
                     continue
                 post = Post(connection, on_connection, len(self.posts), orjson.loads(body))
                 self.posts.append(post)

@@ -24,6 +24,7 @@ from loadtest.sim.wire import Kind, full_response
 from tests.support.fleet import ADMIN_TOKEN, Fleet, tenant
 from tests.support.harness import ServerThread
 from tests.support.overflow import STATIC_RESERVATION
+from tests.support.upstream import MODELS_ROUTE
 
 PROVIDER_KEY_ENV = "HOSTED_API_KEY"
 ROOM = 100_000  # tokens the recording backend holds
@@ -58,6 +59,7 @@ class Recorder:
             routes=[
                 Route("/v1/chat/completions", complete, methods=["POST"]),
                 Route("/health", health),
+                MODELS_ROUTE,
             ]
         )
 

@@ -56,8 +56,8 @@ async def failing(scope: Scope, receive: Receive, send: Send) -> None:
         while (await receive()).get("more_body"):
             pass
         status = 503
-    else:  # no /v1/models, no /metrics: the probes learn nothing
-        status = 200 if scope["path"].endswith("/health") else 404
+    else:  # a listing of nothing, no metrics: the probes learn nothing
+        status = 200
     await send({"type": "http.response.start", "status": status, "headers": []})
     await send({"type": "http.response.body", "body": b"{}"})
 

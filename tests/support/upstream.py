@@ -25,6 +25,15 @@ PROMPT_TOKENS = 5
 COMPLETION_TOKENS = 2
 
 
+async def _no_listing(request: Request) -> Response:
+    return Response(b"{}", media_type="application/json")
+
+
+# a backend's API at its root: the gateway's probe finds `/v1/models` there (a 404 would mean
+# a URL past the server's root), though its `{}` lists nothing, so the probe learns nothing
+MODELS_ROUTE = Route("/v1/models", _no_listing)
+
+
 class FakeUpstream:
     """Answers `ANSWER` naming the model it was asked for, with usage of `PROMPT_TOKENS` and
     `COMPLETION_TOKENS` (or whatever `usage` holds at the time); with `status` other than
@@ -34,7 +43,9 @@ class FakeUpstream:
         self.status = status
         self.usage = usage
         self.bodies: list[dict[str, Any]] = []  # what each request sent, in order
-        self.app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
+        self.app = Starlette(
+            routes=[Route("/v1/chat/completions", self._chat, methods=["POST"]), MODELS_ROUTE]
+        )
 
     async def _chat(self, request: Request) -> Response:
         body = orjson.loads(await request.body())

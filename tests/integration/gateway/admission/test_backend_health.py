@@ -161,6 +161,31 @@ def test_a_backend_serving_another_model_keeps_the_pool_out_of_rotation(
     assert state_lines(caplog, "p-0") == [f"backend p-0 is down: {reason}"]
 
 
+def test_a_backend_url_past_the_servers_root_is_down_with_the_404_it_got(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its `/v1/models` answers 404, as every request would: down, saying why, not full."""
+    caplog.set_level(logging.INFO)
+    sim = SimConfig(model="m", kv_tokens=8192, no_delay=True)
+    with ServerThread(create_sim_app(sim)) as backend:
+        url = f"{backend.url}/openai"
+        pool = {"name": "p", "backends": [{"url": url, "served_model": "m"}]}
+        with gateway([pool]) as fleet, fleet.client() as client:
+            response = client.post("/v1/chat/completions", json=chat("hi", model="p"))
+            ready = httpx.get(f"{fleet.url}/readyz", timeout=5)
+    reason = (
+        f"GET {url}/v1/models answered 404: the url should be the server's root, "
+        "where /v1/models is found (without /v1)"
+    )
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "backend_unavailable"
+    assert response.json()["error"]["message"] == (
+        f"No backend of pool 'p' is available: p-0 ({url}): {reason}."
+    )
+    assert ready.status_code == 503 and ready.json()["backends_down"] == {"p-0": reason}
+    assert state_lines(caplog, "p-0") == [f"backend p-0 is down: {reason}"]
+
+
 def test_the_context_limit_is_the_backends_own_and_models_lists_it() -> None:
     sim = SimConfig(model="m", kv_tokens=8192, max_model_len=2048, no_delay=True)
     with ServerThread(create_sim_app(sim)) as backend:

@@ -41,9 +41,9 @@ class Scripted:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        if scope["method"] != "POST":  # no /v1/models, /health or /metrics: unknown, not down
-            await send({"type": "http.response.start", "status": 404, "headers": []})
-            await send({"type": "http.response.body", "body": b""})
+        if scope["method"] != "POST":  # a listing of nothing, no metrics: unknown, not down
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
             return
         body = orjson.loads((await receive())["body"])
         content = body["messages"][0]["content"]

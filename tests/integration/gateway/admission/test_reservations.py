@@ -27,9 +27,9 @@ async def dies_mid_stream(scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
         return
-    if scope["method"] != "POST":  # no /v1/models: the gateway's probe learns nothing
-        await send({"type": "http.response.start", "status": 404, "headers": []})
-        await send({"type": "http.response.body", "body": b""})
+    if scope["method"] != "POST":  # a listing of nothing: the gateway's probe learns nothing
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
         return
     await receive()
     head = [(b"content-type", b"text/event-stream")]

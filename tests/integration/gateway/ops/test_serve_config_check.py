@@ -72,6 +72,13 @@ BAD = {
             "or 'auto', not 'lots'",
         ],
     ),
+    "a backend url with the API's /v1, as a provider's base_url has it": (
+        GOOD.replace("http://127.0.0.1:2", "http://127.0.0.1:2/v1/"),
+        [
+            "gw.yaml:11: pools[1].backends[0].url: drop the `/v1` (the gateway adds the paths "
+            "it calls): 'http://127.0.0.1:2'"
+        ],
+    ),
     "a chain policy without what it needs": (
         GOOD.replace("[queue, reject]", "[queue, provider, reject]"),
         ["gw.yaml:6: pools[0].overflow[1]: 'provider' needs pools[0].provider"],
