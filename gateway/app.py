@@ -28,7 +28,7 @@ from gateway.batch.store import BatchStore, DirStore, RedisStore
 from gateway.clock import Clock, SystemClock
 from gateway.config import Settings
 from gateway.errors import InvalidRequest, SpillgateError, error_response
-from gateway.front.auth import Authenticator
+from gateway.front.auth import Authenticator, KeyRefusals
 from gateway.front.guard import head_bytes, head_too_large
 from gateway.front.pipeline import Pipeline, PipelineDeps, endpoint_rules
 from gateway.front.response_homes import ResponseHomes
@@ -102,7 +102,7 @@ def create_app(
         ),
     )
     chains = {name: build_chain(pool.settings, policy_deps) for name, pool in pools.items()}
-    auth = Authenticator(settings, env)
+    auth = Authenticator(settings, env, refusals=KeyRefusals(metrics.refused_keys, clock=clock))
     upstream = UpstreamPool(
         max_connections=settings.server.upstream_max_connections,
         max_header_bytes=settings.server.upstream_max_header_bytes,

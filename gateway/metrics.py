@@ -210,6 +210,10 @@ class GatewayMetrics:
             "Streams cut mid-answer that were not continued, by reason",
             ["pool", "reason"], registry=r,
         )  # fmt: skip
+        self.refused_keys = Counter(
+            "spillgate_refused_keys", "Requests refused for their API key: missing or incorrect",
+            ["reason"], registry=r,
+        )  # fmt: skip
         self.ratelimit_store_errors = Counter(
             "spillgate_ratelimit_store_errors", "Rate-limit store calls that failed", registry=r
         )

@@ -1,12 +1,20 @@
-"""API key → tenant. Keys are held only as SHA-256 hashes and compared in constant time."""
+"""API key → tenant. Keys are held only as SHA-256 hashes and compared in constant time.
+
+A refused key is counted and told in the log, so a client with a stale or mistyped key is
+seen by the operator and not only by the client; neither ever holds the key itself.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from prometheus_client import Counter
+
+from gateway.clock import Clock
 from gateway.config import Priority, Settings, TenantSettings
 from gateway.errors import Forbidden, Unauthenticated
 from gateway.ratelimit import TenantLimits
@@ -56,22 +64,79 @@ def bearer_token(authorization: str | None) -> str | None:
     return token
 
 
+log = logging.getLogger("spillgate.auth")
+
+# at most one log line about refused keys in this many seconds, per process: a client
+# retrying a wrong key in a loop must not flood the log
+REFUSALS_LOG_EVERY_S = 10.0
+
+
+def shown_key(token: str) -> str:
+    """A key as OpenAI's errors show it: its first characters, the rest as asterisks (at
+    most a third shown, so a short key is not given away)."""
+    shown = min(8, len(token) // 3)
+    return token[:shown] + "*" * (len(token) - shown)
+
+
+class KeyRefusals:
+    """Refused API keys: counted by reason (`missing` or `incorrect`, never the key) and
+    told in the log at most once every `every_s`, with the key as OpenAI shows it and how
+    many were refused since the line before."""
+
+    def __init__(
+        self, counter: Counter, *, clock: Clock, every_s: float = REFUSALS_LOG_EVERY_S
+    ) -> None:
+        self._counter = counter
+        self._clock = clock
+        self._every_s = every_s
+        self._quiet_until = float("-inf")
+        self._untold = 0  # refused while the log was quiet
+
+    def refused(self, token: str | None) -> None:
+        self._counter.labels(reason="missing" if token is None else "incorrect").inc()
+        now = self._clock.monotonic()
+        if now < self._quiet_until:
+            self._untold += 1
+            return
+        what = "no API key" if token is None else f"incorrect API key {shown_key(token)}"
+        since = f" ({self._untold} more refused since the last line)" if self._untold else ""
+        log.warning("refused a request: %s%s", what, since)
+        self._untold, self._quiet_until = 0, now + self._every_s
+
+
 class Authenticator:
-    def __init__(self, settings: Settings, environ: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        environ: Mapping[str, str],
+        *,
+        refusals: KeyRefusals | None = None,
+    ) -> None:
         tenants = [_tenant(t, environ) for t in settings.tenants]
         self._by_hash = {t.key_hash: t for t in tenants}
         self.by_name = {t.name: t for t in tenants}
+        self._refusals = refusals
 
     def tenant(self, authorization: str | None) -> Tenant:
+        """The tenant whose key the request carries; a key refused is counted and logged."""
         token = bearer_token(authorization)
+        tenant = None if token is None else self.holder(token)
+        if tenant is not None:
+            return tenant
+        if self._refusals is not None:
+            self._refusals.refused(token)
         if token is None:
             raise Unauthenticated(
                 "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
             )
+        raise Unauthenticated("Incorrect API key provided.")
+
+    def holder(self, token: str) -> Tenant | None:
+        """The tenant whose key `token` is, if any (nothing counted)."""
         digest = hashlib.sha256(token.encode()).digest()
         tenant = self._by_hash.get(digest)
         if tenant is None or not hmac.compare_digest(tenant.key_hash, digest):
-            raise Unauthenticated("Incorrect API key provided.")
+            return None
         return tenant
 
 
@@ -89,8 +154,6 @@ class AdminAuth:
         digest = hashlib.sha256(token.encode()).digest()
         if self._digest is not None and hmac.compare_digest(self._digest, digest):
             return
-        try:
-            self._tenants.tenant(authorization)
-        except Unauthenticated:
-            raise Unauthenticated("Incorrect admin token.") from None
+        if self._tenants.holder(token) is None:
+            raise Unauthenticated("Incorrect admin token.")
         raise Forbidden("Tenant API keys cannot use admin endpoints.")

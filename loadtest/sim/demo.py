@@ -12,10 +12,12 @@ import argparse
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -204,7 +206,8 @@ def _banner(host: str, port: int, *, api_key: str, admin: str, fleet: dict[str, 
         [
             f"Spillgate demo is serving on {url}",
             f"  API key:      {api_key}",
-            f"  admin token:  {admin}   (GET {url}/admin/status)",
+            f"  admin token:  {admin}   (a header, 'Authorization: Bearer {admin}', "
+            f"on GET {url}/admin/status)",
             f"  dashboard:    {url}/dashboard?token={admin}",
             f"  pools:        {LARGE} (2 backends), {SMALL} (1 backend); spill to {PROVIDER}",
             f"                {EMBED} (1 backend, embeddings: POST /v1/embeddings)",
@@ -214,9 +217,24 @@ def _banner(host: str, port: int, *, api_key: str, admin: str, fleet: dict[str, 
             f"  embeddings:   {embed}",
             f"  responses:    {respond}",
             f"  measure one:  {measure}",
+            *_on_path(),
             "Press Ctrl-C to stop.",
         ]
     )
+
+
+def _on_path() -> list[str]:
+    """How to type `spillgate` as the docs write it, when this shell could not: the
+    virtual environment `make demo` made is not on PATH until it is activated."""
+    script = Path(sys.argv[0]).resolve()
+    found = shutil.which("spillgate")
+    if script.name != "spillgate" or (found is not None and Path(found).resolve() == script):
+        return []
+    activate = script.parent / "activate"
+    if not activate.exists():
+        return [f"  commands:     {script} (not on your PATH)"]
+    shown = os.path.relpath(activate) if activate.is_relative_to(Path.cwd()) else activate
+    return [f"  commands:     . {shown}   (puts spillgate on your PATH, in each new shell)"]
 
 
 def _interrupt(signum: int, frame: object) -> None:

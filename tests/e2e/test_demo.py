@@ -96,6 +96,9 @@ def test_demo_serves_overflows_and_stops_cleanly() -> None:
         dashboard = re.search(r"dashboard: +(\S+)", banner)
         assert dashboard and dashboard[1] == f"{url}/dashboard?token={ADMIN}"
         assert httpx.get(dashboard[1]).status_code == 200
+        # the admin endpoints take the token as a header, and the banner says how
+        admin = httpx.get(f"{url}/admin/status", headers={"authorization": f"Bearer {ADMIN}"})
+        assert f"'Authorization: Bearer {ADMIN}'" in banner and admin.status_code == 200
         # every simulated server the demo started is named, the backends with what they serve
         served = _servers(banner)
         ports = {int(base.rsplit(":", 1)[1]) for base in served}
