@@ -37,6 +37,39 @@ class CommandsModule(Protocol):
     def main(self, argv: Sequence[str] | None = None) -> int: ...
 
 
+class DefaultsShown(argparse.HelpFormatter):
+    """`--help` names each option's default where it has one and its help does not say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_ = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or default == []
+            or "default" in help_
+        ):
+            return action.help
+        return f"{help_} (default: %(default)s)" if help_ else "default: %(default)s"
+
+
+def command_parser(name: str) -> tuple[argparse.ArgumentParser, CommandModule] | None:
+    """The parser `spillgate NAME` reads its options with, and the module that runs them;
+    None for a command with commands of its own (`bench`)."""
+    module_name, help_ = COMMANDS[name]
+    imported = importlib.import_module(module_name)
+    if not hasattr(imported, "add_arguments"):
+        return None
+    module = cast(CommandModule, imported)
+    parser = argparse.ArgumentParser(
+        prog=f"spillgate {name}", description=help_, formatter_class=DefaultsShown
+    )
+    module.add_arguments(parser)
+    return parser, module
+
+
 def _usage() -> str:
     lines = ["usage: spillgate COMMAND [options]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
@@ -53,20 +86,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"spillgate: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module_name, help_ = COMMANDS[name]
+    module_name = COMMANDS[name][0]
     try:
-        imported = importlib.import_module(module_name)
+        built = command_parser(name)
     except ModuleNotFoundError as exc:
         if exc.name is None or not module_name.startswith(exc.name):
             raise
         # the wheel leaves the benchmarks out (pyproject.toml): they run from a checkout
         print(f"spillgate: `{name}` is not installed here; run it from a checkout", file=sys.stderr)
         return 2
-    if not hasattr(imported, "add_arguments"):
-        return cast(CommandsModule, imported).main(args[1:])
-    module = cast(CommandModule, imported)
-    parser = argparse.ArgumentParser(prog=f"spillgate {name}", description=help_)
-    module.add_arguments(parser)
+    if built is None:
+        return cast(CommandsModule, importlib.import_module(module_name)).main(args[1:])
+    parser, module = built
     return module.run(parser.parse_args(args[1:]))
 
 

@@ -10,7 +10,15 @@ from pathlib import Path
 from gateway.capacity import render, throughput
 from gateway.capacity.catalog import CapacityError, Catalog, ModelSpec, load_catalog
 from gateway.capacity.hf_config import model_from_hf_config
-from gateway.capacity.plan import DEFAULT_TARGET_FILL, Demand, Plan, make_plan, plan_json
+from gateway.capacity.plan import (
+    DEFAULT_OUTPUT_TOKENS,
+    DEFAULT_PROMPT_TOKENS,
+    DEFAULT_TARGET_FILL,
+    Demand,
+    Plan,
+    make_plan,
+    plan_json,
+)
 from gateway.capacity.profile import BANDWIDTH_EFFICIENCY, FLOPS_EFFICIENCY, ReplicaOptions
 
 
@@ -18,9 +26,11 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
     """The options that size one replica; `spillgate measure` shares them."""
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
     parser.add_argument("--kv-dtype", default="auto", help="vLLM --kv-cache-dtype (auto, fp8)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="vLLM's share of GPU memory"
+    )
     parser.add_argument("--max-model-len", type=int, help="default: the model's context")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--max-num-seqs", type=int, help="default: vLLM's for the GPU")
     parser.add_argument("--catalog", type=Path, help="a catalog YAML instead of the packaged one")
 
@@ -33,17 +43,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="list the known models and GPUs")
     add_replica_arguments(parser)
     memory = parser.add_argument_group("memory overrides (GiB per GPU; default: estimated)")
-    memory.add_argument("--weights-gib", type=float)
+    memory.add_argument("--weights-gib", type=float, help="the model's weights")
     memory.add_argument("--activation-gib", type=float, help="PyTorch activation peak")
-    memory.add_argument("--non-torch-gib", type=float)
+    memory.add_argument("--non-torch-gib", type=float, help="CUDA graphs, NCCL and the like")
     memory.add_argument(
         "--kv-cache-gib",
         type=float,
         help="the KV pool outright, like vLLM's --kv-cache-memory; overrides the other three",
     )
-    work = parser.add_argument_group("workload")
-    work.add_argument("--prompt-tokens", type=int, default=1536)
-    work.add_argument("--output-tokens", type=int, default=512)
+    work = parser.add_argument_group(
+        "workload (lengths not given are assumed, and the plan says which)"
+    )
+    work.add_argument(
+        "--prompt-tokens", type=int, help=f"a session's prompt (default {DEFAULT_PROMPT_TOKENS})"
+    )
+    work.add_argument(
+        "--output-tokens", type=int, help=f"a session's answer (default {DEFAULT_OUTPUT_TOKENS})"
+    )
     work.add_argument(
         "--shared-prompt-tokens",
         type=int,
@@ -65,12 +81,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--target-fill",
         type=float,
         default=DEFAULT_TARGET_FILL,
-        help="fraction of the KV bound each replica is run at",
+        help="fraction of the KV bound each replica is run at, as the gateway's target_fill",
     )
     work.add_argument("--ttft-slo-ms", type=float, help="cap sessions per replica to meet it")
     speed = parser.add_argument_group("speed model")
-    speed.add_argument("--bandwidth-efficiency", type=float, default=BANDWIDTH_EFFICIENCY)
-    speed.add_argument("--flops-efficiency", type=float, default=FLOPS_EFFICIENCY)
+    speed.add_argument(
+        "--bandwidth-efficiency",
+        type=float,
+        default=BANDWIDTH_EFFICIENCY,
+        help="share of the GPU's memory bandwidth a decode step attains",
+    )
+    speed.add_argument(
+        "--flops-efficiency",
+        type=float,
+        default=FLOPS_EFFICIENCY,
+        help="share of the GPU's dense bf16 FLOPS a prefill attains",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument(
         "--chart", type=Path, metavar="FILE", help="SVG of tokens/s and TTFT against concurrency"
@@ -106,8 +132,8 @@ def _workload(args: argparse.Namespace) -> throughput.Workload:
     if args.shared_share is not None and args.shared_prompt_tokens is None:
         raise CapacityError("--shared-share needs --shared-prompt-tokens: the prompt it shares")
     return throughput.Workload(
-        prompt_tokens=args.prompt_tokens,
-        output_tokens=args.output_tokens,
+        prompt_tokens=args.prompt_tokens or DEFAULT_PROMPT_TOKENS,
+        output_tokens=args.output_tokens or DEFAULT_OUTPUT_TOKENS,
         shared_prompt_tokens=args.shared_prompt_tokens or 0,
         shared_share=1.0 if args.shared_share is None else args.shared_share,
     )
@@ -130,6 +156,14 @@ def build_plan(args: argparse.Namespace) -> Plan:
         options=replica_options(args),
         workload=_workload(args),
         demand=demand,
+        assumed=tuple(
+            option
+            for option, given in (
+                ("--prompt-tokens", args.prompt_tokens),
+                ("--output-tokens", args.output_tokens),
+            )
+            if given is None
+        ),
     )
 
 

@@ -11,7 +11,12 @@ from gateway.capacity.perf import ReplicaProfile
 from gateway.capacity.profile import ReplicaOptions, build_profile, memory_budget
 from gateway.capacity.throughput import LoadPoint, Workload
 
-DEFAULT_TARGET_FILL = 0.6
+# the gateway's own default `target_fill` (gateway/config/pools.py): a plan sizes the fleet
+# at the fill its gateway will run it at
+DEFAULT_TARGET_FILL = 0.9
+# the session a plan assumes when the workload's lengths are not given
+DEFAULT_PROMPT_TOKENS = 1536
+DEFAULT_OUTPUT_TOKENS = 512
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +60,8 @@ class Plan:
     peak_tokens_per_s: float | None
     replicas_needed: int | None
     warnings: tuple[str, ...]
+    # the workload's options left to their defaults (`--prompt-tokens`, ...): the plan says so
+    assumed: tuple[str, ...] = ()
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -112,6 +119,7 @@ def make_plan(
     options: ReplicaOptions,
     workload: Workload,
     demand: Demand,
+    assumed: tuple[str, ...] = (),
 ) -> Plan:
     profile = build_profile(model, gpu, options)
     sessions = throughput.kv_bound(profile, workload)
@@ -155,6 +163,7 @@ def make_plan(
             *_seqs_warnings(profile, sessions),
             *_slo_warnings(demand, slo_sessions, single.ttft_s),
         ),
+        assumed=assumed,
     )
 
 
@@ -172,6 +181,7 @@ def plan_json(plan: Plan) -> dict[str, object]:
         "kv_dtype": plan.options.kv_dtype,
         "block_size": plan.profile.block_size,
         "max_model_len": plan.profile.max_model_len,
+        "assumed": list(plan.assumed),
         "prompt_tokens": plan.workload.prompt_tokens,
         "output_tokens": plan.workload.output_tokens,
         "shared_prompt_tokens": plan.workload.shared_prompt_tokens,

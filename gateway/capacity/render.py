@@ -6,7 +6,7 @@ from pathlib import Path
 
 from gateway.capacity import throughput
 from gateway.capacity.catalog import Catalog
-from gateway.capacity.plan import Plan
+from gateway.capacity.plan import DEFAULT_TARGET_FILL, Plan
 
 
 def _row(label: str, value: str) -> str:
@@ -67,8 +67,10 @@ def _limit_rows(plan: Plan) -> list[str]:
 def _replica_rows(plan: Plan) -> list[str]:
     w, bound, fill = plan.workload, plan.at_bound, plan.at_fill
     batch1 = plan.profile.step_cost.decode_step_s(round(w.mean_kv_tokens))
+    assumed = f" (assumed: no {' or '.join(plan.assumed)} given)" if plan.assumed else ""
     rows = [
-        f"One replica, sessions of {w.prompt_tokens:,} prompt + {w.output_tokens:,} output tokens",
+        f"One replica, sessions of {w.prompt_tokens:,} prompt + {w.output_tokens:,} output "
+        f"tokens{assumed}",
         _row("batch-1 decode", f"{1 / batch1:.1f} tok/s"),
         _row("sessions at the KV bound", f"{plan.sessions_per_replica:,}"),
         *_limit_rows(plan),
@@ -97,10 +99,13 @@ def _workload_rows(plan: Plan) -> list[str]:
         head = f"Workload: {d.rps:g} req/s x {w.tokens:,} tokens x burst {d.burst:g}"
     else:
         head = f"Workload: {d.sessions:,} sessions x burst {d.burst:g}"
+    fill = f"replicas at {d.target_fill:.0%} fill"
+    if d.target_fill == DEFAULT_TARGET_FILL:
+        fill += " (the gateway's default target_fill)"
     return [
-        head,
+        f"{head}, {fill}",
         _row("peak tokens/s", f"{plan.peak_tokens_per_s:,.0f}"),
-        _row("replicas needed", f"{plan.replicas_needed:,}"),
+        _row(f"replicas needed at {d.target_fill:.0%} fill", f"{plan.replicas_needed:,}"),
         _row("GPUs needed", f"{plan.gpus_needed:,}"),
     ]
 

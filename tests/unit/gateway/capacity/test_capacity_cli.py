@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from gateway.capacity.plan import DEFAULT_TARGET_FILL
 from gateway.cli import main
+from gateway.config import PoolSettings
 
 LAUNCH = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--rps", "3",
           "--prompt-tokens", "1536", "--output-tokens", "512"]  # fmt: skip
@@ -101,7 +103,7 @@ def test_shared_prompt_json(capsys: pytest.CaptureFixture[str]) -> None:
     )  # fmt: skip
     assert out["sessions_per_replica"] == 58  # (128 - 11) // (13 - 11)
     assert out["sessions_per_replica_without_sharing"] == 9  # 128 // 13
-    assert out["sessions_at_fill"] == 34  # floor(58 x 0.6)
+    assert out["sessions_at_fill"] == 52  # floor(58 x 0.9)
 
 
 def test_shared_prompt_carried_by_half_the_requests(capsys: pytest.CaptureFixture[str]) -> None:
@@ -144,3 +146,37 @@ def test_shared_prompt_errors(
 ) -> None:
     assert main([*SMALL_CACHE, *flags]) == 2
     assert capsys.readouterr().err.startswith(f"spillgate plan: error: {message}")
+
+
+def test_the_fill_is_the_gateways_own_and_the_plan_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert PoolSettings.model_fields["target_fill"].default == DEFAULT_TARGET_FILL
+    argv = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--sessions", "200",
+            "--prompt-tokens", "2048", "--output-tokens", "500"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "replicas at 90% fill (the gateway's default target_fill)" in out
+    assert "replicas needed at 90% fill" in out and "(assumed" not in out
+    assert main([*argv, "--target-fill", "0.6"]) == 0
+    out = capsys.readouterr().out
+    assert "replicas at 60% fill\n" in out and "replicas needed at 60% fill" in out
+
+
+def test_a_workload_not_given_is_named_as_assumed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--output-tokens", "300"]) == 0
+    out = capsys.readouterr().out
+    assert "sessions of 1,536 prompt + 300 output tokens (assumed: no --prompt-tokens given)" in out
+    assert main(["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["assumed"] == ["--prompt-tokens", "--output-tokens"]
+
+
+def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for default in ("--tp TP tensor-parallel GPUs per replica (default: 1)",
+                    "(default: 0.9)", "--block-size BLOCK_SIZE tokens per KV block (default: 16)",
+                    "a session's prompt (default 1536)", "a session's answer (default 512)",
+                    "(default: 0.65)", "(default: 0.5)"):  # fmt: skip
+        assert default in shown

@@ -27,7 +27,7 @@ def plan(model: str = "llama-3.1-8b", gpu: str = "h100", *, tp: int = 1, **deman
 def test_three_requests_per_second_of_2k_tokens_fit_one_h100() -> None:
     p = plan(rps=3)
     assert p.peak_tokens_per_s == 3 * 2048
-    assert p.sessions_at_fill == math.floor(p.sessions_per_replica * 0.6)
+    assert p.sessions_at_fill == math.floor(p.sessions_per_replica * 0.9)
     assert p.replicas_needed == 1 and p.gpus_needed == 1
 
 

@@ -88,15 +88,15 @@ def launch(*, shared: int = 0, share: float = 1.0) -> Workload:
 def test_the_plan_runs_the_sessions_the_shared_prompt_leaves_room_for() -> None:
     # 28,063 blocks of 16; 2,048 tokens = 128 blocks; 1,024 shared = 64 held once:
     # (28,063 - 64) // 64 = 437 sessions, against 28,063 // 128 = 219.
-    shared = plan(launch(shared=1024), rps=40)
+    shared = plan(launch(shared=1024), rps=42)
     assert shared.profile.num_gpu_blocks == 28063
     assert (shared.sessions_per_replica, shared.sessions_without_sharing) == (437, 219)
     assert shared.shared_prompt_blocks == 64
-    assert shared.running_limit == 437 and shared.sessions_at_fill == 262  # floor(437 x 0.6)
-    at_fill = throughput.predict(shared.profile, shared.workload, 262)
+    assert shared.running_limit == 437 and shared.sessions_at_fill == 393  # floor(437 x 0.9)
+    at_fill = throughput.predict(shared.profile, shared.workload, 393)
     assert shared.replica_tokens_per_s == pytest.approx(at_fill.output_tokens_per_s * 2048 / 512)
     assert shared.replicas_needed == 5
-    unshared = plan(launch(), rps=40)
+    unshared = plan(launch(), rps=42)
     assert unshared.sessions_per_replica == 219 and unshared.replicas_needed == 6
 
 
