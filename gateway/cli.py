@@ -37,22 +37,33 @@ class CommandsModule(Protocol):
     def main(self, argv: Sequence[str] | None = None) -> int: ...
 
 
+def shown_default(action: argparse.Action) -> str | None:
+    """An option's default as `--help` and docs/commands.md show it; None where it has none
+    to show, or its help says it already."""
+    default = action.default
+    if (
+        not action.option_strings
+        or default is None
+        or default is False
+        or default is argparse.SUPPRESS
+        or default == []
+        or "default" in (action.help or "")
+    ):
+        return None
+    if isinstance(default, (list, tuple)):
+        return ",".join(str(d) for d in default)
+    return str(default)
+
+
 class DefaultsShown(argparse.HelpFormatter):
     """`--help` names each option's default where it has one and its help does not say it."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        help_ = action.help or ""
-        default = action.default
-        if (
-            not action.option_strings
-            or default is None
-            or default is False
-            or default is argparse.SUPPRESS
-            or default == []
-            or "default" in help_
-        ):
+        default = shown_default(action)
+        if default is None:
             return action.help
-        return f"{help_} (default: %(default)s)" if help_ else "default: %(default)s"
+        said = f"default: {default}".replace("%", "%%")
+        return f"{action.help} ({said})" if action.help else said
 
 
 def command_parser(name: str) -> tuple[argparse.ArgumentParser, CommandModule] | None:

@@ -42,7 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workers", type=_workers, default=1, help="worker processes (more than 1 needs Redis)"
     )
     parser.add_argument(
-        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="the least severe log lines written",
     )
     parser.add_argument("--check", action="store_true", help="validate the config and exit")
 

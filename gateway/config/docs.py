@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -85,10 +85,42 @@ def render(root: type[BaseModel] = Settings) -> str:
 
 def rewrite(page: str, root: type[BaseModel] = Settings) -> str:
     """`page` with the part between the markers generated afresh."""
-    begin, end = page.find(BEGIN), page.find(END)
-    if begin < 0 or end < begin:
-        raise ValueError(f"the page has no markers: put {BEGIN!r} and {END!r} where it goes")
-    return page[:begin] + render(root) + page[end + len(END) :]
+    return splice(page, render(root), begin=BEGIN, end=END)
+
+
+def splice(page: str, generated: str, *, begin: str, end: str) -> str:
+    """`page` with its part from `begin` to `end` (markers included) replaced by `generated`,
+    which starts and ends with those markers."""
+    first, last = page.find(begin), page.find(end)
+    if first < 0 or last < first:
+        raise ValueError(f"the page has no markers: put {begin!r} and {end!r} where it goes")
+    return page[:first] + generated + page[last + len(end) :]
+
+
+def regenerate(
+    argv: Sequence[str] | None,
+    *,
+    page: Path,
+    rewritten: Callable[[str], str],
+    command: str,
+    description: str,
+) -> int:
+    """The command that writes a page's generated part afresh (`command [PAGE] [--check]`);
+    with `--check` it exits 1 if the part is stale, changing nothing."""
+    parser = argparse.ArgumentParser(prog=command, description=description)
+    parser.add_argument("page", nargs="?", type=Path, default=page, help="default: %(default)s")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
+    args = parser.parse_args(argv)
+    text = args.page.read_text(encoding="utf-8")
+    fresh = rewritten(text)
+    if fresh == text:
+        return 0
+    if args.check:
+        print(f"{args.page} is stale: run `{command}` to rewrite it", file=sys.stderr)
+        return 1
+    args.page.write_text(fresh, encoding="utf-8")
+    print(f"{args.page}: rewritten")
+    return 0
 
 
 def _rows(model: type[BaseModel], prefix: str, defaults: BaseModel | None) -> Iterator[Row]:
@@ -160,22 +192,13 @@ def _cell(text: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=COMMAND, description="Write the configuration reference from the settings models."
+    return regenerate(
+        argv,
+        page=PAGE,
+        rewritten=rewrite,
+        command=COMMAND,
+        description="Write the configuration reference from the settings models.",
     )
-    parser.add_argument("page", nargs="?", type=Path, default=PAGE, help="default: %(default)s")
-    parser.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
-    args = parser.parse_args(argv)
-    page = args.page.read_text(encoding="utf-8")
-    fresh = rewrite(page)
-    if fresh == page:
-        return 0
-    if args.check:
-        print(f"{args.page} is stale: run `{COMMAND}` to rewrite it", file=sys.stderr)
-        return 1
-    args.page.write_text(fresh, encoding="utf-8")
-    print(f"{args.page}: rewritten")
-    return 0
 
 
 if __name__ == "__main__":

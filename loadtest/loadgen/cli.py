@@ -55,21 +55,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="gateway (or any OpenAI server) base URL")
     p.add_argument("--key", action="append", default=[], metavar="[NAME=]KEY",
                    help="API key of a tenant; repeat for several tenants")  # fmt: skip
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="the model each request names")
     p.add_argument(
         "--admin-token",
         default=os.environ.get(ADMIN_ENV),
         help=f"gateway admin token, to sample /admin/status (default: ${ADMIN_ENV})",
     )
     a = p.add_argument_group("arrivals")
-    a.add_argument("--profile", choices=PROFILES, default="poisson")
+    a.add_argument("--profile", choices=PROFILES, default="poisson", help="how arrivals come")
     a.add_argument("--rate", type=float, default=10.0, help="arrivals/s (spike: the baseline)")
     a.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
     a.add_argument("--cv", type=float, default=2.0, help="gamma: variation of the gaps")
-    a.add_argument("--spike-factor", type=float, default=5.0)
+    a.add_argument("--spike-factor", type=float, default=5.0, help="the spike's rate ÷ --rate")
     a.add_argument("--spike-start", type=float, default=10.0, help="seconds")
     a.add_argument("--spike-duration", type=float, default=10.0, help="seconds")
-    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--seed", type=int, default=0, help="seeds arrivals, lengths and prompts")
     w = p.add_argument_group("requests")
     w.add_argument("--prompt-tokens", default="uniform:64:256", help="e.g. 128, normal:200:50")
     w.add_argument(
@@ -98,7 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="send these stop_token_ids, e.g. 8-23 (a random-weight vLLM then ends answers)",
     )
     w.add_argument("--stream-fraction", type=float, default=1.0, help="share streamed")
-    w.add_argument("--no-stream", dest="stream_fraction", action="store_const", const=0.0)
+    w.add_argument(
+        "--no-stream",
+        dest="stream_fraction",
+        action="store_const",
+        const=0.0,
+        help="whole answers only",
+    )
     w.add_argument(
         "--repeat-fraction",
         type=float,
@@ -120,15 +126,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="chats of K requests: each later turn resends the chat so far (answers made up)",
     )
-    w.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    w.add_argument(
+        "--endpoint", choices=("chat", "completions"), default="chat", help="the API it calls"
+    )
     w.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     w.add_argument("--header", action="append", default=[], type=header, metavar="NAME:VALUE",
                    help="send this header with every request to the gateway (repeatable), "
                    "e.g. 'x-spillgate-ttft-ms: 2000'")  # fmt: skip
     r = p.add_argument_group("report")
-    r.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    r.add_argument("--slo-itl-ms", type=float, default=100.0)
-    r.add_argument("--lag-tolerance-ms", type=float, default=20.0)
+    r.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=2000.0,
+        help="TTFT a request must meet to count as good",
+    )
+    r.add_argument(
+        "--slo-itl-ms", type=float, default=100.0, help="inter-token latency, the same way"
+    )
+    r.add_argument(
+        "--lag-tolerance-ms",
+        type=float,
+        default=20.0,
+        help="the p99 lateness of sends past which the report says the generator fell behind",
+    )
     r.add_argument("--sample-interval", type=float, default=0.5, help="fleet sampling, seconds")
     r.add_argument("--json", type=Path, metavar="FILE", help="write every figure as JSON")
     r.add_argument("--html", type=Path, metavar="FILE", help="write a self-contained report")

@@ -316,13 +316,15 @@ def _levels(text: str) -> tuple[int, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="the endpoint's base URL")
     parser.add_argument("--model", required=True, help="the served model name")
-    parser.add_argument("--concurrency", type=_levels, default=(1, 2, 4, 8, 16))
-    parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument(
+        "--concurrency", type=_levels, default=(1, 2, 4, 8, 16), help="the levels, e.g. 1,2,4"
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="each request's prompt")
+    parser.add_argument("--output-tokens", type=int, default=128, help="each request's answer")
     parser.add_argument("--requests-per-level", type=int, help="default: 4 per client")
-    parser.add_argument("--api-key")
+    parser.add_argument("--api-key", help="sent as a Bearer token (default: none)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--chart", type=Path, metavar="FILE", help="SVG of the levels")
     plan = parser.add_argument_group("the plan's prediction beside the measurement")
     plan.add_argument("--gpu", help="catalog GPU the endpoint runs on")

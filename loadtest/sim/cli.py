@@ -37,19 +37,27 @@ PROVIDER_KEY_ENV = "SPILLGATE_SIM_PROVIDER_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="listen address")
+    parser.add_argument("--port", type=int, default=8000, help="listen port")
     parser.add_argument("--json", action="store_true", help="print the start-up line as JSON")
     replica = parser.add_argument_group("simulated vLLM replica")
     replica.add_argument("--model", default="sim-model", help="served model name")
     replica.add_argument("--kv-tokens", type=int, help="KV-cache budget in tokens")
-    replica.add_argument("--block-size", type=int, default=16)
-    replica.add_argument("--max-model-len", type=int)
+    replica.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    replica.add_argument(
+        "--max-model-len",
+        type=int,
+        help="the context it accepts (default: the catalog's, else 8192)",
+    )
     replica.add_argument(
         "--max-num-seqs", type=int, help="default: the catalog's with --gpu, else 256"
     )
-    replica.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    replica.add_argument("--default-max-tokens", type=int, default=256)
+    replica.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="prefill tokens a step takes"
+    )
+    replica.add_argument(
+        "--default-max-tokens", type=int, default=256, help="a request's cap when it sets none"
+    )
     replica.add_argument("--speed", type=float, default=1.0, help="10 = ten times real time")
     replica.add_argument("--no-delay", action="store_true", help="answer at once, no engine")
     replica.add_argument(
@@ -60,9 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     replica.add_argument("--gpu", help="size KV and step cost from the catalog for this GPU")
     replica.add_argument("--catalog-model", help="catalog model (default: --model)")
-    replica.add_argument("--tp", type=int, default=1)
-    replica.add_argument("--kv-dtype", default="auto")
-    replica.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    replica.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (with --gpu)")
+    replica.add_argument("--kv-dtype", default="auto", help="vLLM --kv-cache-dtype (with --gpu)")
+    replica.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="vLLM's share (with --gpu)"
+    )
     replica.add_argument("--vocab-size", type=int, help="refuse prompt token ids from this on")
     replica.add_argument(
         "--answer-lengths",
@@ -123,13 +133,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     provider.add_argument(
         "--api-key", help=f"key the provider accepts (default: ${PROVIDER_KEY_ENV} or built-in)"
     )
-    provider.add_argument("--provider-model", action="append", default=[], dest="provider_models")
+    provider.add_argument(
+        "--provider-model",
+        action="append",
+        default=[],
+        dest="provider_models",
+        help="a model it serves (repeatable; default: any)",
+    )
     provider.add_argument("--rpm", type=int, default=600, help="requests per minute")
     provider.add_argument("--tpm", type=int, default=1_000_000, help="tokens per minute")
-    provider.add_argument("--first-token-latency", type=float, default=0.005)
-    provider.add_argument("--token-latency", type=float, default=0.0005)
-    provider.add_argument("--fail-rate", type=float, default=0.0)
-    provider.add_argument("--fail-status", type=int, default=500)
+    provider.add_argument(
+        "--first-token-latency", type=float, default=0.005, help="seconds to the first token"
+    )
+    provider.add_argument(
+        "--token-latency", type=float, default=0.0005, help="seconds between tokens"
+    )
+    provider.add_argument(
+        "--fail-rate", type=float, default=0.0, help="share of requests it fails, 0 to 1"
+    )
+    provider.add_argument(
+        "--fail-status", type=int, default=500, help="the status a failed request gets"
+    )
 
 
 def sim_config(args: argparse.Namespace) -> SimConfig:

@@ -37,8 +37,8 @@ SMALL_KV_TOKENS = 4096
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--host", default="127.0.0.1", help="the gateway's listen address")
+    parser.add_argument("--port", type=int, default=8080, help="the gateway's listen port")
     parser.add_argument("--api-key", help="the demo tenant's key (default: generated)")
     parser.add_argument("--admin-token", help="admin token (default: generated)")
     parser.add_argument("--redis", help="Redis URL for shared state (default: in-memory)")

@@ -203,7 +203,10 @@ ROOMS: list[tuple[str, tuple[str, ...]]] = [
     ("services", ("gateway.batch", "gateway.ops")),
     (
         "composition",
-        ("gateway.app", "gateway.shared_mode", "gateway.workers", "gateway.serve", "gateway.cli"),
+        (
+            *("gateway.app", "gateway.shared_mode", "gateway.workers", "gateway.serve"),
+            *("gateway.cli", "gateway.cli_docs"),
+        ),
     ),
 ]
 
