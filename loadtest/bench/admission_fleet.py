@@ -30,7 +30,8 @@ from loadtest.bench.overhead import serve_command
 from loadtest.loadgen.client import RequestShape
 from loadtest.loadgen.workload import PlannedRequest
 from loadtest.procs import free_port, wait_for_port
-from loadtest.real_vllm import STOP_TOKEN_IDS, RealVllm, install, running
+from loadtest.real_vllm import STOP_TOKEN_IDS, RealVllm, install, model_dir, running
+from loadtest.sim.tokenizer_files import write
 
 TENANT, KEY = "bench", "sk-bench-admission"
 ADMIN_TOKEN = "bench-admin-token"
@@ -76,6 +77,8 @@ class Backend:
     model: str
     kind: str  # simulator | real-vllm
     extra: Mapping[str, Any] = field(default_factory=dict)  # added to every request body
+    # the model's tokenizer files, given to the gateways' pools (`--tokenizer`)
+    tokenizer: Path | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +88,7 @@ class SimOptions:
     max_model_len: int = 4096
     speed: float = 4.0
     core: int | None = None  # the one core it runs on (the bench keeps off it)
+    tokenizer: Path | None = None  # tokenizer files it tokenizes prompts with, as an engine
 
 
 @contextlib.contextmanager
@@ -127,17 +131,20 @@ def simulator(options: SimOptions, *, workdir: Path) -> Iterator[Backend]:
         "--block-size", str(options.block_size), "--max-model-len", str(options.max_model_len),
         "--speed", str(options.speed),
     )  # fmt: skip
+    if options.tokenizer is not None:
+        cmd += ["--tokenizer", str(options.tokenizer)]
     if options.core is not None:
         cmd = ["taskset", "-c", str(options.core), *cmd]
     with process(cmd, port, log=workdir / "sim.log") as url:
-        yield Backend(url=url, model="sim", kind="simulator")
+        yield Backend(url=url, model="sim", kind="simulator", tokenizer=options.tokenizer)
 
 
 @contextlib.contextmanager
-def real_vllm(server: RealVllm) -> Iterator[Backend]:
+def real_vllm(server: RealVllm, *, tokenizer: bool = False) -> Iterator[Backend]:
     with running(server) as url:
         extra = {"stop_token_ids": list(STOP_TOKEN_IDS)}
-        yield Backend(url=url, model="tiny", kind="real-vllm", extra=extra)
+        files = model_dir() if tokenizer else None
+        yield Backend(url=url, model="tiny", kind="real-vllm", extra=extra, tokenizer=files)
 
 
 @contextlib.contextmanager
@@ -161,6 +168,8 @@ def gateway_config(
     options: dict[str, Any] = {"target_fill": 0.9, "timeouts": TIMEOUTS, **ARMS[arm]}
     if queue_wait_s is not None:
         options["queue"] = {"max_wait_s": queue_wait_s}
+    if backend.tokenizer is not None:
+        options["tokenizer"] = str(backend.tokenizer)
     entry = {"url": backend.url, "served_model": backend.model, "capacity": "auto"}
     return {
         "tenants": [
@@ -257,7 +266,7 @@ def backend(args: argparse.Namespace, workdir: Path) -> Iterator[Backend]:
             cores=None if core is None else str(core),
             confined=core is not None,
         )
-        with real_vllm(server) as found, off_core(core):
+        with real_vllm(server, tokenizer=args.tokenizer) as found, off_core(core):
             yield found
     else:
         options = SimOptions(
@@ -266,6 +275,7 @@ def backend(args: argparse.Namespace, workdir: Path) -> Iterator[Backend]:
             max_model_len=args.max_model_len,
             speed=args.sim_speed,
             core=core,
+            tokenizer=write(workdir / "tokenizer") if args.tokenizer else None,
         )
         with simulator(options, workdir=workdir) as found, off_core(core):
             yield found
@@ -279,3 +289,9 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--sim-speed", type=float, default=1.0, help="the simulator's speed-up")
     p.add_argument("--sim-block-size", type=int, default=16)
+    p.add_argument(
+        "--tokenizer",
+        action="store_true",
+        help="give the pools the model's tokenizer (the real vLLM's, or one the simulator "
+        "then tokenizes with): prompts that share blocks are tokenized, not guessed",
+    )

@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gateway.cli import main
 from loadtest.bench.admission_plan import BenchPlan
@@ -127,8 +128,12 @@ def test_a_shared_system_prompt_opens_every_chat_on_every_arm(
 def test_the_learned_arm_runs_as_replicas_sharing_one_redis(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """With `--tokenizer` too: the simulator and every gateway's pools tokenize alike."""
     out = tmp_path / "bench.json"
-    args = [*SHARED_QUICK, "--replicas", "2", "--logs", str(tmp_path / "logs"), "--json", str(out)]
+    args = [
+        *SHARED_QUICK, "--replicas", "2", "--tokenizer",
+        "--logs", str(tmp_path / "logs"), "--json", str(out),
+    ]  # fmt: skip
     assert main(["bench", "admission", *args]) == 0
     figures = json.loads(out.read_text())
     assert figures["replicas"] == {"learned": 2}
@@ -139,6 +144,9 @@ def test_the_learned_arm_runs_as_replicas_sharing_one_redis(
     assert (run["ok"], run["refused"], run["errors"], run["preemptions"]) == (4, 0, 0, 0)
     logs = sorted(p.name for p in (tmp_path / "logs").glob("gateway-learned*.yaml"))
     assert logs == ["gateway-learned-0.yaml", "gateway-learned-1.yaml"]
+    config = yaml.safe_load((tmp_path / "logs" / logs[0]).read_text())
+    tokenizers = {pool["tokenizer"] for pool in config["pools"]}
+    assert len(tokenizers) == 1 and Path(tokenizers.pop(), "tokenizer.json").is_file()
     printed = capsys.readouterr().out
     assert "the learned arm runs as 2 gateways sharing one redis-server" in printed
     assert "0 refusals (shared prompt of 200 tokens, burst of 4, 2 replicas)" in printed
