@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # than cores finish sooner; TEST_WORKERS=0 runs them in one process.
 TEST_WORKERS ?= 4
 
-.PHONY: demo test lint typecheck unit docs clean test-vllm
+.PHONY: install demo test lint typecheck unit docs docs-serve clean test-vllm
 
 $(BIN)/spillgate: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ $(BIN)/spillgate: pyproject.toml
 $(VENV)/.dev: $(BIN)/spillgate
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
+
+# `spillgate` lives in $(VENV)/bin: `. $(VENV)/bin/activate` puts it on PATH in a shell
+install: $(BIN)/spillgate
+	@echo "installed; to type spillgate in this shell: . $(VENV)/bin/activate"
 
 demo: $(BIN)/spillgate
 	$(BIN)/spillgate demo
@@ -36,6 +40,10 @@ unit: $(VENV)/.dev
 docs: $(VENV)/.dev
 	@site=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d $$site; \
 	  status=$$?; rm -rf $$site; exit $$status
+
+# the site at http://127.0.0.1:8000 while you edit its pages
+docs-serve: $(VENV)/.dev
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 test: lint typecheck docs
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
