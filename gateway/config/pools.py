@@ -100,13 +100,9 @@ class BackendSettings(_Model):
     kv_events: KvEventsSettings | None = Field(
         None,
         description=(
-            "the engine's KV events (vLLM: `--kv-events-config '{\"enable_kv_cache_events\": "
-            'true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
-            '"replay_endpoint": "tcp://*:5558"}\'`): with the pool\'s `tokenizer` and '
-            "`routing: prefix`, the blocks the engine really holds (stored, less evicted, as "
-            "it reports them) score the backend instead of the gateway's guess; each process "
-            "subscribes itself, nothing of it goes through Redis. `/admin/status` says per "
-            "backend which index it uses and how far behind its view is"
+            "where the engine publishes its KV events (vLLM's `--kv-events-config`): with the "
+            "pool's `tokenizer` and `routing: prefix`, what the engine really caches scores the "
+            "backend ([how](architecture.md#kv-events))"
         ),
     )
 
@@ -137,28 +133,16 @@ class CacheSettings(_Model):
 
 
 class ReservationSettings(_Model):
-    """How much output a request reserves on admission (CAPACITY.md, admission): the
-    expected output, from the completion lengths (`usage`) of the pool's last 1,024 answers,
-    per choice. The tenant's own figures once it has `min_samples` answers, the pool's once
-    the pool has; before that, the lengths borrowed from the other replicas (in shared mode
-    each replica adds its answers' lengths to the pool's last 1,024 in Redis,
-    `spillgate:lengths:{POOL}`, and reads them back, every 2 s off the request path and once
-    before its first request) or else from the backends' histograms of the answers they
-    generated (`vllm:request_generation_tokens`), so a fresh replica admits from its first
-    request as a warm one does; `prior_tokens` when neither has `min_samples`.
-    `/admin/status` names the source in `pools[].reservation.source`. A request that is not
-    streamed reserves this whole figure (it cannot grow; the backend's reported KV use covers
-    a longer answer within a scrape)."""
+    """How much output a request reserves on admission: the expected output, learned from the
+    pool's recent answers (`prior_tokens` until it has `min_samples`)
+    ([how](architecture.md#reserving-output))."""
 
     mode: Literal["learned", "max_tokens"] = Field(
         "learned",
         description=(
-            "`learned`: a request reserves its prompt + the expected output, the smaller of "
-            "its `max_tokens` (or the context left, `max_model_len` − prompt, when it names "
-            "none) and the learned figure; a stream's reservation then grows block by block "
-            "with the tokens relayed (past the limit if need be: it is running) and is "
-            "released whole. `max_tokens`: the old static reservation, prompt + `max_tokens` "
-            "(or `default_max_tokens`) held to the end, no growth"
+            "`learned`: the prompt plus the expected output, a stream's reservation growing with "
+            "the tokens relayed; `max_tokens`: the prompt plus `max_tokens`, held to the end "
+            "([how](architecture.md#reservation-modes))"
         ),
     )
     quantile: float = Field(
@@ -167,21 +151,17 @@ class ReservationSettings(_Model):
     quantile_of: Literal["backend", "answer"] = Field(
         "backend",
         description=(
-            "`backend`: the share that keeps the answers a backend holds at once within "
-            "`quantile` together, the mean plus z × sd / √n for n such sequences in the "
-            "smallest backend's room at `target_fill` (never more than one answer's own "
-            "quantile); `answer`: each answer's own quantile "
-            "(gateway/admission/output_lengths.py)"
+            "`backend`: the figure that keeps the answers a backend holds at once within "
+            "`quantile` together (mean plus z × sd / √n, never more than one answer's own "
+            "quantile); `answer`: each answer's own quantile"
         ),
     )
     hold: Literal["peak", "whole"] = Field(
         "peak",
         description=(
-            "what a streaming request reserves once the pool has `min_samples` answers "
-            "(`quantile_of: backend`): `peak`, the most it is expected to hold at once (it may "
-            "end at any token), the highest point over t of (prompt + t) × the share of "
-            "answers longer than t, plus its share of the spread (z × sd / √n), which it keeps "
-            "on top as it grows past that; `whole`, its whole expected answer"
+            "what a streaming request reserves once the pool has `min_samples` answers: `peak`, "
+            "the most it is expected to hold at once, or `whole`, its whole expected answer "
+            "([how](architecture.md#what-a-stream-holds))"
         ),
     )
     prior_tokens: int = Field(
@@ -282,60 +262,25 @@ class PoolSettings(_Model):
     feedback: bool = Field(
         True,
         description=(
-            "every 0.5 s read each backend's own `vllm:kv_cache_usage_perc`, "
-            "`vllm:num_requests_running`, `vllm:num_requests_waiting`, "
-            "`vllm:num_preemptions_total` (SGLang: `sglang:token_usage`, "
-            "`sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:num_retracted_reqs`), "
-            "0.4 s budget; admit against the larger of the ledger and what the backend holds "
-            "(traffic that bypasses the gateway counts); a preemption, or requests waiting "
-            "inside the backend on two reads in a row while its KV cache is at least "
-            "`target_fill` full, sets the backend's effective fill to 0.8 × the lower of it "
-            "and `target_fill` (down to a tenth of `target_fill`), which then recovers by 0.01 "
-            "a second while the backend is busy, and back to `target_fill` at once on the "
-            "second read in a row that shows nothing running and nothing waiting (a backend "
-            "that reports no running count is never idle); while the ledger holds at least "
-            "half the target, the highest recent ratio of what the backend holds to what the "
-            "ledger reserves (starting at 1, coming down by at most 0.03 a second of such "
-            "reads) raises the effective fill towards `target_fill` ÷ that "
-            "ratio, by at most 0.1 × `target_fill` a second of such reads, never past the whole "
-            "KV cache, and a back-off resets it; a read older than 3 s is not used (the "
-            "ledger alone, at `target_fill`). `false`: the ledger alone"
+            "admit against the larger of the ledger and what each backend reports holding, and "
+            "back its fill off on preemptions or requests waiting inside it. `false`: the ledger "
+            "alone ([how](architecture.md#feedback-from-the-backends))"
         ),
     )
     routing: Literal["least_filled", "prefix"] = Field(
         "prefix",
         description=(
-            "which backend of the pool a request goes to (gateway/admission/router.py). "
-            "`prefix`: the one likeliest to hold the prompt's leading blocks in its prefix "
-            "cache (the gateway keeps, per backend, the keys of the prompt blocks it routed "
-            "there lately, about as many as its KV cache holds; a block is about `block_size` "
-            "tokens of the prompt as sent), ties to the least filled, a prompt seen nowhere to "
-            "the less filled of its two homes (the backends its first block ranks highest by "
-            "rendezvous hashing, the same on every replica); in shared mode the replicas "
-            "publish the blocks their routing adds to their indexes on Redis "
-            "(`spillgate:prefix:routed`, a batch every 50 ms, off the request path) and add "
-            "each other's, so a prefix one replica placed is known to all; a chat's session "
-            "(`x-spillgate-session`, else the body's `user`) returns to the backend its last "
-            "turn went to. A backend that taking the request would leave over 1.25 × the "
-            "pool's mean fill and over 0.1 above it is passed over, counting below half the "
-            "target fill only the tokens of the request's own prefix there: a hot prefix "
-            "spreads over several backends, a tenant's prompt stays where it is cached "
-            "however other tenants' requests fall. `least_filled`: the backend with the most "
-            "room, prompts unread"
+            "which backend a request goes to: `prefix`, the one likeliest to hold the prompt's "
+            "leading blocks cached, unless that overloads it; `least_filled`, the one with the "
+            "most room ([how](architecture.md#routing))"
         ),
     )
     tokenizer: str | None = Field(
         None,
         description=(
-            "a directory of the served model's tokenizer files, as Hugging Face lays them out "
-            "(`tokenizer.json`, and `tokenizer_config.json` with the chat template, or "
-            "`chat_template.jinja`): baked into the gateway's image or mounted from the "
-            "volume the engines load the model from. With it, a prompt that may share blocks "
-            "with requests in flight (backends that cache prefixes), or is routed by `kv_events`, "
-            "is tokenized in process as the engine does it: its exact size is reserved, and "
-            "its shared blocks are counted exactly instead of guessed from its bytes with a "
-            "block of margin. Without it, backends that publish `kv_events` are scored by the "
-            "gateway's own index"
+            "a directory of the served model's Hugging Face tokenizer files: with it, prompts that "
+            "may share cached blocks are tokenized as the engine does, so their exact size is "
+            "reserved ([how](architecture.md#the-tokenizer))"
         ),
     )
     continue_streams: int = Field(
@@ -343,25 +288,8 @@ class PoolSettings(_Model):
         ge=0,
         le=5,
         description=(
-            "how many times a stream whose backend broke off after its first token (killed, "
-            "restarted, drained past its grace) goes on on another backend of the pool "
-            "(gateway/upstream/resume.py), so the client sees one unbroken stream: the "
-            "original request with the text already relayed as the start of the answer (chat: "
-            "a final assistant message with `continue_final_message: true`, "
-            "`add_generation_prompt: false`; completions: the prompt plus the text), its "
-            "`max_tokens` less what was relayed, admitted and reserved like any request within "
-            "the request's `timeouts.total`; the continuation's events keep the stream's `id` "
-            "and `created`, its role event is dropped, and its usage counts what the client "
-            "received once: the text so far as output, one token per relayed event (as vLLM "
-            "streams), and as prompt the original's, which the continuing backend's "
-            "`POST /tokenize` counts beside the continuation (vLLM's and SGLang's; without it, "
-            "the continuation's prompt less the tokens streamed, which is off by as much as "
-            "re-tokenizing the text so far differs). Not continued, the stream ends with the "
-            "SSE error event as before: `n` > 1 or `best_of`, log probabilities, structured "
-            "output (`response_format` other than text, `guided_*`), a tool call or reasoning "
-            "under way, `echo`, a completion whose prompt is not one string or has a "
-            "`suffix`, the Responses API. `spillgate_stream_continuations_total{result}` and "
-            "`spillgate_stream_continuations_refused_total{reason}` count them. `0` turns it "
-            "off: set it for backends whose API has no continuation (TGI's Messages API)"
+            "how many times a stream whose backend broke off mid-answer goes on on another "
+            "backend, so the client sees one unbroken stream. `0`: off, for backends with no "
+            "continuation (TGI's Messages API) ([how](architecture.md#continuing-a-stream))"
         ),
     )

@@ -11,7 +11,12 @@ class ProviderSettings(_Model):
     """An external OpenAI-compatible provider; its key comes from the environment."""
 
     name: str = Field(min_length=1, description="the name a pool's `provider` key names")
-    base_url: str = Field(description="the provider's base URL, `http://` or `https://`")
+    base_url: str = Field(
+        description=(
+            "the provider's OpenAI-compatible API, up to and including `/v1` (unlike a "
+            "backend's `url`): `https://api.openai.com/v1`"
+        )
+    )
     api_key_env: str | None = Field(None, description="env variable holding the provider's key")
 
     @field_validator("base_url")

@@ -46,9 +46,8 @@ class ServerSettings(_Model):
         gt=0,
         description=(
             "a bound on each upstream answer's head, as Envoy's: bytes of header names and "
-            "values, with any informational (1xx) answers before it and its trailers counted "
-            "in; an upstream past it or `upstream_max_headers` fails that attempt (as a "
-            "protocol error) and its connection is closed (gateway/upstream/http.py)"
+            "values, 1xx answers and trailers counted in; an answer past it fails that attempt "
+            "and its connection is closed"
         ),
     )
     upstream_max_headers: int = Field(
@@ -87,8 +86,8 @@ class ServerSettings(_Model):
 
 
 class TracingSettings(_Model):
-    """OpenTelemetry spans, exported over OTLP/HTTP (gateway/front/tracing.py; see
-    [Traces](traces.md)); off by default."""
+    """OpenTelemetry spans, exported over OTLP/HTTP (see [Traces](traces.md)); off by
+    default."""
 
     enabled: bool = Field(
         False,

@@ -26,12 +26,9 @@ class RedisSettings(_Model):
         250.0,
         gt=0,
         description=(
-            "floor of a Redis call's time budget; between it and `timeout_max_ms` the budget "
-            "follows the round trips the process sees (their smoothed mean plus four spreads), "
-            "so a loaded process waits what its own round trips take. The floor covers a busy "
-            "two-core machine's scheduling (a burst's first calls have no waits seen to go "
-            "by). A call over its budget counts as a failure; calls made in the same moment "
-            "travel in one pipeline, and one that is cut keeps no connection"
+            "floor of a Redis call's time budget, which follows the round trips the process sees "
+            "up to `timeout_max_ms`; a call over it counts as a failure "
+            "([how](architecture.md#redis-call-budgets))"
         ),
     )
     timeout_max_ms: float = Field(
@@ -83,12 +80,9 @@ class RateLimitSettings(_Model):
         5.0,
         gt=0,
         description=(
-            "how long the limiter stays off Redis after `failure_threshold` failures; then one "
-            "call probes it and shared limiting resumes by itself (`spillgate_ratelimit_mode`). "
-            "Whatever the cooldown, while the limiter is off Redis each process also probes it "
-            "every second off the request path (a small write, within the time budget; one "
-            "that fails counts no store error), so the mode turns `shared` again within about "
-            "a second of Redis taking writes, on a replica with no traffic too"
+            "how long the limiter stays off Redis after `failure_threshold` failures before one "
+            "call probes it; shared limiting resumes by itself "
+            "([how](architecture.md#the-rate-limiter-off-redis))"
         ),
     )
     slice_s: float = Field(
@@ -96,13 +90,9 @@ class RateLimitSettings(_Model):
         ge=0,
         le=5,
         description=(
-            "with Redis: a decision that admits also takes up to this many seconds of the "
-            "tenant's refill (at most a quarter of what each bucket holds), and this process "
-            "decides the tenant's next requests from that slice without a round trip until it "
-            "is spent or lapses, when the rest goes back (gateway/ratelimit/redis_limiter.py); "
-            "every slice is debited in Redis first, so limits stay exact across replicas, and "
-            "a tight or nearly empty bucket yields none. The cost: other replicas see an "
-            "unspent slice as used for at most `slice_s`. `0`: every request asks Redis"
+            "with Redis, seconds of a tenant's refill one process may spend without a round trip; "
+            "other replicas see an unspent slice as used for at most this long. `0`: every request "
+            "asks Redis ([how](architecture.md#rate-limit-slices))"
         ),
     )
 
@@ -136,7 +126,7 @@ class LedgerSettings(_Model):
         le=0.5,
         description=(
             "the share of the room left beyond its requests that a replica's grant holds, "
-            "admitted without a call (gateway/admission/ledger_redis.py); `0`: every "
+            "admitted without a call; `0`: every "
             "admission and release asks Redis, as exact at the margin as one process"
         ),
     )

@@ -3,6 +3,7 @@ and its meaning, regenerated in memory and compared, so the page cannot drift.""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import get_args, get_origin
 
@@ -71,7 +72,7 @@ def test_defaults_are_written_as_in_the_file() -> None:
 
 def test_a_nested_model_without_a_description_is_described_by_its_docstring() -> None:
     meaning = rows()["pools[].queue"][1]
-    assert meaning.startswith("The fair queue: priority class first, strictly;")
+    assert meaning.startswith("The fair queue: priority class first, then the tenant")
 
 
 def test_a_setting_without_a_meaning_is_refused_by_name() -> None:
@@ -117,3 +118,13 @@ def test_the_command_rewrites_a_stale_page_and_check_refuses_one(
 def test_a_page_without_markers_is_refused() -> None:
     with pytest.raises(ValueError, match="no markers"):
         rewrite("# Reference\n")
+
+
+def test_a_meaning_is_a_sentence_or_two_and_names_no_internals() -> None:
+    """How a setting works inside lives in the architecture pages; the reference says what it
+    means, with no source paths or Redis key names."""
+    for section in sections():
+        for row in section.rows:
+            assert len(row.meaning) <= 360, f"{row.key}: {len(row.meaning)} characters"
+            assert not re.search(r"\.py\b|spillgate:", row.meaning), row.key
+        assert not re.search(r"\.py\b|spillgate:", section.intro), section.key
