@@ -77,7 +77,9 @@ def create_app(
         shared.feed(router, settings)
     store: BatchStore = DirStore(settings.batch.dir, clock=clock)
     if url:
-        store = RedisStore.connect(url, timeout_s=settings.batch.redis_timeout_s)
+        store = RedisStore.connect(
+            url, timeout_s=settings.batch.redis_timeout_s, cluster=settings.redis.cluster
+        )
     batches = Batches(store, settings=settings.batch, pools=pools, clock=clock)
     latencies = Latencies(clock)  # measured on the request path, read by the TTFT ladder
     policy_deps = PolicyDeps(
@@ -151,7 +153,9 @@ def create_app(
         reserved=router.ledger.tokens_in_flight,
         on_backoff=lambda backend, reason: metrics.fill_backoffs.labels(backend, reason).inc(),
     )
-    operators = Operators.build(settings, deps, watcher=watcher, env=env)
+    operators = Operators.build(
+        settings, deps, watcher=watcher, env=env, limiter=shared.limiter if shared else None
+    )
     pipelines: dict[str, ASGIApp] = {str(r.endpoint): Pipeline(r, deps) for r in endpoint_rules()}
     routes = [
         *(Route(path, pipeline, methods=["POST"]) for path, pipeline in pipelines.items()),

@@ -221,6 +221,12 @@ class GatewayMetrics:
             "spillgate_ratelimit_mode", "1 for the rate limiter's current mode", ["mode"],
             registry=r, multiprocess_mode=OWN,
         )  # fmt: skip
+        self.ratelimit_degraded_tenants = Gauge(
+            "spillgate_ratelimit_degraded_tenants",
+            "Tenants whose buckets this replica answers without the store (their slot of it "
+            "did not answer): by the failure mode, on its own share",
+            registry=r, multiprocess_mode=OWN,
+        )  # fmt: skip
         self.ledger_store_errors = Counter(
             "spillgate_ledger_store_errors", "Shared-ledger store calls that failed", registry=r
         )

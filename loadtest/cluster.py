@@ -101,7 +101,7 @@ class ClusterProcesses:
                 "id": node["node_id"],
                 "flags": node["flags"],
                 "master": node["master_id"],
-            }  # fmt: skip
+            }
             for address, node in table.items()
         ]
 
@@ -114,6 +114,12 @@ class ClusterProcesses:
                 if start <= slot <= end:
                     return int(master[1])
         raise LookupError(f"no master holds {key!r}'s slot")
+
+    def masters(self) -> list[int]:
+        """The ports of the masters that hold slots now."""
+        port = next(p for p in self.ports if p in self._procs)
+        with redis.Redis(port=port, socket_timeout=2) as client:
+            return sorted({int(row[2][1]) for row in client.execute_command("CLUSTER SLOTS")})
 
     def replica_of(self, master: int) -> int:
         rows = self.nodes()

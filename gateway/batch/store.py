@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import orjson
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from gateway.clock import Clock
 
@@ -137,20 +138,27 @@ class DirStore:
 
 class RedisStore:
     """Shared mode: every replica sees the same records; a claim is a key set only if absent
-    (SET NX) with the lease as its expiry. Keys share one hash tag, for Redis Cluster."""
+    (SET NX) with the lease as its expiry. Keys share one hash tag, so on a Redis Cluster
+    they live on one master, and redis-py's cluster client follows that master through a
+    failover (a command whose node is gone reads the slot map anew and is tried again)."""
 
-    def __init__(self, redis: aioredis.Redis, *, prefix: str = "spillgate:batch") -> None:
+    def __init__(
+        self, redis: aioredis.Redis | RedisCluster, *, prefix: str = "spillgate:batch"
+    ) -> None:
         self._redis = redis
         self._prefix = "{" + prefix + "}"
 
     @classmethod
-    def connect(cls, url: str, *, timeout_s: float) -> RedisStore:
+    def connect(cls, url: str, *, timeout_s: float, cluster: bool = False) -> RedisStore:
         """A store on its own connections: a file's content takes longer to move than the
-        request path's Redis calls, whose time budget is milliseconds."""
-        redis = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, max_connections=16
+        request path's Redis calls, whose time budget is milliseconds. With `cluster`, the
+        node at `url` is one of a Redis Cluster's."""
+        client = RedisCluster.from_url if cluster else aioredis.Redis.from_url
+        return cls(
+            client(
+                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, max_connections=16
+            )
         )
-        return cls(redis)
 
     async def close(self) -> None:
         await self._redis.aclose()

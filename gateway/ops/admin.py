@@ -20,6 +20,7 @@ from gateway.errors import SpillgateError, error_response
 from gateway.front.auth import AdminAuth, Authenticator
 from gateway.metrics import GatewayMetrics
 from gateway.overflow import CountsService
+from gateway.ratelimit import ResilientRateLimiter
 from gateway.slo import Latencies
 
 STARTED = int(time.time())
@@ -41,7 +42,9 @@ class AdminEndpoints:
         watcher: FleetWatcher,
         latencies: Latencies,
         services: Mapping[str, CountsService] | None = None,
+        limiter: ResilientRateLimiter | None = None,  # shared mode's tenant buckets
     ) -> None:
+        self._limiter = limiter
         self._latencies = latencies
         self._services = services or {}
         self._settings = settings
@@ -108,6 +111,8 @@ class AdminEndpoints:
 
     def refresh_gauges(self) -> None:
         m = self._metrics
+        if self._limiter is not None:
+            m.ratelimit_degraded_tenants.set(len(self._limiter.degraded()))
         for name, pool in self._router.pools.items():
             capacity = 0
             in_rotation = set(self._router.candidates(name))
@@ -241,4 +246,19 @@ class AdminEndpoints:
                     "backends": backends,
                 }
             )
-        return json_response({"pools": pools, "latencies": self._latencies.snapshot()})
+        status = {"pools": pools, "latencies": self._latencies.snapshot()}
+        if self._limiter is not None:
+            status["ratelimit"] = self._ratelimit(now)
+        return json_response(status)
+
+    def _ratelimit(self, now: float) -> dict[str, Any]:
+        """Shared mode's tenant buckets: the mode, and each tenant this replica answers
+        without the store (its Redis Cluster slot did not answer), for how long."""
+        assert self._limiter is not None
+        return {
+            "mode": self._limiter.mode,
+            "degraded": [
+                {"tenant": d.tenant, "slot": d.slot, "for_s": round(now - d.since, 3)}
+                for d in self._limiter.degraded()
+            ],
+        }

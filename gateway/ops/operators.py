@@ -18,6 +18,7 @@ from gateway.front.pipeline import PipelineDeps
 from gateway.metrics import PUBLISH_S
 from gateway.ops.admin import AdminEndpoints
 from gateway.ops.dashboard import Dashboard, OutcomeHistory
+from gateway.ratelimit import ResilientRateLimiter
 from gateway.tasks import Repeat, start_all
 
 
@@ -36,6 +37,7 @@ class Operators:
         *,
         watcher: FleetWatcher,
         env: Mapping[str, str],
+        limiter: ResilientRateLimiter | None = None,
     ) -> Operators:
         admin_auth = AdminAuth(env.get(settings.server.admin_token_env), deps.auth)
         history = OutcomeHistory(metrics=deps.metrics, router=deps.router, clock=deps.clock)
@@ -49,6 +51,7 @@ class Operators:
                 watcher=watcher,
                 latencies=deps.latencies,
                 services=deps.services,
+                limiter=limiter,
             ),
             dashboard=Dashboard(admin=admin_auth, history=history),
             history=history,

@@ -75,12 +75,11 @@ class LocalRateLimiter:
             levels.tokens, tokens, capacity=limits.token_capacity, debt=debt
         )
 
-    def cap(self, limits: TenantLimits, *, requests: float, tokens: float) -> None:
-        """Hold a tenant's buckets at no more than these levels (what the shared store last
-        said was left of this replica's share), from where they refill as usual."""
-        levels = self._levels(limits)
-        levels.requests = min(levels.requests, requests)
-        levels.tokens = min(levels.tokens, tokens)
+    def resume(self, limits: TenantLimits, *, requests: float, tokens: float, at: float) -> None:
+        """Set a tenant's buckets to these levels as of `at` (this clock's monotonic time,
+        in the past), from where they refill as usual: what the shared store last said was
+        left of this replica's share, and when it said so."""
+        self._tenants[limits.tenant] = _Levels(requests, tokens, at)
 
     async def peek(self, limits: TenantLimits) -> Decision:
         levels = self._levels(limits)

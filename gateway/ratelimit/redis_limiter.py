@@ -34,6 +34,7 @@ from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from gateway.ratelimit import bucket
@@ -274,12 +275,18 @@ class RedisRateLimiter:
             requests, tokens = requests + held.requests, tokens + held.tokens
         return bucket.judged(limits, requests=requests, tokens=tokens, cost=0)
 
-    async def probe(self) -> None:
+    def slot(self, tenant: str) -> int:
+        """The Redis Cluster hash slot of the tenant's keys (one slot for all of them)."""
+        return key_slot(self.keys(tenant)[0].encode())
+
+    async def probe(self, tenant: str | None = None) -> None:
         """Raises StoreError unless Redis takes a write (within the time budget, given
-        `timeout_s`): whether decisions can be made here again."""
+        `timeout_s`): whether decisions can be made here again; given a tenant, on the
+        node that holds its slot."""
+        tag = "" if tenant is None else f"{{{tenant}}}:"
         future = self._batch.submit(
             _PROBE,
-            (f"{self._prefix}:ratelimit:probe",),
+            (f"{self._prefix}:ratelimit:{tag}probe",),
             (),
             budget_s=self._budget_s(),
             ceiling_s=self._timeout_max_s,

@@ -22,13 +22,21 @@ calls count the failures and keep the circuit.
 Never admitting twice. A decision whose outcome is unknown (cut by its budget, or its
 connection lost) is undone in Redis if it turns out to have admitted (the Redis limiter
 refunds it, once, by its id), and the local share that answers instead starts from what
-this replica last heard from the store: a tenant whose shared bucket was empty gets
-nothing more from the share than its refill. What the share admits is owed, and charged
-to the shared buckets once the store answers again. So, per tenant, during an outage the
-fleet admits at most what the shared buckets held when each replica last heard from them
-(each replica 1/`replicas` of what it heard; together at most one bucket) plus their
-refill over the outage; afterwards the shared buckets carry it as debt (at most one
-bucket: gateway/ratelimit/bucket.py).
+this replica last heard from the store plus the refill since it heard it (never from 0,
+never from full): a tenant whose shared bucket was empty gets nothing more from the share
+than its refill, and one idle for minutes gets its share of a full bucket. What the share
+admits is owed, and charged to the shared buckets once the store answers again. So, per
+tenant, during an outage the fleet admits at most what the shared buckets held when each
+replica last heard from them (each replica 1/`replicas` of what it heard; together at most
+one bucket) plus their refill over the outage; afterwards the shared buckets carry it as
+debt (at most one bucket: gateway/ratelimit/bucket.py).
+
+Degraded, tenant by tenant. On a Redis Cluster a dead master takes only its slots away:
+a tenant is degraded from the first decision the store did not answer for it until one
+does (or a probe of its slot passes), and the others stay shared. `degraded()` says which
+tenants (and their slots) this replica answers on its own, and since when; the mode is
+"shared" only while none is. The probe writes to each degraded tenant's slot, not to one
+key on one master.
 
 Every failed call is reported to `on_store_error`; every change of
 mode ("shared", "local", "allow", "deny") to `on_mode_change`, starting with "shared".
@@ -38,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from gateway.breaker import CircuitBreaker
@@ -64,6 +73,24 @@ class _StoreDown:
 
 
 _STORE_DOWN = _StoreDown()
+
+
+@dataclass(frozen=True, slots=True)
+class Heard:
+    """What the store last said was left in a tenant's buckets, and when (clock time)."""
+
+    requests: int
+    tokens: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Degraded:
+    """A tenant this replica answers without the store: its slot, and since when."""
+
+    tenant: str
+    slot: int
+    since: float  # clock time
 
 
 class ResilientRateLimiter:
@@ -99,6 +126,7 @@ class ResilientRateLimiter:
         self._timeout_s = timeout_s
         self._timeout_max_s = max(timeout_s, timeout_max_s or timeout_s)
         self._cooldown_s = cooldown_s
+        self._clock = clock
         self._on_store_error = on_store_error
         self._on_mode_change = on_mode_change
         # half-open, the breaker lets one call through: the probe of the store
@@ -106,7 +134,8 @@ class ResilientRateLimiter:
             failures=failure_threshold, cooldown_s=cooldown_s, clock=clock
         )
         self._mode: Mode = "shared"
-        self._known: dict[str, tuple[int, int]] = {}  # tenant: levels the store last reported
+        self._known: dict[str, Heard] = {}  # tenant: what the store last reported
+        self._degraded: dict[str, float] = {}  # tenant: since when it is answered here
         self._owed: dict[str, tuple[TenantLimits, int, int]] = {}  # admitted by the share
         self._settling: set[asyncio.Task[None]] = set()
         self._probes = Periodic(self.probe, every_s=PROBE_S, name="ratelimit-probe")
@@ -120,12 +149,25 @@ class ResilientRateLimiter:
     def circuit_open(self) -> bool:
         return self._breaker.is_open
 
+    def degraded(self) -> list[Degraded]:
+        """The tenants this replica answers without the store now, the longest first."""
+        return [
+            Degraded(tenant=tenant, slot=self._primary.slot(tenant), since=since)
+            for tenant, since in sorted(self._degraded.items(), key=lambda item: item[1])
+        ]
+
+    def _heard(self, tenant: str, shared: Decision) -> Decision:
+        self._known[tenant] = Heard(
+            shared.remaining_requests, shared.remaining_tokens, self._clock.monotonic()
+        )
+        return shared
+
     async def acquire(self, limits: TenantLimits, tokens: int) -> Decision:
         bucket.check_tokens(tokens=tokens)
-        shared = await self._ask_primary(lambda: self._primary.acquire(limits, tokens))
+        tenant = limits.tenant
+        shared = await self._ask_primary(tenant, lambda: self._primary.acquire(limits, tokens))
         if not isinstance(shared, _StoreDown):
-            self._known[limits.tenant] = (shared.remaining_requests, shared.remaining_tokens)
-            return shared
+            return self._heard(tenant, shared)
         if tokens > limits.token_capacity:
             return bucket.judged(limits, requests=0, tokens=0, cost=tokens)
         mode = self._degraded_mode()
@@ -136,13 +178,16 @@ class ResilientRateLimiter:
         return self._unavailable(limits)
 
     def _share(self, limits: TenantLimits) -> TenantLimits:
-        """This replica's share, held at its part of what the store last reported."""
+        """This replica's share, started (once a report) from its part of what the store
+        last reported, refilled since."""
         share = limits.divided(self._replicas)
-        known = self._known.pop(limits.tenant, None)
-        if known is not None:
-            requests, tokens = known
-            self._fallback.cap(
-                share, requests=requests / self._replicas, tokens=tokens / self._replicas
+        heard = self._known.pop(limits.tenant, None)
+        if heard is not None:
+            self._fallback.resume(
+                share,
+                requests=min(heard.requests / self._replicas, share.request_capacity),
+                tokens=min(heard.tokens / self._replicas, share.token_capacity),
+                at=heard.at,
             )
         return share
 
@@ -154,11 +199,10 @@ class ResilientRateLimiter:
         """Charge the shared buckets with what the shares admitted while Redis was away."""
         owed, self._owed = self._owed, {}
         for limits, requests, tokens in owed.values():
-            try:
+            try:  # a tenant whose slot is still away is charged at its next answer
                 await self._primary.charge(limits, requests=requests, tokens=tokens)
             except StoreError:
                 self._owe(limits, requests=requests, tokens=tokens)
-                return
 
     def _degraded_mode(self) -> FailureMode:
         """How to answer without the store: `deny` only while the circuit is open."""
@@ -188,7 +232,7 @@ class ResilientRateLimiter:
         # what reaches the stores below is a count whatever `used` was: checked once here
         used = reserved + charge
         shared = await self._ask_primary(
-            lambda: self._primary.reconcile(limits, reserved=reserved, used=used)
+            limits.tenant, lambda: self._primary.reconcile(limits, reserved=reserved, used=used)
         )
         if isinstance(shared, _StoreDown) and self._degraded_mode() == "local":
             await self._fallback.reconcile(
@@ -197,10 +241,10 @@ class ResilientRateLimiter:
             self._owe(limits, requests=0, tokens=charge)
 
     async def peek(self, limits: TenantLimits) -> Decision:
-        shared = await self._ask_primary(lambda: self._primary.peek(limits))
+        tenant = limits.tenant
+        shared = await self._ask_primary(tenant, lambda: self._primary.peek(limits))
         if not isinstance(shared, _StoreDown):
-            self._known[limits.tenant] = (shared.remaining_requests, shared.remaining_tokens)
-            return shared
+            return self._heard(tenant, shared)
         mode = self._degraded_mode()
         if mode == "local":
             return await self._fallback.peek(self._share(limits))
@@ -216,16 +260,27 @@ class ResilientRateLimiter:
         await self._probes.stop()
 
     async def probe(self) -> None:
-        """While degraded, ask the store whether it is back; if it answers, resume as a
+        """While degraded, ask the store whether it is back: the store at large, and the
+        slot of each degraded tenant (one tenant a slot); each that answers resumes as a
         decision that found it would."""
         if self._mode == "shared":
             return
+        slots = {self._primary.slot(tenant): tenant for tenant in self._degraded}
+        asked: list[str | None] = [None, *slots.values()]
+        answers = await asyncio.gather(*(self._probe(tenant) for tenant in asked))
+        back = {self._primary.slot(t) for t, ok in zip(asked, answers, strict=True) if ok and t}
+        for tenant in [t for t in self._degraded if self._primary.slot(t) in back]:
+            del self._degraded[tenant]
+        if answers[0]:
+            self._answered()
+
+    async def _probe(self, tenant: str | None) -> bool:
         try:
             async with asyncio.timeout(self._timeout_max_s):
-                await self._primary.probe()
+                await self._primary.probe(tenant)
         except (TimeoutError, StoreError):
-            return
-        self._answered()
+            return False
+        return True
 
     async def close(self) -> None:
         await self.stop()
@@ -234,8 +289,11 @@ class ResilientRateLimiter:
         finally:
             await self._fallback.close()
 
-    async def _ask_primary(self, call: Callable[[], Awaitable[T]]) -> T | _StoreDown:
+    async def _ask_primary(self, tenant: str, call: Callable[[], Awaitable[T]]) -> T | _StoreDown:
+        """The store's answer for `tenant`, or _STORE_DOWN: then the tenant is degraded."""
         if not self._breaker.allow():
+            self._degraded.setdefault(tenant, self._clock.monotonic())
+            self._set_mode(self._degraded_mode())
             return _STORE_DOWN
         answered = False
         try:
@@ -243,22 +301,27 @@ class ResilientRateLimiter:
                 result = await call()
             answered = True
         except (TimeoutError, StoreError):
-            self._failed()
+            self._failed(tenant)
             return _STORE_DOWN
         finally:
             if not answered:
                 self._breaker.release_trial()  # a cancelled call tried nothing
+        self._degraded.pop(tenant, None)
         self._answered()
         return result
 
-    def _failed(self) -> None:
+    def _failed(self, tenant: str) -> None:
         self._on_store_error()
+        self._degraded.setdefault(tenant, self._clock.monotonic())
         self._breaker.record_failure()
         self._set_mode(self._degraded_mode())
 
     def _answered(self) -> None:
+        """The store answered: the circuit closes, and with no tenant left degraded the
+        mode is shared again."""
         self._breaker.record_success()
-        self._set_mode("shared")
+        if not self._degraded:
+            self._set_mode("shared")
         if self._owed and not self._settling:
             task = asyncio.get_running_loop().create_task(self._settle_owed())
             self._settling.add(task)

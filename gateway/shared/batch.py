@@ -35,17 +35,24 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
     AskError,
     ConnectionError,
+    MaxConnectionsError,
     MovedError,
     NoScriptError,
     RedisError,
     ResponseError,
 )
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.sweep import Sweep
 
 log = logging.getLogger("spillgate.redis")
 
 Arg = str | int | float | bytes
+# the least time between two reads of a cluster's slot map after a node did not answer:
+# a promoted replica is found within this of the cluster's own failover
+SLOT_MAP_MIN_S = 0.2
+# what says a cluster node did not answer at all (as against answering with an error)
+_UNREACHABLE = (ConnectionError, RedisTimeoutError, TimeoutError, OSError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +158,9 @@ class RedisBatcher:
         self.latency = Latency(initial_s=0.001)
         self.pipelines = 0  # sent, for tests and benchmarks
         self.calls = 0
+        self.slot_map_reads = 0  # a cluster's, after a redirection or an unreachable node
+        self._reading = asyncio.Lock()
+        self._map_read_at = -math.inf  # time.monotonic()
 
     @property
     def connections_busy(self) -> int:
@@ -284,9 +294,15 @@ class RedisBatcher:
 
     async def _on_cluster(self, batch: list[_Call], *, moves: int) -> list[Any]:
         """Each node's share of the batch on one of its connections, all nodes at once.
-        Every call's keys share one hash tag, so the first key names its node. A call
-        answered MOVED or ASK (a slot changed hands) is sent again once the slot map has
-        been read anew, so a resharding costs a round trip, not a store failure."""
+        Every call's keys share one hash tag, so the first key names its node.
+
+        A call answered MOVED or ASK (a slot changed hands), or whose node could not be
+        reached (a connection refused or broken, a round trip out of time: a master that
+        died, before or after its replica was promoted), is sent once more after the slot
+        map has been read anew from a node that answers, as redis-py's own cluster client
+        does for one command. A call whose node is still unreachable then fails alone:
+        the other nodes' calls are answered, so one dead master degrades only its slots.
+        """
         cluster = self._redis
         assert isinstance(cluster, RedisCluster)
         await cluster.initialize()  # reads the slot map once (a no-op after)
@@ -294,25 +310,60 @@ class RedisBatcher:
         for i, call in enumerate(batch):
             nodes.setdefault(cluster.get_node_from_key(call.keys[0]), []).append(i)
         replies: list[Any] = [None] * len(batch)
+        lost: dict[int, tuple[str, bool]] = {}  # call: the node that did not answer, timed out
 
         async def on_node(node: Any, indices: list[int]) -> None:
-            conn = node.acquire_connection()
             try:
-                packed = b"".join(_packed(batch[i]) for i in indices)
-                got = await _round_trip(conn, packed, len(indices))
-            finally:
-                node.release(conn)
+                conn = node.acquire_connection()
+                try:
+                    packed = b"".join(_packed(batch[i]) for i in indices)
+                    got = await _round_trip(conn, packed, len(indices))
+                finally:
+                    node.release(conn)
+            except _UNREACHABLE as exc:
+                if isinstance(exc, MaxConnectionsError):
+                    raise  # this process is busy, not the node gone
+                got = [exc] * len(indices)
+                timed_out = isinstance(exc, (TimeoutError, RedisTimeoutError))
+                lost.update((i, (node.name, timed_out)) for i in indices)
             for i, reply in zip(indices, got, strict=True):
                 replies[i] = reply
 
         await asyncio.gather(*(on_node(node, indices) for node, indices in nodes.items()))
         moved = [i for i, r in enumerate(replies) if isinstance(r, (MovedError, AskError))]
-        if moved and moves > 0:
-            await cluster.nodes_manager.initialize()
-            again = await self._on_cluster([batch[i] for i in moved], moves=moves - 1)
-            for i, reply in zip(moved, again, strict=True):
-                replies[i] = reply
+        if (moved or lost) and moves > 0:
+            failed = next((node for node, _ in lost.values()), None)
+            await self._read_slot_map(cluster, failed=failed, paced=not moved)
+            again = moved + [
+                i for i, lost_at in lost.items() if _resend(cluster, batch[i], *lost_at)
+            ]
+            if again:
+                resent = await self._on_cluster([batch[i] for i in again], moves=moves - 1)
+                for i, reply in zip(again, resent, strict=True):
+                    replies[i] = reply
         return replies
+
+    async def _read_slot_map(
+        self, cluster: RedisCluster, *, failed: str | None, paced: bool
+    ) -> None:
+        """Read the slot map anew, from any node that answers (the one that failed last).
+
+        One read at a time: pipelines that fail meanwhile wait for it and use its map.
+        After an unreachable node (`paced`), at most one read per SLOT_MAP_MIN_S: while a
+        dead master's replica is not yet promoted every batch for its slots fails, and
+        each would otherwise read the map again. A read that reaches no node leaves the
+        map as it was; the calls fail with their own errors.
+        """
+        async with self._reading:
+            if paced and time.monotonic() - self._map_read_at < SLOT_MAP_MIN_S:
+                return
+            try:
+                await cluster.nodes_manager.initialize(last_failed_node_name=failed)
+            except (RedisError, OSError) as exc:
+                log.warning("reading the Redis Cluster slot map failed: %s", exc)
+            finally:
+                self._map_read_at = time.monotonic()
+            self.slot_map_reads += 1
 
     async def aclose(self) -> None:
         """Stop sending; pipelines on the wire are let finish (they are bounded)."""
@@ -323,6 +374,14 @@ class RedisBatcher:
         self._pending.clear()
         if self._sending:
             await asyncio.wait(list(self._sending), timeout=5)
+
+
+def _resend(cluster: RedisCluster, call: _Call, node: str, timed_out: bool) -> bool:
+    """Whether a call `node` did not answer may fare better now: its slot is elsewhere in
+    the map just read, or the connection failed and a fresh one may reach the node (it
+    restarted). A node that let the round trip run out of time is not asked twice."""
+    now = cluster.get_node_from_key(call.keys[0])
+    return (now is not None and now.name != node) or not timed_out
 
 
 def _settle(call: _Call, reply: Any) -> None:

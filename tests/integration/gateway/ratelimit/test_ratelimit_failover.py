@@ -112,6 +112,29 @@ def test_local_mode_limits_at_the_replica_share_while_redis_is_down(
     asyncio.run(scenario())
 
 
+def test_the_share_starts_from_the_level_heard_plus_the_refill_since(
+    redis_proc: RedisProcess,
+) -> None:
+    """Drained, then idle ten minutes: the bucket is full again, and so is the share (4 of
+    12), not the 0 last heard; half drained, then idle 15 s: a third of the 6 heard (2)
+    plus the share's refill since (1), neither the level heard nor a full share."""
+
+    async def admitted_after(acquired: int, *, idle_s: float) -> tuple[int, list[str]]:
+        """What the share admits of 10, Redis stopped after `acquired` and `idle_s`."""
+        gw = await gateway(redis_proc, "local")
+        heard = [await gw.acquire() for _ in range(acquired)]
+        assert heard[-1].remaining_requests == 12 - acquired
+        gw.clock.advance(idle_s)
+        redis_proc.stop()
+        decisions = [await gw.acquire() for _ in range(10)]
+        await gw.client.aclose()
+        return sum(d.allowed for d in decisions), [d.tenant for d in gw.limiter.degraded()]
+
+    assert asyncio.run(admitted_after(12, idle_s=600)) == (4, ["acme"])
+    redis_proc.start()
+    assert asyncio.run(admitted_after(6, idle_s=15)) == (3, ["acme"])
+
+
 def test_shared_limiting_resumes_after_redis_restarts(redis_proc: RedisProcess) -> None:
     async def scenario() -> None:
         gw = await gateway(redis_proc, "local")
@@ -133,6 +156,7 @@ def test_shared_limiting_resumes_after_redis_restarts(redis_proc: RedisProcess) 
         assert resumed.allowed
         assert resumed.limit_requests == 12
         assert gw.modes == ["shared", "local", "shared"]
+        assert gw.limiter.degraded() == []
         assert not gw.limiter.circuit_open
         observed = await RedisRateLimiter(gw.client).peek(LIMITS)
         # Each probe that reached the restarted Redis was debited there, and only there.

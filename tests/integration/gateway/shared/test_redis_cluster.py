@@ -9,6 +9,7 @@ import secrets
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
@@ -22,6 +23,7 @@ from gateway.shared.ledger_feed import ReleaseFeed
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from policies.cache.store import RedisResponseCache
+from tests.support.batch import POOL, chat_line, submit, wait_status
 from tests.support.cluster import redis_cluster
 from tests.support.fleet import ADMIN_TOKEN, tenant
 from tests.support.harness import ServerThread
@@ -96,6 +98,32 @@ def test_limiter_ledger_cache_and_wakeups_run_on_a_cluster(cluster: str) -> None
             await client.aclose()
 
     asyncio.run(scenario())
+
+
+def test_batches_run_on_a_cluster(cluster: str) -> None:
+    """The batch store lives on the cluster too: a batch is created, listed and run."""
+    key = "sk-" + secrets.token_hex(8)
+    sim = ServerThread(create_sim_app(SimConfig(model=POOL, kv_tokens=8192, no_delay=True)))
+    with sim:
+        settings = parse_settings(
+            {
+                "tenants": [tenant("acme", key)],
+                "pools": [
+                    {
+                        "name": POOL,
+                        "backends": [{"url": sim.url, "served_model": POOL, "capacity": 4096}],
+                    }
+                ],
+                "redis": {"cluster": True},
+            }
+        )
+        app = create_app(settings, environ={"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN},
+                         redis_url=cluster)  # fmt: skip
+        with ServerThread(app) as gateway:
+            api = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0)
+            batch_id = submit(api, [chat_line("a")])
+            assert [b.id for b in api.batches.list()] == [batch_id]
+            assert wait_status(api, batch_id, within_s=30).status == "completed"
 
 
 def test_a_gateway_pointed_at_one_node_shares_its_limits_through_the_cluster(
