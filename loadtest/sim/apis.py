@@ -25,7 +25,7 @@ from loadtest.sim.asgi import (
     send_json,
 )
 from loadtest.sim.engine import Engine, LiveSequence
-from loadtest.sim.protocol import Limits, SimRequestError
+from loadtest.sim.protocol import Limits, SimRequestError, resolve_model
 from loadtest.sim.scheduler import SeqState
 from loadtest.sim.tokens import completion_prompt_tokens
 
@@ -58,13 +58,8 @@ def json_body(raw: bytes) -> dict[str, Any]:
 
 
 def check_model(body: dict[str, Any], limits: Limits) -> None:
-    model = body.get("model")
-    if model is not None and limits.model is not None and model != limits.model:
-        raise SimRequestError(
-            f"The model `{model}` does not exist. Valid aliases: {limits.model}.",
-            status=404,
-            param="model",
-        )
+    """vLLM's 404 for a `model` the replica does not serve (base or adapter)."""
+    resolve_model(body.get("model"), limits)
 
 
 def unit_vector(seed: bytes, dim: int) -> list[float]:

@@ -29,6 +29,7 @@ from loadtest.sim.config import ResolvedSim, SimConfig, resolve
 from loadtest.sim.engine import Engine, LiveSequence
 from loadtest.sim.kv_events import EventLog, Publisher
 from loadtest.sim.lengths import DEFAULT_VOCAB_SIZE, AnswerLengths, LengthSampler
+from loadtest.sim.lora import Adapters, LoraRoutes
 from loadtest.sim.metrics import SimMetrics
 from loadtest.sim.protocol import Limits, SimRequestError, tokenized
 from loadtest.sim.responses import ResponsesEndpoint
@@ -38,7 +39,11 @@ from loadtest.sim.tokens import FillerText
 from loadtest.sim.wire import Kind
 
 
-def _models_body(config: SimConfig, resolved: ResolvedSim) -> dict[str, Any]:
+def _models_body(
+    config: SimConfig, resolved: ResolvedSim, adapters: Adapters | None
+) -> dict[str, Any]:
+    """vLLM's model list: the base model, then each adapter with its path as `root` and the
+    base model as `parent` (an adapter's card has no `max_model_len`)."""
     created = int(time.time())
     permission = {
         "id": "modelperm-sim",
@@ -64,7 +69,17 @@ def _models_body(config: SimConfig, resolved: ResolvedSim) -> dict[str, Any]:
         "max_model_len": resolved.max_model_len,
         "permission": [permission],
     }
-    return {"object": "list", "data": [model]}
+    cards = [
+        {
+            **model,
+            "id": adapter.name,
+            "root": adapter.path,
+            "parent": config.model,
+            "max_model_len": None,
+        }
+        for adapter in adapters or ()
+    ]
+    return {"object": "list", "data": [model, *cards]}
 
 
 class Unsupported:
@@ -121,6 +136,7 @@ def create_sim_app(config: SimConfig) -> Starlette:
 def create_sim_replica(config: SimConfig) -> SimReplica:
     """The replica of `create_sim_app`, with its `Shutdown` for the server to call."""
     resolved = resolve(config)
+    adapters = _adapters(config)
     events = EventLog(resolved.block_size) if config.kv_events_port is not None else None
     scheduler: Scheduler[LiveSequence] = Scheduler(
         SchedulerLimits(
@@ -129,6 +145,7 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
             max_num_seqs=resolved.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             prefix_caching=config.enable_prefix_caching,
+            max_loras=config.max_loras if adapters is not None else 0,
         ),
         events=events,
     )
@@ -140,6 +157,7 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
         flush_interval_s=config.flush_interval_s,
         on_first_token=metrics.observe_ttft,
         on_finished=metrics.observe_generated,
+        on_step=None if metrics.lora is None else metrics.lora.observe_step,
     )
     capped = config.answer_lengths is AnswerLengths.MAX_TOKENS
     limits = Limits(
@@ -147,6 +165,7 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
         max_model_len=resolved.max_model_len,
         default_max_tokens=config.default_max_tokens if capped else None,
         tokenizer=None if config.tokenizer is None else PromptTokenizer(config.tokenizer),
+        adapters=adapters,
     )
     lengths = LengthSampler(
         mode=config.answer_lengths,
@@ -156,7 +175,10 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
         rng=random.Random(config.seed),
     )
     filler = FillerText()
-    models = orjson.dumps(_models_body(config, resolved))
+    models = [orjson.dumps(_models_body(config, resolved, adapters))]
+
+    def models_changed() -> None:
+        models[0] = orjson.dumps(_models_body(config, resolved, adapters))
 
     def endpoint(kind: Kind) -> CompletionsEndpoint:
         return CompletionsEndpoint(
@@ -169,7 +191,7 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
         )
 
     async def list_models(request: Request) -> Response:
-        return Response(models, media_type="application/json")
+        return Response(models[0], media_type="application/json")
 
     async def health(request: Request) -> Response:
         return Response(b"", status_code=200)
@@ -222,6 +244,9 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     ]
+    if adapters is not None and config.allow_runtime_lora_updating:
+        lora = LoraRoutes(config=config, adapters=adapters, changed=models_changed)
+        routes += lora.routes()
     shutdown = Shutdown(engine=engine, timeout_s=config.shutdown_timeout_s)
     app = Starlette(
         routes=routes,
@@ -230,6 +255,16 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
         middleware=[Middleware(RefuseWhileStopping, shutdown=shutdown)],
     )
     return SimReplica(app=app, shutdown=shutdown)
+
+
+def _adapters(config: SimConfig) -> Adapters | None:
+    if not config.enable_lora:
+        return None
+    return Adapters(
+        base_model=config.model,
+        modules=config.lora_modules,
+        runtime_updating=config.allow_runtime_lora_updating,
+    )
 
 
 def _publisher(config: SimConfig, events: EventLog) -> Publisher:

@@ -1,8 +1,9 @@
 """vLLM's KV block pool with prefix caching, without the GPU: which block holds what.
 
 A full block of prompt tokens is named by a chain hash: its parent block's hash and its own
-token ids, so the same tokens after a different prefix are a different block. A partial
-block has no hash and is never shared.
+token ids, so the same tokens after a different prefix are a different block; a LoRA
+adapter's blocks also hash its name and path, as vLLM's extra keys do, so they are never the
+base model's or another adapter's. A partial block has no hash and is never shared.
 
 Blocks nobody holds wait in one free queue, least recently freed first. A free block keeps
 its cached contents until the allocator takes it from the front of the queue; only then is
@@ -15,20 +16,26 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
+from loadtest.sim.config import Adapter
+
 # the first block's parent: any fixed value serves, since one replica only compares its own
 ROOT_HASH = 0
 
 
-def hash_blocks(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The chain hash of each full block of `token_ids`.
+def hash_blocks(
+    token_ids: Sequence[int], block_size: int, *, adapter: Adapter | None = None
+) -> list[int]:
+    """The chain hash of each full block of `token_ids`, computed for `adapter` when given.
 
     Python's tuple hash of ints is the same in every process and fast; a 64-bit collision
     between two prompts a simulated replica sees is not a risk worth sha256's cost.
     """
     hashes: list[int] = []
     parent = ROOT_HASH
+    extra = None if adapter is None else adapter.hash_key
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        block = tuple(token_ids[start : start + block_size])
+        parent = hash((parent, block)) if extra is None else hash((parent, block, extra))
         hashes.append(parent)
     return hashes
 
@@ -37,7 +44,11 @@ class BlockEvents(Protocol):
     """Told of what the prefix cache names and forgets, as vLLM's KV events tell it."""
 
     def stored(
-        self, block_hashes: Sequence[int], parent: int | None, token_ids: Sequence[int]
+        self,
+        block_hashes: Sequence[int],
+        parent: int | None,
+        token_ids: Sequence[int],
+        adapter: Adapter | None,
     ) -> None: ...
 
     def removed(self, block_hash: int) -> None: ...
@@ -118,10 +129,12 @@ class BlockPool:
         parent: int | None = None,
         token_ids: Sequence[int] = (),
         block_size: int = 0,
+        adapter: Adapter | None = None,
     ) -> None:
         """Name freshly computed full blocks by their hashes, so later prompts can hit them;
         `parent` is the hash of the block before the first (None: the prompt's first), and
-        `token_ids` the blocks' tokens, `block_size` each, which the events tell.
+        `token_ids` the blocks' tokens, `block_size` each, and the `adapter` they were
+        computed for, which the events tell.
 
         A hash another block already holds keeps that block: the copy stays unnamed and is
         freed as plain.
@@ -137,10 +150,10 @@ class BlockPool:
                     start = i
                 run.append(block_hash)
             elif run:
-                self._stored(run, start, block_hashes, parent, token_ids, block_size)
+                self._stored(run, start, block_hashes, parent, token_ids, block_size, adapter)
                 run = []
         if run:
-            self._stored(run, start, block_hashes, parent, token_ids, block_size)
+            self._stored(run, start, block_hashes, parent, token_ids, block_size, adapter)
 
     def _stored(
         self,
@@ -150,12 +163,13 @@ class BlockPool:
         parent: int | None,
         token_ids: Sequence[int],
         block_size: int,
+        adapter: Adapter | None,
     ) -> None:
         if self.events is None:
             return
         before = parent if start == 0 else block_hashes[start - 1]
         ids = token_ids[start * block_size : (start + len(run)) * block_size]
-        self.events.stored(run, before, ids)
+        self.events.stored(run, before, ids, adapter)
 
     def reset(self) -> bool:
         """Forget every cached block, as vLLM's `reset_prefix_cache`: only while no sequence

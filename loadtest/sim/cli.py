@@ -16,6 +16,10 @@ SIGTERM stops the replica as it stops vLLM 0.32: by default the requests in flig
 once with vLLM's dead-engine error and the server stops listening; with
 `--shutdown-timeout N` they may run N more seconds while new requests are refused with a
 500 (loadtest/sim/shutdown.py).
+
+With `--enable-lora` it serves LoRA adapters as vLLM does (loadtest/sim/lora.py): vLLM's
+`--lora-modules`, `--max-loras` and `--max-lora-rank`, and the load and unload endpoints
+where VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (or `--allow-runtime-lora`).
 """
 
 from __future__ import annotations
@@ -28,12 +32,13 @@ import sys
 import uvicorn
 
 from loadtest.sim.app import create_sim_replica
-from loadtest.sim.config import SimConfig, resolve
+from loadtest.sim.config import LoraLoadFailure, LoraModule, SimConfig, resolve
 from loadtest.sim.lengths import DEFAULT_MEAN_TOKENS, DEFAULT_SIGMA, AnswerLengths
 from loadtest.sim.provider import DEFAULT_API_KEY, ProviderConfig, create_provider_app
 from loadtest.sim.shutdown import Shutdown, SimServer
 
 PROVIDER_KEY_ENV = "SPILLGATE_SIM_PROVIDER_KEY"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,6 +133,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokenizer",
         help="a model directory (tokenizer.json, tokenizer_config.json): tokenize as it does",
     )
+    _add_lora_arguments(parser)
     provider = parser.add_argument_group("simulated external provider")
     provider.add_argument("--provider", action="store_true", help="run the provider instead")
     provider.add_argument(
@@ -154,6 +160,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     provider.add_argument(
         "--fail-status", type=int, default=500, help="the status a failed request gets"
     )
+
+
+def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    lora = parser.add_argument_group("LoRA adapters (as vLLM's options)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=LoraModule.parse,
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters served from start-up: NAME=PATH, vLLM's JSON form, or a bare NAME",
+    )
+    lora.add_argument(
+        "--max-loras", type=int, default=1, help="distinct adapters a step may run, as vLLM's"
+    )
+    lora.add_argument(
+        "--max-lora-rank", type=int, default=16, help="vLLM's; the largest rank it accepts"
+    )
+    lora.add_argument(
+        "--allow-runtime-lora",
+        action="store_true",
+        help=f"serve /v1/load_lora_adapter and /v1/unload_lora_adapter (also {RUNTIME_LORA_ENV}=1)",
+    )
+    lora.add_argument(
+        "--lora-load-time",
+        type=float,
+        default=0.05,
+        help="seconds a load takes",
+    )
+    lora.add_argument(
+        "--fail-lora-loads",
+        choices=[f.value for f in LoraLoadFailure],
+        help="simulator only: every load fails, as vLLM answers a path with no adapter "
+        "(not-found, 404) or an adapter it refuses (error, 500)",
+    )
+
+
+def _runtime_lora(args: argparse.Namespace) -> bool:
+    """The flag, or vLLM's environment variable (1 or true) where LoRA is enabled: the
+    variable may be set for a whole host, the flag is asked for."""
+    value = os.environ.get(RUNTIME_LORA_ENV, "").strip().lower()
+    return bool(args.allow_runtime_lora) or (args.enable_lora and value in ("1", "true"))
 
 
 def sim_config(args: argparse.Namespace) -> SimConfig:
@@ -184,6 +233,13 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         kv_events_port=args.kv_events_port,
         kv_events_drop_every=args.kv_events_drop_every,
         tokenizer=args.tokenizer,
+        enable_lora=args.enable_lora,
+        lora_modules=tuple(args.lora_modules),
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        allow_runtime_lora_updating=_runtime_lora(args),
+        lora_load_s=args.lora_load_time,
+        fail_lora_loads=args.fail_lora_loads,
     )
 
 
@@ -230,6 +286,10 @@ def run(args: argparse.Namespace) -> int:
                 "answer_lengths": replica.answer_lengths.value,
                 "enable_prefix_caching": replica.enable_prefix_caching,
             }
+            if replica.enable_lora:
+                info["lora_modules"] = ",".join(m.name for m in replica.lora_modules)
+                info["max_loras"] = replica.max_loras
+                info["runtime_lora_updating"] = replica.allow_runtime_lora_updating
     except ValueError as exc:
         print(f"spillgate sim: {exc}", file=sys.stderr)
         return 2

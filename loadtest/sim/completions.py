@@ -130,6 +130,7 @@ class CompletionsEndpoint:
                     stop_reason=answer.stop_reason,
                     streaming=req.stream,
                     prompt_token_ids=req.prompt_token_ids,
+                    adapter=req.adapter,
                 )
             )
         for seq in seqs[1:]:
@@ -152,7 +153,7 @@ class CompletionsEndpoint:
         return [
             StreamFrame(
                 kind=self._kind,
-                model=self._config.model,
+                model=req.served_model or self._config.model,
                 filler=self._filler,
                 include_usage=req.include_usage,
                 index=index,
@@ -223,7 +224,7 @@ class CompletionsEndpoint:
     def _full(self, req: SimRequest, seqs: list[LiveSequence]) -> bytes:
         return full_response_of(
             kind=self._kind,
-            model=self._config.model,
+            model=req.served_model or self._config.model,
             answers=[
                 (
                     self._filler.text(req.answer_start, req.answer_start + seq.answer_tokens),

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
 
 from gateway.capacity.perf import StepCost
 from loadtest.sim.lengths import DEFAULT_MEAN_TOKENS, DEFAULT_SIGMA, AnswerLengths
@@ -23,6 +26,56 @@ DEFAULT_GPU_MEMORY_BYTES = 80 * GIB
 ACTIVATION_RESERVE_BYTES = 1 * GIB  # what vLLM's profiling run keeps back for activations
 DEFAULT_MAX_MODEL_LEN = 8192
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default on smaller GPUs
+# the ranks vLLM 0.32's --max-lora-rank accepts (LoRAConfig.max_lora_rank)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraModule:
+    """An adapter served from start-up: vLLM's `--lora-modules NAME=PATH`."""
+
+    name: str
+    path: str
+
+    @classmethod
+    def parse(cls, text: str) -> LoraModule:
+        """`NAME=PATH`, vLLM's JSON form `{"name": ..., "path": ...}`, or a bare `NAME`
+        (the simulator's shorthand: its path is its name, since nothing is read from it)."""
+        if text.startswith("{"):
+            value = json.loads(text)
+            if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+                raise ValueError(f"a LoRA module needs a name: {text}")
+            return cls(name=value["name"], path=str(value.get("path") or value["name"]))
+        name, _, path = text.partition("=")
+        if not name:
+            raise ValueError(f"a LoRA module needs a name: {text!r}")
+        return cls(name=name, path=path or name)
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """A loaded adapter as the engine knows it: `lora_id` is vLLM's `lora_int_id`, 1, 2, ...
+    in the order adapters were loaded. `hash_key` stands for what vLLM adds to each of its
+    KV block hashes, its name and path, so its blocks are never the base model's or another
+    adapter's; a digest, not `hash()`, keeps it the same in every process."""
+
+    name: str
+    path: str
+    lora_id: int
+    hash_key: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        digest = hashlib.blake2b(f"{self.name}\0{self.path}".encode(), digest_size=8).digest()
+        object.__setattr__(self, "hash_key", int.from_bytes(digest, "big"))
+
+
+class LoraLoadFailure(StrEnum):
+    """How the simulator fails every `/v1/load_lora_adapter`, to test a backend that
+    cannot load: NOT_FOUND as vLLM answers a path with no adapter (404), ERROR as it
+    answers an adapter the engine refuses, such as a rank above --max-lora-rank (500)."""
+
+    NOT_FOUND = "not-found"
+    ERROR = "error"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +109,12 @@ class SimConfig:
     in flight under `spillgate sim` (0, vLLM's default: they end with vLLM's dead-engine
     error; N: they may run N more seconds while new ones are refused; see
     loadtest/sim/shutdown.py).
+    `enable_lora` serves LoRA adapters as vLLM does (loadtest/sim/lora.py): `lora_modules`
+    from start-up, at most `max_loras` distinct adapters among running requests (vLLM's
+    default 1), `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` only with
+    `allow_runtime_lora_updating` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=1); a load takes
+    `lora_load_s` real seconds, and fails as `fail_lora_loads` says when it is set.
+    `max_lora_rank` is accepted and shown; the KV size does not depend on it.
     """
 
     model: str = "sim-model"
@@ -89,6 +148,13 @@ class SimConfig:
     kv_events_drop_every: int = 0
     # a model directory's tokenizer and chat template: prompts tokenized as a real engine's
     tokenizer: str | None = None
+    enable_lora: bool = False
+    lora_modules: tuple[LoraModule, ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    allow_runtime_lora_updating: bool = False
+    lora_load_s: float = 0.05
+    fail_lora_loads: LoraLoadFailure | None = None
 
     def __post_init__(self) -> None:
         if self.speed <= 0:
@@ -107,6 +173,26 @@ class SimConfig:
         object.__setattr__(self, "answer_lengths", AnswerLengths(self.answer_lengths))
         if self.answer_mean_tokens < 1 or self.answer_sigma <= 0:
             raise ValueError("answer_mean_tokens must be at least 1 and answer_sigma positive")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.fail_lora_loads is not None:
+            object.__setattr__(self, "fail_lora_loads", LoraLoadFailure(self.fail_lora_loads))
+        if not self.enable_lora:
+            if self.lora_modules or self.allow_runtime_lora_updating or self.fail_lora_loads:
+                raise ValueError("LoRA modules and loading need enable_lora")
+            return
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be at least 1")
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))}")
+        if self.lora_load_s < 0:
+            raise ValueError("lora_load_s cannot be negative")
+        names = [module.name for module in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError("each LoRA module needs its own name")
+        if self.model in names:
+            raise ValueError(f"The lora adapter '{self.model}' conflicts with a served base model.")
 
 
 @dataclass(frozen=True, kw_only=True)

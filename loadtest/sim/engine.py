@@ -17,6 +17,7 @@ from starlette.types import Receive
 
 from gateway.capacity.perf import StepCost
 from loadtest.sim.asgi import wait_disconnect
+from loadtest.sim.config import Adapter
 from loadtest.sim.scheduler import Scheduler, SeqState, Sequence, Step
 
 MAX_LAG_S = 0.5  # simulated time owed after a stall is caught up, up to this much
@@ -54,12 +55,14 @@ class LiveSequence(Sequence):
         finish_reason: str = "length",
         stop_reason: int | None = None,
         prompt_token_ids: TokenIds[int] | None = None,
+        adapter: Adapter | None = None,
     ) -> None:
         super().__init__(
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             answer_tokens=answer_tokens,
             prompt_token_ids=prompt_token_ids,
+            adapter=adapter,
         )
         self.streaming = streaming
         self.finish_reason = finish_reason  # what the last event says
@@ -80,13 +83,17 @@ class Engine:
         flush_interval_s: float,
         on_first_token: Callable[[float], None],
         on_finished: Callable[[int], None] = lambda generated: None,
+        on_step: Callable[[], None] | None = None,
     ) -> None:
+        """`on_step`, when given, is called after each step, as vLLM records its scheduler
+        stats once a step."""
         self.scheduler = scheduler
         self._cost = step_cost
         self._speed = speed
         self._flush_interval = flush_interval_s
         self._on_first_token = on_first_token
         self._on_finished = on_finished
+        self._on_step = on_step
         self._wake = asyncio.Event()
         self.stopped = False
 
@@ -169,6 +176,8 @@ class Engine:
 
     def _finish(self, step: Step[LiveSequence], now: float) -> None:
         finished = self.scheduler.complete(step)
+        if self._on_step is not None:
+            self._on_step()
         next_flush = now + self._flush_interval
         for seq in step.prefills:
             if seq.first_token_at is None and seq.state is not SeqState.ABORTED:

@@ -25,6 +25,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from loadtest.sim.config import Adapter
+
 log = logging.getLogger("spillgate.sim")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -39,10 +41,19 @@ class EventLog:
         self.pending: list[dict[str, Any]] = []
 
     def stored(
-        self, block_hashes: Sequence[int], parent: int | None, token_ids: Sequence[int]
+        self,
+        block_hashes: Sequence[int],
+        parent: int | None,
+        token_ids: Sequence[int],
+        adapter: Adapter | None,
     ) -> None:
         """Blocks cached in a row by one step, as one event (vLLM's `cache_full_blocks`);
-        evictions are one event a block, as vLLM's are."""
+        evictions are one event a block, as vLLM's are. An adapter's blocks carry its
+        `lora_id`, its `lora_name`, and its name as each block's extra key, as vLLM's do."""
+        if adapter is None:
+            lora_id, lora_name, extra = None, None, None
+        else:
+            lora_id, lora_name, extra = adapter.lora_id, adapter.name, [adapter.name]
         self.pending.append(
             {
                 "type": "BlockStored",
@@ -50,10 +61,10 @@ class EventLog:
                 "parent_block_hash": parent,
                 "token_ids": list(token_ids),
                 "block_size": self.block_size,
-                "lora_id": None,
+                "lora_id": lora_id,
                 "medium": "GPU",
-                "lora_name": None,
-                "extra_keys": [None] * len(block_hashes),
+                "lora_name": lora_name,
+                "extra_keys": [extra] * len(block_hashes),
                 "group_idx": 0,
                 "kv_cache_spec_kind": "full_attention",
             }

@@ -1,13 +1,18 @@
 """The simulated replica's /metrics: vLLM's own names and labels, plus a few simulator extras.
 
 Engine state is read at scrape time by a collector, so stepping costs nothing here; only
-time-to-first-token is a live histogram. Names starting `sim_` are not vLLM metrics: they
+time-to-first-token is a live histogram, and with LoRA `vllm:lora_requests_info`, which
+vLLM 0.32 sets at each step: a gauge whose value is the time of the last step that saw its
+labels, one series per set of active adapters ever seen (never removed), both adapter labels
+holding the same names (vLLM fills them from one table), absent until the engine has
+stepped. Names starting `sim_` are not vLLM metrics: they
 let tests and drills prove the backend was never over-filled.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
@@ -36,6 +41,38 @@ def token_buckets(max_model_len: int) -> list[float]:
                 return buckets
             buckets.append(float(step * magnitude))
         magnitude *= 10
+
+
+class LoraInfo(Collector):
+    """`vllm:lora_requests_info`: a series per set of active adapters, its value the time
+    of the last step that saw that set."""
+
+    LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
+
+    def __init__(
+        self,
+        *,
+        scheduler: Scheduler[Any],
+        max_loras: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._active = scheduler.active_adapters
+        self._max_lora = str(max_loras)
+        self._clock = clock
+        self._seen: dict[str, float] = {}  # the adapters' names joined -> last step's time
+
+    def observe_step(self) -> None:
+        self._seen[",".join(self._active)] = self._clock()
+
+    def collect(self) -> Iterator[Metric]:
+        if not self._seen:
+            return
+        family = GaugeMetricFamily(
+            "vllm:lora_requests_info", "Running stats on lora requests.", labels=self.LABELS
+        )
+        for names, at in self._seen.items():
+            family.add_metric([self._max_lora, names, names], at)
+        yield family
 
 
 class _EngineCollector(Collector):
@@ -157,6 +194,10 @@ class SimMetrics:
         self.registry.register(
             _EngineCollector(scheduler=scheduler, labels=labels, cache_info=cache_info)
         )
+        self.lora: LoraInfo | None = None
+        if config.enable_lora:
+            self.lora = LoraInfo(scheduler=scheduler, max_loras=config.max_loras)
+            self.registry.register(self.lora)
         self._ttft = Histogram(
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",

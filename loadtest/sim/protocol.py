@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import orjson
 
 from gateway.admission.prompt_tokens import PromptTokenizer
+from loadtest.sim.config import Adapter
 from loadtest.sim.lengths import StopRule
 from loadtest.sim.tokens import (
     PromptEnd,
@@ -19,15 +21,34 @@ from loadtest.sim.wire import Kind
 
 
 class SimRequestError(Exception):
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        """`error_type`: the body's `type`; by default vLLM's for the status."""
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self._error_type = error_type
 
     @property
     def error_type(self) -> str:
+        if self._error_type is not None:
+            return self._error_type
         return "NotFoundError" if self.status == 404 else "BadRequestError"
+
+
+class AdapterLookup(Protocol):
+    """The LoRA adapters a replica serves (loadtest/sim/lora.py)."""
+
+    def resolve(self, model: str) -> Adapter | None:
+        """The adapter named `model`, or None when none is loaded under that name."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +66,12 @@ class SimRequest:
     # the answer's first word in the filler: the words of it the prompt already holds, when
     # it continues an answer (loadtest/sim/tokens.py), else 0
     answer_start: int = 0
+    adapter: Adapter | None = None  # the LoRA adapter `model` names; None: the base model
+
+    @property
+    def served_model(self) -> str | None:
+        """The name the answer's `model` says: the adapter's, else None (the replica's)."""
+        return None if self.adapter is None else self.adapter.name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +83,24 @@ class Limits:
     # real engine would see, so a gateway that tokenizes alike matches the blocks the KV
     # events tell of; None: the simulator's own ids (loadtest/sim/tokens.py)
     tokenizer: PromptTokenizer | None = None
+    adapters: AdapterLookup | None = None  # with LoRA enabled: `model` may name one
+
+
+def resolve_model(model: object, limits: Limits) -> Adapter | None:
+    """The adapter a request's `model` names, None for the base model (or no name), and
+    vLLM's 404 for any other name."""
+    if model is None or limits.model is None or model == limits.model:
+        return None
+    adapter = None
+    if isinstance(model, str) and limits.adapters is not None:
+        adapter = limits.adapters.resolve(model)
+    if adapter is None:
+        raise SimRequestError(
+            f"The model `{model}` does not exist. Valid aliases: {limits.model}.",
+            status=404,
+            param="model",
+        )
+    return adapter
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,12 +233,7 @@ def parse_request(kind: Kind, raw: bytes, limits: Limits, *, token_ids: bool = F
     if not isinstance(body, dict):
         raise SimRequestError("the request body must be a JSON object")
     model = body.get("model")
-    if model is not None and limits.model is not None and model != limits.model:
-        raise SimRequestError(
-            f"The model `{model}` does not exist. Valid aliases: {limits.model}.",
-            status=404,
-            param="model",
-        )
+    adapter = resolve_model(model, limits)
     n = body.get("n")
     if n is None:
         n = 1
@@ -238,6 +278,7 @@ def parse_request(kind: Kind, raw: bytes, limits: Limits, *, token_ids: bool = F
         stop=stop,
         prompt_token_ids=prompt.ids,
         answer_start=prompt.answer_start,
+        adapter=adapter,
     )
 
 

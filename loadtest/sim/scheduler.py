@@ -17,6 +17,14 @@ the cached blocks its prompt's leading full blocks hash to (see loadtest/sim/blo
 are shared, not allocated again, and their tokens are not computed. As in vLLM the hit stops
 short of the last prompt token, whose logits the first sample needs. Only prompt blocks are
 cached: generated tokens are filler no later prompt repeats.
+
+With LoRA (`max_loras` > 0), at most `max_loras` distinct adapters run in one step: a waiting
+sequence for another adapter is skipped, and those behind it may still be admitted; skipped
+ones go back to the front of the queue in their order, as vLLM's scheduler does. The
+adapters of requests the engine has begun (scheduled at least once, not yet ended) are
+`active_adapters`, in the order they became active: what vLLM's `lora_requests_info` shows
+(a request that has only waited is not in it, as its first event reaches vLLM's front-end
+with its first token).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from enum import Enum
 from typing import Generic, TypeVar
 
 from loadtest.sim.blocks import BlockEvents, BlockPool, hash_blocks
+from loadtest.sim.config import Adapter
 
 
 class SeqState(Enum):
@@ -41,6 +50,7 @@ class Sequence:
     """One request inside the engine."""
 
     __slots__ = (
+        "adapter",
         "answer_tokens",
         "block_hashes",
         "block_ids",
@@ -59,10 +69,12 @@ class Sequence:
         max_tokens: int,
         answer_tokens: int | None = None,
         prompt_token_ids: TokenIds[int] | None = None,
+        adapter: Adapter | None = None,
     ) -> None:
         """`answer_tokens`: where the answer ends (its sampled EOS), at most `max_tokens`;
         by default the answer runs to `max_tokens`. `prompt_token_ids`, when given, let the
-        prefix cache find the prompt's blocks; without them the prompt never hits."""
+        prefix cache find the prompt's blocks; without them the prompt never hits.
+        `adapter`: the LoRA adapter it runs with, None for the base model."""
         answer = max_tokens if answer_tokens is None else answer_tokens
         if prompt_tokens < 1 or not 1 <= answer <= max_tokens:
             raise ValueError("a sequence needs a prompt token and 1..max_tokens output tokens")
@@ -70,6 +82,7 @@ class Sequence:
             raise ValueError("prompt_token_ids must hold prompt_tokens ids")
         self.prompt_tokens = prompt_tokens
         self.prompt_token_ids = prompt_token_ids
+        self.adapter = adapter
         self.max_tokens = max_tokens
         self.answer_tokens = answer
         self.generated = 0
@@ -100,6 +113,7 @@ class SchedulerLimits:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     prefix_caching: bool = True
+    max_loras: int = 0  # distinct adapters a step may run; 0: LoRA is off
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:
@@ -158,6 +172,8 @@ class Scheduler(Generic[S]):
         self.stats = SchedulerStats()
         # prompt + max_tokens of every sequence present: what a gateway reserves for them
         self.reserved_tokens = 0
+        # adapter name -> its sequences begun and not ended, in the order adapters became so
+        self.active_adapters: dict[str, int] = {}
 
     @property
     def free_blocks(self) -> int:
@@ -180,7 +196,9 @@ class Scheduler(Generic[S]):
         if self.blocks_for(seq.prompt_tokens + seq.answer_tokens - 1) > self.limits.usable_blocks:
             raise ValueError("sequence can never fit in the KV cache")
         if self.limits.prefix_caching and seq.prompt_token_ids is not None:
-            seq.block_hashes = hash_blocks(seq.prompt_token_ids, self.limits.block_size)
+            seq.block_hashes = hash_blocks(
+                seq.prompt_token_ids, self.limits.block_size, adapter=seq.adapter
+            )
         self.waiting.append(seq)
         self.reserved_tokens += seq.prompt_tokens + seq.max_tokens
         stats = self.stats
@@ -195,6 +213,8 @@ class Scheduler(Generic[S]):
             self.running.remove(seq)
         else:
             return
+        if seq.adapter is not None and (seq.state is SeqState.RUNNING or seq.preemptions):
+            self._adapter_ended(seq.adapter)
         self._free(seq)
         self.reserved_tokens -= seq.prompt_tokens + seq.max_tokens
         seq.state = SeqState.ABORTED
@@ -232,6 +252,8 @@ class Scheduler(Generic[S]):
 
     def _retire(self, finished: list[S]) -> None:
         for seq in finished:
+            if seq.adapter is not None:
+                self._adapter_ended(seq.adapter)
             self._free(seq)
             self.reserved_tokens -= seq.prompt_tokens + seq.max_tokens
             seq.state = SeqState.FINISHED
@@ -270,8 +292,19 @@ class Scheduler(Generic[S]):
         limits, pool = self.limits, self.pool
         budget = limits.max_num_batched_tokens - len(step.decodes)
         waiting = self.waiting
+        loras = self._scheduled_loras(step)
+        skipped: list[S] = []
         while waiting and len(self.running) < limits.max_num_seqs:
             seq = waiting[0]
+            adapter = seq.adapter
+            # a slot for another adapter: skipped, and those behind it may still run
+            if (
+                adapter is not None
+                and adapter.lora_id not in loras
+                and len(loras) >= limits.max_loras
+            ):
+                skipped.append(waiting.popleft())
+                continue
             tokens = seq.context_tokens
             hit = self._cached_prefix(seq, tokens)
             computed = tokens - len(hit) * limits.block_size
@@ -292,16 +325,41 @@ class Scheduler(Generic[S]):
                 parent=seq.block_hashes[done - 1] if done else None,
                 token_ids=(seq.prompt_token_ids or ())[done * bs : full * bs],
                 block_size=bs,
+                adapter=adapter,
             )
             if limits.prefix_caching and seq.preemptions == 0:
                 self.stats.prefix_cache_queries += seq.prompt_tokens
                 self.stats.prefix_cache_hits += tokens - computed
+            if adapter is not None:
+                loras.add(adapter.lora_id)
+                if seq.preemptions == 0:
+                    self._adapter_begun(adapter)
             seq.state = SeqState.RUNNING
             self.running.append(seq)
             step.prefills.append(seq)
             step.prefill_tokens += computed
             step.kv_tokens += tokens
             budget -= computed
+        if skipped:
+            waiting.extendleft(reversed(skipped))
+
+    def _scheduled_loras(self, step: Step[S]) -> set[int]:
+        """The adapters of the running sequences this step runs."""
+        if not self.limits.max_loras:
+            return set()
+        return {seq.adapter.lora_id for seq in step.decodes if seq.adapter is not None}
+
+    def _adapter_begun(self, adapter: Adapter) -> None:
+        active = self.active_adapters
+        active[adapter.name] = active.get(adapter.name, 0) + 1
+
+    def _adapter_ended(self, adapter: Adapter) -> None:
+        active = self.active_adapters
+        left = active.get(adapter.name, 0) - 1
+        if left > 0:
+            active[adapter.name] = left
+        else:
+            active.pop(adapter.name, None)
 
     def _cached_prefix(self, seq: S, tokens: int) -> list[int]:
         """The cached blocks that begin the sequence, short of its last token: a whole-prompt

@@ -1,0 +1,178 @@
+"""LoRA adapters on the simulated replica, as vLLM 0.32 serves them (`--enable-lora`).
+
+`Adapters` is the API server's table of loaded adapters (vLLM's `OpenAIServingModels`): the
+`--lora-modules` from start-up, then what `/v1/load_lora_adapter` adds and
+`/v1/unload_lora_adapter` drops. Each load takes the next `lora_int_id` (1, 2, ...), a failed
+one too; with runtime updating allowed, a request naming no loaded adapter takes one as well,
+as vLLM's resolver lookup does before it finds nothing. Unloading only forgets the name:
+requests already running with the adapter finish with it, as in vLLM.
+
+`LoraRoutes` answers the two endpoints with vLLM's status codes and bodies (a plain-text 200,
+JSON errors); they exist only where runtime updating is allowed. A load holds its name's lock
+for `lora_load_s` seconds, so a second load of the same name waits and then finds it loaded.
+`fail_lora_loads` makes every load fail as a backend that cannot load it (the simulator's
+own option: a real engine fails for a missing path or an adapter it refuses).
+
+What the scheduler does with adapters (at most `max_loras` in a step) is in
+loadtest/sim/scheduler.py; the `vllm:lora_requests_info` metric in loadtest/sim/metrics.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from loadtest.sim.apis import json_body
+from loadtest.sim.config import Adapter, LoraLoadFailure, LoraModule, SimConfig
+from loadtest.sim.protocol import SimRequestError
+from loadtest.sim.wire import error_body
+
+
+class Adapters:
+    """The adapters a replica serves, by name, in the order they were loaded."""
+
+    def __init__(
+        self, *, base_model: str, modules: tuple[LoraModule, ...], runtime_updating: bool
+    ) -> None:
+        self._base = base_model
+        self._runtime = runtime_updating
+        self._loaded: dict[str, Adapter] = {}
+        self._last_id = 0
+        for module in modules:
+            self.add(module.name, module.path)
+
+    def __iter__(self) -> Iterator[Adapter]:
+        return iter(list(self._loaded.values()))
+
+    def resolve(self, model: str) -> Adapter | None:
+        adapter = self._loaded.get(model)
+        if adapter is None and self._runtime:
+            self._last_id += 1
+        return adapter
+
+    def check_load(self, name: str, path: str, *, in_place: bool) -> None:
+        """vLLM's refusals of a load request, before the engine is asked."""
+        if not name or not path:
+            raise _invalid("Both 'lora_name' and 'lora_path' must be provided.")
+        if name == self._base:
+            raise _invalid(f"The lora adapter '{name}' conflicts with a served base model.")
+        if not in_place and name in self._loaded:
+            raise _invalid(
+                f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                "adapter in place, set 'load_inplace' to True."
+            )
+
+    def next_id(self, name: str) -> int:
+        """The id a load of `name` gives it: its own when loaded in place, else a new one."""
+        loaded = self._loaded.get(name)
+        if loaded is not None:
+            return loaded.lora_id
+        self._last_id += 1
+        return self._last_id
+
+    def add(self, name: str, path: str, lora_id: int | None = None) -> Adapter:
+        adapter = Adapter(name=name, path=path, lora_id=lora_id or self.next_id(name))
+        self._loaded[name] = adapter
+        return adapter
+
+    def remove(self, name: str) -> None:
+        if not name:
+            raise _invalid("'lora_name' needs to be provided to unload a LoRA adapter.")
+        if self._loaded.pop(name, None) is None:
+            raise SimRequestError(
+                f"The lora adapter '{name}' cannot be found.",
+                status=404,
+                error_type="NotFoundError",
+            )
+
+
+def _invalid(message: str) -> SimRequestError:
+    return SimRequestError(message, error_type="InvalidUserInput")
+
+
+def load_failure(failure: LoraLoadFailure, name: str, path: str) -> SimRequestError:
+    """What vLLM answers when its engine cannot load the adapter."""
+    if failure is LoraLoadFailure.NOT_FOUND:
+        return SimRequestError(
+            f"Loading lora {name} failed: No adapter found for {path}",
+            status=404,
+            error_type="NotFoundError",
+        )
+    return SimRequestError(
+        "LoRA rank 512 is greater than max_lora_rank 16.",
+        status=500,
+        error_type="InternalServerError",
+    )
+
+
+def _error(exc: SimRequestError) -> Response:
+    body = error_body(
+        message=exc.message, error_type=exc.error_type, param=exc.param, code=exc.status
+    )
+    return Response(body, status_code=exc.status, media_type="application/json")
+
+
+def _fields(raw: bytes, names: tuple[str, ...]) -> dict[str, Any]:
+    """The request's JSON object, with vLLM's 400 for a missing or non-string field."""
+    body = json_body(raw)
+    for name in names:
+        if not isinstance(body.get(name), str):
+            raise SimRequestError(f"{name}: Field required", param=name)
+    return body
+
+
+class LoraRoutes:
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter over `adapters`; `changed` is
+    called after each change (the model list is rebuilt)."""
+
+    def __init__(
+        self, *, config: SimConfig, adapters: Adapters, changed: Callable[[], None]
+    ) -> None:
+        self._adapters = adapters
+        self._load_s = config.lora_load_s
+        self._failure = config.fail_lora_loads
+        self._changed = changed
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/load_lora_adapter", self.load, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload, methods=["POST"]),
+        ]
+
+    async def load(self, request: Request) -> Response:
+        try:
+            body = _fields(await request.body(), ("lora_name", "lora_path"))
+            name, path = body["lora_name"], body["lora_path"]
+            async with self._locks[name]:
+                await self._load(name, path, in_place=body.get("load_inplace") is True)
+        except SimRequestError as exc:
+            return _error(exc)
+        self._changed()
+        return Response(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _load(self, name: str, path: str, *, in_place: bool) -> None:
+        adapters = self._adapters
+        adapters.check_load(name, path, in_place=in_place)
+        lora_id = adapters.next_id(name)
+        await asyncio.sleep(self._load_s)
+        if self._failure is not None:
+            raise load_failure(self._failure, name, path)
+        adapters.add(name, path, lora_id)
+
+    async def unload(self, request: Request) -> Response:
+        try:
+            body = _fields(await request.body(), ("lora_name",))
+            name = body["lora_name"]
+            async with self._locks[name]:
+                self._adapters.remove(name)
+        except SimRequestError as exc:
+            return _error(exc)
+        self._changed()
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.")
