@@ -4,6 +4,7 @@ and the failover benchmark; never the user's Redis."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import shutil
 import socket
@@ -114,6 +115,13 @@ class ClusterProcesses:
                 if start <= slot <= end:
                     return int(master[1])
         raise LookupError(f"no master holds {key!r}'s slot")
+
+    def tags_on(self, master: int, count: int, prefix: str, *, on: bool = True) -> list[str]:
+        """`count` names (`prefix` and a number) that, as a hash tag, put a key on `master`
+        (or, not `on`, on another master): tenants whose buckets live there."""
+        names = (f"{prefix}{i}" for i in itertools.count())
+        found = (n for n in names if (self.master_of(f"{{{n}}}") == master) == on)
+        return list(itertools.islice(found, count))
 
     def masters(self) -> list[int]:
         """The ports of the masters that hold slots now."""

@@ -43,6 +43,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "loadtest.bench.restart",
         "rolling restarts: what clients see while the backends are stopped in turn",
     ),
+    "failover": (
+        "loadtest.bench.failover",
+        "a Redis Cluster master killed under load, then its promoted replica: 2 replicas",
+    ),
     "fairness": (
         "loadtest.bench.fairness",
         "a flood against a light tenant and a lower class, on one replica and on three",

@@ -48,15 +48,6 @@ def cluster() -> Iterator[ClusterProcesses]:
         yield c
 
 
-def tenants_on(
-    cluster: ClusterProcesses, master: int, count: int, prefix: str, *, on: bool = True
-) -> list[str]:
-    """`count` tenant names whose buckets live on `master` (or, not `on`, elsewhere)."""
-    names = (f"{prefix}{i}" for i in range(10_000))
-    found = (n for n in names if (cluster.master_of(f"{{{n}}}") == master) == on)
-    return [next(found) for _ in range(count)]
-
-
 class Promotion:
     """Watches, from the moment it is made, for a live master to hold `key`'s slot in place
     of `dead`."""
@@ -94,8 +85,8 @@ def test_the_batcher_follows_a_promoted_replica_and_fails_only_the_dead_slots(
     on_dead, on_alive = (
         TenantLimits(tenant=t, requests_per_minute=10**6, tokens_per_minute=10**9)
         for t in (
-            tenants_on(cluster, dead, 1, "d")[0],
-            tenants_on(cluster, dead, 1, "a", on=False)[0],
+            cluster.tags_on(dead, 1, "d")[0],
+            cluster.tags_on(dead, 1, "a", on=False)[0],
         )
     )
 
@@ -227,8 +218,8 @@ def test_two_replicas_ride_out_a_master_killed_and_then_its_promoted_replica(
     # through their script calls (a subscription's repair would read the slot map anyway)
     dead = next(p for p in cluster.masters() if p != cluster.master_of(RELEASES))
     # 30/min, heard by each replica once; 120/min, drained: both on the master killed
-    tight = dict(zip(tenants_on(cluster, dead, 2, "t"), (30, 120), strict=True))
-    steady = tenants_on(cluster, dead, 1, "s")[0]  # the load, on it too
+    tight = dict(zip(cluster.tags_on(dead, 2, "t"), (30, 120), strict=True))
+    steady = cluster.tags_on(dead, 1, "s")[0]  # the load, on it too
     keys = {name: "sk-" + secrets.token_hex(8) for name in (steady, *tight)}
     sim = ServerThread(create_sim_app(SimConfig(model="m", kv_tokens=65536, no_delay=True)))
     with sim:
