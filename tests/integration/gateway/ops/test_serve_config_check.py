@@ -114,11 +114,11 @@ def test_check_and_serve_refuse_the_same_file_with_the_same_lines(
     assert served == checked
 
 
-def test_the_readmes_check_command_works_as_written_and_warns_of_unset_secrets() -> None:
+def test_the_docs_check_command_works_as_written_and_warns_of_unset_secrets() -> None:
     """A new user has none of the example's secrets: `--check` says the file is good and
     which variables `serve` will need; `serve` refuses to start without them."""
     config = "deploy/examples/gateway.yaml"
-    for readme in ("README.md", "deploy/README.md"):
+    for readme in ("docs/configuration.md", "deploy/README.md"):
         assert f"spillgate serve -c {config} --check" in (ROOT / readme).read_text().replace(
             "\n", " "
         )
