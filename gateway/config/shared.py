@@ -43,7 +43,7 @@ class RedisSettings(_Model):
         False,
         description=(
             "the Redis URL names one node of a Redis Cluster (deploy/README.md says when to "
-            "use one)"
+            "use one, and what a master's failover costs)"
         ),
     )
 
@@ -54,11 +54,11 @@ class RateLimitSettings(_Model):
     failure_mode: Literal["local", "allow", "deny"] = Field(
         "local",
         description=(
-            "when a Redis call fails: `local` (this process's own buckets at limit ÷ "
-            "(`replicas` × `--workers`)), `allow` (unlimited), or `deny` (503, code "
+            "when a Redis call fails (on a Redis Cluster, for a dead master's tenants only): "
+            "`local` (this process's own buckets at limit ÷ (`replicas` × "
+            "`--workers`)), `allow` (unlimited), or `deny` (503, code "
             "`ratelimit_store_unavailable`, outcome `rejected`, `Retry-After` the breaker's "
-            "remaining cooldown; only while the breaker is open: failures before that are "
-            "answered from the local share)"
+            "remaining cooldown; only once the breaker is open, before that the local share)"
         ),
     )
     replicas: int = Field(
