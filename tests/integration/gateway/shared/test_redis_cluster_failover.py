@@ -22,6 +22,7 @@ import httpx
 import pytest
 import yaml
 from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 
 from gateway.ratelimit import RedisRateLimiter, TenantLimits
 from gateway.shared.batch import RedisBatcher
@@ -292,6 +293,13 @@ def ride_out(
     left = burst.per_minute - burst.before + (killed - heard) * rate
     # short enough to end before the promotion: all of it answered by the replicas' shares
     during = admitted(gateways, burst.key, int(min(burst.per_minute, left)) + 10)
+    # each replica names the tenant it answers on its own, and the tenant's slot
+    for g in gateways:
+        status = admin_status(g.url, timeout=5)["ratelimit"]
+        assert {"tenant": burst.name, "slot": key_slot(f"{{{burst.name}}}".encode())} in [
+            {"tenant": d["tenant"], "slot": d["slot"]} for d in status["degraded"]
+        ], status
+        assert metric_sum(g.url, "spillgate_ratelimit_degraded_tenants") >= 1
     back = shared_again(gateways, killed)
     promoted = promotion.after_s()
     after = admitted(gateways, burst.key, burst.per_minute * 2)
