@@ -279,6 +279,10 @@ class RedisRateLimiter:
         """The Redis Cluster hash slot of the tenant's keys (one slot for all of them)."""
         return key_slot(self.keys(tenant)[0].encode())
 
+    def node(self, tenant: str) -> str:
+        """The node that holds the tenant's keys now ("" on a single Redis)."""
+        return self._batch.node_of(self.keys(tenant)[0])
+
     async def probe(self, tenant: str | None = None) -> None:
         """Raises StoreError unless Redis takes a write (within the time budget, given
         `timeout_s`): whether decisions can be made here again; given a tenant, on the

@@ -35,8 +35,8 @@ Degraded, tenant by tenant. On a Redis Cluster a dead master takes only its slot
 a tenant is degraded from the first decision the store did not answer for it until one
 does (or a probe of its slot passes), and the others stay shared. `degraded()` says which
 tenants (and their slots) this replica answers on its own, and since when; the mode is
-"shared" only while none is. The probe writes to each degraded tenant's slot, not to one
-key on one master.
+"shared" only while none is. The probe writes to the node of each degraded tenant's slot
+(one tenant a node), not to one key on one master.
 
 Every failed call is reported to `on_store_error`; every change of
 mode ("shared", "local", "allow", "deny") to `on_mode_change`, starting with "shared".
@@ -261,16 +261,18 @@ class ResilientRateLimiter:
 
     async def probe(self) -> None:
         """While degraded, ask the store whether it is back: the store at large, and the
-        slot of each degraded tenant (one tenant a slot); each that answers resumes as a
-        decision that found it would."""
+        node of each degraded tenant (one tenant a node); the tenants of each node that
+        answers, and the mode once none is left, resume as a decision that found it would."""
         if self._mode == "shared":
             return
-        slots = {self._primary.slot(tenant): tenant for tenant in self._degraded}
-        asked: list[str | None] = [None, *slots.values()]
+        nodes: dict[str, list[str]] = {}
+        for tenant in self._degraded:
+            nodes.setdefault(self._primary.node(tenant), []).append(tenant)
+        asked = [None, *(tenants[0] for tenants in nodes.values())]
         answers = await asyncio.gather(*(self._probe(tenant) for tenant in asked))
-        back = {self._primary.slot(t) for t, ok in zip(asked, answers, strict=True) if ok and t}
-        for tenant in [t for t in self._degraded if self._primary.slot(t) in back]:
-            del self._degraded[tenant]
+        back = [t for ts, ok in zip(nodes.values(), answers[1:], strict=True) if ok for t in ts]
+        for tenant in back:
+            self._degraded.pop(tenant, None)
         if answers[0]:
             self._answered()
 

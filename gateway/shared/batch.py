@@ -201,6 +201,17 @@ class RedisBatcher:
             loop.call_soon(self._flush)
         return future
 
+    def node_of(self, key: str) -> str:
+        """The name of the node that holds `key` now: on a single Redis, "" for every key;
+        on a cluster, as the slot map last read says (the key itself before one is read)."""
+        if not isinstance(self._redis, RedisCluster):
+            return ""
+        try:
+            node = self._redis.get_node_from_key(key)
+        except RedisError:
+            return key
+        return key if node is None else str(node.name)
+
     def waiting_on_store(self, call: _Call, now: float) -> float | None:
         """When to look again at an unanswered call, or None when the store is to blame."""
         if call.sent <= now:
