@@ -231,13 +231,18 @@ class PoolRoom(Protocol):
         *,
         sequences: int = 1,
         shared: Sequence[SharedBlocks] = (),
+        adapter: str | None = None,
     ) -> bool:
         """Whether a reservation would find room now (from the last known tokens in flight);
-        the request's `shared` blocks counted as the reservation counts them."""
+        the request's `shared` blocks counted as the reservation counts them, and only on
+        backends serving its `adapter`, when it asks for one."""
         ...
 
-    def fits_ever(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
-        """Whether any backend of the pool could hold the request even when idle."""
+    def fits_ever(
+        self, pool: str, tokens: int, *, sequences: int = 1, adapter: str | None = None
+    ) -> bool:
+        """Whether any backend of the pool (serving `adapter`, when one is asked for) could
+        hold the request even when idle."""
         ...
 
     def pool_kv_tokens(self, pool: str, tokens: int, *, sequences: int = 1) -> int:

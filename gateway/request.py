@@ -95,6 +95,9 @@ class InferenceRequest(NamedTuple):
     # backends of its pool it must not go to: a Responses continuation goes only to the one
     # that stores its previous response (gateway/front/response_homes.py)
     avoid: frozenset[str] = frozenset()
+    # the LoRA adapter of its pool's model it asks for by name (gateway/config/pools.py,
+    # `adapters`): it goes only to a backend that serves it, and is sent there by that name
+    adapter: str | None = None
 
     @property
     def sequence_tokens(self) -> int:

@@ -36,7 +36,7 @@ from gateway.clock import Clock
 from gateway.config import BackendSettings, PoolSettings, ReservationSettings
 from gateway.config.references import backend_name
 from gateway.errors import BackendUnavailable
-from gateway.request import PromptEstimator
+from gateway.request import InferenceRequest, PromptEstimator
 from gateway.tasks import Periodic
 from gateway.upstream.forward import unreachable_reason
 
@@ -66,6 +66,8 @@ class Backend:
     discovered_capacity: int | None = None
     max_model_len: int | None = None  # the served model's context, from the backend's /v1/models
     root: str | None = None  # the weights it loaded, from the same listing
+    # the LoRA adapters of its model it serves, from the same listing (`parent`)
+    adapters: frozenset[str] = frozenset()
     last_scrape: float = float("-inf")
     last_probe: float = float("-inf")
     # in rotation or not, and why: fed by its requests and by the probe (FleetWatcher)
@@ -154,6 +156,7 @@ class Backend:
 
     def learn(self, models: list[ServedModel]) -> str | None:
         """Take what the backend's /v1/models says; the reason it cannot serve, if any."""
+        self.adapters = frozenset(m.id for m in models if m.parent == self.served_model)
         for model in models:
             if model.id == self.served_model:
                 self.max_model_len = model.max_model_len or self.max_model_len
@@ -195,6 +198,24 @@ class Pool:
         requests in flight once: a request's shared blocks are keyed at each (none: the
         pool shares nothing, and no request's prompt is keyed for it)."""
         return frozenset(b.block_size for b in self.backends if b.prefix_caching)
+
+    def tokenizes(self, request: InferenceRequest) -> bool:
+        """Whether `request` is worth its tokens: the pool has the model's tokenizer, and the
+        request may share prompt blocks with requests in flight or is routed by the blocks
+        the pool's engines report holding (KV events)."""
+        return self.tokenizer is not None and bool(
+            request.shared or (request.prefix and self.events)
+        )
+
+    def may_serve(self, model: str, tenant: str) -> bool:
+        """Whether `tenant` may ask the pool for `model`: the pool's own, or one of its LoRA
+        adapters that names no tenants or names this one."""
+        if model == self.name:
+            return True
+        return any(
+            a.name == model and (not a.tenants or tenant in a.tenants)
+            for a in self.settings.adapters
+        )
 
     @property
     def root(self) -> str | None:

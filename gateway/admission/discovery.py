@@ -69,13 +69,15 @@ class ServedModel:
     id: str
     root: str | None = None
     max_model_len: int | None = None
+    parent: str | None = None  # a LoRA adapter's: the model it adapts
 
 
 def models_from_listing(data: Any) -> list[ServedModel] | None:
     """The models an OpenAI-style `/v1/models` body lists, or None when it is not a listing.
 
     vLLM reports each model's `max_model_len` (the context it accepts, prompt plus output)
-    and `root` (the weights it loaded); servers that do not are read as not telling.
+    and `root` (the weights it loaded), and a LoRA adapter's `parent` (the model it adapts);
+    servers that do not are read as not telling.
     """
     if not isinstance(data, dict) or not isinstance(data.get("data"), list):
         return None
@@ -84,11 +86,12 @@ def models_from_listing(data: Any) -> list[ServedModel] | None:
         if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
             continue
         length = entry.get("max_model_len")
-        root = entry.get("root")
+        root, parent = entry.get("root"), entry.get("parent")
         models.append(
             ServedModel(
                 id=entry["id"],
                 root=root if isinstance(root, str) else None,
+                parent=parent if isinstance(parent, str) else None,
                 max_model_len=length
                 if isinstance(length, int) and not isinstance(length, bool) and length > 0
                 else None,

@@ -48,9 +48,14 @@ def byte_blocks(
     return SharedBlocks(tuple(keys[:count]), block_size) if count > 0 else NO_BLOCKS
 
 
-def token_blocks(token_ids: Sequence[int], *, block_size: int) -> SharedBlocks:
-    """The shared blocks of a prompt of `token_ids`, exactly as the engine keys them."""
-    exact = kv_index.block_keys(token_ids[:-1], block_size)
+def token_blocks(
+    token_ids: Sequence[int], *, block_size: int, adapter: str | None = None
+) -> SharedBlocks:
+    """The shared blocks of a prompt of `token_ids`, exactly as the engine keys them (a
+    LoRA `adapter`'s apart from the model's and every other adapter's, as the engine's)."""
+    exact: Sequence[Hashable] = kv_index.block_keys(token_ids[:-1], block_size)
+    if adapter is not None:
+        exact = [(adapter, key) for key in exact]
     return SharedBlocks(tuple(exact), block_size) if exact else NO_BLOCKS
 
 

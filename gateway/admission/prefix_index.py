@@ -38,12 +38,15 @@ def prompt_bytes(body: dict[str, Any]) -> bytes:
     return orjson.dumps(prompt) if prompt is not None else b""
 
 
-def block_keys(prompt: bytes, *, block_size: int) -> tuple[bytes, ...]:
+def block_keys(prompt: bytes, *, block_size: int, adapter: str | None = None) -> tuple[bytes, ...]:
     """One key per whole block of the prompt: a digest of the prompt up to the block's end,
-    so a key matches only where everything before it matches too."""
+    so a key matches only where everything before it matches too. A LoRA adapter's blocks
+    are its own (the engine's block hash includes the adapter): its name opens the digest."""
     size = block_size * CHARS_PER_TOKEN
     whole = min(len(prompt) // size, MAX_BLOCKS)
     digest = hashlib.blake2b(digest_size=8)
+    if adapter is not None:
+        digest.update(adapter.encode() + b"\0")
     keys = []
     for start in range(0, whole * size, size):
         digest.update(prompt[start : start + size])

@@ -46,7 +46,9 @@ class Router:
         self._held: dict[str, dict[str, InFlight]] = {name: {} for name in pools}
         self._forecasts: dict[tuple[str, int], tuple[float, float]] = {}  # → (at, seconds)
         self._waiting: dict[str, WaitingTokens] = {}
-        self._targets: dict[str, Target] = {}
+        self._targets: dict[tuple[str, str | None], Target] = {}
+        # a LoRA adapter's name → the pool of the model it adapts
+        self.adapters = {a.name: p for p in pools.values() for a in p.settings.adapters}
         self._rooms: dict[str, tuple[float, int]] = {}  # pool → (worked out at, room)
         self._groups = GroupLoads()  # what each prefix holds where: prefix routing's guard
         # told of prompt blocks the prefix index learned by routing (shared mode: the
@@ -56,14 +58,15 @@ class Router:
     def backend(self, name: str) -> Backend:
         return self._backends[name]
 
-    def target(self, backend: Backend) -> Target:
-        """Where requests reserved on `backend` go; made once, as pools never change."""
-        target = self._targets.get(backend.name)
+    def target(self, backend: Backend, adapter: str | None = None) -> Target:
+        """Where requests reserved on `backend` go (asking for `adapter`, when given, by its
+        name); made once, as pools never change."""
+        target = self._targets.get((backend.name, adapter))
         if target is None:
-            target = self._targets[backend.name] = Target(
+            target = self._targets[(backend.name, adapter)] = Target(
                 name=backend.name,
                 api_base=backend.url + "/v1",
-                model=backend.served_model,
+                model=adapter or backend.served_model,
                 timeouts=self.pools[backend.pool].settings.timeouts,
             )
         return target
@@ -148,11 +151,14 @@ class Router:
         held = sum(self.ledger.tokens_in_flight(b.name) for b in backends)
         return held / capacity if capacity else 1.0
 
-    def candidates(self, pool: str, *, exclude: Collection[str] = ()) -> list[Backend]:
-        """The pool's usable backends (healthy, with known capacity), least filled first."""
-        return [backend for *_, backend, _, _ in self._ranked(pool, exclude)]
+    def candidates(
+        self, pool: str, *, exclude: Collection[str] = (), adapter: str | None = None
+    ) -> list[Backend]:
+        """The pool's usable backends (healthy, with known capacity, serving `adapter` when
+        one is asked for), least filled first."""
+        return [backend for *_, backend, _, _ in self._ranked(pool, exclude, adapter)]
 
-    def _ranked(self, pool: str, exclude: Collection[str]) -> Ranked:
+    def _ranked(self, pool: str, exclude: Collection[str], adapter: str | None = None) -> Ranked:
         """(fill, index, backend, limit, capacity) of each usable backend, least filled
         first; each capacity worked out once."""
         p = self.pools[pool]
@@ -161,6 +167,8 @@ class Router:
         ranked: Ranked = []
         for i, b in enumerate(p.backends):
             if b.name in exclude or not b.healthy(now):
+                continue
+            if adapter is not None and adapter not in b.adapters:
                 continue
             capacity = b.capacity(now=now, stale_after=stale)
             if capacity > 0:
@@ -182,6 +190,7 @@ class Router:
         token_ids: Sequence[int] = (),
         shared: Sequence[SharedBlocks] = (),
         running: bool = False,
+        adapter: str | None = None,
     ) -> Reservation | None:
         """Reserve `sequences` sequences of up to `tokens` tokens each, in whole KV blocks, on
         the backend with room under the target fill that is least filled once it holds the
@@ -191,7 +200,7 @@ class Router:
         With `prefix` (the keys of the prompt's leading blocks) or a `session`, the backend
         likeliest to hold them goes first, within the herding guard (`_by_prefix`); with the
         prompt's `token_ids`, a backend that publishes KV events is scored by what it
-        reports holding.
+        reports holding. A request for a LoRA `adapter` goes only to a backend serving it.
 
         A request larger than the target fill allows but within a backend's KV cache is
         reserved on an idle backend, alone: the ledger's limit is then its own size. A
@@ -199,7 +208,7 @@ class Router:
         already: it may fill a backend's KV cache past the target fill, as a stream that
         grows does.
         """
-        ranked = self._ranked(pool, exclude)
+        ranked = self._ranked(pool, exclude, adapter)
         if running:
             ranked = [(fill, i, b, capacity, capacity) for fill, i, b, _, capacity in ranked]
         if shared and len(ranked) > 1:  # least filled once the request is held there
@@ -302,10 +311,11 @@ class Router:
         *,
         sequences: int = 1,
         shared: Sequence[SharedBlocks] = (),
+        adapter: str | None = None,
     ) -> bool:
-        """Whether `admit` would find room now (from the last known tokens in flight)."""
+        """Whether `reserve` would find room now (from the last known tokens in flight)."""
         held = self.ledger.tokens_in_flight
-        for *_, backend, limit, capacity in self._ranked(pool, ()):
+        for *_, backend, limit, capacity in self._ranked(pool, (), adapter):
             need = kv_tokens(tokens, sequences=sequences, block_size=backend.block_size)
             cost = (
                 self.ledger.cost(backend.name, need, _shared(backend, shared)) if shared else need
@@ -314,11 +324,15 @@ class Router:
                 return True
         return False
 
-    def fits_ever(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
-        """Whether any backend of the pool could hold this request even when idle."""
+    def fits_ever(
+        self, pool: str, tokens: int, *, sequences: int = 1, adapter: str | None = None
+    ) -> bool:
+        """Whether any backend of the pool (serving `adapter`, when one is asked for) could
+        hold this request even when idle."""
         return any(
             self.capacity(b) >= kv_tokens(tokens, sequences=sequences, block_size=b.block_size)
             for b in self.pools[pool].backends
+            if adapter is None or adapter in b.adapters
         )
 
     def never_fits(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:

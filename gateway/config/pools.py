@@ -117,6 +117,25 @@ class BackendSettings(_Model):
         return _positive_or_auto(value, unit="tokens", kind=int)
 
 
+class AdapterSettings(_Model):
+    """A LoRA adapter of the pool's model, asked for by its own name."""
+
+    name: str = Field(
+        min_length=1,
+        description=(
+            "the model name clients send for it, as the engines serve it (vLLM's "
+            "`--lora-modules NAME=PATH`)"
+        ),
+    )
+    tenants: list[str] = Field(
+        default_factory=list,
+        description=(
+            "the tenants that may use it; empty: every tenant that may use the pool. Any "
+            "other is told the model does not exist"
+        ),
+    )
+
+
 class CacheSettings(_Model):
     """Exact-match answers per tenant (or a shared `scope`), for the `cache` policy."""
 
@@ -191,6 +210,13 @@ class PoolSettings(_Model):
     )
     backends: list[BackendSettings] = Field(
         min_length=1, description="the pool's servers, at least one"
+    )
+    adapters: list[AdapterSettings] = Field(
+        default_factory=list,
+        description=(
+            "the LoRA adapters of the pool's model that clients may ask for: a request for "
+            "one goes only to a backend whose `/v1/models` lists it"
+        ),
     )
     target_fill: float = Field(
         0.9,

@@ -25,7 +25,15 @@ def reference_problems(data: Any) -> list[Problem]:
         *_repeated_names("tenants", tenants),
         *_repeated_backend_names(pools),
         *_repeated_tenant_keys(tenants),
+        *_adapter_names(pools),
     ]
+    tenant_names = _names(tenants)
+    for i, pool in pools:
+        for j, adapter in _entries(pool, "adapters"):
+            for k, name in _strings(adapter.get("tenants")):
+                if name not in tenant_names:
+                    loc = ("pools", i, "adapters", j, "tenants", k)
+                    problems.append(_missing(loc, "tenant", name, tenant_names))
     kinds = {pool.get("name"): pool.get("kind", "chat") for _, pool in pools}
     for i, pool in pools:
         problems += _pool_references(i, pool, pools=pool_names, providers=provider_names)
@@ -133,6 +141,20 @@ def _repeated(
         if value in first:
             yield Problem(loc=(section, i, key), message=says(value, first[value]))
         first.setdefault(value, i)
+
+
+def _adapter_names(pools: list[Entry]) -> Iterator[Problem]:
+    """An adapter is asked for by its name as a pool is: each name names one thing."""
+    first = {name: f"pools[{i}]" for i, pool in pools if isinstance(name := pool.get("name"), str)}
+    for i, pool in pools:
+        for j, adapter in _entries(pool, "adapters"):
+            name = adapter.get("name")
+            if not isinstance(name, str):
+                continue
+            if name in first:
+                message = f"{name!r} is the name of {first[name]} already"
+                yield Problem(loc=("pools", i, "adapters", j, "name"), message=message)
+            first.setdefault(name, f"pools[{i}].adapters[{j}]")
 
 
 def _repeated_backend_names(pools: list[Entry]) -> Iterator[Problem]:

@@ -122,7 +122,7 @@ class Continuation:
         router = self._exchange.router
         backend = self._exchange.held.backend
         assert backend is not None
-        return router.target(router.backend(backend))
+        return router.target(router.backend(backend), self._request.adapter)
 
     async def _continue(
         self,

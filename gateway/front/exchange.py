@@ -137,6 +137,7 @@ class Exchange:
             token_ids=request.token_ids,
             shared=request.shared,
             running=running,
+            adapter=request.adapter,
         )
 
     def retry_after(self, request: InferenceRequest) -> float:
@@ -188,7 +189,7 @@ class Exchange:
             self.held.take(await self.reserve(request, exclude=tried))
         reservation = self.held.reservation
         if reservation is None:
-            if self.router.candidates(request.pool, exclude=tried):
+            if self.router.candidates(request.pool, exclude=tried, adapter=request.adapter):
                 raise _NoRoom("no backend of the pool has room to retry")
             raise UpstreamUnavailable("no other backend of the pool to retry on")
         backend = self.router.backend(reservation.backend)
@@ -239,9 +240,9 @@ class Exchange:
         held = self.held.backend
         assert held is not None
         return self.forwarder.forward(
-            self.router.target(self.router.backend(held)),
+            self.router.target(self.router.backend(held), request.adapter),
             request,
-            public_model=request.pool,
+            public_model=request.adapter or request.pool,
             send=self.send,
             headers=self.headers(outcome),
             recorder=self.recorder,
@@ -320,7 +321,10 @@ class Exchange:
         )
 
     def degraded(self, request: InferenceRequest, pool: str) -> InferenceRequest | None:
-        """`request` sent to `pool` instead, or None if that pool's model cannot hold it."""
+        """`request` sent to `pool` instead, or None if that pool's model cannot hold it (or
+        lacks the adapter it asks for)."""
+        if request.adapter is not None:
+            return None
         if request.context_tokens > self.router.pools[pool].max_model_len:
             return None
         return request._replace(pool=pool)

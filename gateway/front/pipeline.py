@@ -187,7 +187,7 @@ class Pipeline:
         request = self._prepare.request(tenant, fields, raw)
         if self._rules.pin_to_home:
             request = await self._prepare.pinned(request, d.homes)
-        if self._prepare.tokenizes(request):
+        if d.router.pools[request.pool].tokenizes(request):
             request = await self._prepare.tokenized(request)
         if trace is not None:
             trace.parsed(request)

@@ -61,7 +61,8 @@ class Preparer:
     ) -> InferenceRequest:
         """The finished request `tenant` sent in `raw`, with the headers `fields`."""
         body = decode_body(raw)
-        pool = self._pool(tenant, requested_model(body))
+        model = requested_model(body)
+        pool = self._pool(tenant, model)
         request = parse_request(
             body,
             endpoint=self._endpoint,
@@ -74,6 +75,8 @@ class Preparer:
             max_model_len=pool.max_model_len,
             chars_per_token=pool.estimator.chars_per_token,
         )
+        if model != pool.name:
+            request = request._replace(adapter=model)
         by_prefix = len(pool.backends) > 1 and pool.settings.routing == "prefix"  # else no choice
         request, routed = self._keyed(request, pool, by_prefix=by_prefix)
         request = self._expect(request, pool)
@@ -84,10 +87,18 @@ class Preparer:
         return self._objectives(request, tenant, fields)
 
     def _pool(self, tenant: Tenant, model: str) -> Pool:
-        pool = self._router.pools.get(model)
-        if pool is None or not tenant.may_use(model):
+        """The pool serving `model`: a pool's own name, or one of its LoRA adapters'. A
+        model the tenant may not use does not exist, as far as it is told."""
+        pool = self._router.pools.get(model) or self._router.adapters.get(model)
+        if pool is None or not tenant.may_use(pool.name) or not pool.may_serve(model, tenant.name):
             raise ModelNotFound(f"The model {model!r} does not exist.", param="model")
         check_pool_kind(pool.settings.kind, self._endpoint, model)
+        if model != pool.name and not any(model in b.adapters for b in pool.backends):
+            raise BackendUnavailable(
+                f"No backend of pool {pool.name!r} serves the adapter {model!r} now.",
+                # the backends' listings are read again this often (FleetWatcher)
+                retry_after=pool.settings.capacity_refresh_s,
+            )
         return pool
 
     @staticmethod
@@ -104,7 +115,7 @@ class Preparer:
         prompt = prompt_bytes(request.body)
         routed = pool.backends[0].block_size
         keys = {
-            size: block_keys(prompt, block_size=size)
+            size: block_keys(prompt, block_size=size, adapter=request.adapter)
             for size in ({routed, *sizes} if by_prefix else sizes)
         }
         shared = [
@@ -165,15 +176,6 @@ class Preparer:
             session=None if session is None else f"{request.tenant}\0{session}",
         )
 
-    def tokenizes(self, request: InferenceRequest) -> bool:
-        """Whether `request` is worth its tokens: its pool has the model's tokenizer, and
-        the request may share prompt blocks with requests in flight or is routed by the
-        blocks its pool's engines report holding (KV events)."""
-        pool = self._router.pools[request.pool]
-        return pool.tokenizer is not None and bool(
-            request.shared or (request.prefix and pool.events)
-        )
-
     async def tokenized(self, request: InferenceRequest) -> InferenceRequest:
         """`request` with its prompt as the engine's token ids (gateway/admission/
         prompt_tokens.py: new text past a few hundred characters is tokenized off the event
@@ -183,7 +185,10 @@ class Preparer:
         token_ids = await prompt_token_ids(request.body, pool.tokenizer)
         if not token_ids:  # not tokenized as the engine would: the guesses stand
             return request
-        shared = [token_blocks(token_ids, block_size=s.block_tokens) for s in request.shared]
+        shared = [
+            token_blocks(token_ids, block_size=s.block_tokens, adapter=request.adapter)
+            for s in request.shared
+        ]
         return request._replace(
             token_ids=token_ids,
             prompt_tokens=len(token_ids),

@@ -68,9 +68,15 @@ class AdminEndpoints:
             tenant = self._auth.tenant(request.headers.get("authorization"))
         except SpillgateError as exc:
             return error_response(exc)
-        data = [
-            self._model(pool) for pool in self._router.pools.values() if tenant.may_use(pool.name)
-        ]
+        data = []
+        for pool in self._router.pools.values():
+            if tenant.may_use(pool.name):
+                data.append(self._model(pool))
+                data += [
+                    self._adapter(pool, a.name)
+                    for a in pool.settings.adapters
+                    if pool.may_serve(a.name, tenant.name)
+                ]
         return json_response({"object": "list", "data": data})
 
     @staticmethod
@@ -85,6 +91,11 @@ class AdminEndpoints:
             "parent": None,
             "max_model_len": pool.max_model_len,
         }
+
+    @classmethod
+    def _adapter(cls, pool: Pool, name: str) -> dict[str, Any]:
+        """A LoRA adapter of the pool as vLLM lists one: its `parent` is the pool's model."""
+        return {**cls._model(pool), "id": name, "root": name, "parent": pool.name}
 
     async def healthz(self, request: Request) -> Response:
         return json_response({"status": "ok"})
@@ -212,6 +223,7 @@ class AdminEndpoints:
                     "health": b.health.state(now).value,
                     "down_reason": b.down_reason,
                     "max_model_len": b.max_model_len,
+                    "adapters": sorted(b.adapters),
                 }
                 for b in pool.backends
             ]

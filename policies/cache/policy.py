@@ -68,6 +68,8 @@ def cache_key(request: InferenceRequest, *, scope: str) -> str:
         "endpoint": request.endpoint.value,
         "request": normalised_body(request),
     }
+    if request.adapter is not None:  # an adapter's answers are its own
+        material["adapter"] = request.adapter
     return hashlib.sha256(orjson.dumps(material, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 

@@ -67,12 +67,16 @@ class ProviderPolicy:
 
     def predict_ttft_s(self, request: InferenceRequest) -> float | None:
         gate = self._gate
+        if request.adapter is not None:
+            return math.inf  # the provider serves the pool's model, not its adapters
         if gate.in_flight >= gate.settings.max_concurrency or gate.breaker.open_for() > 0:
             return math.inf
         return predict(self._latencies.provider, gate.name, request)
 
     async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         gate = self._gate
+        if request.adapter is not None:
+            return None  # the provider serves the pool's model, not its adapters
         claim = await gate.acquire(request.charge_tokens)
         if isinstance(claim, Refusal):
             log.debug("provider %s passes %s: %s", gate.name, request.pool, claim)

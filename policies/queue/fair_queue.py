@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
@@ -154,13 +154,17 @@ class FairQueue(Generic[T]):
         rank = PRIORITIES.index(priority)
         return any(self._classes[p] for p in PRIORITIES[: rank + 1])
 
-    def best(self) -> Waiter[T] | None:
+    def best(self, passed: Collection[tuple[Priority, str]] = ()) -> Waiter[T] | None:
         """The waiter whose turn it is: highest class, then the tenant with the least
-        service (the one served least recently among equals), then its earliest deadline."""
+        service (the one served least recently among equals), then its earliest deadline;
+        the lines `passed` over (class, tenant) left out."""
         for priority in PRIORITIES:
             tenants = self._classes[priority]
-            if tenants:
-                return min(tenants.values(), key=self._turn_key)[0]
+            lines: Collection[list[Waiter[T]]] = tenants.values()
+            if passed:
+                lines = [line for t, line in tenants.items() if (priority, t) not in passed]
+            if lines:
+                return min(lines, key=self._turn_key)[0]
         return None
 
     def _turn_key(self, line: list[Waiter[T]]) -> tuple[float, int, int]:

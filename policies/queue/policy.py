@@ -258,7 +258,10 @@ class QueuePolicy:
 
     async def wait(self, request: InferenceRequest, exchange: OverflowContext) -> QueueResult:
         """Wait until the request holds a reservation in its pool (ADMITTED), or say why not."""
-        if not self._room.fits_ever(request.pool, request.sequence_tokens, sequences=request.n):
+        fits = self._room.fits_ever(
+            request.pool, request.sequence_tokens, sequences=request.n, adapter=request.adapter
+        )
+        if not fits:
             return QueueResult.REJECTED_NEVER_FITS
         entry = QueueEntry(
             request=request,
@@ -341,16 +344,26 @@ class QueuePolicy:
             self._drainer = asyncio.get_running_loop().create_task(self._drain())
 
     async def _drain(self) -> None:
+        # the lines of waiters for an adapter with no room on the backends serving it: they
+        # do not hold back a waiter that may go where they cannot
+        passed: set[tuple[Priority, str]] = set()
         try:
-            while (waiter := self._queue.best()) is not None:
+            while (waiter := self._queue.best(passed)) is not None:
                 entry = waiter.item
                 if entry.decided.done():  # cancelled; its own task has not run yet
                     self._queue.remove(waiter)
                     continue
                 request = entry.request
                 if not self._room.has_room(
-                    self._pool, request.sequence_tokens, sequences=request.n, shared=request.shared
+                    self._pool,
+                    request.sequence_tokens,
+                    sequences=request.n,
+                    shared=request.shared,
+                    adapter=request.adapter,
                 ):
+                    if request.adapter is not None:
+                        passed.add((waiter.priority, waiter.tenant))
+                        continue
                     return  # the next release, or this waiter leaving, drains again
                 if self._fleet.rivals and self._fleet.gives_way(
                     waiter.priority, waiter.tenant, self._kick
