@@ -313,6 +313,8 @@ class RedisBatcher:
         map has been read anew from a node that answers, as redis-py's own cluster client
         does for one command. A call whose node is still unreachable then fails alone:
         the other nodes' calls are answered, so one dead master degrades only its slots.
+        A call sent twice so counts once where the single-server path's does (decisions
+        and leases carry ids: `_evalshas`).
         """
         cluster = self._redis
         assert isinstance(cluster, RedisCluster)
