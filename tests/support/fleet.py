@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,3 +114,12 @@ def run_fleet(
     finally:
         for server in reversed(started):
             server.stop()
+
+
+def until_ready(fleet: Fleet, *, within_s: float = 20.0) -> None:
+    """Until the gateway's /readyz says every pool has a backend it has read (its listing,
+    its capacity)."""
+    deadline = time.monotonic() + within_s
+    while httpx.get(f"{fleet.url}/readyz", timeout=2).status_code != 200:
+        assert time.monotonic() < deadline, "the gateway never became ready"
+        time.sleep(0.05)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -19,7 +18,7 @@ import openai
 import pytest
 
 from loadtest.sim.config import LoraModule, SimConfig
-from tests.support.fleet import Fleet, admin_status, run_fleet
+from tests.support.fleet import Fleet, admin_status, run_fleet, until_ready
 from tests.support.metrics import metric_sum
 from tests.support.shared_prompt import SLOW_STEPS
 
@@ -46,16 +45,8 @@ def fleet() -> Iterator[Fleet]:
         pool_options={"m": options},
         tenants={"acme": {}, "other": {"pools": ["m"]}},
     ) as f:
-        until_listed(f)
+        until_ready(f)  # both backends' listings read: their adapters
         yield f
-
-
-def until_listed(fleet: Fleet) -> None:
-    """Until the gateway has read both backends' listings (and so their adapters)."""
-    deadline = time.monotonic() + 20
-    while httpx.get(f"{fleet.url}/readyz", timeout=2).status_code != 200:
-        assert time.monotonic() < deadline, "the gateway never became ready"
-        time.sleep(0.05)
 
 
 def client(fleet: Fleet, tenant: str = "acme") -> openai.OpenAI:
@@ -178,7 +169,7 @@ def queued_fleet() -> Iterator[Fleet]:
     }
     tenants = {name: {} for name in ("acme", "x", "y")}
     with run_fleet(pools={"m": sims}, pool_options={"m": options}, tenants=tenants) as f:
-        until_listed(f)
+        until_ready(f)  # both backends' listings read: their adapters
         yield f
 
 

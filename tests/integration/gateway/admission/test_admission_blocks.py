@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from loadtest.sim.config import SimConfig
-from tests.support.fleet import Fleet, run_fleet
+from tests.support.fleet import Fleet, run_fleet, until_ready
 from tests.support.overflow import sample
 
 PROMPT = list(range(100, 206))  # 106 token ids
@@ -58,17 +58,9 @@ async def burst(url: str, headers: dict[str, str]) -> list[int]:
     return [r.status_code for r in responses]
 
 
-def wait_ready(fleet: Fleet) -> None:
-    for _ in range(200):
-        if httpx.get(f"{fleet.url}/readyz", timeout=2).status_code == 200:
-            return
-        asyncio.run(asyncio.sleep(0.05))
-    raise AssertionError("the gateway never became ready")
-
-
 def test_a_burst_that_preempts_direct_never_preempts_through_the_gateway(fleet: Fleet) -> None:
     backend = fleet.backends["m"][0].url
-    wait_ready(fleet)
+    until_ready(fleet)
     assert sample(fleet, "spillgate_capacity_tokens", backend="m-0") == 31 * 128
 
     assert asyncio.run(burst(backend, {})) == [200] * BURST

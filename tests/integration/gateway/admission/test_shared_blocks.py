@@ -14,13 +14,12 @@ from collections.abc import Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 
-import httpx
 import pytest
 
 from gateway.admission.prompt_tokens import PromptTokenizer
 from loadtest.sim.config import SimConfig
 from loadtest.sim.tokenizer_files import write
-from tests.support.fleet import Fleet, admin_status, run_fleet
+from tests.support.fleet import Fleet, admin_status, run_fleet, until_ready
 from tests.support.shared_prompt import (
     MAX_TOKENS,
     NEED,
@@ -67,13 +66,6 @@ def tokenizing_fleet(tokenizer_dir: Path) -> Iterator[Fleet]:
     with run_fleet(pools={"m": [sim]}, pool_options={"m": options}) as f:
         until_ready(f)
         yield f
-
-
-def until_ready(fleet: Fleet) -> None:
-    deadline = time.monotonic() + 20
-    while httpx.get(f"{fleet.url}/readyz", timeout=2).status_code != 200:
-        assert time.monotonic() < deadline, "the gateway never became ready"
-        time.sleep(0.05)
 
 
 def in_flight(fleet: Fleet) -> tuple[int, int]:
