@@ -17,6 +17,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.admission.adapters import AdapterLoader
 from gateway.admission.backend_load import LoadWatcher, MetricsScrape
 from gateway.admission.backends import FleetWatcher, build_pools
 from gateway.admission.ledger import LocalLedger
@@ -110,7 +111,19 @@ def create_app(
         max_header_bytes=settings.server.upstream_max_header_bytes,
         max_headers=settings.server.upstream_max_headers,
     )
+    # the backends watched: their health and capacity (probes), their own KV use (metrics);
+    # and asked to load an adapter none of them serves
+    client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
+    loads_told = metrics.adapter_loads
     deps = PipelineDeps(
+        adapters=AdapterLoader(
+            client=client,
+            clock=clock,
+            candidates=router.candidates,
+            on_load=lambda pool, adapter, backend, loaded: loads_told.labels(
+                pool, adapter, backend, "loaded" if loaded else "failed"
+            ).inc(),
+        ),
         auth=auth,
         limiter=shared.limiter if shared else LocalRateLimiter(clock),
         router=router,
@@ -142,8 +155,6 @@ def create_app(
         homes=ResponseHomes(redis=shared.redis if shared else None),
     )
     runner = BatchRunner(batches, deps=deps, tenants=auth.by_name)
-    # the backends watched: their health and capacity (probes), their own KV use (metrics)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
     scrape = MetricsScrape(client, clock=clock)  # each backend's /metrics, for all readers
     watcher = FleetWatcher(pools, client=client, scrape=scrape, clock=clock)
     loads = LoadWatcher(

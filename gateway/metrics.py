@@ -161,6 +161,11 @@ class GatewayMetrics:
             "spillgate_fill_backoffs", "Times a backend's effective fill backed off, by reason",
             ["backend", "reason"], registry=r,
         )  # fmt: skip
+        self.adapter_loads = Counter(
+            "spillgate_adapter_loads",
+            "Loads of a LoRA adapter on a backend, by result (loaded, failed)",
+            ["pool", "adapter", "backend", "result"], registry=r,
+        )  # fmt: skip
         self.queue_depth = Gauge(
             "spillgate_queue_depth", "Requests waiting for capacity", ["pool"], registry=r,
             multiprocess_mode=OWN,

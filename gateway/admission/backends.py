@@ -33,7 +33,7 @@ from gateway.admission.output_lengths import WINDOW, LengthSource, OutputLengths
 from gateway.admission.prefix_index import PrefixIndex
 from gateway.admission.prompt_tokens import PromptTokenizer
 from gateway.clock import Clock
-from gateway.config import BackendSettings, PoolSettings, ReservationSettings
+from gateway.config import AdapterSettings, BackendSettings, PoolSettings, ReservationSettings
 from gateway.config.references import backend_name
 from gateway.errors import BackendUnavailable
 from gateway.request import InferenceRequest, PromptEstimator
@@ -206,6 +206,14 @@ class Pool:
         return self.tokenizer is not None and bool(
             request.shared or (request.prefix and self.events)
         )
+
+    def serves(self, adapter: str) -> bool:
+        """Whether a backend of the pool serves the LoRA adapter `adapter` now."""
+        return any(adapter in b.adapters for b in self.backends)
+
+    def adapter(self, name: str) -> AdapterSettings:
+        """The pool's adapter called `name`."""
+        return next(a for a in self.settings.adapters if a.name == name)
 
     def may_serve(self, model: str, tenant: str) -> bool:
         """Whether `tenant` may ask the pool for `model`: the pool's own, or one of its LoRA

@@ -15,6 +15,7 @@ imported from here.
 
 from gateway.config.base import PRIORITIES, PolicyName, PoolKind, Priority, Timeouts
 from gateway.config.pools import (
+    AdapterSettings,
     BackendSettings,
     CacheSettings,
     KvEventsSettings,
@@ -38,6 +39,7 @@ from gateway.config.tenants import TenantSettings, hash_key
 
 __all__ = [
     "PRIORITIES",
+    "AdapterSettings",
     "BackendSettings",
     "BatchSettings",
     "CacheSettings",

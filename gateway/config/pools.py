@@ -134,6 +134,15 @@ class AdapterSettings(_Model):
             "other is told the model does not exist"
         ),
     )
+    path: str | None = Field(
+        None,
+        description=(
+            "where the engines load it from (vLLM's `lora_path`): with it, a request for the "
+            "adapter that no backend serves has it loaded on the least filled backend that "
+            "can (`POST /v1/load_lora_adapter`; vLLM needs "
+            "`VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`); without it, such a request is refused"
+        ),
+    )
 
 
 class CacheSettings(_Model):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from starlette.types import Receive, Scope, Send
 
+from gateway.admission.adapters import AdapterLoader
 from gateway.admission.held import HeldReservation
 from gateway.admission.router import Router
 from gateway.clock import Clock
@@ -90,6 +91,7 @@ class PipelineDeps:
     # pool → what counts its tenants' service, which its queue orders by
     services: Mapping[str, CountsService] = field(default_factory=dict)
     homes: ResponseHomes = field(default_factory=ResponseHomes)  # where responses are stored
+    adapters: AdapterLoader | None = None  # loads a LoRA adapter no backend serves
 
 
 class Pipeline:
@@ -189,6 +191,11 @@ class Pipeline:
             request = await self._prepare.pinned(request, d.homes)
         if d.router.pools[request.pool].tokenizes(request):
             request = await self._prepare.tokenized(request)
+        if request.adapter is not None and d.adapters is not None:
+            pool = d.router.pools[request.pool]
+            if not pool.serves(request.adapter):
+                deadline = arrived + pool.settings.timeouts.total
+                await d.adapters.load(pool, pool.adapter(request.adapter), deadline=deadline)
         if trace is not None:
             trace.parsed(request)
         held = HeldReservation(d.router)

@@ -93,7 +93,7 @@ class Preparer:
         if pool is None or not tenant.may_use(pool.name) or not pool.may_serve(model, tenant.name):
             raise ModelNotFound(f"The model {model!r} does not exist.", param="model")
         check_pool_kind(pool.settings.kind, self._endpoint, model)
-        if model != pool.name and not any(model in b.adapters for b in pool.backends):
+        if model != pool.name and not pool.serves(model) and pool.adapter(model).path is None:
             raise BackendUnavailable(
                 f"No backend of pool {pool.name!r} serves the adapter {model!r} now.",
                 # the backends' listings are read again this often (FleetWatcher)

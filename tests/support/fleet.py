@@ -123,3 +123,14 @@ def until_ready(fleet: Fleet, *, within_s: float = 20.0) -> None:
     while httpx.get(f"{fleet.url}/readyz", timeout=2).status_code != 200:
         assert time.monotonic() < deadline, "the gateway never became ready"
         time.sleep(0.05)
+
+
+def post_chat(fleet: Fleet, model: str, tenant: str = "acme", **body: Any) -> httpx.Response:
+    """A one-message chat for `model` as `tenant`, its answer as it came (errors too)."""
+    return httpx.post(
+        f"{fleet.url}/v1/chat/completions",
+        json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+        | body,
+        headers={"authorization": f"Bearer {fleet.keys[tenant]}"},
+        timeout=30,
+    )

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from loadtest.sim.config import LoraModule, SimConfig
-from tests.support.fleet import Fleet, admin_status, run_fleet, until_ready
+from tests.support.fleet import Fleet, admin_status, post_chat, run_fleet, until_ready
 from tests.support.metrics import metric_sum
 from tests.support.shared_prompt import SLOW_STEPS
 
@@ -121,12 +121,7 @@ def test_an_adapter_the_tenant_may_not_use_does_not_exist_for_it(fleet: Fleet) -
 
 
 def test_an_adapter_no_backend_serves_is_refused_saying_so(fleet: Fleet) -> None:
-    response = httpx.post(
-        f"{fleet.url}/v1/chat/completions",
-        json={"model": "a4", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5},
-        headers={"authorization": f"Bearer {fleet.keys['acme']}"},
-        timeout=10,
-    )
+    response = post_chat(fleet, "a4")
     error = response.json()["error"]
     assert response.status_code == 503
     assert error["code"] == "backend_unavailable"
