@@ -20,6 +20,7 @@ loadtest/sim/scheduler.py; the `vllm:lora_requests_info` metric in loadtest/sim/
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -96,8 +97,9 @@ def _invalid(message: str) -> SimRequestError:
     return SimRequestError(message, error_type="InvalidUserInput")
 
 
-def load_failure(failure: LoraLoadFailure, name: str, path: str) -> SimRequestError:
-    """What vLLM answers when its engine cannot load the adapter."""
+def load_failure(failure: LoraLoadFailure, name: str, path: str, rank: int) -> SimRequestError:
+    """What vLLM answers when its engine cannot load the adapter (`rank`: the replica's
+    --max-lora-rank, which the refused adapter's exceeds)."""
     if failure is LoraLoadFailure.NOT_FOUND:
         return SimRequestError(
             f"Loading lora {name} failed: No adapter found for {path}",
@@ -105,25 +107,41 @@ def load_failure(failure: LoraLoadFailure, name: str, path: str) -> SimRequestEr
             error_type="NotFoundError",
         )
     return SimRequestError(
-        "LoRA rank 512 is greater than max_lora_rank 16.",
+        f"Call to add_lora method failed: Worker failed with error 'LoRA rank {rank * 2} is "
+        f"greater than max_lora_rank {rank}.', please check the stack trace above for the "
+        "root cause",
         status=500,
         error_type="InternalServerError",
     )
 
 
+# vLLM's error bodies hide file paths (vllm/entrypoints/serve/exception_handling/utils.py)
+_SYSTEM_PATH = re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+")
+_FILE_PATH = re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+")
+
+
 def _error(exc: SimRequestError) -> Response:
-    body = error_body(
-        message=exc.message, error_type=exc.error_type, param=exc.param, code=exc.status
-    )
+    message = _FILE_PATH.sub("<path>", _SYSTEM_PATH.sub("<path>", exc.message))
+    body = error_body(message=message, error_type=exc.error_type, param=exc.param, code=exc.status)
     return Response(body, status_code=exc.status, media_type="application/json")
 
 
 def _fields(raw: bytes, names: tuple[str, ...]) -> dict[str, Any]:
-    """The request's JSON object, with vLLM's 400 for a missing or non-string field."""
+    """The request's JSON object, with vLLM's 400 (its request validation's words) for a
+    field missing or not a string."""
     body = json_body(raw)
     for name in names:
-        if not isinstance(body.get(name), str):
-            raise SimRequestError(f"{name}: Field required", param=name)
+        value = body.get(name)
+        if isinstance(value, str):
+            continue
+        if value is None:
+            kind, words, given = "missing", "Field required", f"<dict of {len(body)} items>"
+        else:
+            kind, words, given = "string_type", "Input should be a valid string", repr(value)
+        detail = {"type": kind, "loc": f"body.{name}", "msg": words, "input": given}
+        raise SimRequestError(
+            f"1 validation error:\n  {detail}", param=f"body.{name}", error_type="Bad Request"
+        )
     return body
 
 
@@ -137,6 +155,7 @@ class LoraRoutes:
         self._adapters = adapters
         self._load_s = config.lora_load_s
         self._failure = config.fail_lora_loads
+        self._rank = config.max_lora_rank
         self._changed = changed
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
@@ -163,7 +182,7 @@ class LoraRoutes:
         lora_id = adapters.next_id(name)
         await asyncio.sleep(self._load_s)
         if self._failure is not None:
-            raise load_failure(self._failure, name, path)
+            raise load_failure(self._failure, name, path, self._rank)
         adapters.add(name, path, lora_id)
 
     async def unload(self, request: Request) -> Response:

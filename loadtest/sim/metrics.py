@@ -1,12 +1,13 @@
 """The simulated replica's /metrics: vLLM's own names and labels, plus a few simulator extras.
 
 Engine state is read at scrape time by a collector, so stepping costs nothing here; only
-time-to-first-token is a live histogram, and with LoRA `vllm:lora_requests_info`, which
-vLLM 0.32 sets at each step: a gauge whose value is the time of the last step that saw its
-labels, one series per set of active adapters ever seen (never removed), both adapter labels
-holding the same names (vLLM fills them from one table), absent until the engine has
-stepped. Names starting `sim_` are not vLLM metrics: they
-let tests and drills prove the backend was never over-filled.
+time-to-first-token is a live histogram. With LoRA, `vllm:lora_requests_info` is set at each
+step as vLLM 0.32 sets it: a gauge whose value is the time of the last step that saw its
+labels, one series per set of active adapters ever seen (never removed; the newest is the
+present), both adapter labels holding the same names (vLLM fills them from one table), and
+no series before the engine has stepped (a step of base-model requests only adds the series
+of no adapter). Names starting `sim_` are not vLLM metrics: they let tests and drills prove
+the backend was never over-filled.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class LoraInfo(Collector):
     """`vllm:lora_requests_info`: a series per set of active adapters, its value the time
     of the last step that saw that set."""
 
-    LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
+    LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
 
     def __init__(
         self,
@@ -65,8 +66,6 @@ class LoraInfo(Collector):
         self._seen[",".join(self._active)] = self._clock()
 
     def collect(self) -> Iterator[Metric]:
-        if not self._seen:
-            return
         family = GaugeMetricFamily(
             "vllm:lora_requests_info", "Running stats on lora requests.", labels=self.LABELS
         )

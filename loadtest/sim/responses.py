@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
-from loadtest.sim.apis import api_error, check_model, json_body
+from loadtest.sim.apis import api_error, json_body
 from loadtest.sim.asgi import (
     ClientGone,
     read_body,
@@ -27,7 +27,7 @@ from loadtest.sim.asgi import (
     start_sse,
 )
 from loadtest.sim.engine import Engine, LiveSequence
-from loadtest.sim.protocol import Limits, SimRequestError
+from loadtest.sim.protocol import Limits, SimRequestError, resolve_model
 from loadtest.sim.scheduler import SeqState
 from loadtest.sim.tokens import FillerText, chat_prompt_tokens
 
@@ -52,17 +52,22 @@ class ResponsesEndpoint:
             return
         try:
             body = json_body(raw)
+            adapter = resolve_model(body.get("model"), self._limits)
             prompt_tokens, max_tokens = self._parse(body)
         except SimRequestError as exc:
             error_type = "invalid_request_error" if exc.status == 404 else None
             await api_error(send, exc, error_type=error_type)
             return
         seq = LiveSequence(
-            prompt_tokens=prompt_tokens, max_tokens=max_tokens, streaming=body.get("stream") is True
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            streaming=body.get("stream") is True,
+            adapter=adapter,
         )
         self._engine.submit(seq)
+        model = self._limits.model if adapter is None else adapter.name
         writer = _ResponseWriter(
-            body=body, model=self._limits.model, prompt_tokens=prompt_tokens, filler=self._filler
+            body=body, model=model, prompt_tokens=prompt_tokens, filler=self._filler
         )
         async with self._engine.serving([seq], receive):
             if seq.streaming:
@@ -71,7 +76,6 @@ class ResponsesEndpoint:
                 await self._complete(seq, writer, send)
 
     def _parse(self, body: dict[str, Any]) -> tuple[int, int]:
-        check_model(body, self._limits)
         value = body.get("input")
         if isinstance(value, str):
             value = [{"role": "user", "content": value}]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,7 @@ from loadtest.sim.metrics import LoraInfo
 from loadtest.sim.protocol import SimRequestError
 from loadtest.sim.scheduler import Scheduler, SchedulerLimits, Sequence
 
+REAL = json.loads((Path(__file__).parents[3] / "fixtures" / "vllm-0.32-lora.json").read_text())
 A1 = LoraModule(name="a1", path="/loras/a1")
 A2 = LoraModule(name="a2", path="/loras/a2")
 
@@ -28,6 +31,18 @@ def test_adapters_take_ids_in_load_order_from_one() -> None:
     assert adapters.resolve("a2") == Adapter(name="a2", path="/loras/a2", lora_id=2)
     added = adapters.add("a3", "/loras/a3")
     assert added.lora_id == 3
+
+
+def test_ids_go_as_on_the_real_server_a_lookup_and_a_failed_load_take_one_each() -> None:
+    adapters = table()
+    adapters.resolve("nosuch")  # a 404, yet the resolver took an id
+    a3 = adapters.add("a3", "/tmp/lora-a3")
+    adapters.next_id("a4")  # a load that fails after taking its id
+    a5 = adapters.add("a5", "/tmp/lora-a3")
+    ids = {event["lora_name"]: event["lora_id"] for event in REAL["kv_events"]["stored"]}
+    assert ids == {"a1": 1, None: None, "a3": a3.lora_id, "a5": a5.lora_id} == {
+        "a1": 1, None: None, "a3": 4, "a5": 6
+    }  # fmt: skip
 
 
 def test_a_request_for_no_adapter_takes_an_id_only_where_runtime_loading_is_on() -> None:
@@ -134,13 +149,17 @@ def test_an_adapters_stored_blocks_carry_its_id_and_name_as_vllms_events_do() ->
     lora, base = log.pending
     assert (lora["lora_id"], lora["lora_name"], lora["extra_keys"]) == (3, "a1", [["a1"]] * 2)
     assert (base["lora_id"], base["lora_name"], base["extra_keys"]) == (None, None, [None])
+    real = REAL["kv_events"]["stored"][0]  # a1's five blocks on the real server
+    assert real["lora_name"] == "a1" and real["extra_keys"] == [["a1"]] * 5
+    assert set(lora) == set(real) - {"n_token_ids"} | {"token_ids"}
 
 
 def test_the_lora_metric_keeps_a_series_per_set_of_active_adapters() -> None:
     scheduler: Scheduler[Sequence] = Scheduler(SchedulerLimits(num_blocks=9, max_loras=2))
     ticks = iter(range(1, 10))
     info = LoraInfo(scheduler=scheduler, max_loras=2, clock=lambda: float(next(ticks)))
-    assert list(info.collect()) == []  # absent until a step
+    (empty,) = info.collect()
+    assert empty.samples == []  # HELP and TYPE only, until a step
     for active in ({"a2": 1}, {"a2": 1, "a1": 2}, {}, {"a2": 1}):
         scheduler.active_adapters.clear()
         scheduler.active_adapters.update(active)
