@@ -15,6 +15,12 @@ a back-off; a page without a running count never reads as idle. vLLM's prefix-ca
 (`vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`, in tokens) are read too,
 to show beside the prefix index's own guess (gateway/admission/prefix_index.py). Engines of one
 server (data parallel) are averaged for the usage and added up for the rest.
+
+vLLM with LoRA: `vllm:lora_requests_info{max_lora,running_lora_adapters,...}` is a series per
+set of adapters its steps have run, its value the time of the last step that ran that set:
+the newest series names the adapters active now (comma-separated, running and waiting
+labels alike) and `max_lora` the adapters a step may run at once. An adapter loaded but idle
+is in no newer series, and the page has no such series until an adapter has run.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
+from prometheus_client.samples import Sample
 
 from gateway.admission.fill import FillReason
 from gateway.admission.metrics_text import samples
@@ -42,8 +49,9 @@ PREEMPTIONS = ("vllm:num_preemptions_total",)
 RETRACTED = ("sglang:num_retracted_reqs",)
 PREFIX_QUERIES = ("vllm:prefix_cache_queries_total",)  # prompt tokens looked up, a counter
 PREFIX_HITS = ("vllm:prefix_cache_hits_total",)  # of them, the tokens found cached
+LORA_INFO = "vllm:lora_requests_info"
 _WANTED = frozenset(
-    (*USAGE, *RUNNING, *WAITING, *PREEMPTIONS, *RETRACTED, *PREFIX_QUERIES, *PREFIX_HITS)
+    (*USAGE, *RUNNING, *WAITING, *PREEMPTIONS, *RETRACTED, *PREFIX_QUERIES, *PREFIX_HITS, LORA_INFO)
 )
 
 
@@ -58,6 +66,19 @@ class ReportedLoad:
     running: int | None = None  # requests running inside it; None where it does not say
     prefix_queries: float | None = None  # vLLM's prefix-cache counters, where it has them
     prefix_hits: float | None = None
+    # LoRA: the adapters its steps run now, and how many a step may run (None: not told)
+    active_adapters: frozenset[str] = frozenset()
+    max_loras: int | None = None
+
+    def adapter_room(self, adapter: str) -> int:
+        """How readily it runs a request for `adapter` now: 0 where the adapter is active,
+        1 where a step has a free adapter slot (or it does not say), 2 where every slot is
+        taken by other adapters (the request waits inside it for one)."""
+        if adapter in self.active_adapters:
+            return 0
+        if self.max_loras is None or len(self.active_adapters) < self.max_loras:
+            return 1
+        return 2
 
     @property
     def prefix_hit_rate(self) -> float | None:
@@ -75,7 +96,11 @@ def load_from_metrics(text: str) -> ReportedLoad | None:
         found = samples(text, _WANTED)
     except ValueError:
         return None
+    lora: Sample | None = None
     for sample in found:
+        if sample.name == LORA_INFO:
+            lora = sample if lora is None or sample.value > lora.value else lora
+            continue
         values.setdefault(sample.name, []).append(sample.value)
     usage = next((values[n] for n in USAGE if n in values), None)
     if not usage:
@@ -94,7 +119,18 @@ def load_from_metrics(text: str) -> ReportedLoad | None:
         retracted=int(total(RETRACTED) or 0),
         prefix_queries=total(PREFIX_QUERIES),
         prefix_hits=total(PREFIX_HITS),
+        **({} if lora is None else _lora(lora)),
     )
+
+
+def _lora(newest: Sample) -> dict[str, Any]:
+    """What the newest `vllm:lora_requests_info` series says: the adapters active, the slots."""
+    names = newest.labels.get("running_lora_adapters", "")
+    slots = newest.labels.get("max_lora", "")
+    return {
+        "active_adapters": frozenset(n for n in names.split(",") if n),
+        "max_loras": int(slots) if slots.isdigit() else None,
+    }
 
 
 BackoffListener = Callable[[str, FillReason], None]  # (backend, reason)

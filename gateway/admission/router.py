@@ -200,7 +200,9 @@ class Router:
         With `prefix` (the keys of the prompt's leading blocks) or a `session`, the backend
         likeliest to hold them goes first, within the herding guard (`_by_prefix`); with the
         prompt's `token_ids`, a backend that publishes KV events is scored by what it
-        reports holding. A request for a LoRA `adapter` goes only to a backend serving it.
+        reports holding. A request for a LoRA `adapter` goes only to a backend serving it,
+        first where the adapter is active, then where an adapter slot is free (the
+        backend's `vllm:lora_requests_info`, gateway/admission/backend_load.py).
 
         A request larger than the target fill allows but within a backend's KV cache is
         reserved on an idle backend, alone: the ledger's limit is then its own size. A
@@ -219,6 +221,11 @@ class Router:
                 prefix, session = (), None
             elif len(ranked) > 1:
                 self._by_prefix(pool, ranked, tokens * sequences, prefix, session, token_ids)
+        if adapter is not None and len(ranked) > 1:
+            # where the adapter runs now, then where a step has a slot for it: each in the
+            # order so far (a stable sort)
+            now = self.clock.monotonic()
+            ranked.sort(key=lambda r: _adapter_room(r[2], adapter, now))
         alone: list[tuple[Backend, int]] = []
         for *_, backend, limit, capacity in ranked:
             need = kv_tokens(tokens, sequences=sequences, block_size=backend.block_size)
@@ -443,6 +450,13 @@ def _shared(backend: Backend, shared: Sequence[SharedBlocks]) -> SharedBlocks:
             if blocks.block_tokens == backend.block_size:
                 return blocks
     return NO_BLOCKS
+
+
+def _adapter_room(backend: Backend, adapter: str, now: float) -> int:
+    """How readily `backend` runs a request for `adapter` now, by its last fresh scrape
+    (ReportedLoad.adapter_room); without one, as a backend with a free adapter slot."""
+    load = backend.reported_load(now)
+    return 1 if load is None else load.adapter_room(adapter)
 
 
 def _limit(capacity: int, target_fill: float) -> int:

@@ -173,6 +173,8 @@ class AdminEndpoints:
             "reported_kv_tokens": self._router.reported_tokens(backend),
             "requests_waiting": None if load is None else load.waiting,
             "preemptions": None if load is None else load.preemptions,
+            # the LoRA adapters its steps run now (vllm:lora_requests_info)
+            "active_adapters": [] if load is None else sorted(load.active_adapters),
             "effective_fill": self._router.effective_fill(backend),
             "fill_reason": backend.fill.reason.value,
             # what the backend held per reserved token at the highest recent peak: the

@@ -169,12 +169,14 @@ def queued_fleet() -> Iterator[Fleet]:
 
 
 @asynccontextmanager
-async def holding(fleet: Fleet, model: str, tenant: str = "acme") -> AsyncIterator[None]:
-    """A stream for `model` of 3,000 tokens, held from its first event until the block ends."""
+async def holding(
+    fleet: Fleet, model: str, tenant: str = "acme", *, max_tokens: int = 3000
+) -> AsyncIterator[None]:
+    """A stream for `model` of `max_tokens`, held from its first event until the block ends."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "go on"}],
-        "max_tokens": 3000,
+        "max_tokens": max_tokens,
         "stream": True,
     }
     headers = {"authorization": f"Bearer {fleet.keys[tenant]}"}
@@ -220,3 +222,45 @@ async def until_queued(fleet: Fleet, waiting: int) -> None:
     async with asyncio.timeout(10):
         while metric_sum(fleet.url, "spillgate_queue_depth", pool="m") != waiting:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
+
+
+# -- where an adapter runs: active first, then a free slot, then fill
+
+
+@pytest.fixture
+def slotted_fleet() -> Iterator[Fleet]:
+    """Two backends serving a1 and a2, each running one adapter at a time (max_loras 1)."""
+    steps = dataclasses.replace(SLOW_STEPS, bandwidth_bytes_per_s=250.0)
+    sims = [dataclasses.replace(sim("a1", "a2", max_loras=1), step_cost=steps) for _ in "01"]
+    options = {
+        "adapters": [{"name": "a1"}, {"name": "a2"}],
+        "overflow": ["reject"],
+        "reservation": {"mode": "max_tokens"},
+    }
+    with run_fleet(pools={"m": sims}, pool_options={"m": options}) as f:
+        until_ready(f)
+        yield f
+
+
+def test_an_adapter_goes_where_a_slot_is_free_before_where_there_is_room(
+    slotted_fleet: Fleet,
+) -> None:
+    fleet = slotted_fleet
+
+    def active() -> dict[str, list[str]]:
+        backends = admin_status(fleet.url)["pools"][0]["backends"]
+        return {b["name"]: b["active_adapters"] for b in backends}
+
+    async def scenario() -> None:
+        # a2 runs on the first backend (both idle: the first in order), the model itself on
+        # the second with more reserved: the first is the less filled, but its one slot is a2's
+        async with holding(fleet, "a2", max_tokens=1000), holding(fleet, "m", max_tokens=3000):
+            async with asyncio.timeout(10):
+                while active() != {"m-0": ["a2"], "m-1": []}:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            before = served_by(fleet)
+            assert await asyncio.to_thread(ask, fleet, "a1") == "a1"
+            after = served_by(fleet)
+        assert after["m-1"] > before["m-1"] and after["m-0"] == before["m-0"]
+
+    asyncio.run(scenario())

@@ -1,6 +1,7 @@
 """Reading a backend's own load from its metrics page, and admitting against it."""
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,36 @@ def test_feedback_off_ignores_the_backends_report() -> None:
     backend.report(ReportedLoad(kv_usage=0.4, waiting=0, preemptions=0.0), now=clock.now)
     assert router.limit(backend) == 500
     assert router.reported_tokens(backend) is None
+
+
+LORA_FIXTURE = METRICS_FIXTURE.with_name("vllm-0.32-lora.json")
+KV_LINE = 'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.1'
+
+
+def lora_page(entry: str, *, newest: str | None = None) -> str:
+    """A captured page's lines (vllm-0.32-lora.json), with a KV line, and a series for the
+    adapters `newest` newer than all of them, when given."""
+    lines = [KV_LINE, *json.loads(LORA_FIXTURE.read_text())[entry]]
+    if newest is not None:
+        series = f'max_lora="2",running_lora_adapters="{newest}",waiting_lora_adapters="{newest}"'
+        lines.append(f"vllm:lora_requests_info{{{series}}} 1.8e+09")
+    return "\n".join(lines) + "\n"
+
+
+def test_the_newest_lora_series_names_the_active_adapters() -> None:
+    # idle after a run of several adapters: the newest series names none
+    idle = load_from_metrics(lora_page("metrics_idle_after"))
+    assert idle is not None
+    assert (idle.active_adapters, idle.max_loras) == (frozenset(), 2)
+    busy = load_from_metrics(lora_page("metrics_idle_after", newest="a1,a2"))
+    assert busy is not None
+    assert busy.active_adapters == {"a1", "a2"}
+    # where a request for each adapter would run soonest
+    assert [busy.adapter_room(a) for a in ("a1", "a3")] == [0, 2]
+    assert [idle.adapter_room(a) for a in ("a1", "a3")] == [1, 1]
+
+
+def test_a_page_before_any_adapter_ran_tells_no_adapters() -> None:
+    load = load_from_metrics(lora_page("metrics_before_any_request"))
+    assert load is not None
+    assert (load.active_adapters, load.max_loras, load.adapter_room("a1")) == (frozenset(), None, 1)
