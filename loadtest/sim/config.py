@@ -23,6 +23,7 @@ DEFAULT_STEP_COST = StepCost(
     flops_per_s=1000e12 * 0.5,
 )
 DEFAULT_GPU_MEMORY_BYTES = 80 * GIB
+BUILT_IN_MODEL = "llama-3.1-8b"  # the catalog's name for the built-in replica's model
 ACTIVATION_RESERVE_BYTES = 1 * GIB  # what vLLM's profiling run keeps back for activations
 DEFAULT_MAX_MODEL_LEN = 8192
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default on smaller GPUs
@@ -113,8 +114,9 @@ class SimConfig:
     from start-up, at most `max_loras` distinct adapters among running requests (vLLM's
     default 1), `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` only with
     `allow_runtime_lora_updating` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=1); a load takes
-    `lora_load_s` real seconds, and fails as `fail_lora_loads` says when it is set.
-    `max_lora_rank` is accepted and shown; the KV size does not depend on it.
+    `lora_load_s` real seconds, and fails as `fail_lora_loads` says when it is set. A KV
+    cache sized from a GPU (not `kv_tokens`) loses the adapter buffers vLLM allocates for
+    `max_loras` slots of `max_lora_rank` (loadtest/sim/lora_memory.py).
     """
 
     model: str = "sim-model"
@@ -234,6 +236,22 @@ def _catalog(config: SimConfig) -> tuple[int, StepCost, int | None, int | None]:
     return profile.num_gpu_blocks, profile.step_cost, profile.max_model_len, profile.max_num_seqs
 
 
+def _lora_blocks(config: SimConfig, cost: StepCost) -> int:
+    """The KV blocks the adapter buffers displace: vLLM counts them with the weights."""
+    from gateway.capacity import load_catalog
+    from loadtest.sim.lora_memory import lora_buffer_bytes
+
+    name = (config.catalog_model or config.model) if config.gpu is not None else BUILT_IN_MODEL
+    taken = lora_buffer_bytes(
+        load_catalog().model(name),
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        tp=config.tp,
+    )
+    per_block = cost.kv_bytes_per_token_per_rank * config.block_size
+    return -(-taken // int(per_block))
+
+
 def resolve(config: SimConfig) -> ResolvedSim:
     catalog_len: int | None = None
     catalog_seqs: int | None = None
@@ -243,6 +261,8 @@ def resolve(config: SimConfig) -> ResolvedSim:
     else:
         cost = config.step_cost or DEFAULT_STEP_COST
         num_blocks = _default_num_blocks(config, cost)
+    if config.enable_lora and config.kv_tokens is None:
+        num_blocks -= _lora_blocks(config, cost)
     if config.kv_tokens is not None:
         num_blocks = config.kv_tokens // config.block_size
     if num_blocks < 1:
