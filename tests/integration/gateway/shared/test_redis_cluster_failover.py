@@ -24,7 +24,13 @@ import yaml
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from gateway.ratelimit import RedisRateLimiter, TenantLimits
+from gateway.clock import SystemClock
+from gateway.ratelimit import (
+    LocalRateLimiter,
+    RedisRateLimiter,
+    ResilientRateLimiter,
+    TenantLimits,
+)
 from gateway.shared.batch import RedisBatcher
 from loadtest.cluster import ClusterProcesses
 from loadtest.sim.app import create_sim_app
@@ -91,14 +97,21 @@ def test_the_batcher_follows_a_promoted_replica_and_fails_only_the_dead_slots(
         )
     )
 
-    async def scenario() -> tuple[list[float], list[tuple[float, str]], int, float]:
+    async def scenario() -> tuple[list[float], list[tuple[float, str]], int, float, float]:
         client = RedisCluster.from_url(cluster.url, socket_timeout=1, socket_connect_timeout=1)
         batcher = RedisBatcher(client)
         limiter = RedisRateLimiter(batcher)
         assert (await limiter.acquire(on_dead, 1)).allowed
+        # a replica that decides once, then only probes; `shared` set while its mode is
+        shared = asyncio.Event()
+        idle = await idle_replica(cluster.url, shared)
+        assert (await idle.acquire(on_dead, 1)).allowed
         cluster.kill(dead)
         killed = time.monotonic()
         promotion = Promotion(cluster, "{acme}", dead)
+        await idle.acquire(on_dead, 1)  # its master gone: answered by the replica's share
+        assert [d.tenant for d in idle.degraded()] == [on_dead.tenant]
+        assert idle.mode == "local"
         elsewhere: list[tuple[float, str]] = []  # the live masters' failures
         answered_at: list[float] = []
         while time.monotonic() - killed < PROMOTED_WITHIN_S:
@@ -113,11 +126,16 @@ def test_the_batcher_follows_a_promoted_replica_and_fails_only_the_dead_slots(
                     break
             await asyncio.sleep(0.02)
         reads = batcher.slot_map_reads
+        await asyncio.wait_for(shared.wait(), timeout=PROMOTED_WITHIN_S)
+        idle_shared = time.monotonic() - killed
+        assert idle.degraded() == []
+        await idle.close()
         await batcher.aclose()
         await client.aclose()
-        return answered_at, elsewhere, reads, await asyncio.to_thread(promotion.after_s)
+        promoted = await asyncio.to_thread(promotion.after_s)
+        return answered_at, elsewhere, reads, promoted, idle_shared
 
-    answered_at, elsewhere, reads, promoted = asyncio.run(scenario())
+    answered_at, elsewhere, reads, promoted, idle_shared = asyncio.run(scenario())
     try:
         # the live masters' slots failed only while the cluster said it was down (a master
         # marked failed, its replica not yet promoted: cluster-require-full-coverage)
@@ -128,9 +146,32 @@ def test_the_batcher_follows_a_promoted_replica_and_fails_only_the_dead_slots(
         assert answered_at[0] < promoted + SHARED_AGAIN_S
         # the map is read again at most every SLOT_MAP_MIN_S while the master is away
         assert 1 <= reads <= promoted / 0.2 + 3, (reads, promoted)
-        print(f"promoted {promoted:.2f} s, answered {answered_at[0]:.2f} s after the kill")
+        # the idle replica's probe found the promoted replica on its own
+        assert idle_shared < promoted + SHARED_AGAIN_S, (idle_shared, promoted)
     finally:
         heal(cluster, dead)
+
+
+async def idle_replica(url: str, shared: asyncio.Event) -> ResilientRateLimiter:
+    """A replica's limiter on a client of its own, probing every PROBE_S while degraded;
+    `shared` is set while its mode is "shared"."""
+    client = RedisCluster.from_url(url, socket_timeout=1, socket_connect_timeout=1)
+    clock = SystemClock()
+    limiter = ResilientRateLimiter(
+        RedisRateLimiter(RedisBatcher(client), timeout_s=0.25, timeout_max_s=1.0),
+        fallback=LocalRateLimiter(clock),
+        failure_mode="local",
+        replicas=2,
+        timeout_s=0.25,
+        timeout_max_s=1.0,
+        failure_threshold=3,
+        cooldown_s=5.0,
+        clock=clock,
+        on_store_error=lambda: None,
+        on_mode_change=lambda mode: shared.set() if mode == "shared" else shared.clear(),
+    )
+    await limiter.start()
+    return limiter
 
 
 @dataclass
