@@ -166,6 +166,16 @@ class GatewayMetrics:
             "Loads of a LoRA adapter on a backend, by result (loaded, failed)",
             ["pool", "adapter", "backend", "result"], registry=r,
         )  # fmt: skip
+        self.adapter_requests = Counter(
+            "spillgate_adapter_requests",
+            "Requests for a LoRA adapter, by their one outcome",
+            ["pool", "adapter", "outcome"], registry=r,
+        )  # fmt: skip
+        self.adapter_backends = Gauge(
+            "spillgate_adapter_backends",
+            "Backends that serve a LoRA adapter (serving) and that run it now (active)",
+            ["pool", "adapter", "state"], registry=r, multiprocess_mode=OWN,
+        )  # fmt: skip
         self.queue_depth = Gauge(
             "spillgate_queue_depth", "Requests waiting for capacity", ["pool"], registry=r,
             multiprocess_mode=OWN,

@@ -102,6 +102,8 @@ class Settlement:
                 served = dataclasses.replace(served, relayed=relayed)
         tally = self.metrics.tally
         tally.request(request.pool, request.tenant, outcome)
+        if request.adapter is not None:
+            self.metrics.adapter_requests.labels(request.pool, request.adapter, outcome).inc()
         if served is None:
             return
         relayed = served.relayed

@@ -150,6 +150,7 @@ class AdminEndpoints:
                 )
                 own = None if load is None else load.prefix_hit_rate
                 m.backend_prefix_hit.labels(backend.name).set(math.nan if own is None else own)
+            self._adapter_gauges(pool)
             fill = self._router.pool_fill(name)
             m.pool_fill.labels(name).set(fill if math.isfinite(fill) else 1.0)
             m.pool_demand.labels(name).set(pool.demand.tokens_per_s())
@@ -159,6 +160,18 @@ class AdminEndpoints:
                     backend_capacity=per_backend, target_fill=pool.settings.target_fill
                 )
             )
+
+    def _adapter_gauges(self, pool: Pool) -> None:
+        """Where each of the pool's adapters is served, and where it runs now."""
+        now = self._router.clock.monotonic()
+        loads = [b.reported_load(now) for b in pool.backends]
+        for adapter in pool.settings.adapters:
+            name = adapter.name
+            serving = sum(name in b.adapters for b in pool.backends)
+            active = sum(load is not None and name in load.active_adapters for load in loads)
+            gauge = self._metrics.adapter_backends
+            gauge.labels(pool.name, name, "serving").set(serving)
+            gauge.labels(pool.name, name, "active").set(active)
 
     async def prometheus(self, request: Request) -> Response:
         self.refresh_gauges()

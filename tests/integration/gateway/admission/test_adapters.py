@@ -20,6 +20,7 @@ import pytest
 from loadtest.sim.config import LoraModule, SimConfig
 from tests.support.fleet import Fleet, admin_status, post_chat, run_fleet, until_ready
 from tests.support.metrics import metric_sum
+from tests.support.overflow import eventually
 from tests.support.shared_prompt import SLOW_STEPS
 
 
@@ -264,3 +265,19 @@ def test_an_adapter_goes_where_a_slot_is_free_before_where_there_is_room(
         assert after["m-1"] > before["m-1"] and after["m-0"] == before["m-0"]
 
     asyncio.run(scenario())
+
+
+def test_metrics_count_each_adapter_s_requests_and_where_it_is_served(fleet: Fleet) -> None:
+    def requests(adapter: str) -> float:
+        name = "spillgate_adapter_requests_total"
+        return metric_sum(fleet.url, name, adapter=adapter, outcome="local")
+
+    before = requests("a3")
+    for _ in range(3):
+        ask(fleet, "a3")
+    eventually(lambda: requests("a3") - before == 3)  # counted as each settles
+    serving = {
+        a: metric_sum(fleet.url, "spillgate_adapter_backends", adapter=a, state="serving")
+        for a in ("a1", "a2", "a3", "a4")
+    }
+    assert serving == {"a1": 1, "a2": 1, "a3": 1, "a4": 0}
