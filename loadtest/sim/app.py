@@ -245,7 +245,9 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     ]
     if adapters is not None and config.allow_runtime_lora_updating:
-        lora = LoraRoutes(config=config, adapters=adapters, changed=models_changed)
+        lora = LoraRoutes(
+            config=config, adapters=adapters, hold=engine.hold, changed=models_changed
+        )
         routes += lora.routes()
     shutdown = Shutdown(engine=engine, timeout_s=config.shutdown_timeout_s)
     app = Starlette(

@@ -4,6 +4,10 @@ Each step lasts `StepCost.decode_step_s(kv read) + prefill_s(prefill tokens)`, d
 `speed`. Steps are laid on a timeline, so the loop's own overhead is absorbed while steps
 are longer than it; when the loop falls behind it runs steps back to back, yielding to the
 event loop every few milliseconds, and readers then pick up several tokens per wake-up.
+
+`hold` stops stepping for a while, as vLLM's engine core stops while it runs a utility call
+between two steps (loading a LoRA adapter): the requests in flight stall, and their lost time
+is not caught up afterwards.
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ class Engine:
         self._on_finished = on_finished
         self._on_step = on_step
         self._wake = asyncio.Event()
+        self._held_until = 0.0  # the event loop's time before which no step starts
         self.stopped = False
 
     def step_seconds(self, step: Step[LiveSequence]) -> float:
@@ -109,6 +114,11 @@ class Engine:
         seq.arrived = asyncio.get_running_loop().time()
         self.scheduler.add(seq)
         self._wake.set()
+
+    def hold(self, seconds: float) -> None:
+        """Start no step for `seconds` from now (a step under way ends first)."""
+        until = asyncio.get_running_loop().time() + seconds
+        self._held_until = max(self._held_until, until)
 
     def abort(self, seq: LiveSequence) -> None:
         """Free the sequence's KV now and wake its reader."""
@@ -158,6 +168,9 @@ class Engine:
         while True:
             if not self.scheduler.has_work:
                 await self._idle()
+                target = yield_at = loop.time()
+            if self._held_until > loop.time():
+                await asyncio.sleep(self._held_until - loop.time())
                 target = yield_at = loop.time()
             step = self.scheduler.schedule()
             if step.empty:

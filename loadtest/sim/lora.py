@@ -9,7 +9,8 @@ requests already running with the adapter finish with it, as in vLLM.
 
 `LoraRoutes` answers the two endpoints with vLLM's status codes and bodies (a plain-text 200,
 JSON errors); they exist only where runtime updating is allowed. A load holds its name's lock
-for `lora_load_s` seconds, so a second load of the same name waits and then finds it loaded.
+for `lora_load_s` seconds, so a second load of the same name waits and then finds it loaded;
+the engine does not step meanwhile, as vLLM's engine core runs the load between two steps.
 `fail_lora_loads` makes every load fail as a backend that cannot load it (the simulator's
 own option: a real engine fails for a missing path or an adapter it refuses).
 
@@ -150,9 +151,16 @@ class LoraRoutes:
     called after each change (the model list is rebuilt)."""
 
     def __init__(
-        self, *, config: SimConfig, adapters: Adapters, changed: Callable[[], None]
+        self,
+        *,
+        config: SimConfig,
+        adapters: Adapters,
+        hold: Callable[[float], None],
+        changed: Callable[[], None],
     ) -> None:
+        """`hold(seconds)` stops the engine's steps while a load runs."""
         self._adapters = adapters
+        self._hold = hold
         self._load_s = config.lora_load_s
         self._failure = config.fail_lora_loads
         self._rank = config.max_lora_rank
@@ -180,6 +188,7 @@ class LoraRoutes:
         adapters = self._adapters
         adapters.check_load(name, path, in_place=in_place)
         lora_id = adapters.next_id(name)
+        self._hold(self._load_s)
         await asyncio.sleep(self._load_s)
         if self._failure is not None:
             raise load_failure(self._failure, name, path, self._rank)

@@ -175,6 +175,33 @@ def test_a_load_takes_its_time_and_a_second_load_of_the_name_waits_for_it() -> N
     assert 0.3 <= took < 0.6
 
 
+def generated(url: str) -> float:
+    found = samples(metrics_text(url))
+    return next(s.value for s in found if s.name == "vllm:generation_tokens_total")
+
+
+def test_the_requests_in_flight_stall_while_a_load_runs() -> None:
+    # real time: a decode step of the built-in 8B takes about 8 ms
+    with lora_sim(speed=1.0, lora_load_s=0.3) as server, httpx.Client(timeout=30) as client:
+        url = server.url
+        body = {"model": "a1", "prompt": "x", "max_tokens": 150, "ignore_eos": True}
+        running = threading.Thread(
+            target=client.post, args=(f"{url}/v1/completions",), kwargs={"json": body}
+        )
+        running.start()
+        until(lambda: generated(url) > 0)
+        before = generated(url)
+        time.sleep(0.3)
+        unloaded = generated(url) - before
+        before = generated(url)
+        load = {"lora_name": "a3", "lora_path": "/tmp/lora-a3"}
+        assert client.post(f"{url}/v1/load_lora_adapter", json=load).status_code == 200
+        during = generated(url) - before
+        running.join()
+    assert unloaded >= 20  # about 37 tokens in 0.3 s
+    assert during <= 2  # a step under way when the load came, and none after it
+
+
 def test_runtime_loading_is_absent_unless_allowed() -> None:
     with lora_sim(allow_runtime_lora_updating=False) as server, httpx.Client() as client:
         body = {"lora_name": "a3", "lora_path": "/tmp/lora-a3"}
