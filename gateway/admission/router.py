@@ -226,23 +226,38 @@ class Router:
             # order so far (a stable sort)
             now = self.clock.monotonic()
             ranked.sort(key=lambda r: _adapter_room(r[2], adapter, now))
-        alone: list[tuple[Backend, int]] = []
+        # where it fits under the target fill first, then where it may run alone
+        alone: list[tuple[Backend, int, int]] = []
         for *_, backend, limit, capacity in ranked:
             need = kv_tokens(tokens, sequences=sequences, block_size=backend.block_size)
-            if need > limit:
-                if need <= capacity:
-                    alone.append((backend, need))
+            fit = self._fit_limit(backend, need, limit=limit, capacity=capacity)
+            if fit is None:
+                continue
+            if fit != limit:
+                alone.append((backend, need, fit))
                 continue
             reservation = await self.ledger.reserve(
                 backend.name, need, limit=limit, shared=_shared(backend, shared)
             )
             if reservation is not None:
                 return self._hold(reservation, prefix, session)
-        for backend, need in alone:  # in-flight + need ≤ need: only when idle
-            beyond = self.unreserved_tokens(backend)  # idle means the backend too
-            reservation = await self.ledger.reserve(backend.name, need, limit=need - beyond)
+        for backend, need, fit in alone:
+            reservation = await self.ledger.reserve(backend.name, need, limit=fit)
             if reservation is not None:
                 return self._hold(reservation, prefix, session)
+        return None
+
+    def _fit_limit(self, backend: Backend, need: int, *, limit: int, capacity: int) -> int | None:
+        """The one rule of where a request of `need` KV tokens fits, which reserving, the
+        queue's room check and the forecast all follow: the ledger limit it is reserved
+        under on `backend`. The backend's `limit` where the request is within it; where it
+        is larger but within the KV cache, its own size less what the backend holds beyond
+        the ledger, so that it is reserved only on an idle backend, alone; None where the
+        cache can never hold it."""
+        if need <= limit:
+            return limit
+        if need <= capacity:
+            return need - self.unreserved_tokens(backend)  # idle means the backend too
         return None
 
     def shared_in_flight(self, pool: str, shared: Sequence[SharedBlocks]) -> int:
@@ -324,10 +339,13 @@ class Router:
         held = self.ledger.tokens_in_flight
         for *_, backend, limit, capacity in self._ranked(pool, (), adapter):
             need = kv_tokens(tokens, sequences=sequences, block_size=backend.block_size)
-            cost = (
-                self.ledger.cost(backend.name, need, _shared(backend, shared)) if shared else need
-            )
-            if need <= capacity and held(backend.name) + cost <= max(limit, need):
+            fit = self._fit_limit(backend, need, limit=limit, capacity=capacity)
+            if fit is None:
+                continue
+            # alone, it shares nothing: as `reserve` reserves it
+            blocks = _shared(backend, shared) if fit == limit else NO_BLOCKS
+            cost = self.ledger.cost(backend.name, need, blocks) if blocks.keys else need
+            if held(backend.name) + cost <= fit:
                 return True
         return False
 
@@ -381,11 +399,13 @@ class Router:
     def _forecast(self, pool: str, need: int, now: float, *, floor_s: float = FLOOR_S) -> float:
         backends = self.pools[pool].backends
         in_flight = self.ledger.tokens_in_flight
-        limits = [self.limit(b) for b in backends]
-        if need > max(limits, default=0):  # runs alone: room is what an idle backend holds
-            limits = [self.capacity(b) for b in backends]
-        pairs = zip(limits, backends, strict=True)
-        room = sum(max(0, limit - in_flight(b.name)) for limit, b in pairs)
+        # the room for it on each backend, by the rule reserving follows
+        fits = [
+            self._fit_limit(b, need, limit=self.limit(b), capacity=self.capacity(b))
+            for b in backends
+        ]
+        pairs = zip(fits, backends, strict=True)
+        room = sum(max(0, fit - in_flight(b.name)) for fit, b in pairs if fit is not None)
         # what each request frees as it ends: its own tokens (shared blocks go with the
         # last holder, counted among the unaged)
         held = [(now - r.at, r.reservation.own_tokens) for r in self._held[pool].values()]
