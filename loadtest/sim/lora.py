@@ -10,7 +10,8 @@ requests already running with the adapter finish with it, as in vLLM.
 `LoraRoutes` answers the two endpoints with vLLM's status codes and bodies (a plain-text 200,
 JSON errors); they exist only where runtime updating is allowed. A load holds its name's lock
 for `lora_load_s` seconds, so a second load of the same name waits and then finds it loaded;
-the engine does not step meanwhile, as vLLM's engine core runs the load between two steps.
+the engine does not step meanwhile, as vLLM's engine core runs the load between two steps,
+and loads of other names wait their turn there.
 `fail_lora_loads` makes every load fail as a backend that cannot load it (the simulator's
 own option: a real engine fails for a missing path or an adapter it refuses).
 
@@ -166,6 +167,8 @@ class LoraRoutes:
         self._rank = config.max_lora_rank
         self._changed = changed
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # the engine core runs one utility call at a time: loads of two names queue there
+        self._engine = asyncio.Lock()
 
     def routes(self) -> list[Route]:
         return [
@@ -188,8 +191,9 @@ class LoraRoutes:
         adapters = self._adapters
         adapters.check_load(name, path, in_place=in_place)
         lora_id = adapters.next_id(name)
-        self._hold(self._load_s)
-        await asyncio.sleep(self._load_s)
+        async with self._engine:
+            self._hold(self._load_s)
+            await asyncio.sleep(self._load_s)
         if self._failure is not None:
             raise load_failure(self._failure, name, path, self._rank)
         adapters.add(name, path, lora_id)
