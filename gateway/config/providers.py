@@ -25,7 +25,11 @@ class ProviderSettings(_Model):
         return _http_url(url)
 
     models: dict[str, str] = Field(
-        default_factory=dict, description="pool name → the provider's model name"
+        default_factory=dict,
+        description=(
+            "pool name → the provider's model name; a pool's LoRA adapter may be named too "
+            "(its requests spill here only where it is)"
+        ),
     )
     tokens_per_minute: int = Field(
         100_000,

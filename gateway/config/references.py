@@ -42,12 +42,14 @@ def reference_problems(data: Any) -> list[Problem]:
         for j, name in _strings(tenant.get("pools")):
             if name not in pool_names:
                 problems.append(_missing(("tenants", i, "pools", j), "pool", name, pool_names))
+    adapter_names = [name for _, pool in pools for name in _names(_entries(pool, "adapters"))]
     for i, provider in providers:
         models = provider.get("models")
         for name in models if isinstance(models, dict) else {}:
-            if name not in pool_names:
+            if name not in pool_names and name not in adapter_names:
+                known = pool_names + adapter_names
                 problems.append(
-                    _missing(("providers", i, "models", name), "pool", name, pool_names)
+                    _missing(("providers", i, "models", name), "pool or adapter", name, known)
                 )
     return problems
 

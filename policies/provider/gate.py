@@ -21,6 +21,7 @@ from gateway.clock import Clock
 from gateway.config import ProviderSettings
 from gateway.errors import SpillgateError
 from gateway.overflow import ProviderMetrics, Slots, TokenBudget
+from gateway.request import InferenceRequest
 from gateway.upstream.target import Target
 
 if TYPE_CHECKING:
@@ -70,6 +71,11 @@ class ProviderGate:
     def in_flight(self) -> int:
         """Requests at this provider, over the whole fleet when the slots are shared."""
         return self.slots.sessions(self.name)
+
+    def serves(self, request: InferenceRequest) -> bool:
+        """Whether the provider answers `request`: any of its pool's, but one for a LoRA
+        adapter only where `models` names a model of its own for that adapter."""
+        return request.adapter is None or request.adapter in self.settings.models
 
     def target(self, pool: str) -> Target:
         headers = {} if self._api_key is None else {"authorization": f"Bearer {self._api_key}"}

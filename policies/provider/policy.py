@@ -67,26 +67,24 @@ class ProviderPolicy:
 
     def predict_ttft_s(self, request: InferenceRequest) -> float | None:
         gate = self._gate
-        if request.adapter is not None:
-            return math.inf  # the provider serves the pool's model, not its adapters
+        if not gate.serves(request):
+            return math.inf
         if gate.in_flight >= gate.settings.max_concurrency or gate.breaker.open_for() > 0:
             return math.inf
         return predict(self._latencies.provider, gate.name, request)
 
     async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         gate = self._gate
-        if request.adapter is not None:
-            return None  # the provider serves the pool's model, not its adapters
+        if not gate.serves(request):
+            return None
         claim = await gate.acquire(request.charge_tokens)
         if isinstance(claim, Refusal):
             log.debug("provider %s passes %s: %s", gate.name, request.pool, claim)
             return None
         try:
+            asked = request.adapter or request.pool
             served = await exchange.serve_target(
-                gate.target(request.pool),
-                request,
-                outcome=Outcome.PROVIDER,
-                public_model=request.pool,
+                gate.target(asked), request, outcome=Outcome.PROVIDER, public_model=asked
             )
         except UpstreamUnavailable as exc:
             # the breaker first: nothing awaited below may leave a half-open trial claimed

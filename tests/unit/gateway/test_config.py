@@ -86,7 +86,7 @@ def test_references_are_checked_with_the_names_they_resemble() -> None:
         "gw.yaml: pools[0].degrade_to: no pool named 'smal'; did you mean 'small'?",
         "gw.yaml: pools[0].provider: no provider named 'hostd'; did you mean 'hosted'?",
         "gw.yaml: tenants[0].pools[1]: no pool named 'smalll'; did you mean 'small'?",
-        "gw.yaml: providers[0].models.bigg: no pool named 'bigg'; did you mean 'big'?",
+        "gw.yaml: providers[0].models.bigg: no pool or adapter named 'bigg'; did you mean 'big'?",
     ]
 
 

@@ -12,15 +12,18 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from loadtest.sim.config import LoraModule, SimConfig
+from loadtest.sim.provider import ProviderConfig
 from tests.support.fleet import Fleet, admin_status, post_chat, run_fleet, until_ready
+from tests.support.harness import ServerThread
 from tests.support.metrics import metric_sum
-from tests.support.overflow import eventually
+from tests.support.overflow import eventually, provider_fleet
 from tests.support.shared_prompt import SLOW_STEPS
 
 
@@ -35,6 +38,7 @@ def sim(*adapters: str, kv_tokens: int = 32_768, max_loras: int = 2) -> SimConfi
     )
 
 
+PROVIDER_KEY = "sk-provider-only-the-gateway-knows"
 ADAPTERS = [{"name": "a1"}, {"name": "a2", "tenants": ["acme"]}, {"name": "a3"}, {"name": "a4"}]
 
 
@@ -281,3 +285,31 @@ def test_metrics_count_each_adapter_s_requests_and_where_it_is_served(fleet: Fle
         for a in ("a1", "a2", "a3", "a4")
     }
     assert serving == {"a1": 1, "a2": 1, "a3": 1, "a4": 0}
+
+
+# -- overflow: the provider takes an adapter's request only where it maps the adapter
+
+
+def test_an_adapter_spills_to_the_provider_only_where_the_provider_maps_it() -> None:
+    def pools(servers: dict[str, ServerThread]) -> list[dict[str, Any]]:
+        # a backend that holds nothing: every request goes down the chain
+        backend = {"url": servers["m"].url, "served_model": "m", "capacity": 1}
+        adapters = [{"name": "a1"}, {"name": "a2"}]
+        chain = {"overflow": ["provider", "reject"], "provider": "hosted"}
+        return [{"name": "m", "backends": [backend], "adapters": adapters, **chain}]
+
+    with provider_fleet(
+        provider=ProviderConfig(api_key=PROVIDER_KEY, models=("hosted-m", "hosted-a1")),
+        provider_options={"models": {"m": "hosted-m", "a1": "hosted-a1"}},
+        pools=pools,
+        tenants={"acme": {}},
+        sims={"m": sim("a1", "a2")},
+    ) as (fleet, _):
+        until_ready(fleet)
+        spilled = post_chat(fleet, "a1")
+        passed = post_chat(fleet, "a2")
+    assert spilled.status_code == 200
+    assert spilled.headers["x-spillgate-outcome"] == "provider"
+    assert spilled.json()["model"] == "a1"  # the name the client asked for
+    assert passed.status_code == 503
+    assert passed.headers["x-spillgate-outcome"] == "rejected"
