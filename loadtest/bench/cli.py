@@ -63,6 +63,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "loadtest.bench.hostile",
         "one tenant timed while another's upstream sends an event that never ends",
     ),
+    "adapters": (
+        "loadtest.bench.adapters",
+        "LoRA adapter routing against round-robin on two engines with adapter slots",
+    ),
     "soak": ("loadtest.soak", "minutes of mixed load with faults injected, resources sampled"),
     "tools": ("loadtest.tools.run", "guidellm and inference-perf, direct and through the gateway"),
 }

@@ -42,6 +42,10 @@ class RealVllm:
     # the whole server on `cores`, not only its worker: its engine process polls the worker
     # flat out while it generates, and would otherwise take the other cores' time
     confined: bool = False
+    # more of vLLM's options (serve.sh passes them on), such as `--enable-lora ...`
+    args: tuple[str, ...] = ()
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=1: /v1/load_lora_adapter and its unload are served
+    runtime_lora: bool = False
 
     @property
     def url(self) -> str:
@@ -54,6 +58,7 @@ class RealVllm:
             "MAX_MODEL_LEN": str(self.max_model_len),
             "SERVED_MODEL_NAME": MODEL,
             **({"VLLM_CPU_OMP_THREADS_BIND": self.cores} if self.cores else {}),
+            **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"} if self.runtime_lora else {}),
         }
 
 
@@ -107,7 +112,7 @@ def running(server: RealVllm) -> Iterator[str]:
     if started:
         confine = ["taskset", "-c", server.cores] if server.confined and server.cores else []
         subprocess.run(
-            [*confine, *serve, str(server.port)],
+            [*confine, *serve, str(server.port), *server.args],
             check=True,
             stdout=subprocess.DEVNULL,
             timeout=START_TIMEOUT_S,
