@@ -12,13 +12,14 @@ serving all four adapters, so round-robin sends each engine all four for its two
 with a path for the gateway to load.
 
 Reported per arm (medians over the rounds): answers ok, 404s, other errors, answers naming
-another adapter than asked; TTFT p50 and p90; each engine's `vllm:num_requests_waiting` at
-its peak and summed over time (request-seconds waiting; polled every 0.1 s); on a real
-vLLM, the requests that waited over 0.3 s in the engine's queue
-(`vllm:request_queue_time_seconds`) and the 4xx answers the engines gave; and the loads the
-gateway counted (`spillgate_adapter_loads_total`). With the KV cache far from full and
-`max_num_seqs` far away, a request waits inside an engine for an adapter slot, or for the
-next step.
+another adapter than asked; TTFT p50, p90 and mean at the client, and the mean the engines
+measure themselves (`vllm:time_to_first_token_seconds`; the difference is what the gateway
+adds); each engine's `vllm:num_requests_waiting` at its peak and summed over time
+(request-seconds waiting, polled every 0.1 s); on a real vLLM, the requests that waited
+over 0.3 s in an engine's queue (`vllm:request_queue_time_seconds`) and the 4xx answers the
+engines gave; and the loads the gateway counted (`spillgate_adapter_loads_total`). With the
+KV cache far from full and `max_num_seqs` far away, a request waits inside an engine for an
+adapter slot, or for the next step.
 """
 
 from __future__ import annotations
@@ -146,31 +147,52 @@ class Watch:
             await asyncio.sleep(POLL_S)
 
 
-async def _counters(client: httpx.AsyncClient, urls: Sequence[str]) -> dict[tuple[str, str], float]:
-    total: dict[tuple[str, str], float] = {}
-    for url in urls:
-        for key, value in samples((await client.get(f"{url}/metrics")).text).items():
-            total[key] = total.get(key, 0.0) + value
-    return total
+Counts = dict[tuple[str, str], float]
+# a request run to its end: vLLM's counter, the simulator's
+FINISHED = (("vllm:request_success_total", ""), ("sim_requests_finished_total", ""))
 
 
-def _engine_figures(
-    before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]
-) -> dict[str, float | None]:
-    """What a real vLLM counts that the simulator does not: None where absent."""
+async def _counters(client: httpx.AsyncClient, urls: Sequence[str]) -> list[Counts]:
+    return [samples((await client.get(f"{url}/metrics")).text) for url in urls]
+
+
+def _finished(before: Counts, after: Counts) -> float | None:
+    key = next((key for key in FINISHED if key in after), None)
+    return None if key is None else after[key] - before.get(key, 0.0)
+
+
+def _engine_figures(engines_before: list[Counts], engines_after: list[Counts]) -> dict[str, Any]:
+    """What the engines count themselves: None where they do not (the simulator times no
+    request's queueing and counts no answers by status)."""
+
+    served = [_finished(b, a) for b, a in zip(engines_before, engines_after, strict=True)]
+    before, after = _total(engines_before), _total(engines_after)
 
     def delta(key: tuple[str, str]) -> float | None:
         return after[key] - before.get(key, 0.0) if key in after else None
 
+    ttft_s, ttft_n = (
+        delta((f"vllm:time_to_first_token_seconds_{k}", "")) for k in ("sum", "count")
+    )
     queued = delta(("vllm:request_queue_time_seconds_count", ""))
     quick = delta(("vllm:request_queue_time_seconds_bucket", QUEUED_S))
     # vLLM counts answers by status class, a class only once it has answered one
     counted = any(name == "http_requests_total" for name, _ in after)
     refused = ("http_requests_total", "4xx")
     return {
+        "served": served,
+        "engine_ttft_mean_s": ttft_s / ttft_n if ttft_s is not None and ttft_n else None,
         "queued_over_0_3_s": None if queued is None or quick is None else queued - quick,
         "engine_4xx": after.get(refused, 0.0) - before.get(refused, 0.0) if counted else None,
     }
+
+
+def _total(engines: list[Counts]) -> Counts:
+    total: Counts = {}
+    for counts in engines:
+        for key, value in counts.items():
+            total[key] = total.get(key, 0.0) + value
+    return total
 
 
 async def run_arm(
@@ -234,6 +256,7 @@ def _figures(
         "wrong_adapter": sum(a.served != a.adapter for a in ok),
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p90_s": percentile(ttfts, 90),
+        "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
         "peak_waiting": watch.peak,
         "waiting_s": [round(w, 2) for w in watch.waiting_s],
         **engine,
@@ -331,7 +354,9 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         values = [r[key] for r in runs]
         if isinstance(value, list):
-            merged[key] = [statistics.median(v) for v in zip(*values, strict=True)]
+            merged[key] = [
+                None if None in v else statistics.median(v) for v in zip(*values, strict=True)
+            ]
         elif isinstance(value, dict):  # each key's value in every round
             keys = sorted({k for r in runs for k in r[key]})
             merged[key] = {k: [r[key].get(k, 0) for r in runs] for k in keys}
@@ -375,6 +400,9 @@ ROWS = (
     ("wrong_adapter", "answered by another adapter", "{:g}"),
     ("ttft_p50_s", "TTFT p50 (s)", "{:.3f}"),
     ("ttft_p90_s", "TTFT p90 (s)", "{:.3f}"),
+    ("ttft_mean_s", "TTFT mean (s)", "{:.3f}"),
+    ("engine_ttft_mean_s", "TTFT mean inside the engines (s)", "{:.3f}"),
+    ("served", "requests served, engine 0 / 1", "{:g}"),
     ("peak_waiting", "peak requests waiting, engine 0 / 1", "{:g}"),
     ("waiting_s", "requests waiting x s, engine 0 / 1", "{:.1f}"),
     ("queued_over_0_3_s", "queued over 0.3 s in an engine", "{:g}"),
@@ -398,7 +426,7 @@ def table(scenario: str, arms: dict[str, Any]) -> str:
                     or "none"
                 )
             elif isinstance(value, list):
-                cells.append(" / ".join(fmt.format(v) for v in value))
+                cells.append(" / ".join("" if v is None else fmt.format(v) for v in value))
             else:
                 cells.append(fmt.format(value))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
