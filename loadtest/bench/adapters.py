@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import random
@@ -252,7 +253,13 @@ def _figures(
         "requests": len(answers),
         "ok": len(ok),
         "not_found": sum(a.status == 404 for a in answers),
-        "errors": sum(a.status not in (200, 404) for a in answers),  # 0: no answer
+        "errors": sum(a.status not in (200, 404) for a in answers),
+        # each error's status, and the adapter it asked for (status 0: no answer)
+        "error_statuses": dict(
+            collections.Counter(
+                f"{a.status} {a.adapter}" for a in answers if a.status not in (200, 404)
+            )
+        ),
         "wrong_adapter": sum(a.served != a.adapter for a in ok),
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p90_s": percentile(ttfts, 90),
@@ -397,6 +404,7 @@ ROWS = (
     ("ok", "answers ok", "{:g}"),
     ("not_found", "404s", "{:g}"),
     ("errors", "other errors", "{:g}"),
+    ("error_statuses", "other errors by status and adapter, by round", "{:g}"),
     ("wrong_adapter", "answered by another adapter", "{:g}"),
     ("ttft_p50_s", "TTFT p50 (s)", "{:.3f}"),
     ("ttft_p90_s", "TTFT p90 (s)", "{:.3f}"),
@@ -420,7 +428,7 @@ def table(scenario: str, arms: dict[str, Any]) -> str:
             value = arms[arm][key]
             if value is None or (key == "loads" and arm != "gateway"):
                 cells.append("")
-            elif key == "loads":
+            elif isinstance(value, dict):
                 cells.append(
                     "; ".join(f"{k}: {', '.join(map(fmt.format, v))}" for k, v in value.items())
                     or "none"
