@@ -156,7 +156,13 @@ def create_app(
     )
     runner = BatchRunner(batches, deps=deps, tenants=auth.by_name)
     scrape = MetricsScrape(client, clock=clock)  # each backend's /metrics, for all readers
-    watcher = FleetWatcher(pools, client=client, scrape=scrape, clock=clock)
+    watcher = FleetWatcher(
+        pools,
+        client=client,
+        scrape=scrape,
+        clock=clock,
+        on_room=router.room_opened,
+    )
     loads = LoadWatcher(
         [b for pool in pools.values() if pool.settings.feedback for b in pool.backends],
         scrape=scrape,

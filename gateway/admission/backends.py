@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -302,11 +303,16 @@ class FleetWatcher:
         client: httpx.AsyncClient,
         scrape: MetricsScrape,
         clock: Clock,
+        on_room: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_room(backend)`: a probe found that a backend may now take requests it could
+        not before (back in rotation, its capacity known again, an adapter it newly
+        serves), so that whoever waits for room looks again."""
         self._pools = pools
         self._client = client
         self._scrape = scrape
         self._clock = clock
+        self._on_room = on_room
         self._periodic = Periodic(self.refresh_once, every_s=self.TICK_S, name="fleet-watcher")
         # what the backends that publish KV events say they cache, heard as they say it
         self._events = KvEvents(
@@ -337,6 +343,23 @@ class FleetWatcher:
             pool.outputs.borrow(LengthSource.BACKENDS, lengths)
 
     async def _refresh(self, backend: Backend, budget_s: float, *, lengths: bool) -> None:
+        before = self._offers(backend)
+        try:
+            await self._probe(backend, budget_s, lengths=lengths)
+        finally:
+            if self._on_room is not None and not before >= self._offers(backend):
+                self._on_room(backend.name)
+
+    def _offers(self, backend: Backend) -> frozenset[str]:
+        """What `backend` may take now: nothing out of rotation or of unknown capacity,
+        else its model and the adapters it serves."""
+        now = self._clock.monotonic()
+        stale = self._pools[backend.pool].settings.metrics_stale_s
+        if not backend.healthy(now) or backend.capacity(now=now, stale_after=stale) <= 0:
+            return frozenset()
+        return backend.adapters | {backend.served_model}
+
+    async def _probe(self, backend: Backend, budget_s: float, *, lengths: bool) -> None:
         now = self._clock.monotonic()
         backend.last_probe = now
         try:

@@ -450,6 +450,12 @@ class Router:
         if backend in self._backends:
             self._freed(backend)
 
+    def room_opened(self, backend: str) -> None:
+        """`backend` may take requests it could not before (back in rotation, say): whoever
+        waits for room in its pool looks again."""
+        if backend in self._backends:
+            self._freed(backend)
+
     def wake_all(self) -> None:
         """Call every listener for every pool: releases elsewhere may have gone unheard."""
         for pool in self.pools:

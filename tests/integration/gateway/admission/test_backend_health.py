@@ -7,10 +7,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from gateway.config import parse_settings
 from loadtest.procs import free_port, wait_for_port
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
-from tests.support.fault import FaultBackend, chat
+from tests.support.fault import FaultBackend, backend_process, chat, wait_for_process
 from tests.support.fleet import ADMIN_TOKEN, Fleet, tenant
 from tests.support.harness import ServerThread
 
@@ -335,3 +337,41 @@ def test_a_whole_answer_whose_body_stalls_is_cut_by_idle_and_served_elsewhere() 
     assert answer.json()["object"] == "chat.completion"
     assert faults.arrivals["st0"] == 1
     assert 0.5 <= took < 5.0, took  # idle, not the 10 s deadline
+
+
+def test_a_queued_request_goes_as_soon_as_its_backend_is_back() -> None:
+    """The pool's one backend stops answering (paused) and its probe takes it out of
+    rotation; a request queued meanwhile is served at the first probe that finds it back,
+    not refused when its wait runs out."""
+    with backend_process(model="m", speed=20.0) as (proc, url):
+        wait_for_process(proc, url)
+        pool = {
+            "name": "p",
+            "backends": [{"url": url, "served_model": "m"}],
+            "overflow": ["queue", "reject"],
+            "queue": {"max_wait_s": 10},
+            "capacity_refresh_s": 1.0,
+        }
+        with gateway([pool]) as fleet:
+            wait_until(lambda: backend_states(fleet)["p-0"][0] == "up")
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                wait_until(lambda: backend_states(fleet)["p-0"][0] == "down")
+                with ThreadPoolExecutor(max_workers=1) as pool_of_one:
+                    asked = pool_of_one.submit(
+                        httpx.post,
+                        f"{fleet.url}/v1/chat/completions",
+                        json=chat("hi", model="p"),
+                        headers={"authorization": f"Bearer {KEY}"},
+                        timeout=30,
+                    )
+                    time.sleep(0.5)
+                    resumed = time.monotonic()
+                    proc.send_signal(signal.SIGCONT)
+                    response = asked.result()
+                    waited = time.monotonic() - resumed
+            finally:
+                proc.send_signal(signal.SIGCONT)
+    assert response.status_code == 200
+    assert response.headers["x-spillgate-outcome"] == "queued"
+    assert waited < 5  # the next probes, not the queue's 10 s
