@@ -1,9 +1,10 @@
 """Loading a LoRA adapter that no backend of its pool serves onto one that then does.
 
 A pool's adapter with a `path` (gateway/config/pools.py) may be loaded at run time: a
-request for it that finds no backend serving it waits while the gateway asks the least
-filled backend to load it (vLLM's `POST /v1/load_lora_adapter`, served where the engine
-runs with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), then goes there. One load of an adapter
+request for it that finds no backend serving it waits while the gateway asks a backend to
+load it (vLLM's `POST /v1/load_lora_adapter`, served where the engine runs with
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), then goes there: a backend with a free adapter slot
+first, the least filled first among equals. One load of an adapter
 runs at a time in a pool: every request for it waits on the same load. A load that fails
 with a backend's error or no answer is tried again, with a short backoff, then on the next
 backend; the request waits no longer than its deadline.
@@ -85,7 +86,7 @@ class AdapterLoader:
 
     async def _load(self, pool: Pool, adapter: AdapterSettings) -> None:
         why: list[str] = []
-        for backend in self._candidates(pool.name):
+        for backend in self._where_to_load(pool, adapter.name):
             if adapter.name in backend.adapters:
                 return  # loaded meanwhile, by a probe's word or another load
             try:
@@ -102,6 +103,18 @@ class AdapterLoader:
         raise BackendUnavailable(
             f"No backend of pool {pool.name!r} could load the adapter {adapter.name!r}: {reasons}."
         )
+
+    def _where_to_load(self, pool: Pool, adapter: str) -> list[Backend]:
+        """The pool's backends in rotation to ask, in turn: those with a free adapter slot
+        (or that do not say) before those whose slots all run other adapters, where the
+        adapter's requests would wait for one; each least filled first."""
+        now = self._clock.monotonic()
+
+        def slots_taken(backend: Backend) -> bool:
+            load = backend.reported_load(now)
+            return load is not None and load.adapter_room(adapter) == 2
+
+        return sorted(self._candidates(pool.name), key=slots_taken)
 
     async def _load_on(self, backend: Backend, adapter: AdapterSettings) -> None:
         retrying = AsyncRetrying(

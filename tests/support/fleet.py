@@ -6,7 +6,8 @@ import contextlib
 import secrets
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,3 +135,27 @@ def post_chat(fleet: Fleet, model: str, tenant: str = "acme", **body: Any) -> ht
         headers={"authorization": f"Bearer {fleet.keys[tenant]}"},
         timeout=30,
     )
+
+
+@asynccontextmanager
+async def holding(
+    fleet: Fleet, model: str, tenant: str = "acme", *, max_tokens: int = 3000
+) -> AsyncIterator[None]:
+    """A stream for `model` of `max_tokens`, held from its first event until the block ends."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "go on"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
+    headers = {"authorization": f"Bearer {fleet.keys[tenant]}"}
+    async with (
+        httpx.AsyncClient(base_url=fleet.url, headers=headers, timeout=30) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        lines = response.aiter_lines()
+        async for line in lines:
+            if line.startswith("data:"):
+                break
+        yield

@@ -9,14 +9,23 @@ the engines load them from, and `a7` without one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 
 import openai
 import pytest
 
-from loadtest.sim.config import LoraLoadFailure, SimConfig
-from tests.support.fleet import Fleet, admin_status, post_chat, run_fleet, until_ready
+from loadtest.sim.config import LoraLoadFailure, LoraModule, SimConfig
+from tests.support.fleet import (
+    Fleet,
+    admin_status,
+    holding,
+    post_chat,
+    run_fleet,
+    until_ready,
+)
 from tests.support.metrics import metric_sum
+from tests.support.shared_prompt import SLOW_STEPS
 
 
 def sim(fails: LoraLoadFailure | None = None) -> SimConfig:
@@ -108,3 +117,36 @@ def test_when_every_backend_fails_the_load_the_client_is_told_why(failing_fleet:
     assert "m-1: answered 500" in error["message"]
     assert loads(fleet, "a6", result="failed") == 2
     assert adapters_of(fleet) == {"m-0": [], "m-1": []}
+
+
+def test_an_adapter_is_loaded_where_a_slot_is_free() -> None:
+    """Each backend runs one adapter at a time: the first, less filled, runs a1 now, the
+    second runs only the model itself. a5 is loaded on the second, where it can run."""
+    steps = dataclasses.replace(SLOW_STEPS, bandwidth_bytes_per_s=250.0)
+    base = dataclasses.replace(sim(), lora_modules=(LoraModule(name="a1", path="/a1"),))
+    sims = [dataclasses.replace(base, step_cost=steps, kv_tokens=32_768) for _ in "01"]
+    options = {
+        "adapters": [{"name": "a1"}, *ADAPTERS],
+        "overflow": ["reject"],
+        "reservation": {"mode": "max_tokens"},
+    }
+    with run_fleet(pools={"m": sims}, pool_options={"m": options}) as fleet:
+        until_ready(fleet)
+
+        def active() -> dict[str, list[str]]:
+            backends = admin_status(fleet.url)["pools"][0]["backends"]
+            return {b["name"]: b["active_adapters"] for b in backends}
+
+        async def scenario() -> list[str]:
+            async with (
+                holding(fleet, "a1", max_tokens=1000),
+                holding(fleet, "m", max_tokens=3000),
+            ):
+                async with asyncio.timeout(10):
+                    while active() != {"m-0": ["a1"], "m-1": []}:  # noqa: ASYNC110
+                        await asyncio.sleep(0.05)
+                return await ask(fleet, "a5", 1)
+
+        assert asyncio.run(scenario()) == ["a5"]
+        assert loads(fleet, "a5", backend="m-1", result="loaded") == 1
+        assert loads(fleet, "a5", backend="m-0") == 0

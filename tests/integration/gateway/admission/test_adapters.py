@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Iterator
+from contextlib import AsyncExitStack
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
 from loadtest.sim.config import LoraModule, SimConfig
 from loadtest.sim.provider import ProviderConfig
-from tests.support.fleet import Fleet, admin_status, post_chat, run_fleet, until_ready
+from tests.support.fleet import Fleet, admin_status, holding, post_chat, run_fleet, until_ready
 from tests.support.harness import ServerThread
 from tests.support.metrics import metric_sum
 from tests.support.overflow import eventually, provider_fleet
@@ -171,30 +170,6 @@ def queued_fleet() -> Iterator[Fleet]:
     with run_fleet(pools={"m": sims}, pool_options={"m": options}, tenants=tenants) as f:
         until_ready(f)  # both backends' listings read: their adapters
         yield f
-
-
-@asynccontextmanager
-async def holding(
-    fleet: Fleet, model: str, tenant: str = "acme", *, max_tokens: int = 3000
-) -> AsyncIterator[None]:
-    """A stream for `model` of `max_tokens`, held from its first event until the block ends."""
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": "go on"}],
-        "max_tokens": max_tokens,
-        "stream": True,
-    }
-    headers = {"authorization": f"Bearer {fleet.keys[tenant]}"}
-    async with (
-        httpx.AsyncClient(base_url=fleet.url, headers=headers, timeout=30) as http,
-        http.stream("POST", "/v1/chat/completions", json=body) as response,
-    ):
-        assert response.status_code == 200
-        lines = response.aiter_lines()
-        async for line in lines:
-            if line.startswith("data:"):
-                break
-        yield
 
 
 def test_a_waiter_for_a_full_adapter_lets_another_adapter_s_waiter_go(
