@@ -44,8 +44,9 @@ pytestmark = pytest.mark.skipif(shutil.which("redis-cli") is None, reason="no re
 
 NODE_TIMEOUT_MS = 1000
 # what the gateway may add to the cluster's own failover: its probe (every second) and
-# the slot map's pacing, with slack for a loaded two-core machine
-SHARED_AGAIN_S = 2.0
+# the slot map's pacing, with slack for a two-core machine running four test workers
+# (`spillgate bench failover` measures the figure itself); before, never within 30 s
+SHARED_AGAIN_S = 5.0
 PROMOTED_WITHIN_S = 15.0
 
 

@@ -35,7 +35,7 @@ SHARE = SLOTS // 2  # two tenants
 B_EVERY_S, WINDOW_S, ROUNDS = 0.06, 1.25, 2
 # release gaps and scheduling hiccups of a shared two-core test machine; arrival order
 # would cost B about as much as A's waits, close to a second here
-NOISE_S = 0.15
+NOISE_S = 0.3
 
 
 @pytest.fixture
