@@ -73,7 +73,7 @@ class AdapterLoader:
         if task is None:
             task = asyncio.get_running_loop().create_task(self._load(pool, adapter))
             self._loading[key] = task
-            task.add_done_callback(lambda _: self._loading.pop(key, None))
+            task.add_done_callback(lambda done: self._finished(key, done))
         try:
             # shielded: a request that leaves does not cancel a load the others wait on
             async with asyncio.timeout(max(0.0, deadline - self._clock.monotonic())):
@@ -83,6 +83,14 @@ class AdapterLoader:
                 f"The adapter {adapter.name!r} is still loading on pool {pool.name!r}.",
                 retry_after=1.0,
             ) from None
+
+    def _finished(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
+        """A load is over: the next request for the adapter starts a new one. Its failure
+        is taken here too, so that a load every waiter left (past their deadlines) is not
+        reported as an exception nobody retrieved; the waiters got it from `load`."""
+        self._loading.pop(key, None)
+        if not task.cancelled():
+            task.exception()
 
     async def _load(self, pool: Pool, adapter: AdapterSettings) -> None:
         why: list[str] = []
@@ -109,12 +117,7 @@ class AdapterLoader:
         (or that do not say) before those whose slots all run other adapters, where the
         adapter's requests would wait for one; each least filled first."""
         now = self._clock.monotonic()
-
-        def slots_taken(backend: Backend) -> bool:
-            load = backend.reported_load(now)
-            return load is not None and load.adapter_room(adapter) == 2
-
-        return sorted(self._candidates(pool.name), key=slots_taken)
+        return sorted(self._candidates(pool.name), key=lambda b: b.adapter_room(adapter, now) == 2)
 
     async def _load_on(self, backend: Backend, adapter: AdapterSettings) -> None:
         retrying = AsyncRetrying(

@@ -105,6 +105,12 @@ class Backend:
         """The backend's last scrape of its load, None when it is stale (or never came)."""
         return self.load if now - self.load_at <= STALE_S else None
 
+    def adapter_room(self, adapter: str, now: float) -> int:
+        """How readily it runs a request for `adapter` now, by its last fresh scrape
+        (ReportedLoad.adapter_room); without one, as a backend with a free adapter slot."""
+        load = self.reported_load(now)
+        return 1 if load is None else load.adapter_room(adapter)
+
     def capacity(self, *, now: float, stale_after: float) -> int:
         """Tokens the backend can hold; 0 (full) when unknown or its metrics went stale."""
         if self.configured_capacity is not None:

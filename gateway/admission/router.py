@@ -225,7 +225,7 @@ class Router:
             # where the adapter runs now, then where a step has a slot for it: each in the
             # order so far (a stable sort)
             now = self.clock.monotonic()
-            ranked.sort(key=lambda r: _adapter_room(r[2], adapter, now))
+            ranked.sort(key=lambda r: r[2].adapter_room(adapter, now))
         # where it fits under the target fill first, then where it may run alone
         alone: list[tuple[Backend, int, int]] = []
         for *_, backend, limit, capacity in ranked:
@@ -447,8 +447,7 @@ class Router:
 
     def released_elsewhere(self, backend: str, tokens: int) -> None:
         """Capacity another replica gave back, heard through the shared ledger."""
-        if backend in self._backends:
-            self._freed(backend)
+        self.room_opened(backend)
 
     def room_opened(self, backend: str) -> None:
         """`backend` may take requests it could not before (back in rotation, say): whoever
@@ -476,13 +475,6 @@ def _shared(backend: Backend, shared: Sequence[SharedBlocks]) -> SharedBlocks:
             if blocks.block_tokens == backend.block_size:
                 return blocks
     return NO_BLOCKS
-
-
-def _adapter_room(backend: Backend, adapter: str, now: float) -> int:
-    """How readily `backend` runs a request for `adapter` now, by its last fresh scrape
-    (ReportedLoad.adapter_room); without one, as a backend with a free adapter slot."""
-    load = backend.reported_load(now)
-    return 1 if load is None else load.adapter_room(adapter)
 
 
 def _limit(capacity: int, target_fill: float) -> int:
