@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from gateway.cli import COMMANDS, command_parser, shown_default
-from gateway.config.docs import regenerate, splice
+from gateway.config.docs import regenerate, splice, table_cell
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "commands.md"
 COMMAND = "python -m gateway.cli_docs"
@@ -67,7 +67,7 @@ def _subcommands(name: str) -> Iterator[str]:
     yield f"`spillgate {name} NAME --help` shows a benchmark's own options."
     table = getattr(module, "BENCHES", {})
     yield "| name | what it measures |\n|---|---|\n" + "\n".join(
-        f"| `{bench}` | {_cell(what)} |" for bench, (_, what) in table.items()
+        f"| `{bench}` | {table_cell(what)} |" for bench, (_, what) in table.items()
     )
 
 
@@ -89,17 +89,13 @@ def _row(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
     meaning = (action.help or "") % {**vars(action), "prog": parser.prog}
     if action.choices is not None and not isinstance(action.choices, dict):
         meaning += f" (one of {', '.join(f'`{c}`' for c in action.choices)})"
-    return f"| {flags} | {default} | {_cell(meaning)} |"
+    return f"| {flags} | {default} | {table_cell(meaning)} |"
 
 
 def _metavar(action: argparse.Action) -> str:
     if isinstance(action.metavar, str):
         return action.metavar
     return action.dest.upper() if action.option_strings else action.dest
-
-
-def _cell(text: str) -> str:
-    return " ".join(text.replace("|", "\\|").split())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -75,7 +75,7 @@ def render(root: type[BaseModel] = Settings) -> str:
             section.intro,
             "| key | default | meaning |\n|---|---|---|\n"
             + "\n".join(
-                f"| `{row.key}` | {_cell(row.default)} | {_cell(row.meaning)} |"
+                f"| `{row.key}` | {table_cell(row.default)} | {table_cell(row.meaning)} |"
                 for row in section.rows
             ),
         ]
@@ -187,8 +187,9 @@ def _plain(value: Any) -> str:
     return str(value)
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+def table_cell(text: str) -> str:
+    """`text` as one cell of a Markdown table: its pipes escaped, on one line."""
+    return " ".join(text.replace("|", "\\|").split())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
