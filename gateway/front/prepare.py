@@ -90,16 +90,25 @@ class Preparer:
         """The pool serving `model`: a pool's own name, or one of its LoRA adapters'. A
         model the tenant may not use does not exist, as far as it is told."""
         pool = self._router.pools.get(model) or self._router.adapters.get(model)
-        if pool is None or not tenant.may_use(pool.name) or not pool.may_serve(model, tenant.name):
+        if pool is None or not tenant.may_use(pool.name):
             raise ModelNotFound(f"The model {model!r} does not exist.", param="model")
+        if model != pool.name:  # an adapter: most requests name the pool's model
+            self._check_adapter(tenant, pool, model)
         check_pool_kind(pool.settings.kind, self._endpoint, model)
-        if model != pool.name and not pool.serves(model) and pool.adapter(model).path is None:
+        return pool
+
+    @staticmethod
+    def _check_adapter(tenant: Tenant, pool: Pool, model: str) -> None:
+        """Refuse the adapter `model` of `pool` where `tenant` may not use it, or where no
+        backend serves it now and it cannot be loaded (it has no `path`)."""
+        if not pool.may_serve(model, tenant.name):
+            raise ModelNotFound(f"The model {model!r} does not exist.", param="model")
+        if not pool.serves(model) and pool.adapter(model).path is None:
             raise BackendUnavailable(
                 f"No backend of pool {pool.name!r} serves the adapter {model!r} now.",
                 # the backends' listings are read again this often (FleetWatcher)
                 retry_after=pool.settings.capacity_refresh_s,
             )
-        return pool
 
     @staticmethod
     def _keyed(
