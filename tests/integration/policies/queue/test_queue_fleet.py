@@ -217,5 +217,6 @@ def test_a_lighter_tenants_waiter_elsewhere_leaves_no_room_idle(tmp_path: Path) 
     assert len(fills) >= 10, fills
     # the heavy tenant's waiters took the room each release freed, a moment after: room
     # held for the light request would have piled up, idle, until six releases came
-    # together (it did so before: down to 0.375 within a second)
-    assert min(fills) > 0.5, fills
+    # together (it did so before: down to 0.375 within a second); a busy test machine has
+    # shown one sample of 0.5, a release taken a scrape late
+    assert min(fills) >= 0.5, fills
