@@ -18,10 +18,10 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admission.adapters import AdapterLoader
-from gateway.admission.backend_load import LoadWatcher, MetricsScrape
-from gateway.admission.backends import FleetWatcher, build_pools
-from gateway.admission.ledger import LocalLedger
-from gateway.admission.router import Router
+from gateway.admission.fleet.backend_load import LoadWatcher, MetricsScrape
+from gateway.admission.fleet.backends import FleetWatcher, build_pools
+from gateway.admission.ledger.reservations import LocalLedger
+from gateway.admission.routing.router import Router
 from gateway.batch.api import BatchEndpoints
 from gateway.batch.runner import BatchRunner
 from gateway.batch.service import Batches

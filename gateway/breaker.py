@@ -1,7 +1,7 @@
 """One circuit breaker for whatever the gateway calls that can fail as a whole: an external
 provider (policies/provider/gate.py), the shared rate limiter's store
 (gateway/ratelimit/resilient.py). A backend's health is a machine of its own
-(gateway/admission/health.py): it drains, is probed and comes back, which a breaker's
+(gateway/admission/fleet/health.py): it drains, is probed and comes back, which a breaker's
 trial does not say.
 
 Closed, it lets everything through and counts consecutive failures; at `failures` of them

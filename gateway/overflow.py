@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from prometheus_client import Counter, Gauge, Histogram
     from starlette.types import Send
 
-    from gateway.admission.ledger import Reservation
+    from gateway.admission.ledger.reservations import Reservation
 
 
 class OverflowContext(Protocol):
@@ -212,7 +212,7 @@ class QueueFeed(Protocol):
 
 
 class PoolRoom(Protocol):
-    """Room in the pools as a policy that waits for it sees it (admission/router.py's
+    """Room in the pools as a policy that waits for it sees it (admission/routing/router.py's
     Router): what a request takes, whether it fits now or ever, and word of every release.
     """
 
@@ -294,7 +294,7 @@ class PolicyMetrics(QueueMetrics, ProviderMetrics, Protocol):
 
 
 class Slots(Protocol):
-    """Leases counted and capped per key (an in-flight Ledger, admission/ledger.py): a
+    """Leases counted and capped per key (an in-flight Ledger, admission/ledger/reservations.py): a
     provider's concurrency slots, a lease of one token per request, shared by the fleet when
     the ledger is."""
 

@@ -40,7 +40,7 @@ API_NAMES = {
 class SharedBlocks(NamedTuple):
     """The leading prompt blocks one request may hold in common with other requests in
     flight on a backend whose blocks are `block_tokens` tokens: their keys (chained, so a
-    key matches only where everything before it does; gateway/admission/holders.py)."""
+    key matches only where everything before it does; gateway/admission/ledger/holders.py)."""
 
     keys: tuple[Hashable, ...] = ()
     block_tokens: int = 0
@@ -68,25 +68,25 @@ class InferenceRequest(NamedTuple):
     max_output_tokens: int  # what the backend may generate per choice; reserved on admission
     body: dict[str, Any]
     n: int = 1  # choices asked for: vLLM runs one sequence per choice
-    # the output one choice reserves on admission (gateway/admission/output_lengths.py); 0: all of
+    # the output one choice reserves on admission (admission/fleet/output_lengths.py); 0: all of
     # max_output_tokens
     output_reserve: int = 0
     # what a stream keeps reserved per choice beyond what it holds as it grows
-    # (gateway/admission/growth.py)
+    # (gateway/admission/ledger/growth.py)
     headroom: int = 0
     batchable: bool = False  # may wait: overflow may accept it into a batch (policies/batch.py)
     # the keys of its prompt's leading blocks and its session, where its pool routes by
-    # prefix (gateway/admission/prefix_index.py)
+    # prefix (gateway/admission/routing/prefix_index.py)
     prefix: tuple[bytes, ...] = ()
     session: str | None = None
     # the blocks it may share with requests in flight, one set per block size of its
-    # pool's backends that cache prefixes, worked out once (gateway/admission/holders.py):
+    # pool's backends that cache prefixes, worked out once (gateway/admission/ledger/holders.py):
     # a backend holding them already does not reserve them again; none where its pool
     # caches no prefixes, for several choices, or where the prompt is not all in the
     # request (a Responses continuation) or not a prompt (embeddings)
     shared: tuple[SharedBlocks, ...] = ()
     # its prompt's token ids as the engine sees them, where its pool has backends that
-    # publish KV events (gateway/admission/kv_index.py)
+    # publish KV events (gateway/admission/routing/kv_index.py)
     token_ids: tuple[int, ...] = ()
     # its objectives in seconds: time to first token from its arrival, and per output token
     # after it (None: none); the header's, else its tenant's default

@@ -15,9 +15,9 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
 
-from gateway.admission.backends import Pool
-from gateway.admission.ledger_redis import RedisLedger
-from gateway.admission.router import Router
+from gateway.admission.fleet.backends import Pool
+from gateway.admission.ledger.shared import RedisLedger
+from gateway.admission.routing.router import Router
 from gateway.clock import Clock
 from gateway.config import Settings
 from gateway.metrics import GatewayMetrics

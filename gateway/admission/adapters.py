@@ -27,7 +27,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from gateway.admission.backends import Backend, Pool
+from gateway.admission.fleet.backends import Backend, Pool
 from gateway.clock import Clock
 from gateway.config import AdapterSettings
 from gateway.errors import BackendUnavailable

@@ -1,6 +1,6 @@
 """A request's prompt as the engine's token ids: the model's own tokenizer and chat template.
 
-The KV-events index (gateway/admission/kv_index.py) matches a prompt's blocks of token ids
+The KV-events index (gateway/admission/routing/kv_index.py) matches a prompt's blocks of token ids
 against those the engine reports cached, so the prompt must be tokenized exactly as the
 engine does it. vLLM renders a chat with the model's Jinja chat template (in a sandbox, with
 `trim_blocks` and `lstrip_blocks`, as Hugging Face's `apply_chat_template`) and tokenizes the

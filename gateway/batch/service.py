@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from gateway.admission.backends import Pool
+from gateway.admission.fleet.backends import Pool
 from gateway.batch.files import Files, NotFound, batch_lines, id_like
 from gateway.batch.store import BatchStore, Record
 from gateway.clock import Clock

@@ -1,6 +1,6 @@
 """Admit: the request's first try for room, on the backend routing picks (prefix locality,
-then room; gateway/admission/router.py), against what the backends really hold. The
-reservation it takes is the request's to release (gateway/admission/held.py).
+then room; gateway/admission/routing/router.py), against what the backends really hold. The
+reservation it takes is the request's to release (gateway/admission/ledger/held.py).
 
 An arrival does not take free room while the pool's queue has requests waiting ahead of it
 (the queue's arrival check, policies/queue/): it joins them, through the ladder.

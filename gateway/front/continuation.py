@@ -9,10 +9,10 @@ import asyncio
 from collections.abc import Awaitable, Collection
 from typing import Protocol
 
-from gateway.admission.growth import Growth
-from gateway.admission.held import HeldReservation
-from gateway.admission.ledger import Reservation
-from gateway.admission.router import Router
+from gateway.admission.ledger.growth import Growth
+from gateway.admission.ledger.held import HeldReservation
+from gateway.admission.ledger.reservations import Reservation
+from gateway.admission.routing.router import Router
 from gateway.clock import Clock
 from gateway.errors import UpstreamUnavailable
 from gateway.metrics import GatewayMetrics

@@ -7,10 +7,10 @@ from collections.abc import Awaitable, Collection, Sequence
 
 from starlette.types import Send
 
-from gateway.admission.growth import Growth
-from gateway.admission.held import HeldReservation
-from gateway.admission.ledger import Reservation
-from gateway.admission.router import Router
+from gateway.admission.ledger.growth import Growth
+from gateway.admission.ledger.held import HeldReservation
+from gateway.admission.ledger.reservations import Reservation
+from gateway.admission.routing.router import Router
 from gateway.clock import Clock
 from gateway.errors import NoRoomToRetry, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from gateway.front.continuation import Continuation
@@ -277,7 +277,7 @@ class Exchange:
     async def broke_off(self, name: str, tried: set[str]) -> None:
         """Backend `name` broke off a stream mid-answer: most likely it is going away (a
         restart, a drain, a crash), so it drains: no new request until a probe finds it
-        serving again (gateway/admission/health.py)."""
+        serving again (gateway/admission/fleet/health.py)."""
         self.router.backend(name).broke_off()
         await self._leave(name, "mid-stream", tried)
 

@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from gateway.admission.router import Router
+from gateway.admission.routing.router import Router
 from gateway.clock import Clock
 from gateway.errors import NoRoomToRetry, Rejected
 from gateway.front.exchange import Exchange

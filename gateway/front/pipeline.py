@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 from starlette.types import Receive, Scope, Send
 
 from gateway.admission.adapters import AdapterLoader
-from gateway.admission.held import HeldReservation
-from gateway.admission.router import Router
+from gateway.admission.ledger.held import HeldReservation
+from gateway.admission.routing.router import Router
 from gateway.clock import Clock
 from gateway.errors import Rejected, RequestTimeout, SpillgateError, error_response
 from gateway.front.admit import Admission

@@ -2,7 +2,7 @@
 
 Its body is parsed (gateway/front/parse.py) for the pool its model names, and the request
 is completed with what the later stages read from it and never change: the output it
-reserves (the pool's expected output, gateway/admission/output_lengths.py), the prompt
+reserves (the pool's expected output, gateway/admission/fleet/output_lengths.py), the prompt
 blocks it may share with requests in flight (reserved once where they are held; its prompt
 is keyed once, for these and for prefix routing), where its prefix is cached (prefix
 routing), whether it may wait as a batch, its objectives, and, for a Responses
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gateway.admission.backends import Pool
-from gateway.admission.holders import byte_blocks, token_blocks
-from gateway.admission.prefix_index import block_keys, prompt_bytes
+from gateway.admission.fleet.backends import Pool
+from gateway.admission.ledger.holders import byte_blocks, token_blocks
 from gateway.admission.prompt_tokens import prompt_token_ids
-from gateway.admission.router import Router
+from gateway.admission.routing.prefix_index import block_keys, prompt_bytes
+from gateway.admission.routing.router import Router
 from gateway.clock import Clock
 from gateway.errors import BackendUnavailable, InvalidRequest, ModelNotFound
 from gateway.front.auth import Tenant
@@ -143,11 +143,11 @@ class Preparer:
         """`request` with the output it reserves: the smaller of its cap (max_tokens, or
         what the context leaves when it names none) and the pool's expected output; for a
         stream, what it is expected to hold at its peak, and the headroom it keeps as it
-        grows (gateway/admission/output_lengths.py).
+        grows (gateway/admission/fleet/output_lengths.py).
 
         A request that is not streamed cannot grow its reservation as it goes; it reserves
         its whole expected output, and the backends' reported KV use
-        (gateway/admission/backend_load.py) covers an answer longer than that within a scrape.
+        (gateway/admission/fleet/backend_load.py) covers an answer longer than that within a scrape.
 
         What a stream holds of its own, and so how many such streams a backend holds at once
         (its share of their spread), leaves out the prompt blocks that requests in flight

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.cluster import RedisCluster
 
-from gateway.admission.held import HeldReservation
+from gateway.admission.ledger.held import HeldReservation
 
 log = logging.getLogger("spillgate.responses")
 KEY_PREFIX = "spillgate:response:"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from gateway.admission.backends import Pool
+from gateway.admission.fleet.backends import Pool
 from gateway.clock import Clock
 from gateway.front.auth import Tenant
 from gateway.front.exchange import Exchange
@@ -54,7 +54,7 @@ class Settlement:
         """Settle `request`, which ended as `outcome`: release, refund and record, whatever
         else fails. `cut`: the answer had begun when the request ended without one (the
         client left mid-stream); `arrived`, when it came; `began`, when its pool's demand
-        counted it (gateway/admission/demand.py)."""
+        counted it (gateway/admission/fleet/demand.py)."""
         charged = request.charge_tokens
         # the tokens really used (a checked usage: gateway/upstream/usage.py); unknown
         # when `cut`, so the charge stands

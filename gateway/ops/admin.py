@@ -13,8 +13,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from gateway.admission.backends import Backend, FleetWatcher, Pool
-from gateway.admission.router import Router
+from gateway.admission.fleet.backends import Backend, FleetWatcher, Pool
+from gateway.admission.routing.router import Router
 from gateway.config import Settings
 from gateway.errors import SpillgateError, error_response
 from gateway.front.auth import AdminAuth, Authenticator
@@ -234,7 +234,7 @@ class AdminEndpoints:
                     "active_sessions": self._router.ledger.sessions(b.name),
                     "healthy": b in in_rotation,
                     "state": "down" if b.down_reason is not None else "up",
-                    # the health machine's word (gateway/admission/health.py)
+                    # the health machine's word (gateway/admission/fleet/health.py)
                     "health": b.health.state(now).value,
                     "down_reason": b.down_reason,
                     "max_model_len": b.max_model_len,

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from gateway.admission.router import Router
+from gateway.admission.routing.router import Router
 from gateway.clock import Clock
 from gateway.errors import SpillgateError, error_response
 from gateway.front.auth import AdminAuth

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from starlette.routing import BaseRoute
 
-from gateway.admission.backends import FleetWatcher
+from gateway.admission.fleet.backends import FleetWatcher
 from gateway.config import Settings
 from gateway.front.auth import AdminAuth
 from gateway.front.pipeline import PipelineDeps

@@ -18,8 +18,8 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from gateway.admission.ledger_grant import Seen
-from gateway.admission.ledger_redis import RedisLedger
+from gateway.admission.ledger.grants import Seen
+from gateway.admission.ledger.shared import RedisLedger
 from gateway.shared.feed import Subscriber
 
 log = logging.getLogger("spillgate.ledger")

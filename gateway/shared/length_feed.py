@@ -6,7 +6,7 @@ answer of its own, and would reserve the configured prior for each request until
 its own answers had since its last pass to its pool's list (the last WINDOW kept: a few
 KB) and, while its pool lacks answers of its own, reads the list back: one script call
 that travels with the process's other Redis calls. A pool without enough answers of its
-own reserves by it (gateway/admission/output_lengths.py). A replica reads it once before
+own reserves by it (gateway/admission/fleet/output_lengths.py). A replica reads it once before
 it serves its first request. A pass lost to a slow or absent Redis only leaves the
 borrowed lengths as they were.
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gateway.admission.backends import Pool
-from gateway.admission.output_lengths import WINDOW, LengthSource
+from gateway.admission.fleet.backends import Pool
+from gateway.admission.fleet.output_lengths import WINDOW, LengthSource
 from gateway.shared.batch import BatchScript, RedisBatcher
 from gateway.shared.feed import PoolPasses
 

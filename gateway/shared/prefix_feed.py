@@ -1,6 +1,6 @@
 """The prefix index shared by the replicas of a shared-mode gateway, through Redis pub/sub.
 
-Each replica routes by its own index (gateway/admission/prefix_index.py); a prefix another
+Each replica routes by its own index (gateway/admission/routing/prefix_index.py); a prefix another
 replica sent to a backend would look cold to it and could go elsewhere. So every replica
 publishes the blocks its routing taught its index that it did not know yet (a prompt's new
 tail, not the system prompt it has sent there a thousand times), a batch every `flush_s`,
@@ -27,7 +27,7 @@ from gateway.tasks import Periodic
 
 log = logging.getLogger("spillgate.prefix")
 
-KEY_BYTES = 8  # gateway/admission/prefix_index.py's digest size
+KEY_BYTES = 8  # gateway/admission/routing/prefix_index.py's digest size
 MAX_PENDING = 65_536  # keys held for the next batch; more are dropped while Redis lags
 
 

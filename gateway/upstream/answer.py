@@ -63,7 +63,7 @@ def token_count(value: Any) -> int | None:
 
 
 class StreamWatch(Protocol):
-    """Counts what a stream relays (gateway/admission/growth.py); `grow` when `seen` says so."""
+    """Counts what a stream relays (admission/ledger/growth.py); `grow` when `seen` says so."""
 
     def seen(self, out: bytes, events: int | None = None) -> bool: ...
 

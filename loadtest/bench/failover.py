@@ -41,7 +41,7 @@ from loadtest.bench.machine import logs_dir, progress
 from loadtest.cluster import NODE_TIMEOUT_MS, ClusterProcesses
 
 PER_MINUTE = 30  # the bursting tenants' limit
-RELEASES = "spillgate:ledger:released"  # the ledger's channel (gateway/admission/ledger_calls.py)
+RELEASES = "spillgate:ledger:released"  # the ledger's channel (gateway/admission/ledger/calls.py)
 PHASES = ("before", "during", "after")
 
 

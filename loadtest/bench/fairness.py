@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from gateway.admission.metrics_text import samples, values
+from gateway.admission.fleet.metrics_text import samples, values
 from gateway.config import hash_key
 from loadtest.bench.admission_fleet import SimOptions, gateway, simulator
 from loadtest.bench.machine import logs_dir, progress

@@ -17,8 +17,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.admission.kv_index import block_keys
 from gateway.admission.prompt_tokens import PromptTokenizer
+from gateway.admission.routing.kv_index import block_keys
 from loadtest.bench.tokenize import prose, system_prompt
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from gateway.admission.metrics_text import samples
+from gateway.admission.fleet.metrics_text import samples
 from gateway.config import hash_key
 from loadtest.bench import admission_fleet as fleet
 from loadtest.procs import free_port, wait_for_port

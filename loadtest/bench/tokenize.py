@@ -6,7 +6,7 @@
 A pool whose backends publish KV events tokenizes every request as its engine does
 (gateway/admission/prompt_tokens.py, `prompt_token_ids`: the chat template rendered, the
 text split at its special tokens, each piece tokenized once and cached), then keys the
-prompt's blocks (gateway/admission/kv_index.py, `block_keys`) for the router. This runs that
+prompt's blocks (gateway/admission/routing/kv_index.py, `block_keys`) for the router. This runs that
 very code in process on chats of about 1k and 8k prompt tokens: a system prompt and a short
 user message, each request's system prompt new (`cold`: nothing cached) or the tenant's
 same one (`cached`: only the user message is new), and reports per request the median and
@@ -38,8 +38,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.admission.kv_index import block_keys
 from gateway.admission.prompt_tokens import PromptTokenizer, prompt_token_ids
+from gateway.admission.routing.kv_index import block_keys
 from loadtest.loadgen.text import table
 from loadtest.percentile import percentile
 

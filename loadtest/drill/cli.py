@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import yaml
 
-from gateway.admission.metrics_text import samples
+from gateway.admission.fleet.metrics_text import samples
 from loadtest.drill.batch import BatchProbe
 from loadtest.drill.checks import Check, evaluate, shared_prefix_cached
 from loadtest.drill.demo import DemoProcess

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from gateway.admission.metrics_text import samples, total
+from gateway.admission.fleet.metrics_text import samples, total
 
 PREEMPTIONS = "vllm:num_preemptions_total"
 QUEUE_DEPTH = ("spillgate_queue_depth",)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.admission.metrics_text import samples, total
+from gateway.admission.fleet.metrics_text import samples, total
 from loadtest.measure.stream import Sample
 
 

@@ -1,4 +1,4 @@
-"""The simulated engine's KV events, in vLLM 0.32's wire format (gateway/admission/kv_events.py
+"""The simulated engine's KV events, in vLLM 0.32's wire format (admission/fleet/kv_events.py
 reads them; vllm/distributed/kv_events.py writes them for the real engine).
 
 The block pool (loadtest/sim/blocks.py) tells `EventLog` what its prefix cache names and

@@ -25,7 +25,7 @@ from gateway.request import InferenceRequest
 from gateway.upstream.target import Target
 
 if TYPE_CHECKING:
-    from gateway.admission.ledger import Reservation
+    from gateway.admission.ledger.reservations import Reservation
 
 
 class Refusal(StrEnum):

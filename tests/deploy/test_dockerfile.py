@@ -204,7 +204,7 @@ def test_wheel_ships_gateway_policies_planner_and_simulator_not_bench_or_tests()
     }
     assert shipped | {"policies.cache", "loadtest.sim", "loadtest.drill"} <= packages
     assert not {p for p in packages if p.startswith(("loadtest.bench", "tests"))}
-    for data in ("ops/dashboard.html", "ops/openapi.yaml", "admission/ledger.lua",
+    for data in ("ops/dashboard.html", "ops/openapi.yaml", "admission/ledger/ledger.lua",
                  "ratelimit/bucket.lua", "capacity/catalog.yaml"):  # fmt: skip
         path = ROOT / "gateway" / data
         assert path.exists(), data

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.admission.fill import MAX_FILL
+from gateway.admission.fleet.fill import MAX_FILL
 from gateway.app import create_app
 from gateway.config import parse_settings
 from loadtest.procs import free_port
@@ -71,7 +71,7 @@ def test_dashboard_shows_capacity_in_flight_and_outcomes(fleet: Fleet, tmp_path:
         assert row and f'class="capacity">{CAPACITY:,}<' in row.group(0)
         # the target fill, 50 %, or more once the fill calibrates to what the backend holds
         # under the two long requests' reservations, never past the whole cache
-        # (gateway/admission/fill.py)
+        # (gateway/admission/fleet/fill.py)
         limit = re.search(r'class="limit-tokens">([\d,]+)<', row.group(0))
         most = MAX_FILL * CAPACITY
         assert limit and CAPACITY // 2 <= int(limit.group(1).replace(",", "")) <= most

@@ -1,5 +1,5 @@
 """Reading a server's /metrics in tests, through the gateway's one parser
-(gateway/admission/metrics_text.py)."""
+(gateway/admission/fleet/metrics_text.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from gateway.admission.metrics_text import families, samples, total
+from gateway.admission.fleet.metrics_text import families, samples, total
 
 
 def metrics_text(url: str) -> str:

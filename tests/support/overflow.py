@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from gateway.admission.metrics_text import samples, values
+from gateway.admission.fleet.metrics_text import samples, values
 from gateway.app import create_app
 from gateway.config import parse_settings
 from loadtest.sim.app import create_sim_app
@@ -29,7 +29,7 @@ PROVIDER_KEY_ENV = "HOSTED_API_KEY"
 # with a short prompt, fills a backend of 1000 tokens: 992 in blocks of 16, room for no other
 HOLD_TOKENS = 980
 # a holder holds all of its max_tokens from admission: the overflow tests' pools reserve the
-# whole answer, as they did before reservations were learned (gateway/admission/output_lengths.py)
+# whole answer, as they did before reservations were learned (admission/fleet/output_lengths.py)
 STATIC_RESERVATION = {"mode": "max_tokens"}
 T = TypeVar("T")
 

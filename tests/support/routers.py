@@ -3,9 +3,9 @@
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.admission.backends import build_pools
-from gateway.admission.ledger import LocalLedger
-from gateway.admission.router import Router
+from gateway.admission.fleet.backends import build_pools
+from gateway.admission.ledger.reservations import LocalLedger
+from gateway.admission.routing.router import Router
 from gateway.clock import ManualClock
 from gateway.config import parse_settings
 

@@ -238,7 +238,7 @@ def test_imports_run_down_the_rooms_only() -> None:
 
 
 def test_an_upward_import_is_found() -> None:
-    assert room_of("gateway.front.pipeline") > room_of("gateway.admission.router")
+    assert room_of("gateway.front.pipeline") > room_of("gateway.admission.routing.router")
     assert room_of("gateway.shared.batch") < room_of("gateway.ratelimit.redis_limiter")
     assert room_of("gateway.shared.service_feed") > room_of("gateway.overflow")
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gateway.admission.metrics_text import samples
+from gateway.admission.fleet.metrics_text import samples
 from gateway.metrics import TTFT_BUCKETS, TTFT_HELD, GatewayMetrics
 from gateway.outcome import Outcome
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from gateway.admission.backends import build_pools
-from gateway.admission.ledger import LocalLedger
-from gateway.admission.router import Router
+from gateway.admission.fleet.backends import build_pools
+from gateway.admission.ledger.reservations import LocalLedger
+from gateway.admission.routing.router import Router
 from gateway.clock import ManualClock
 from gateway.config import ConfigError, hash_key, parse_settings
 from gateway.metrics import GatewayMetrics

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from gateway.admission.metrics_text import samples
+from gateway.admission.fleet.metrics_text import samples
 from loadtest.sim.config import SimConfig
 from tests.support.fleet import Fleet, run_fleet
 

@@ -15,9 +15,9 @@ import httpx
 import pytest
 import zmq.asyncio
 
-from gateway.admission.kv_events import EventsView, Subscriber
-from gateway.admission.kv_index import block_keys
+from gateway.admission.fleet.kv_events import EventsView, Subscriber
 from gateway.admission.prompt_tokens import PromptTokenizer
+from gateway.admission.routing.kv_index import block_keys
 from gateway.app import create_app
 from gateway.clock import SystemClock
 from gateway.config import KvEventsSettings, parse_settings

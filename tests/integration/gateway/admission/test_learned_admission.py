@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.admission.metrics_text import samples, total
+from gateway.admission.fleet.metrics_text import samples, total
 from loadtest.sim.config import SimConfig
 from tests.support.fleet import Fleet, run_fleet
 from tests.support.metrics import metrics_text, text_sum

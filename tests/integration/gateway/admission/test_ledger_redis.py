@@ -10,9 +10,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from gateway.admission.ledger import Reservation
-from gateway.admission.ledger_calls import ledger_script
-from gateway.admission.ledger_redis import RedisLedger
+from gateway.admission.ledger.calls import ledger_script
+from gateway.admission.ledger.reservations import Reservation
+from gateway.admission.ledger.shared import RedisLedger
 from gateway.clock import ManualClock, SystemClock
 from loadtest.procs import RedisProcess
 

@@ -15,9 +15,9 @@ import httpx
 import redis
 import redis.asyncio as aioredis
 
-from gateway.admission.backends import build_pools
-from gateway.admission.ledger_redis import RedisLedger
-from gateway.admission.router import Router
+from gateway.admission.fleet.backends import build_pools
+from gateway.admission.ledger.shared import RedisLedger
+from gateway.admission.routing.router import Router
 from gateway.app import create_app
 from gateway.clock import SystemClock
 from gateway.config import parse_settings

@@ -1,4 +1,4 @@
-"""One scrape of each backend's /metrics feeds every reader (gateway/admission/backend_load.py's
+"""One scrape of each backend's /metrics feeds every reader (admission/fleet/backend_load.py's
 MetricsScrape): a page fetched within a reader's freshness is not fetched again, a failed
 page is never handed to another reader."""
 
@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from gateway.admission.backend_load import MetricsScrape
+from gateway.admission.fleet.backend_load import MetricsScrape
 from gateway.clock import ManualClock
 from tests.support.harness import ServerThread
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from gateway.admission.metrics_text import samples, total
+from gateway.admission.fleet.metrics_text import samples, total
 from loadtest.percentile import percentile_or_nan
 from loadtest.sim.config import SimConfig
 from tests.support.fleet import Fleet, run_fleet

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from starlette.types import Receive, Scope, Send
 
-from gateway.admission.metrics_text import samples, values
+from gateway.admission.fleet.metrics_text import samples, values
 from loadtest.procs import free_port
 from loadtest.sim.config import SimConfig
 from tests.support.fleet import Fleet, run_fleet

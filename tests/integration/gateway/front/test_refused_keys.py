@@ -8,7 +8,7 @@ import logging
 import httpx
 import pytest
 
-from gateway.admission.metrics_text import samples
+from gateway.admission.fleet.metrics_text import samples
 from loadtest.sim.config import SimConfig
 from tests.support.fleet import run_fleet
 

@@ -25,7 +25,7 @@ SPEED = 0.8  # ~8 ms a decode step at speed 1: 251 tokens in about 2.5 s
 def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
     # the forecast on the ledger alone: the gateway's prompt estimate (5 tokens) is short of
     # the simulator's (8), so four answers outgrow the KV cache there, and the back-off that
-    # follows (gateway/admission/fill.py) would change how many run at once
+    # follows (gateway/admission/fleet/fill.py) would change how many run at once
     options = {"m": {**request.param, "feedback": False}}
     sim = SimConfig(model="m", kv_tokens=65 * 16, speed=SPEED)
     with run_fleet(pools={"m": [sim]}, pool_options=options) as f:

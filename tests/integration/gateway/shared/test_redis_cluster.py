@@ -13,7 +13,7 @@ import openai
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from gateway.admission.ledger_redis import RedisLedger
+from gateway.admission.ledger.shared import RedisLedger
 from gateway.app import create_app
 from gateway.clock import SystemClock
 from gateway.config import parse_settings

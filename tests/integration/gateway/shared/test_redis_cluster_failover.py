@@ -211,7 +211,7 @@ class Load:
 
 
 BATCHES = "{spillgate:batch}"  # the batch store's hash tag (gateway/batch/store.py)
-RELEASES = "spillgate:ledger:released"  # the ledger's channel (gateway/admission/ledger_calls.py)
+RELEASES = "spillgate:ledger:released"  # the ledger's channel (gateway/admission/ledger/calls.py)
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 

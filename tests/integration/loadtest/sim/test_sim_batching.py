@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from gateway.admission.metrics_text import samples
+from gateway.admission.fleet.metrics_text import samples
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from loadtest.sim.tokens import FillerText, chat_prompt_tokens

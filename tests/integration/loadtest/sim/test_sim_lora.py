@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.admission.metrics_text import samples
+from gateway.admission.fleet.metrics_text import samples
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import LoraLoadFailure, LoraModule, SimConfig
 from tests.support.harness import ServerThread

@@ -3,7 +3,7 @@
 import httpx
 import pytest
 
-from gateway.admission.metrics_text import samples
+from gateway.admission.fleet.metrics_text import samples
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from tests.support.harness import ServerThread

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import redis
 
-from gateway.admission.metrics_text import samples, values
+from gateway.admission.fleet.metrics_text import samples, values
 from gateway.app import create_app
 from gateway.config import parse_settings
 from loadtest.procs import RedisProcess

@@ -18,8 +18,8 @@ import httpx
 import redis.asyncio as aioredis
 import yaml
 
-from gateway.admission.metrics_text import samples as samples_of
-from gateway.admission.metrics_text import values
+from gateway.admission.fleet.metrics_text import samples as samples_of
+from gateway.admission.fleet.metrics_text import values
 from gateway.clock import SystemClock
 from gateway.config import Priority
 from gateway.overflow import Rival

@@ -9,10 +9,10 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.admission.backends import build_pools
-from gateway.admission.held import HeldReservation
-from gateway.admission.ledger import LocalLedger
-from gateway.admission.router import Router
+from gateway.admission.fleet.backends import build_pools
+from gateway.admission.ledger.held import HeldReservation
+from gateway.admission.ledger.reservations import LocalLedger
+from gateway.admission.routing.router import Router
 from gateway.clock import ManualClock
 from gateway.config import BackendSettings, PoolSettings
 from gateway.errors import UpstreamError

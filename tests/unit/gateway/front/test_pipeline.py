@@ -14,9 +14,9 @@ import orjson
 import pytest
 
 import gateway.front
-from gateway.admission.backends import build_pools
-from gateway.admission.ledger import LocalLedger
-from gateway.admission.router import Router
+from gateway.admission.fleet.backends import build_pools
+from gateway.admission.ledger.reservations import LocalLedger
+from gateway.admission.routing.router import Router
 from gateway.clock import ManualClock
 from gateway.config import BackendSettings, PoolSettings, Settings, TenantSettings
 from gateway.front.auth import Authenticator

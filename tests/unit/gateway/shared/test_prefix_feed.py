@@ -4,7 +4,7 @@ on the way in."""
 
 from collections.abc import Sequence
 
-from gateway.admission.prefix_index import CHARS_PER_TOKEN, PrefixIndex, block_keys
+from gateway.admission.routing.prefix_index import CHARS_PER_TOKEN, PrefixIndex, block_keys
 from gateway.shared.prefix_feed import PrefixFeed, decode, encode
 
 BLOCK = 16

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from gateway.admission.metrics_text import samples, values
+from gateway.admission.fleet.metrics_text import samples, values
 from loadtest.sim.config import SimConfig, resolve
 from loadtest.sim.metrics import SimMetrics
 from loadtest.sim.scheduler import Scheduler, SchedulerLimits, SeqState, Sequence

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from gateway.admission.ledger import LocalLedger
+from gateway.admission.ledger.reservations import LocalLedger
 from gateway.clock import ManualClock
 from gateway.config import ProviderSettings
 from gateway.errors import SpillgateError

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.admission.ledger import LocalLedger, Reservation
+from gateway.admission.ledger.reservations import LocalLedger, Reservation
 from gateway.clock import ManualClock
 from gateway.config import ProviderSettings
 from gateway.metrics import GatewayMetrics

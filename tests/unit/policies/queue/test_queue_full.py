@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.admission.metrics_text import samples, values
+from gateway.admission.fleet.metrics_text import samples, values
 from gateway.errors import QueueFull
 from policies.queue.fair_queue import QueueResult
 from policies.queue.policy import QueuePolicy
