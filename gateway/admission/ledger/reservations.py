@@ -24,7 +24,7 @@ class Reservation(NamedTuple):
 
     backend: str
     tokens: int
-    lease: str
+    id: str  # unique in the ledger that took it
     shared: SharedBlocks = NO_BLOCKS
 
     @property
@@ -59,12 +59,12 @@ class Ledger(Protocol):
         ...
 
     async def release(self, reservation: Reservation) -> None:
-        """Give back exactly what the lease holds, grown or not; releasing twice is a no-op."""
+        """Give back all the reservation holds, grown or not; a second release is a no-op."""
         ...
 
     async def extend(self, reservation: Reservation, tokens: int) -> Reservation:
-        """Add `tokens` to a held lease whatever the limit (its request is running already);
-        returns the lease as it now stands (unchanged once released)."""
+        """Add `tokens` to a held reservation whatever the limit (its request is running already);
+        returns the reservation as it now stands (unchanged once released)."""
         ...
 
     def tokens_in_flight(self, backend: str) -> int:
@@ -99,14 +99,14 @@ class LocalLedger:
             tokens += self._holders.hold(backend, shared) - shared.tokens
         self._tokens[backend] = held + tokens
         self._sessions[backend] = self._sessions.get(backend, 0) + 1
-        self._open[reservation.lease] = reservation
+        self._open[reservation.id] = reservation
         return reservation
 
     def cost(self, backend: str, tokens: int, shared: SharedBlocks = NO_BLOCKS) -> int:
         return self._holders.cost(backend, tokens, shared)
 
     async def release(self, reservation: Reservation) -> None:
-        held = self._open.pop(reservation.lease, None)
+        held = self._open.pop(reservation.id, None)
         if held is None:
             return
         freed = held.tokens
@@ -116,11 +116,11 @@ class LocalLedger:
         self._sessions[held.backend] -= 1
 
     async def extend(self, reservation: Reservation, tokens: int) -> Reservation:
-        held = self._open.get(reservation.lease)
+        held = self._open.get(reservation.id)
         if held is None or tokens <= 0:
             return held or reservation
         grown = held._replace(tokens=held.tokens + tokens)
-        self._open[held.lease] = grown
+        self._open[held.id] = grown
         self._tokens[held.backend] += tokens
         return grown
 

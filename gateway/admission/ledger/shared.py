@@ -110,7 +110,7 @@ class RedisLedger:
             on_failure=self._failed,
         )
         self.channel = self._calls.channel
-        self._held: dict[str, Reservation] = {}  # admitted here, by lease id
+        self._held: dict[str, Reservation] = {}  # admitted here, by id
         self._holders = Holders()  # this replica's holders of shared blocks
         self._ids = itertools.count()
         self._mode: LedgerMode = "shared"
@@ -138,7 +138,7 @@ class RedisLedger:
         self, backend: str, tokens: int, *, limit: int, shared: SharedBlocks = NO_BLOCKS
     ) -> Reservation | None:
         grant = self._grants.grant(backend)
-        lease = Reservation(backend, tokens, f"{self.replica_id}:{next(self._ids)}", shared)
+        taken = Reservation(backend, tokens, f"{self.replica_id}:{next(self._ids)}", shared)
         cost = self.cost(backend, tokens, shared)
         share = limit // self._share
         capped = self._mode == "local" or self._clock.monotonic() < self._capped_until
@@ -148,14 +148,14 @@ class RedisLedger:
             grant.limit = limit
             if grant.sent is None and grant.fits(cost, limit):
                 grant.take(cost)
-                return self._hold(lease, cost)
+                return self._hold(taken, cost)
             admitted = await self._calls.ask(backend, grant, cost, limit)
             if admitted is not None:  # Redis answered; an admitted ask is counted already
-                return self._hold(lease, cost) if admitted else None
+                return self._hold(taken, cost) if admitted else None
         if grant.used + cost > share:  # Redis did not answer (or is not asked)
             return None
         grant.take(cost)
-        return self._hold(lease, cost)
+        return self._hold(taken, cost)
 
     def cost(self, backend: str, tokens: int, shared: SharedBlocks = NO_BLOCKS) -> int:
         """Shared blocks count once per replica: each replica's own holders decide, so with
@@ -164,25 +164,25 @@ class RedisLedger:
         return self._holders.cost(backend, tokens, shared)
 
     async def release(self, reservation: Reservation) -> None:
-        held = self._held.pop(reservation.lease, None)
+        held = self._held.pop(reservation.id, None)
         if held is None:
             return
         grant = self._grants.grant(held.backend)
         freed = self._holders.drop(held.backend, held.shared)
-        grant.give(held.own_tokens + freed)  # what the lease holds now: grown, perhaps
+        grant.give(held.own_tokens + freed)  # what it holds now: grown, perhaps
         if self._mode == "shared" and grant.sent is None and grant.excess(self._spare_permille) > 0:
             await asyncio.wait([self._calls.send(held.backend, grant)])  # published: queues wake
 
     async def extend(self, reservation: Reservation, tokens: int) -> Reservation:
-        """Grow a held lease: counted here at once, and in Redis by the next call for its
+        """Grow a held reservation: counted here at once, and in Redis by the next call for its
         backend (a stream grows by every KV block it fills: the refresh carries them all, not
         a round trip per block). Until then the grant admits nothing it no longer has room
         for."""
-        held = self._held.get(reservation.lease)
+        held = self._held.get(reservation.id)
         if held is None or tokens <= 0:
             return held or reservation
         grown = held._replace(tokens=held.tokens + tokens)
-        self._held[held.lease] = grown
+        self._held[held.id] = grown
         self._grants.grant(held.backend).used += tokens
         return grown
 
@@ -272,13 +272,13 @@ class RedisLedger:
 
     # -- helpers --------------------------------------------------------------------------
 
-    def _hold(self, lease: Reservation, cost: int) -> Reservation:
-        """Hold `lease`, admitted at `cost`: what its shared blocks add is counted as it is
+    def _hold(self, reservation: Reservation, cost: int) -> Reservation:
+        """Hold `reservation`, admitted at `cost`: what its shared blocks add is counted as it is
         now (another request may have taken or let go of them while Redis was asked)."""
-        self._held[lease.lease] = lease
-        added = self._holders.hold(lease.backend, lease.shared)
-        self._grants.grant(lease.backend).used += lease.own_tokens + added - cost
-        return lease
+        self._held[reservation.id] = reservation
+        added = self._holders.hold(reservation.backend, reservation.shared)
+        self._grants.grant(reservation.backend).used += reservation.own_tokens + added - cost
+        return reservation
 
     def _shared(self) -> bool:
         return self._mode == "shared"

@@ -100,7 +100,7 @@ class GroupLoads:
 
     def __init__(self) -> None:
         self._members: dict[tuple[str, Group], dict[str, InFlight]] = {}
-        self._groups: dict[str, tuple[str, Group]] = {}  # lease → (backend, group)
+        self._groups: dict[str, tuple[str, Group]] = {}  # reservation id → (backend, group)
 
     def held(self, backend: str, group: Group) -> int:
         members = self._members.get((backend, group))
@@ -113,17 +113,17 @@ class GroupLoads:
         return own + shared
 
     def add(self, record: InFlight, group: Group) -> None:
-        lease = record.reservation.lease
+        rid = record.reservation.id
         where = (record.reservation.backend, group)
-        self._members.setdefault(where, {})[lease] = record
-        self._groups[lease] = where
+        self._members.setdefault(where, {})[rid] = record
+        self._groups[rid] = where
 
-    def remove(self, lease: str) -> None:
-        where = self._groups.pop(lease, None)
+    def remove(self, rid: str) -> None:
+        where = self._groups.pop(rid, None)
         if where is None:
             return
         members = self._members[where]
-        del members[lease]
+        del members[rid]
         if not members:
             del self._members[where]
 

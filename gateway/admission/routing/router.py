@@ -42,7 +42,7 @@ class Router:
         self._backends = {b.name: b for p in pools.values() for b in p.backends}
         self._listeners: list[ReleaseListener] = []
         self._holds = {name: HoldTimes() for name in pools}
-        # pool → lease → its one record: the reservations and ages the forecast reads
+        # pool → reservation id → its one record: the reservations and ages the forecast reads
         self._held: dict[str, dict[str, InFlight]] = {name: {} for name in pools}
         self._forecasts: dict[tuple[str, int], tuple[float, float]] = {}  # → (at, seconds)
         self._waiting: dict[str, WaitingTokens] = {}
@@ -301,7 +301,7 @@ class Router:
         session: str | None = None,
     ) -> Reservation:
         pool = self._backends[reservation.backend].pool
-        record = self._held[pool][reservation.lease] = InFlight(
+        record = self._held[pool][reservation.id] = InFlight(
             reservation=reservation, at=self.clock.monotonic()
         )
         group = group_of(prefix, session)
@@ -431,15 +431,15 @@ class Router:
         generating already. Returns what it now holds."""
         grown = await self.ledger.extend(reservation, tokens)
         pool = self._backends[reservation.backend].pool
-        record = self._held[pool].get(reservation.lease)
+        record = self._held[pool].get(reservation.id)
         if record is not None:
             record.reservation = grown
         return grown
 
     async def release(self, reservation: Reservation) -> None:
         pool = self._backends[reservation.backend].pool
-        record = self._held[pool].pop(reservation.lease, None)  # gone even if the release fails
-        self._groups.remove(reservation.lease)
+        record = self._held[pool].pop(reservation.id, None)  # gone even if the release fails
+        self._groups.remove(reservation.id)
         await self.ledger.release(reservation)
         if record is not None:
             self._holds[pool].observe(self.clock.monotonic() - record.at)

@@ -64,15 +64,15 @@ def test_replicas_share_one_budget_and_never_go_past_it(redis_proc: RedisProcess
                 await ledger.refresh()
                 assert ledger.snapshot()["b0"] == (1000, 10)
             owner = {
-                r.lease: ledger
+                r.id: ledger
                 for ledger in ledgers
                 for r in granted
-                if r.lease.startswith(ledger.replica_id)
+                if r.id.startswith(ledger.replica_id)
             }
             for r in granted:
-                await owner[r.lease].release(r)
-                await owner[r.lease].release(r)  # twice: a no-op
-            stranger = Reservation("b0", 100, granted[0].lease)
+                await owner[r.id].release(r)
+                await owner[r.id].release(r)  # twice: a no-op
+            stranger = Reservation("b0", 100, granted[0].id)
             await ledgers[0].release(stranger)  # not held here: a no-op as well
             await ledgers[0].refresh()
             assert ledgers[0].snapshot() == {"b0": (0, 0), "b1": (0, 0)}
@@ -225,7 +225,7 @@ def test_an_extension_is_shared_passes_the_limit_and_is_released_whole(
             held = await holder.reserve("b0", 600, limit=1000)
             assert held is not None
             grown = await holder.extend(held, 300)
-            assert grown == Reservation("b0", 900, held.lease)
+            assert grown == Reservation("b0", 900, held.id)
             grown = await holder.extend(held, 200)  # running already: past the limit
             assert grown.tokens == 1100
             assert holder.snapshot()["b0"] == (1100, 1)  # counted here at once
