@@ -66,7 +66,7 @@ def create_app(
     env = dict(os.environ if environ is None else environ)
     clock = clock or SystemClock()
     metrics = GatewayMetrics(multiprocess_dir=env.get(MULTIPROC_ENV))
-    pools = build_pools(settings.pools, clock=clock)
+    pools = build_pools(settings.pools, clock=clock, profiles=settings.routing_profiles)
     url = redis_url or env.get(settings.redis.url_env)
     shared = None
     if url:
@@ -119,7 +119,7 @@ def create_app(
         adapters=AdapterLoader(
             client=client,
             clock=clock,
-            candidates=router.candidates,
+            candidates=router.in_rotation,
             on_load=lambda pool, adapter, backend, loaded: loads_told.labels(
                 pool, adapter, backend, "loaded" if loaded else "failed"
             ).inc(),

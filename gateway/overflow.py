@@ -9,13 +9,15 @@ through these; `gateway/app.py` builds the chains and hands each the concrete pa
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
+# not only for the checker: a policy that asks whether a pool has room builds the Route
+from gateway.admission.routing.route import Route as Route
 from gateway.config import Priority
 from gateway.outcome import Outcome
-from gateway.request import Endpoint, InferenceRequest, SharedBlocks
+from gateway.request import Endpoint, InferenceRequest
 
 # not only for the checker: a policy predicts its time to first token from the targets'
 # recent answers (PredictsTtft)
@@ -224,25 +226,15 @@ class PoolRoom(Protocol):
         """Tell the forecast what waits in `pool`: the KV tokens of each waiting request."""
         ...
 
-    def has_room(
-        self,
-        pool: str,
-        tokens: int,
-        *,
-        sequences: int = 1,
-        shared: Sequence[SharedBlocks] = (),
-        adapter: str | None = None,
-    ) -> bool:
-        """Whether a reservation would find room now (from the last known tokens in flight);
-        the request's `shared` blocks counted as the reservation counts them, and only on
-        backends serving its `adapter`, when it asks for one."""
+    def has_room(self, route: Route) -> bool:
+        """Whether a reservation for `route` would find room now (from the last known tokens
+        in flight): on a backend its pool's routing filters keep, by the rule reserving
+        follows, its shared blocks counted as the reservation counts them."""
         ...
 
-    def fits_ever(
-        self, pool: str, tokens: int, *, sequences: int = 1, adapter: str | None = None
-    ) -> bool:
-        """Whether any backend of the pool (serving `adapter`, when one is asked for) could
-        hold the request even when idle."""
+    def fits_ever(self, route: Route) -> bool:
+        """Whether any backend of the route's pool (serving its adapter, when it names one)
+        could hold its request even when idle."""
         ...
 
     def pool_kv_tokens(self, pool: str, tokens: int, *, sequences: int = 1) -> int:

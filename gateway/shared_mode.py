@@ -178,7 +178,7 @@ class SharedMode:
         )
         if any(pool.outputs.learns() for pool in pools.values()):
             self.feeds.append(LengthFeed(batcher=self.batcher, pools=pools, timeout_s=timeout_s))
-        if any(pool.settings.routing == "prefix" for pool in pools.values()):
+        if any(pool.by_prefix for pool in pools.values()):
             prefixes = PrefixFeed(
                 self.redis, learner=router, replica_id=self.ledger.replica_id, timeout_s=timeout_s
             )

@@ -11,7 +11,7 @@ from typing import ClassVar
 from gateway.config import PoolSettings
 from gateway.errors import UpstreamError
 from gateway.outcome import Outcome
-from gateway.overflow import Latencies, OverflowContext, PoolRoom, predict
+from gateway.overflow import Latencies, OverflowContext, PoolRoom, Route, predict
 from gateway.request import Endpoint, InferenceRequest
 from gateway.upstream.served import Served
 from policies.deps import PolicyDeps
@@ -36,9 +36,8 @@ class DegradePolicy:
         return cls(to_pool=pool.degrade_to, room=deps.room, latencies=deps.latencies)
 
     def predict_ttft_s(self, request: InferenceRequest) -> float | None:
-        if not self._room.has_room(
-            self._to, request.sequence_tokens, sequences=request.n, shared=request.shared
-        ):
+        route = Route(self._to, request.sequence_tokens, request.n, shared=request.shared)
+        if not self._room.has_room(route):
             return math.inf
         return predict(self._latencies.local, self._to, request)
 

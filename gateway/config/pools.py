@@ -302,12 +302,13 @@ class PoolSettings(_Model):
             "alone ([how](architecture.md#feedback-from-the-backends))"
         ),
     )
-    routing: Literal["least_filled", "prefix"] = Field(
+    routing: str = Field(
         "prefix",
         description=(
-            "which backend a request goes to: `prefix`, the one likeliest to hold the prompt's "
-            "leading blocks cached, unless that overloads it; `least_filled`, the one with the "
-            "most room ([how](architecture.md#routing))"
+            "the routing profile that picks a request's backend: `prefix`, the one likeliest "
+            "to hold the prompt's leading blocks cached, unless that overloads it; "
+            "`least_filled`, the one with the most room; or a profile of `routing_profiles` "
+            "([how](architecture.md#routing))"
         ),
     )
     tokenizer: str | None = Field(

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from gateway.config.problems import Problem, did_you_mean, key_path
+from gateway.config.routing import BUILTIN_PROFILES
 
 Entry = tuple[int, dict[str, Any]]
 
@@ -18,6 +19,7 @@ Entry = tuple[int, dict[str, Any]]
 def reference_problems(data: Any) -> list[Problem]:
     doc = data if isinstance(data, dict) else {}
     pools, providers, tenants = (_entries(doc, key) for key in ("pools", "providers", "tenants"))
+    profiles = _entries(doc, "routing_profiles")
     pool_names, provider_names = _names(pools), _names(providers)
     problems = [
         *_repeated_names("pools", pools),
@@ -26,6 +28,8 @@ def reference_problems(data: Any) -> list[Problem]:
         *_repeated_backend_names(pools),
         *_repeated_tenant_keys(tenants),
         *_adapter_names(pools),
+        *_repeated_names("routing_profiles", profiles),
+        *_routing_references(pools, profiles),
     ]
     tenant_names = _names(tenants)
     for i, pool in pools:
@@ -52,6 +56,21 @@ def reference_problems(data: Any) -> list[Problem]:
                     _missing(("providers", i, "models", name), "pool or adapter", name, known)
                 )
     return problems
+
+
+def _routing_references(pools: list[Entry], profiles: list[Entry]) -> Iterator[Problem]:
+    """A pool's `routing` names a profile; a profile of the config does not take a
+    built-in one's name."""
+    names = list(BUILTIN_PROFILES) + _names(profiles)
+    for i, profile in profiles:
+        name = profile.get("name")
+        if name in BUILTIN_PROFILES:
+            message = f"{name!r} is a built-in routing profile: give this one another name"
+            yield Problem(loc=("routing_profiles", i, "name"), message=message)
+    for i, pool in pools:
+        routing = pool.get("routing")
+        if isinstance(routing, str) and routing not in names:
+            yield _missing(("pools", i, "routing"), "routing profile", routing, names)
 
 
 def backend_name(pool: str, index: int, name: Any) -> str:

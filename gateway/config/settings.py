@@ -22,6 +22,7 @@ from gateway.config.problems import (
 )
 from gateway.config.providers import ProviderSettings
 from gateway.config.references import reference_problems
+from gateway.config.routing import RoutingProfileSettings
 from gateway.config.server import BatchSettings, ServerSettings, TracingSettings
 from gateway.config.shared import LedgerSettings, RateLimitSettings, RedisSettings
 from gateway.config.tenants import TenantSettings
@@ -37,6 +38,13 @@ class Settings(_Model):
     tenants: list[TenantSettings] = Field(min_length=1)
     pools: list[PoolSettings] = Field(min_length=1)
     providers: list[ProviderSettings] = Field(default_factory=list)
+    routing_profiles: list[RoutingProfileSettings] = Field(
+        default_factory=list,
+        description=(
+            "Ways of choosing a backend beyond the built-in `prefix` and `least_filled`, for "
+            "pools to name in `routing` ([how](routing-plugins.md))"
+        ),
+    )
     tracing: TracingSettings = TracingSettings()
     batch: BatchSettings = BatchSettings()
 

@@ -10,6 +10,7 @@ from starlette.types import Send
 from gateway.admission.ledger.growth import Growth
 from gateway.admission.ledger.held import HeldReservation
 from gateway.admission.ledger.reservations import Reservation
+from gateway.admission.routing.route import Route
 from gateway.admission.routing.router import Router
 from gateway.clock import Clock
 from gateway.errors import NoRoomToRetry, UpstreamError, UpstreamTimeout, UpstreamUnavailable
@@ -127,18 +128,7 @@ class Exchange:
             and (self.router.pool_fill(request.pool) >= pool.sheddable_max_fill)
         ):
             return _no_room()
-        return self.router.reserve(
-            request.pool,
-            request.sequence_tokens,
-            sequences=request.n,
-            exclude=request.avoid.union(exclude) if request.avoid else exclude,
-            prefix=request.prefix,
-            session=request.session,
-            token_ids=request.token_ids,
-            shared=request.shared,
-            running=running,
-            adapter=request.adapter,
-        )
+        return self.router.reserve(Route.of(request, exclude=exclude, running=running))
 
     def retry_after(self, request: InferenceRequest) -> float:
         """Seconds until `request`'s pool is likely to have room for it: a refusal's
@@ -189,7 +179,7 @@ class Exchange:
             self.held.take(await self.reserve(request, exclude=tried))
         reservation = self.held.reservation
         if reservation is None:
-            if self.router.candidates(request.pool, exclude=tried, adapter=request.adapter):
+            if self.router.candidates(Route.of(request, exclude=tried)):
                 raise _NoRoom("no backend of the pool has room to retry")
             raise UpstreamUnavailable("no other backend of the pool to retry on")
         backend = self.router.backend(reservation.backend)

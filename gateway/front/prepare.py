@@ -77,7 +77,7 @@ class Preparer:
         )
         if model != pool.name:
             request = request._replace(adapter=model)
-        by_prefix = len(pool.backends) > 1 and pool.settings.routing == "prefix"  # else no choice
+        by_prefix = len(pool.backends) > 1 and pool.by_prefix  # else no choice
         request, routed = self._keyed(request, pool, by_prefix=by_prefix)
         request = self._expect(request, pool)
         if by_prefix:

@@ -103,7 +103,7 @@ class AdminEndpoints:
     async def readyz(self, request: Request) -> Response:
         """Ready once every pool has at least one backend in rotation with known capacity;
         otherwise the pools without one, and why each backend that is down is down."""
-        missing = [name for name in self._router.pools if not self._router.candidates(name)]
+        missing = [name for name in self._router.pools if not self._router.in_rotation(name)]
         if missing:
             down = {
                 b.name: b.down_reason
@@ -126,7 +126,7 @@ class AdminEndpoints:
             m.ratelimit_degraded_tenants.set(len(self._limiter.degraded()))
         for name, pool in self._router.pools.items():
             capacity = 0
-            in_rotation = set(self._router.candidates(name))
+            in_rotation = set(self._router.in_rotation(name))
             for backend in pool.backends:
                 cap = self._router.capacity(backend)
                 capacity += cap
@@ -220,7 +220,7 @@ class AdminEndpoints:
         pools = []
         now = self._router.clock.monotonic()
         for name, pool in self._router.pools.items():
-            in_rotation = set(self._router.candidates(name))
+            in_rotation = set(self._router.in_rotation(name))
             backends = [
                 {
                     "name": b.name,

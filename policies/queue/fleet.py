@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from gateway.clock import Clock, Timer
 from gateway.config import PRIORITIES, Priority
-from gateway.overflow import PoolRoom, Rival
+from gateway.overflow import PoolRoom, Rival, Route
 
 HEARD_S = 0.5  # an announcement outranks the passes' view of its replica this long
 # a tenant waiting elsewhere with at most this share of the service of the tenant whose turn
@@ -82,13 +82,13 @@ class FleetWaiters:
             if theirs > rank or rival.tenant == tenant:
                 continue
             if theirs < rank:
-                if self._room.fits_ever(self._pool, rival.tokens, sequences=rival.sequences):
+                if self._room.fits_ever(Route(self._pool, rival.tokens, rival.sequences)):
                     return rival
                 continue
             mine = self._service(tenant) if mine is None else mine
             if self._service(rival.tenant) > CLEARLY_LESS * mine:
                 continue
-            if self._room.has_room(self._pool, rival.tokens, sequences=rival.sequences):
+            if self._room.has_room(Route(self._pool, rival.tokens, rival.sequences)):
                 return rival
         return None
 

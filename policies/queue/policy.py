@@ -51,6 +51,7 @@ from gateway.overflow import (
     QueueFeed,
     QueueMetrics,
     Rival,
+    Route,
     predict,
 )
 from gateway.request import Endpoint, InferenceRequest
@@ -258,9 +259,7 @@ class QueuePolicy:
 
     async def wait(self, request: InferenceRequest, exchange: OverflowContext) -> QueueResult:
         """Wait until the request holds a reservation in its pool (ADMITTED), or say why not."""
-        fits = self._room.fits_ever(
-            request.pool, request.sequence_tokens, sequences=request.n, adapter=request.adapter
-        )
+        fits = self._room.fits_ever(Route.of(request))
         if not fits:
             return QueueResult.REJECTED_NEVER_FITS
         entry = QueueEntry(
@@ -354,14 +353,10 @@ class QueuePolicy:
                     self._queue.remove(waiter)
                     continue
                 request = entry.request
-                if not self._room.has_room(
-                    self._pool,
-                    request.sequence_tokens,
-                    sequences=request.n,
-                    shared=request.shared,
-                    adapter=request.adapter,
-                ):
-                    if request.adapter is not None:
+                if not self._room.has_room(Route.of(request)):
+                    if request.adapter is not None or request.avoid:
+                        # it may go to some backends only: room on the others is not
+                        # its, and its line must not hold back the lines behind it
                         passed.add((waiter.priority, waiter.tenant))
                         continue
                     return  # the next release, or this waiter leaving, drains again

@@ -33,11 +33,15 @@ class Setup:
         max_wait_s: float | Literal["auto"] = 5.0,
         sheddable_max_fill: float = 1.0,
         max_tokens: int | None = None,
+        backends: int = 1,
     ) -> None:
         self.clock = clock
         self.settings = PoolSettings(
             name="p",
-            backends=[BackendSettings(url="http://127.0.0.1:9", capacity=CAPACITY, block_size=1)],
+            backends=[
+                BackendSettings(url="http://127.0.0.1:9", capacity=CAPACITY, block_size=1)
+                for _ in range(backends)
+            ],
             target_fill=1.0,
             sheddable_max_fill=sheddable_max_fill,
             queue=QueueSettings(max_depth=max_depth, max_wait_s=max_wait_s, max_tokens=max_tokens),

@@ -16,10 +16,11 @@ def local_router(
     target_fill: float,
     block_size: int,
     clock: ManualClock | None = None,
+    routing_profiles: Sequence[dict[str, Any]] = (),
     **pool: Any,
 ) -> Router:
-    """Pool `p` with one backend per capacity (`p-0`, `p-1`, …), a local ledger, and the
-    pool's other settings from `pool`."""
+    """Pool `p` with one backend per capacity (`p-0`, `p-1`, …), a local ledger, the
+    `routing_profiles` it may name, and the pool's other settings from `pool`."""
     backends = [
         {"url": f"http://127.0.0.1:{i + 1}", "capacity": c, "block_size": block_size}
         for i, c in enumerate(capacities)
@@ -28,7 +29,9 @@ def local_router(
         {
             "tenants": [{"name": "t", "key_env": "K"}],
             "pools": [{"name": "p", "target_fill": target_fill, "backends": backends, **pool}],
+            "routing_profiles": list(routing_profiles),
         }
     )
     clock = clock or ManualClock()
-    return Router(build_pools(settings.pools, clock=clock), ledger=LocalLedger(), clock=clock)
+    pools = build_pools(settings.pools, clock=clock, profiles=settings.routing_profiles)
+    return Router(pools, ledger=LocalLedger(), clock=clock)

@@ -26,8 +26,8 @@ is in no newer series, and the page has no such series until an adapter has run.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
@@ -50,9 +50,31 @@ RETRACTED = ("sglang:num_retracted_reqs",)
 PREFIX_QUERIES = ("vllm:prefix_cache_queries_total",)  # prompt tokens looked up, a counter
 PREFIX_HITS = ("vllm:prefix_cache_hits_total",)  # of them, the tokens found cached
 LORA_INFO = "vllm:lora_requests_info"
-_WANTED = frozenset(
+# the metrics every scrape keeps; a pool's routing plug-ins may ask for more (Backend.signals)
+LOAD_SIGNALS = frozenset(
     (*USAGE, *RUNNING, *WAITING, *PREEMPTIONS, *RETRACTED, *PREFIX_QUERIES, *PREFIX_HITS, LORA_INFO)
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Signals:
+    """The series of one scrape of a backend's metrics that its readers asked for, labels
+    and all: the load below is read from them, and routing plug-ins read what they name
+    (gateway/admission/routing/plugins.py)."""
+
+    series: Mapping[str, Sequence[Sample]]
+
+    def value(self, name: str, **labels: str) -> float | None:
+        """The sum of the series called `name` with these label values; None when none."""
+        found = [
+            s.value
+            for s in self.series.get(name, ())
+            if all(s.labels.get(k) == v for k, v in labels.items())
+        ]
+        return sum(found) if found else None
+
+
+NO_SIGNALS = Signals({})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,6 +91,7 @@ class ReportedLoad:
     # LoRA: the adapters its steps run now, and how many a step may run (None: not told)
     active_adapters: frozenset[str] = frozenset()
     max_loras: int | None = None
+    signals: Signals = field(default=NO_SIGNALS, compare=False)  # every series the scrape kept
 
     def adapter_room(self, adapter: str) -> int:
         """How readily it runs a request for `adapter` now: 0 where the adapter is active,
@@ -88,37 +111,36 @@ class ReportedLoad:
         return self.prefix_hits / self.prefix_queries
 
 
-def load_from_metrics(text: str) -> ReportedLoad | None:
-    """The load a vLLM or SGLang metrics page reports, or None when it reports no KV use
-    (or none that can be read)."""
-    values: dict[str, list[float]] = {}
+def load_from_metrics(text: str, wanted: frozenset[str] = LOAD_SIGNALS) -> ReportedLoad | None:
+    """The load a vLLM or SGLang metrics page reports, with the series called one of
+    `wanted` kept as its signals; None when it reports no KV use (or none that can be
+    read)."""
+    series: dict[str, list[Sample]] = {}
     try:
-        found = samples(text, _WANTED)
+        found = samples(text, wanted)
     except ValueError:
         return None
-    lora: Sample | None = None
     for sample in found:
-        if sample.name == LORA_INFO:
-            lora = sample if lora is None or sample.value > lora.value else lora
-            continue
-        values.setdefault(sample.name, []).append(sample.value)
-    usage = next((values[n] for n in USAGE if n in values), None)
+        series.setdefault(sample.name, []).append(sample)
+    usage = next((series[n] for n in USAGE if n in series), None)
     if not usage:
         return None
 
     def total(names: Iterable[str]) -> float | None:
-        found = [sum(values[n]) for n in names if n in values]
+        found = [sum(s.value for s in series[n]) for n in names if n in series]
         return found[0] if found else None
 
     running = total(RUNNING)
+    lora = max(series.get(LORA_INFO, ()), key=lambda s: s.value, default=None)
     return ReportedLoad(
-        kv_usage=min(1.0, max(0.0, sum(usage) / len(usage))),
+        kv_usage=min(1.0, max(0.0, sum(s.value for s in usage) / len(usage))),
         running=None if running is None else int(running),
         waiting=int(total(WAITING) or 0),
         preemptions=total(PREEMPTIONS),
         retracted=int(total(RETRACTED) or 0),
         prefix_queries=total(PREFIX_QUERIES),
         prefix_hits=total(PREFIX_HITS),
+        signals=Signals(series),
         **({} if lora is None else _lora(lora)),
     )
 
@@ -144,6 +166,11 @@ class LoadReporting(Protocol):
 
     @property
     def url(self) -> str: ...
+
+    @property
+    def signals(self) -> frozenset[str]:
+        """The metrics its scrape keeps (LOAD_SIGNALS, and what its routing reads)."""
+        ...
 
     def report(self, load: ReportedLoad, *, now: float, reserved: int = 0) -> FillReason | None:
         """Take a scrape; the reason the effective fill backed off, if it did."""
@@ -209,7 +236,7 @@ class LoadWatcher:
             return  # the probe (FleetWatcher) says why; the load just goes stale
         if response.status_code != 200:
             return
-        load = load_from_metrics(response.text)
+        load = load_from_metrics(response.text, backend.signals)
         if load is None:
             return
         reserved = max(before, self._reserved(backend.name))

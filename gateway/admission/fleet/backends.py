@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 import httpx
 import orjson
 
-from gateway.admission.fleet.backend_load import SCRAPE_S, STALE_S, MetricsScrape, ReportedLoad
+from gateway.admission.fleet.backend_load import (
+    LOAD_SIGNALS,
+    SCRAPE_S,
+    STALE_S,
+    MetricsScrape,
+    ReportedLoad,
+)
 from gateway.admission.fleet.demand import PoolDemand
 from gateway.admission.fleet.discovery import (
     LengthHistogram,
@@ -36,6 +42,7 @@ from gateway.admission.routing.prefix_index import PrefixIndex
 from gateway.clock import Clock
 from gateway.config import AdapterSettings, BackendSettings, PoolSettings, ReservationSettings
 from gateway.config.references import backend_name
+from gateway.config.routing import BUILTIN_PROFILES, RoutingProfileSettings, profile_named
 from gateway.errors import BackendUnavailable
 from gateway.request import InferenceRequest, PromptEstimator
 from gateway.tasks import Periodic
@@ -75,6 +82,8 @@ class Backend:
     health: BackendHealth = field(default_factory=BackendHealth)
     fill: FillController = field(default_factory=lambda: FillController(1.0))
     load: ReportedLoad | None = None  # what it last reported holding (backend_load.py)
+    # the metrics its scrape keeps: the load's, and those its pool's routing reads
+    signals: frozenset[str] = LOAD_SIGNALS
     load_at: float = float("-inf")
     reserved_at_load: int = 0  # what the ledger held on it while that scrape was taken
     # the lengths of the answers it generated, as its metrics last told them; read only
@@ -185,10 +194,18 @@ class Pool:
     # (gateway/admission/fleet/kv_events.py), and the model's tokenizer to match prompts against it
     events: dict[str, EventsView] = field(default_factory=dict)
     tokenizer: PromptTokenizer | None = None
+    # the routing profile its `routing` names (gateway/config/routing.py)
+    routing: RoutingProfileSettings = BUILTIN_PROFILES["prefix"]
 
     @property
     def name(self) -> str:
         return self.settings.name
+
+    @property
+    def by_prefix(self) -> bool:
+        """Whether its routing weighs where a prompt's prefix is cached: its requests'
+        prompts are then keyed, and where they went remembered."""
+        return any(s.plugin == "prefix" for s in self.routing.scorers)
 
     @property
     def max_model_len(self) -> int:
@@ -246,13 +263,21 @@ class Pool:
         return BackendUnavailable(f"No backend of pool {self.name!r} is available: {causes}.")
 
 
-def build_pools(pools: list[PoolSettings], *, clock: Clock) -> dict[str, Pool]:
+def build_pools(
+    pools: list[PoolSettings],
+    *,
+    clock: Clock,
+    profiles: list[RoutingProfileSettings] | tuple[()] = (),
+) -> dict[str, Pool]:
+    """The pools of `pools`, each with the routing profile it names (of `profiles`, or a
+    built-in one)."""
     built: dict[str, Pool] = {}
     for pool in pools:
         backends = [_backend(pool, i, b) for i, b in enumerate(pool.backends)]
         tokenizer = None if pool.tokenizer is None else PromptTokenizer(pool.tokenizer)
+        routing = profile_named(pool.routing, profiles)
         # the events index matches the prompt's tokens: only with a tokenizer, routing by prefix
-        by_events = pool.routing == "prefix" and tokenizer is not None
+        by_events = any(s.plugin == "prefix" for s in routing.scorers) and tokenizer is not None
         built[pool.name] = Pool(
             settings=pool,
             backends=backends,
@@ -264,6 +289,7 @@ def build_pools(pools: list[PoolSettings], *, clock: Clock) -> dict[str, Pool]:
                 if b.kv_events is not None and by_events
             },
             tokenizer=tokenizer,
+            routing=routing,
         )
     return built
 

@@ -1,6 +1,6 @@
 """Prefix routing's pick: the backend likeliest to hold a request's prompt, weighed against
-load (Router.reserve with `routing: prefix`; the index is gateway/admission/routing/prefix_index.py,
-or, for a backend that publishes KV events, what it reports holding: `Held`).
+load (the `prefix` scorer of routing/plugins.py; the index is routing/prefix_index.py, or,
+for a backend that publishes KV events, what it reports holding: `Held`).
 
 The herding guard passes over a backend that taking the request would leave more than
 PREFIX_SKEW times the pool's mean fill and more than PREFIX_SLACK above it, counting on
@@ -29,11 +29,11 @@ from gateway.admission.fleet.kv_events import EventsView
 from gateway.admission.ledger.reservations import InFlight
 from gateway.admission.routing.kv_index import block_keys
 from gateway.admission.routing.prefix_index import PrefixIndex
+from gateway.admission.routing.route import Candidate
 
 PREFIX_SKEW = 1.25
 PREFIX_SLACK = 0.1
 PREFIX_FLOOR = 0.5
-Ranked = list[tuple[float, int, Backend, int, int]]  # (fill, index, backend, limit, capacity)
 Group = bytes | str  # a prompt's first block key, else its session
 
 
@@ -129,7 +129,7 @@ class GroupLoads:
 
 
 def by_prefix(
-    ranked: Ranked,
+    candidates: Sequence[Candidate],
     *,
     tokens: int,
     prefix: Sequence[bytes],
@@ -137,33 +137,34 @@ def by_prefix(
     held: Held,
     loads: GroupLoads,
     target_fill: float,
-) -> None:
-    """Move to the front of `ranked` the backend that holds the request's session, else the
-    one likeliest to hold most of its prefix (ties: the least filled), among those the
-    herding guard does not pass over. A prefix no backend holds goes where a request of it
-    is in flight, else where the engines last reported caching it, else to the less filled
-    of its two homes: the backends its first block's key ranks highest (rendezvous
-    hashing), so replicas that keep their own indexes send a new prefix, and so its later
-    requests, to the same two backends at most, while load still picks between them."""
-    capacity = sum(c for *_, c in ranked)
-    mean = (sum(fill * c for fill, *_, c in ranked) + tokens) / capacity
+) -> int:
+    """The place in `candidates` (least filled first) of the backend that holds the
+    request's session, else of the one likeliest to hold most of its prefix (ties: the
+    least filled), among those the herding guard does not pass over. A prefix no backend
+    holds goes where a request of it is in flight, else where the engines last reported
+    caching it, else to the less filled of its two homes: the backends its first block's
+    key ranks highest (rendezvous hashing), so replicas that keep their own indexes send a
+    new prefix, and so its later requests, to the same two backends at most, while load
+    still picks between them. 0, the least filled, when none of these applies."""
+    capacity = sum(c.capacity for c in candidates)
+    mean = (sum(c.fill * c.capacity for c in candidates) + tokens) / capacity
     group = group_of(prefix, session)
-    mine = [0 if group is None else loads.held(b.name, group) for _, _, b, _, _ in ranked]
+    mine = [0 if group is None else loads.held(c.backend.name, group) for c in candidates]
     floor = PREFIX_FLOOR * target_fill
     home = held.index.session_backend(session)
     best, most = 0, 0.0
     eligible = []
-    for i, (fill, _, backend, _, size) in enumerate(ranked):
-        adds = tokens - min(tokens, held.cached(backend) or 0)  # what it allocates there
-        after = fill + adds / size
+    for i, c in enumerate(candidates):
+        adds = tokens - min(tokens, held.cached(c.backend) or 0)  # what it allocates there
+        after = c.fill + adds / c.capacity
         # a backend that reports holding most of the prompt serves it for a decode slot,
         # where another would prefill it and evict others' prompts: its load does not
         # pass it over, only the prefix's own
         loaded = after > floor and _over(after, mean) and 2 * adds > tokens
-        if _over((mine[i] + adds) / size, mean) or loaded:
+        if _over((mine[i] + adds) / c.capacity, mean) or loaded:
             continue
         eligible.append(i)
-        matched = math.inf if backend.name == home else held.tokens(backend)
+        matched = math.inf if c.backend.name == home else held.tokens(c.backend)
         if matched > most:
             best, most = i, matched
     if not most and prefix and eligible:
@@ -172,16 +173,17 @@ def by_prefix(
         # and evicts others'), else where the engines last cached it (kv_index.py), else
         # its two homes, first first: the less filled, the first when equally filled
         pending = [i for i in eligible if mine[i]]
-        stored = {i: at for i in eligible if (at := held.stored_at(ranked[i][2])) is not None}
+        stored = {
+            i: at for i in eligible if (at := held.stored_at(candidates[i].backend)) is not None
+        }
         if pending:
             best = max(pending, key=mine.__getitem__)
         elif stored:
             best = max(stored, key=stored.__getitem__)
         else:
-            ranks = sorted(eligible, key=lambda i: _weight(prefix[0], ranked[i][2].name))
-            best = min(ranks[::-1][:2], key=lambda i: ranked[i][0])
-    if best:
-        ranked.insert(0, ranked.pop(best))
+            ranks = sorted(eligible, key=lambda i: _weight(prefix[0], candidates[i].backend.name))
+            best = min(ranks[::-1][:2], key=lambda i: candidates[i].fill)
+    return best
 
 
 def _over(fill: float, mean: float) -> bool:

@@ -1,11 +1,12 @@
-"""Admission: reserve a request's tokens on the least-filled backend of a pool that has room."""
+"""Admission: reserve a request's tokens on the backend of its pool that its routing profile
+puts first among those with room for it."""
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 
+from gateway.admission.fleet.backend_load import LOAD_SIGNALS
 from gateway.admission.fleet.backends import Backend, Pool
 from gateway.admission.ledger.reservations import InFlight, Ledger, Reservation
 from gateway.admission.routing.forecast import (
@@ -14,7 +15,9 @@ from gateway.admission.routing.forecast import (
     expected_hold_s,
     seconds_until_fits,
 )
-from gateway.admission.routing.prefix_route import GroupLoads, Held, Ranked, by_prefix, group_of
+from gateway.admission.routing.prefix_route import GroupLoads, group_of
+from gateway.admission.routing.profile import RoutingProfile
+from gateway.admission.routing.route import Candidate, Route
 from gateway.clock import Clock
 from gateway.request import NO_BLOCKS, SharedBlocks
 from gateway.upstream.target import Target
@@ -51,6 +54,10 @@ class Router:
         self.adapters = {a.name: p for p in pools.values() for a in p.settings.adapters}
         self._rooms: dict[str, tuple[float, int]] = {}  # pool → (worked out at, room)
         self._groups = GroupLoads()  # what each prefix holds where: prefix routing's guard
+        self._profiles = {name: RoutingProfile(p, groups=self._groups) for name, p in pools.items()}
+        for name, p in pools.items():  # each backend's scrape keeps what its routing reads
+            for b in p.backends:
+                b.signals = LOAD_SIGNALS | self._profiles[name].signals
         # told of prompt blocks the prefix index learned by routing (shared mode: the
         # replicas' PrefixFeed), as (pool, backend, keys)
         self.on_prefix_routed: Callable[[str, str, Sequence[bytes]], None] | None = None
@@ -151,100 +158,75 @@ class Router:
         held = sum(self.ledger.tokens_in_flight(b.name) for b in backends)
         return held / capacity if capacity else 1.0
 
-    def candidates(
-        self, pool: str, *, exclude: Collection[str] = (), adapter: str | None = None
-    ) -> list[Backend]:
-        """The pool's usable backends (healthy, with known capacity, serving `adapter` when
-        one is asked for), least filled first."""
-        return [backend for *_, backend, _, _ in self._ranked(pool, exclude, adapter)]
+    def candidates(self, route: Route) -> list[Backend]:
+        """The backends of the route's pool that may take its request (its profile's
+        filters keep them, their capacity is known), least filled first."""
+        return [c.backend for c in self._candidates(route, self.clock.monotonic())]
 
-    def _ranked(self, pool: str, exclude: Collection[str], adapter: str | None = None) -> Ranked:
-        """(fill, index, backend, limit, capacity) of each usable backend, least filled
-        first; each capacity worked out once."""
-        p = self.pools[pool]
-        now = self.clock.monotonic()
+    def in_rotation(self, pool: str) -> list[Backend]:
+        """The pool's backends in rotation whose capacity is known, least filled first."""
+        return self.candidates(Route(pool, 0))
+
+    def _candidates(self, route: Route, now: float) -> list[Candidate]:
+        """Each backend the pool's filters keep whose capacity is known, least filled once
+        it holds the request first; what it holds and may hold worked out once."""
+        p = self.pools[route.pool]
+        keeps = self._profiles[route.pool].keeps
         stale = p.settings.metrics_stale_s
-        ranked: Ranked = []
+        shared = route.shared
+        found: list[Candidate] = []
         for i, b in enumerate(p.backends):
-            if b.name in exclude or not b.healthy(now):
-                continue
-            if adapter is not None and adapter not in b.adapters:
+            if not keeps(b, route, now):
                 continue
             capacity = b.capacity(now=now, stale_after=stale)
-            if capacity > 0:
-                held, limit = self._view(b, capacity, now)
-                ranked.append((held / capacity, i, b, limit, capacity))
-        if len(ranked) > 1:
-            ranked.sort()
-        return ranked
+            if capacity <= 0:
+                continue
+            held, limit = self._view(b, capacity, now)
+            need = kv_tokens(route.tokens, sequences=route.sequences, block_size=b.block_size)
+            blocks = _shared(b, shared) if shared else NO_BLOCKS
+            cost = self.ledger.cost(b.name, need, blocks) if blocks.keys else need
+            fill = held / capacity
+            found.append(Candidate(fill + cost / capacity, i, b, limit, capacity, fill, need, cost))
+        if len(found) > 1:
+            found.sort()
+        return found
 
-    async def reserve(
-        self,
-        pool: str,
-        tokens: int,
-        *,
-        sequences: int = 1,
-        exclude: Collection[str] = (),
-        prefix: Sequence[bytes] = (),
-        session: str | None = None,
-        token_ids: Sequence[int] = (),
-        shared: Sequence[SharedBlocks] = (),
-        running: bool = False,
-        adapter: str | None = None,
-    ) -> Reservation | None:
-        """Reserve `sequences` sequences of up to `tokens` tokens each, in whole KV blocks, on
-        the backend with room under the target fill that is least filled once it holds the
-        request, else None. Of its `shared` blocks (InferenceRequest.shared), those that
-        requests in flight on a backend already hold are not reserved there again
-        (gateway/admission/ledger/holders.py): a backend where its siblings run costs it less.
-        With `prefix` (the keys of the prompt's leading blocks) or a `session`, the backend
-        likeliest to hold them goes first, within the herding guard (`_by_prefix`); with the
-        prompt's `token_ids`, a backend that publishes KV events is scored by what it
-        reports holding. A request for a LoRA `adapter` goes only to a backend serving it,
-        first where the adapter is active, then where an adapter slot is free (the
-        backend's `vllm:lora_requests_info`, gateway/admission/fleet/backend_load.py).
+    async def reserve(self, route: Route) -> Reservation | None:
+        """Reserve the route's request, in whole KV blocks, on the first backend where it
+        fits, in the order the pool's routing profile gives (gateway/admission/routing/
+        plugins.py: filters, scorers, a picker), else None. Of its shared blocks
+        (InferenceRequest.shared), those that requests in flight on a backend already hold
+        are not reserved there again (gateway/admission/ledger/holders.py).
 
         A request larger than the target fill allows but within a backend's KV cache is
         reserved on an idle backend, alone: the ledger's limit is then its own size. A
-        `running` request (a stream continued from a backend that failed) was admitted
-        already: it may fill a backend's KV cache past the target fill, as a stream that
-        grows does.
+        `running` request may fill a backend's KV cache past the target fill.
         """
-        ranked = self._ranked(pool, exclude, adapter)
-        if running:
-            ranked = [(fill, i, b, capacity, capacity) for fill, i, b, _, capacity in ranked]
-        if shared and len(ranked) > 1:  # least filled once the request is held there
-            cost = functools.partial(self._cost, tokens=tokens, sequences=sequences, shared=shared)
-            ranked.sort(key=lambda r: (r[0] + cost(r[2]) / r[4], r[1]))
-        if prefix or session:
-            if self.pools[pool].settings.routing != "prefix":
-                prefix, session = (), None
-            elif len(ranked) > 1:
-                self._by_prefix(pool, ranked, tokens * sequences, prefix, session, token_ids)
-        if adapter is not None and len(ranked) > 1:
-            # where the adapter runs now, then where a step has a slot for it: each in the
-            # order so far (a stable sort)
-            now = self.clock.monotonic()
-            ranked.sort(key=lambda r: r[2].adapter_room(adapter, now))
+        now = self.clock.monotonic()
+        candidates = self._candidates(route, now)
+        if not candidates:
+            return None
+        ordered = self._profiles[route.pool].order(route, candidates, now)
         # where it fits under the target fill first, then where it may run alone
-        alone: list[tuple[Backend, int, int]] = []
-        for *_, backend, limit, capacity in ranked:
-            need = kv_tokens(tokens, sequences=sequences, block_size=backend.block_size)
-            fit = self._fit_limit(backend, need, limit=limit, capacity=capacity)
+        alone: list[tuple[Candidate, int]] = []
+        for c in ordered:
+            limit = c.capacity if route.running else c.limit
+            fit = self._fit_limit(c.backend, c.need, limit=limit, capacity=c.capacity)
             if fit is None:
                 continue
             if fit != limit:
-                alone.append((backend, need, fit))
+                alone.append((c, fit))
                 continue
+            blocks = _shared(c.backend, route.shared) if route.shared else NO_BLOCKS
             reservation = await self.ledger.reserve(
-                backend.name, need, limit=limit, shared=_shared(backend, shared)
+                c.backend.name, c.need, limit=limit, shared=blocks
             )
             if reservation is not None:
-                return self._hold(reservation, prefix, session)
-        for backend, need, fit in alone:
-            reservation = await self.ledger.reserve(backend.name, need, limit=fit)
+                return self._hold(reservation, route)
+        for c, fit in alone:
+            reservation = await self.ledger.reserve(c.backend.name, c.need, limit=fit)
             if reservation is not None:
-                return self._hold(reservation, prefix, session)
+                return self._hold(reservation, route)
         return None
 
     def _fit_limit(self, backend: Backend, need: int, *, limit: int, capacity: int) -> int | None:
@@ -271,47 +253,19 @@ class Router:
                 most = max(most, blocks.tokens - new)
         return most
 
-    def _cost(
-        self, backend: Backend, *, tokens: int, sequences: int, shared: Sequence[SharedBlocks]
-    ) -> int:
-        """What the request would add to `backend`'s tokens in flight now."""
-        need = kv_tokens(tokens, sequences=sequences, block_size=backend.block_size)
-        return self.ledger.cost(backend.name, need, _shared(backend, shared))
-
-    def _by_prefix(
-        self,
-        pool: str,
-        ranked: Ranked,
-        tokens: int,
-        prefix: Sequence[bytes],
-        session: str | None,
-        token_ids: Sequence[int],
-    ) -> None:
-        """Put first the backend likeliest to hold the prompt that the herding guard does not
-        pass over (gateway/admission/routing/prefix_route.py)."""
-        p = self.pools[pool]
-        held = Held(p.prefixes, prefix, events=p.events, token_ids=token_ids)
-        by_prefix(ranked, tokens=tokens, prefix=prefix, session=session, held=held,
-                  loads=self._groups, target_fill=p.settings.target_fill)  # fmt: skip
-
-    def _hold(
-        self,
-        reservation: Reservation,
-        prefix: Sequence[bytes] = (),
-        session: str | None = None,
-    ) -> Reservation:
+    def _hold(self, reservation: Reservation, route: Route) -> Reservation:
         pool = self._backends[reservation.backend].pool
         record = self._held[pool][reservation.id] = InFlight(
             reservation=reservation, at=self.clock.monotonic()
         )
-        group = group_of(prefix, session)
-        if group is not None:
+        group = group_of(route.prefix, route.session)
+        if group is not None and self.pools[pool].by_prefix:
             self._groups.add(record, group)
             backend = self._backends[reservation.backend]
             fresh = self.pools[pool].prefixes.routed(
                 backend.name,
-                prefix,
-                session=session,
+                route.prefix,
+                session=route.session,
                 blocks=self.capacity(backend) // backend.block_size,
             )
             if fresh and self.on_prefix_routed is not None:
@@ -326,37 +280,27 @@ class Router:
         blocks = self.capacity(found) // found.block_size
         self.pools[pool].prefixes.learn(backend, keys, blocks=blocks)
 
-    def has_room(
-        self,
-        pool: str,
-        tokens: int,
-        *,
-        sequences: int = 1,
-        shared: Sequence[SharedBlocks] = (),
-        adapter: str | None = None,
-    ) -> bool:
-        """Whether `reserve` would find room now (from the last known tokens in flight)."""
+    def has_room(self, route: Route) -> bool:
+        """Whether `reserve` would find room for `route` now (from the last known tokens in
+        flight), by the same filters and the same rule of where a request fits."""
         held = self.ledger.tokens_in_flight
-        for *_, backend, limit, capacity in self._ranked(pool, (), adapter):
-            need = kv_tokens(tokens, sequences=sequences, block_size=backend.block_size)
-            fit = self._fit_limit(backend, need, limit=limit, capacity=capacity)
+        for c in self._candidates(route, self.clock.monotonic()):
+            fit = self._fit_limit(c.backend, c.need, limit=c.limit, capacity=c.capacity)
             if fit is None:
                 continue
-            # alone, it shares nothing: as `reserve` reserves it
-            blocks = _shared(backend, shared) if fit == limit else NO_BLOCKS
-            cost = self.ledger.cost(backend.name, need, blocks) if blocks.keys else need
-            if held(backend.name) + cost <= fit:
+            cost = c.cost if fit == c.limit else c.need  # alone, it shares nothing
+            if held(c.backend.name) + cost <= fit:
                 return True
         return False
 
-    def fits_ever(
-        self, pool: str, tokens: int, *, sequences: int = 1, adapter: str | None = None
-    ) -> bool:
-        """Whether any backend of the pool (serving `adapter`, when one is asked for) could
-        hold this request even when idle."""
+    def fits_ever(self, route: Route) -> bool:
+        """Whether any backend of the route's pool (serving its adapter, when it names one)
+        could hold its request even when idle."""
+        adapter = route.adapter
         return any(
-            self.capacity(b) >= kv_tokens(tokens, sequences=sequences, block_size=b.block_size)
-            for b in self.pools[pool].backends
+            self.capacity(b)
+            >= kv_tokens(route.tokens, sequences=route.sequences, block_size=b.block_size)
+            for b in self.pools[route.pool].backends
             if adapter is None or adapter in b.adapters
         )
 
@@ -365,7 +309,7 @@ class Router:
         cannot help. (A backend of unknown capacity might hold it.)"""
         backends = self.pools[pool].backends
         capacities = [self.capacity(b) for b in backends]
-        return all(capacities) and not self.fits_ever(pool, tokens, sequences=sequences)
+        return all(capacities) and not self.fits_ever(Route(pool, tokens, sequences))
 
     def pool_kv_tokens(self, pool: str, tokens: int, *, sequences: int = 1) -> int:
         """A request's KV tokens on the pool's backend with the largest blocks."""

@@ -50,7 +50,7 @@ def test_every_setting_of_every_model_has_a_row() -> None:
     assert set(rows()) == keys(Settings, "")
     assert [s.key for s in sections()] == [
         *("server", "redis", "ratelimit", "ledger", "tenants[]", "pools[]", "providers[]"),
-        *("tracing", "batch"),
+        *("routing_profiles[]", "tracing", "batch"),
     ]
 
 

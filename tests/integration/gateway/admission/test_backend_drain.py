@@ -42,7 +42,7 @@ def test_a_request_refused_by_a_backend_going_away_waits_for_room_not_a_502() ->
                         "capacity_refresh_s": 60,
                         "backends": [
                             {"url": small.url, "capacity": 256, "name": "small"},
-                            {"url": going.url, "capacity": 100_000, "name": "going"},
+                            {"url": going.url, "capacity": 256, "name": "going"},
                         ],
                     }
                 ],

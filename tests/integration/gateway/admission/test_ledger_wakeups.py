@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from gateway.admission.fleet.backends import build_pools
 from gateway.admission.ledger.shared import RedisLedger
+from gateway.admission.routing.route import Route
 from gateway.admission.routing.router import Router
 from gateway.app import create_app
 from gateway.clock import SystemClock
@@ -52,7 +53,7 @@ class Replica:
     woken: list[tuple[str, int]] = field(default_factory=list)  # (pool, tokens in flight then)
 
     async def reserve(self, tokens: int) -> Any:
-        return await self.router.reserve("p", tokens)
+        return await self.router.reserve(Route("p", tokens))
 
 
 @asynccontextmanager

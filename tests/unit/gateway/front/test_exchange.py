@@ -12,6 +12,7 @@ import pytest
 from gateway.admission.fleet.backends import build_pools
 from gateway.admission.ledger.held import HeldReservation
 from gateway.admission.ledger.reservations import LocalLedger
+from gateway.admission.routing.route import Route
 from gateway.admission.routing.router import Router
 from gateway.clock import ManualClock
 from gateway.config import BackendSettings, PoolSettings
@@ -150,7 +151,7 @@ def test_retries_end_at_the_pools_total_deadline_by_the_requests_clock(urls) -> 
 
 def test_a_sheddable_request_gets_no_room_past_the_pools_sheddable_fill(urls) -> None:
     async def scenario(s: Setup) -> None:
-        held = await s.router.reserve("big", 600)
+        held = await s.router.reserve(Route("big", 600))
         assert held is not None
         assert not await s.exchange.admit(chat_request(priority="sheddable"))
         assert s.held.reservation is None

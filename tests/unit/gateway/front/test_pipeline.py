@@ -16,6 +16,7 @@ import pytest
 import gateway.front
 from gateway.admission.fleet.backends import build_pools
 from gateway.admission.ledger.reservations import LocalLedger
+from gateway.admission.routing.route import Route
 from gateway.admission.routing.router import Router
 from gateway.clock import ManualClock
 from gateway.config import BackendSettings, PoolSettings, Settings, TenantSettings
@@ -174,7 +175,7 @@ def test_a_full_pool_with_no_overflow_is_rejected_and_the_bucket_refunded(fakes)
     fake, url = fakes["good"]
 
     async def scenario(g: Gateway) -> None:
-        held = await g.router.reserve("big", CAPACITY)
+        held = await g.router.reserve(Route("big", CAPACITY))
         assert held is not None
         before = len(fake.bodies)
         client = await g.post(CHAT)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gateway.admission.routing.route import Route
 from gateway.clock import ManualClock
 from gateway.overflow import Rival
 from policies.queue.fleet import HEARD_S, FleetWaiters
@@ -15,11 +16,11 @@ class Room:
 
     free = POOL_TOKENS
 
-    def fits_ever(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
-        return tokens * sequences <= POOL_TOKENS
+    def fits_ever(self, route: Route) -> bool:
+        return route.tokens * route.sequences <= POOL_TOKENS
 
-    def has_room(self, pool: str, tokens: int, *, sequences: int = 1) -> bool:
-        return tokens * sequences <= self.free
+    def has_room(self, route: Route) -> bool:
+        return route.tokens * route.sequences <= self.free
 
 
 def fleet(clock: ManualClock, give_way_s: float = 0.5, room: Room | None = None) -> FleetWaiters:

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from gateway.admission.fleet.metrics_text import samples, values
+from gateway.admission.routing.route import Route
 from gateway.errors import QueueFull
 from policies.queue.fair_queue import QueueResult
 from policies.queue.policy import QueuePolicy
@@ -27,7 +28,7 @@ def test_a_light_tenant_displaces_the_heavy_tenants_newest_waiter() -> None:
     async def scenario(s: Setup) -> None:
         for _ in range(3):
             s.queue.admitted(request(tenant="heavy"))
-        full = await s.router.reserve("p", CAPACITY)
+        full = await s.router.reserve(Route("p", CAPACITY))
         assert full is not None
         heavy = [
             asyncio.create_task(s.queue.wait(request(tenant="heavy"), s.exchange()))
@@ -59,7 +60,7 @@ def test_a_full_queue_refuses_with_its_own_code_when_only_a_refusal_follows(
         queue = QueuePolicy(
             settings, room=s.router, metrics=s.metrics, clock=s.clock, ttft_budgets_s={}
         )
-        full = await s.router.reserve("p", CAPACITY)
+        full = await s.router.reserve(Route("p", CAPACITY))
         assert full is not None
         waiting = asyncio.create_task(queue.serve(request(tenant="heavy"), s.exchange()))
         await settle()

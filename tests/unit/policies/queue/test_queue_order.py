@@ -7,13 +7,14 @@ import asyncio
 
 import pytest
 
+from gateway.admission.routing.route import Route
 from policies.queue.fair_queue import QueueResult
 from tests.support.queue import CAPACITY, Setup, request, run, settle
 
 
 def test_the_highest_class_gets_the_room_first() -> None:
     async def scenario(s: Setup) -> None:
-        full = await s.router.reserve("p", CAPACITY)
+        full = await s.router.reserve(Route("p", CAPACITY))
         assert full is not None
         tasks = {
             p: asyncio.create_task(s.queue.wait(request(priority=p, tokens=600), s.exchange()))
@@ -33,7 +34,7 @@ def test_the_highest_class_gets_the_room_first() -> None:
 
 def test_a_full_queue_refuses_but_a_critical_request_displaces_a_sheddable_one() -> None:
     async def scenario(s: Setup) -> None:
-        full = await s.router.reserve("p", CAPACITY)
+        full = await s.router.reserve(Route("p", CAPACITY))
         assert full is not None
         shed = asyncio.create_task(s.queue.wait(request(priority="sheddable"), s.exchange()))
         std = asyncio.create_task(s.queue.wait(request(priority="standard"), s.exchange()))
@@ -51,8 +52,8 @@ def test_a_full_queue_refuses_but_a_critical_request_displaces_a_sheddable_one()
 
 def test_sheddable_waiters_stay_off_the_reserved_headroom() -> None:
     async def scenario(s: Setup) -> None:
-        first = await s.router.reserve("p", 300)
-        second = await s.router.reserve("p", 300)
+        first = await s.router.reserve(Route("p", 300))
+        second = await s.router.reserve(Route("p", 300))
         assert first is not None and second is not None
         ex = s.exchange()
         shed = asyncio.create_task(s.queue.wait(request(priority="sheddable"), ex))
@@ -72,7 +73,7 @@ def test_sheddable_waiters_stay_off_the_reserved_headroom() -> None:
 
 def test_a_queue_full_of_tokens_refuses_but_a_critical_request_displaces_sheddable_ones() -> None:
     async def scenario(s: Setup) -> None:
-        full = await s.router.reserve("p", CAPACITY)
+        full = await s.router.reserve(Route("p", CAPACITY))
         assert full is not None
         shed = [
             asyncio.create_task(s.queue.wait(request(priority="sheddable"), s.exchange()))
@@ -102,7 +103,7 @@ def test_the_tenant_served_least_lately_gets_the_room_first() -> None:
         for _ in range(3):  # the heavy tenant's answers held the pool lately
             s.queue.admitted(request(tenant="heavy"))
         s.queue.admitted(request(tenant="light"))
-        full = await s.router.reserve("p", CAPACITY)
+        full = await s.router.reserve(Route("p", CAPACITY))
         assert full is not None
         heavy = asyncio.create_task(s.queue.wait(request(tenant="heavy"), s.exchange()))
         await settle()
@@ -110,7 +111,7 @@ def test_the_tenant_served_least_lately_gets_the_room_first() -> None:
         await settle()
         assert s.queue.service.of("heavy") > s.queue.service.of("light")
         await s.router.release(full)
-        room = await s.router.reserve("p", CAPACITY - 100)  # room for one only
+        room = await s.router.reserve(Route("p", CAPACITY - 100))  # room for one only
         assert room is not None
         await settle()
         assert light.done() and not heavy.done()
@@ -134,12 +135,12 @@ def test_settled_answers_correct_the_service_the_admissions_counted() -> None:
 def test_predicted_wait_counts_the_waiters_ahead_times_the_admission_interval() -> None:
     async def scenario(s: Setup) -> None:
         assert s.queue.predicted_wait_s(request()) is None  # nothing measured yet
-        holds = [await s.router.reserve("p", 100) for _ in range(10)]
+        holds = [await s.router.reserve(Route("p", 100)) for _ in range(10)]
         for hold in holds[:3]:  # releases 0.5 s apart, while the pool is busy
             assert hold is not None
             s.clock.advance(0.5)
             await s.router.release(hold)
-        assert await s.router.reserve("p", 300) is not None  # full again
+        assert await s.router.reserve(Route("p", 300)) is not None  # full again
         assert s.queue.predicted_wait_s(request()) == pytest.approx(0.5)  # none ahead
         waiting = [
             asyncio.create_task(s.queue.wait(request(tenant=t), s.exchange()))

@@ -8,6 +8,7 @@ import pytest
 
 from gateway.admission.fleet.backend_load import STALE_S, ReportedLoad, load_from_metrics
 from gateway.admission.fleet.fill import FillReason
+from gateway.admission.routing.route import Route
 from gateway.admission.routing.router import Router
 from gateway.clock import ManualClock
 from tests.support.routers import local_router
@@ -84,14 +85,14 @@ def test_admission_counts_the_larger_of_the_ledger_and_the_backends_report() -> 
             load = ReportedLoad(kv_usage=usage, waiting=0, preemptions=0.0)
             backend.report(load, now=clock.now, reserved=router.ledger.tokens_in_flight("p-0"))
 
-        held = await router.reserve("p", 100)
+        held = await router.reserve(Route("p", 100))
         assert held is not None
         # the backend holds 300 tokens: 200 the ledger does not know of (bypassing traffic)
         report(0.3)
         assert router.limit(backend) == 500 - 200
         assert router.fill(backend) == 0.3
-        assert await router.reserve("p", 201) is None  # 300 + 201 > 500
-        second = await router.reserve("p", 200)
+        assert await router.reserve(Route("p", 201)) is None  # 300 + 201 > 500
+        second = await router.reserve(Route("p", 200))
         assert second is not None
         assert router.fill(backend) == 0.5
         # a release counts at once, not a scrape later: the 200 beyond stay, the 100 go

@@ -5,6 +5,7 @@ import asyncio
 from gateway.admission.ledger.growth import Growth
 from gateway.admission.ledger.held import HeldReservation
 from gateway.admission.ledger.reservations import LocalLedger, Reservation
+from gateway.admission.routing.route import Route
 from gateway.admission.routing.router import Router
 from tests.support.routers import local_router
 
@@ -26,7 +27,7 @@ def event(index: int = 0) -> bytes:
 def test_grows_a_block_at_a_time_past_the_reservation_and_releases_it_all() -> None:
     async def scenario() -> None:
         router = _router([1000], 0.1, block_size=16)  # limit 100
-        reservation = await router.reserve("p", 10 + 22)  # prompt 10 + 22 expected: 2 blocks
+        reservation = await router.reserve(Route("p", 10 + 22))  # prompt 10 + 22 expected: 2 blocks
         assert reservation is not None and reservation.tokens == 32
         held = held_by(router, reservation)
         growth = Growth(held=held, prompt_tokens=10, sequences=1, block_size=16)
@@ -48,7 +49,7 @@ def test_grows_a_block_at_a_time_past_the_reservation_and_releases_it_all() -> N
 def test_choices_are_counted_each_and_every_sequence_grows_with_the_longest() -> None:
     async def scenario() -> None:
         router = _router([1000], 1.0, block_size=16)
-        reservation = await router.reserve("p", 16, sequences=2)  # 2 x 1 block
+        reservation = await router.reserve(Route("p", 16, sequences=2))  # 2 x 1 block
         assert reservation is not None and reservation.tokens == 32
         held = held_by(router, reservation)
         growth = Growth(held=held, prompt_tokens=4, sequences=2, block_size=16)
@@ -76,7 +77,7 @@ def test_an_extension_after_the_release_holds_nothing() -> None:
 def test_headroom_stays_reserved_beyond_the_blocks_the_stream_holds() -> None:
     async def scenario() -> None:
         router = _router([1000], 1.0, block_size=16)
-        reservation = await router.reserve("p", 10 + 22)  # 2 blocks: prompt 10, 22 beyond
+        reservation = await router.reserve(Route("p", 10 + 22))  # 2 blocks: prompt 10, 22 beyond
         assert reservation is not None
         held = held_by(router, reservation)
         growth = Growth(

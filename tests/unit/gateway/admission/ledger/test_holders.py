@@ -8,6 +8,7 @@ import orjson
 from gateway.admission.ledger.holders import Holders, byte_blocks, token_blocks
 from gateway.admission.ledger.reservations import LocalLedger
 from gateway.admission.routing.prefix_index import block_keys, prompt_bytes
+from gateway.admission.routing.route import Route
 from gateway.admission.routing.router import Router
 from gateway.clock import ManualClock
 from gateway.front.auth import Tenant
@@ -111,19 +112,25 @@ def test_a_sibling_goes_where_its_prompt_is_held_as_the_engine_would_count_it() 
         system = "S" * 64 * 40
         # 2,621 bytes, 40 keys; 649 tokens estimated, 2,560 bytes of them keyed: 39 blocks,
         # 38 shared (608 tokens); 700 tokens reserve 44 blocks, 704
-        first = await router.reserve("p", 700, shared=shared_of(chat(system, "one"), tokens=649))
+        first = await router.reserve(
+            Route("p", 700, shared=shared_of(chat(system, "one"), tokens=649))
+        )
         assert first is not None and first.shared.tokens == 38 * BLOCK
-        other = await router.reserve("p", 300)  # the other backend: 304 against 704
+        other = await router.reserve(Route("p", 300))  # the other backend: 304 against 704
         assert other is not None and other.backend != first.backend
         # least filled as they stand, the other backend; once it is held, the first: there
         # the request adds 704 - 608 = 96 tokens, 8.0 % against the other's 10.08 %
-        second = await router.reserve("p", 700, shared=shared_of(chat(system, "two"), tokens=649))
+        second = await router.reserve(
+            Route("p", 700, shared=shared_of(chat(system, "two"), tokens=649))
+        )
         assert second is not None and second.backend == first.backend
         assert router.ledger.tokens_in_flight(first.backend) == 704 + 96
         # where the backend does not cache prefixes, nothing is shared
         router.pools["p"].backends[0].prefix_caching = False
         router.pools["p"].backends[1].prefix_caching = False
-        third = await router.reserve("p", 700, shared=shared_of(chat(system, "three"), tokens=649))
+        third = await router.reserve(
+            Route("p", 700, shared=shared_of(chat(system, "three"), tokens=649))
+        )
         assert third is not None and third.shared == NO_BLOCKS
 
     asyncio.run(scenario())
@@ -133,17 +140,17 @@ def test_the_herding_guard_sees_a_stream_at_the_size_it_has_grown_to() -> None:
     async def scenario() -> None:
         router = local_router([10_000] * 2, target_fill=0.9, block_size=BLOCK, routing="prefix")
         prefix = block_keys(b"P" * 64 * 8, block_size=BLOCK)
-        first = await router.reserve("p", 300, prefix=prefix)
+        first = await router.reserve(Route("p", 300, prefix=prefix))
         assert first is not None
         # a second request of the prefix joins the first where its prompt is cached
-        second = await router.reserve("p", 300, prefix=prefix)
+        second = await router.reserve(Route("p", 300, prefix=prefix))
         assert second is not None and second.backend == first.backend
         await router.release(second)
         # the first stream grows to 2,304 tokens: the prefix alone now holds 0.26 of its
         # backend's cache with the next request, over 1.25 x and 0.1 above the pool's
         # mean of 0.13; at its admitted 304 it would hold 0.06
         await router.extend(first, 2000)
-        third = await router.reserve("p", 300, prefix=prefix)
+        third = await router.reserve(Route("p", 300, prefix=prefix))
         assert third is not None and third.backend != first.backend
 
     asyncio.run(scenario())
@@ -155,7 +162,9 @@ def test_what_a_request_would_find_held_of_its_prompt_in_flight() -> None:
         system = "S" * 64 * 40  # as above: 38 blocks shared, 608 tokens
         shared = shared_of(chat(system, "two"), tokens=651)
         assert router.shared_in_flight("p", shared) == 0  # nothing in flight holds it
-        first = await router.reserve("p", 700, shared=shared_of(chat(system, "one"), tokens=649))
+        first = await router.reserve(
+            Route("p", 700, shared=shared_of(chat(system, "one"), tokens=649))
+        )
         assert first is not None
         assert router.shared_in_flight("p", shared) == 38 * BLOCK
         await router.release(first)

@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from gateway.admission.routing.forecast import HoldTimes, expected_hold_s, seconds_until_fits
+from gateway.admission.routing.route import Route
 from gateway.admission.routing.router import Router
 from gateway.clock import ManualClock
 from tests.support.routers import local_router
@@ -61,7 +62,7 @@ def test_a_cold_router_tells_when_its_reservations_should_end_not_a_minute() -> 
     async def scenario() -> list[float]:
         clock = ManualClock()
         router = _router(clock)
-        held = [await router.reserve("p", 250) for _ in range(4)]
+        held = [await router.reserve(Route("p", 250)) for _ in range(4)]
         clock.advance(1.5)
         cold = router.retry_after("p", 250)  # no hold seen: ages 1.5, so 3 s each
         for r in held:
@@ -70,7 +71,7 @@ def test_a_cold_router_tells_when_its_reservations_should_end_not_a_minute() -> 
         for r in held:
             assert r is not None
             await router.release(r)  # held 2.0 s each
-        again = [await router.reserve("p", 250) for _ in range(4)]
+        again = [await router.reserve(Route("p", 250)) for _ in range(4)]
         clock.advance(0.5)
         router.on_waiting("p", lambda: [250] * 4)
         warm = router.retry_after("p", 250)  # ends in 1.5 s, the queue's in 3.5 s
@@ -84,7 +85,7 @@ def test_a_request_that_runs_alone_waits_for_an_idle_backend_not_the_ceiling() -
     async def scenario() -> float:
         clock = ManualClock()
         router = _router(clock, target_fill=0.5)
-        held = await router.reserve("p", 400)
+        held = await router.reserve(Route("p", 400))
         assert held is not None
         clock.advance(2.0)
         return router.retry_after("p", 900)  # over 500, within 1,000: alone, in ~2 s
@@ -96,7 +97,7 @@ def test_refusals_within_a_tenth_of_a_second_share_one_forecast() -> None:
     async def scenario() -> list[float]:
         clock = ManualClock()
         router = _router(clock)
-        held = [await router.reserve("p", 500) for _ in range(2)]
+        held = [await router.reserve(Route("p", 500)) for _ in range(2)]
         assert all(r is not None for r in held)
         clock.advance(1.5)
         first = router.retry_after("p", 500)  # cold: ages 1.5, so 1.5 s to go

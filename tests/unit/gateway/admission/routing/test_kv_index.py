@@ -8,6 +8,7 @@ from pathlib import Path
 from gateway.admission.fleet.kv_events import decode
 from gateway.admission.ledger.reservations import InFlight, Reservation
 from gateway.admission.routing.kv_index import BackendBlocks, Cleared, Removed, Stored, block_keys
+from gateway.admission.routing.route import Candidate
 
 FIXTURE = Path(__file__).parents[4] / "fixtures" / "vllm-0.32-kv-events.bin"
 
@@ -129,11 +130,11 @@ def test_blocks_an_engine_reports_holding_do_not_count_against_the_herding_guard
     loads.add(InFlight(reservation=Reservation("a", 200, "earlier"), at=0.0), prefix[0])
 
     def pick(events: dict[str, EventsView]) -> str:
-        ranked = [(0.0, 1, b, 900, 1000), (0.2, 0, a, 900, 1000)]
+        ranked = [candidate(0.0, 1, b), candidate(0.2, 0, a)]
         held = Held(PrefixIndex(), prefix, events=events, token_ids=prompt)
-        by_prefix(ranked, tokens=400, prefix=prefix, session=None, held=held, loads=loads,
+        best = by_prefix(ranked, tokens=400, prefix=prefix, session=None, held=held, loads=loads,
                   target_fill=0.9)  # fmt: skip
-        return str(ranked[0][2].name)
+        return str(ranked[best].backend.name)
 
     assert pick({"a": holder, "b": empty}) == "a"
     # the same load without a view of a's cache: its 600 tokens of the prefix pass it over
@@ -161,11 +162,11 @@ def test_a_prompt_held_nowhere_goes_where_it_was_cached_last() -> None:
     backends = [SimpleNamespace(name=name, block_size=16) for name in "abcd"]
 
     def pick(events: dict[str, EventsView]) -> str:
-        ranked = [(0.0, i, b, 900, 1000) for i, b in enumerate(backends)]
+        ranked = [candidate(0.0, i, b) for i, b in enumerate(backends)]
         held = Held(PrefixIndex(), [b"first"], events=events, token_ids=prompt)
-        by_prefix(ranked, tokens=64, prefix=[b"first"], session=None, held=held,
+        best = by_prefix(ranked, tokens=64, prefix=[b"first"], session=None, held=held,
                   loads=GroupLoads(), target_fill=0.9)  # fmt: skip
-        return str(ranked[0][2].name)
+        return str(ranked[best].backend.name)
 
     assert pick(views) == "b"
     assert pick({"a": views["a"], "c": views["c"], "d": views["d"]}) == "c"
@@ -191,11 +192,11 @@ def test_a_prompt_held_nowhere_follows_a_request_of_it_in_flight() -> None:
     def pick() -> str:
         # a backend's fill counts what is in flight there
         fills = {b.name: loads.held(b.name, b"first") / 1000 for b in backends}
-        ranked = [(fills[b.name], i, b, 900, 1000) for i, b in enumerate(backends)]
+        ranked = [candidate(fills[b.name], i, b) for i, b in enumerate(backends)]
         held = Held(PrefixIndex(), [b"first"], events=views, token_ids=prompt)
-        by_prefix(ranked, tokens=64, prefix=[b"first"], session=None, held=held, loads=loads,
+        best = by_prefix(ranked, tokens=64, prefix=[b"first"], session=None, held=held, loads=loads,
                   target_fill=0.9)  # fmt: skip
-        return str(ranked[0][2].name)
+        return str(ranked[best].backend.name)
 
     assert pick() == "b"
     loads.add(InFlight(reservation=Reservation("d", 64, "first-request"), at=0.0), b"first")
@@ -221,12 +222,17 @@ def test_a_well_filled_backend_that_reports_the_prompt_keeps_it() -> None:
 
     def pick(events: dict[str, EventsView]) -> str:
         # a is 70% full of other tenants' requests, b idle: past the floor, over the mean
-        ranked = [(0.0, 1, b, 900, 1000), (0.7, 0, a, 900, 1000)]
+        ranked = [candidate(0.0, 1, b), candidate(0.7, 0, a)]
         held = Held(PrefixIndex(), [b"first"], events=events, token_ids=prompt)
-        by_prefix(ranked, tokens=420, prefix=[b"first"], session=None, held=held,
+        best = by_prefix(ranked, tokens=420, prefix=[b"first"], session=None, held=held,
                   loads=GroupLoads(), target_fill=0.9)  # fmt: skip
-        return str(ranked[0][2].name)
+        return str(ranked[best].backend.name)
 
     assert pick({"a": holder, "b": EventsView(connected=True)}) == "a"
     holder.blocks.apply([Removed(list(range(5, 25)))])  # a fifth of it left: a prefill
     assert pick({"a": holder, "b": EventsView(connected=True)}) == "b"
+
+
+def candidate(fill: float, place: int, backend: object) -> Candidate:
+    """A backend of capacity 1,000 and limit 900 at `fill`, as routing weighs it."""
+    return Candidate(fill, place, backend, 900, 1000, fill, 0, 0)  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ import math
 import pytest
 
 from gateway.admission.fleet.demand import PoolDemand, RateMeter
+from gateway.admission.routing.route import Route
 from gateway.admission.routing.router import Router
 from gateway.clock import ManualClock
 from tests.support.routers import local_router
@@ -17,7 +18,7 @@ def test_admits_on_least_filled_backend_and_never_past_target_fill() -> None:
     async def scenario() -> None:
         router = _router([1000, 2000])
         held = []
-        while (r := await router.reserve("p", 100)) is not None:
+        while (r := await router.reserve(Route("p", 100))) is not None:
             held.append(r)
         # 500 + 1000 tokens fit under 50% fill; nothing more
         assert sum(r.tokens for r in held) == 1500
@@ -35,7 +36,7 @@ def test_release_twice_is_a_no_op_and_wakes_listeners() -> None:
         router = _router([1000])
         woken: list[str] = []
         router.on_release(woken.append)
-        r = await router.reserve("p", 10)
+        r = await router.reserve(Route("p", 10))
         assert r is not None
         await router.release(r)
         await router.ledger.release(r)
@@ -52,7 +53,7 @@ def test_ejected_and_unknown_capacity_backends_are_skipped() -> None:
         backend = router.backend("p-0")
         for _ in range(3):
             backend.record_failure(clock.monotonic())
-        assert [b.name for b in router.candidates("p")] == ["p-1"]
+        assert [b.name for b in router.in_rotation("p")] == ["p-1"]
 
     asyncio.run(scenario())
 
@@ -60,16 +61,16 @@ def test_ejected_and_unknown_capacity_backends_are_skipped() -> None:
 def test_has_room_looks_at_every_usable_backends_share_under_target_fill() -> None:
     async def scenario() -> None:
         router = _router([1000, 2000])  # limits 500 and 1000
-        assert router.has_room("p", 1000) and not router.has_room("p", 2001)
-        held = await router.reserve("p", 700)  # least filled first: p-0 cannot hold 700
+        assert router.has_room(Route("p", 1000)) and not router.has_room(Route("p", 2001))
+        held = await router.reserve(Route("p", 700))  # least filled first: p-0 cannot hold 700
         assert held is not None and held.backend == "p-1"
-        assert router.has_room("p", 500)
-        assert router.has_room("p", 1000)  # alone on idle p-0, within its KV cache
-        assert not router.has_room("p", 1001)
+        assert router.has_room(Route("p", 500))
+        assert router.has_room(Route("p", 1000))  # alone on idle p-0, within its KV cache
+        assert not router.has_room(Route("p", 1001))
         for _ in range(3):
             router.backend("p-0").record_failure(ManualClock().monotonic())
         # an ejected backend offers no room
-        assert router.has_room("p", 300) and not router.has_room("p", 301)
+        assert router.has_room(Route("p", 300)) and not router.has_room(Route("p", 301))
 
     asyncio.run(scenario())
 

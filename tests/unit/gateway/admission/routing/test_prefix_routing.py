@@ -15,6 +15,7 @@ from gateway.admission.routing.prefix_index import (
     block_keys,
     prompt_bytes,
 )
+from gateway.admission.routing.route import Route
 from gateway.admission.routing.router import Router
 from tests.support.routers import local_router
 
@@ -77,7 +78,7 @@ def test_a_tenants_requests_stay_where_its_prefix_is() -> None:
         held: list[Reservation] = []
         for round_ in range(6):
             for tenant in "ABCD":
-                r = await router.reserve("p", 300, prefix=_keys(tenant))
+                r = await router.reserve(Route("p", 300, prefix=_keys(tenant)))
                 assert r is not None
                 homes.setdefault(tenant, set()).add(r.backend)
                 held.append(r)
@@ -97,7 +98,7 @@ def test_a_hot_prefix_spreads_instead_of_piling_on_one_backend() -> None:
         hot = _keys("H")
         placed = Counter()
         for _ in range(24):
-            r = await router.reserve("p", 300, prefix=hot)
+            r = await router.reserve(Route("p", 300, prefix=hot))
             assert r is not None
             placed[r.backend] += 1
         # one backend would take all 24 by prefix alone; the guard lets each take its
@@ -123,7 +124,7 @@ def test_tenants_stay_on_one_backend_when_sent_a_few_at_a_time() -> None:
         for tenant in order:
             if len(window) == 4:
                 await router.release(window.popleft())
-            r = await router.reserve("p", 850, prefix=_keys(tenant))
+            r = await router.reserve(Route("p", 850, prefix=_keys(tenant)))
             assert r is not None
             homes.setdefault(tenant, set()).add(r.backend)
             window.append(r)
@@ -136,17 +137,17 @@ def test_tenants_stay_on_one_backend_when_sent_a_few_at_a_time() -> None:
 def test_a_well_filled_backend_passes_a_prefix_it_holds_to_an_emptier_one() -> None:
     async def scenario() -> None:
         router = local_router([10_000] * 2, target_fill=0.9, block_size=BLOCK, routing="prefix")
-        first = await router.reserve("p", 300, prefix=_keys("A"))
+        first = await router.reserve(Route("p", 300, prefix=_keys("A")))
         assert first is not None
         await router.release(first)
         other = "p-1" if first.backend == "p-0" else "p-0"
         # load the prefix router did not place (another tenant's, traffic past the gateway)
         light = await router.ledger.reserve(first.backend, 3_000, limit=10_000)
-        again = await router.reserve("p", 300, prefix=_keys("A"))
+        again = await router.reserve(Route("p", 300, prefix=_keys("A")))
         assert light is not None and again is not None
         assert again.backend == first.backend  # under half the target fill: the prefix wins
         heavy = await router.ledger.reserve(first.backend, 2_000, limit=10_000)
-        moved = await router.reserve("p", 300, prefix=_keys("A"))
+        moved = await router.reserve(Route("p", 300, prefix=_keys("A")))
         assert heavy is not None and moved is not None
         assert moved.backend == other  # past it, and well above the mean: load wins
 
@@ -158,8 +159,8 @@ def test_least_filled_ignores_the_prefix() -> None:
         router = local_router(
             [10_000] * 2, target_fill=0.9, block_size=BLOCK, routing="least_filled"
         )
-        first = await router.reserve("p", 300, prefix=_keys("A"))
-        second = await router.reserve("p", 300, prefix=_keys("A"))
+        first = await router.reserve(Route("p", 300, prefix=_keys("A")))
+        second = await router.reserve(Route("p", 300, prefix=_keys("A")))
         assert first is not None and second is not None
         assert first.backend != second.backend
 
@@ -173,15 +174,15 @@ def test_a_session_returns_to_its_backend_even_with_a_new_prompt() -> None:
 
         prompts = [_keys(tag) for tag in "CDEFG"]
         pinned = router()
-        r = await pinned.reserve("p", 300, prefix=_keys("A"), session="t\0chat-1")
+        r = await pinned.reserve(Route("p", 300, prefix=_keys("A"), session="t\0chat-1"))
         assert r is not None
         # without the session these prompts would go to their own homes, not all to r's
         fresh = router()
-        homes = {(await fresh.reserve("p", 300, prefix=keys)).backend for keys in prompts}  # type: ignore[union-attr]
+        homes = {(await fresh.reserve(Route("p", 300, prefix=keys))).backend for keys in prompts}  # type: ignore[union-attr]
         assert homes != {r.backend}
         await pinned.release(r)
         for keys in prompts:  # the chat's turns, one after another
-            again = await pinned.reserve("p", 300, prefix=keys, session="t\0chat-1")
+            again = await pinned.reserve(Route("p", 300, prefix=keys, session="t\0chat-1"))
             assert again is not None and again.backend == r.backend
             await pinned.release(again)
 
@@ -196,7 +197,9 @@ def test_replicas_with_their_own_indexes_send_a_new_prefix_to_the_same_backend()
         ]
         homes = []
         for tag in "ABCDEFGH":
-            placed = {(await r.reserve("p", 300, prefix=_keys(tag))).backend for r in replicas}  # type: ignore[union-attr]
+            placed = {
+                (await r.reserve(Route("p", 300, prefix=_keys(tag)))).backend for r in replicas
+            }  # type: ignore[union-attr]
             assert len(placed) == 1  # every replica chose the same home
             homes.append(placed.pop())
         assert len(set(homes)) > 1  # different prefixes, different homes
@@ -207,11 +210,11 @@ def test_replicas_with_their_own_indexes_send_a_new_prefix_to_the_same_backend()
 def test_a_session_cannot_pile_load_on_its_backend_past_the_guard() -> None:
     async def scenario() -> None:
         router = local_router([10_000] * 2, target_fill=0.9, block_size=BLOCK, routing="prefix")
-        first = await router.reserve("p", 300, session="t\0pinned")
+        first = await router.reserve(Route("p", 300, session="t\0pinned"))
         assert first is not None
         placed = Counter([first.backend])
         for _ in range(15):
-            r = await router.reserve("p", 300, session="t\0pinned")
+            r = await router.reserve(Route("p", 300, session="t\0pinned"))
             assert r is not None
             placed[r.backend] += 1
         # the session's backend takes its share plus the slack, the other backend the rest
@@ -226,7 +229,7 @@ def test_new_prefixes_on_an_idle_pool_go_to_their_homes_not_all_to_the_first() -
         router = local_router([10_000] * 2, target_fill=0.9, block_size=BLOCK, routing="prefix")
         placed = set()
         for tag in "ABCDEFGH":  # one at a time: the pool is idle for each
-            r = await router.reserve("p", 300, prefix=_keys(tag))
+            r = await router.reserve(Route("p", 300, prefix=_keys(tag)))
             assert r is not None
             placed.add(r.backend)
             await router.release(r)

@@ -3,6 +3,7 @@ request too large for the target fill served alone on an idle backend."""
 
 import asyncio
 
+from gateway.admission.routing.route import Route
 from gateway.admission.routing.router import Router, kv_tokens
 from tests.support.routers import local_router
 
@@ -25,7 +26,7 @@ def test_the_real_servers_burst_is_admitted_in_blocks() -> None:
     async def scenario() -> list[int]:
         router = _router([31 * 128])
         held = []
-        while (r := await router.reserve("p", 106 + 412)) is not None:
+        while (r := await router.reserve(Route("p", 106 + 412))) is not None:
             held.append(r.tokens)
         return held
 
@@ -35,9 +36,9 @@ def test_the_real_servers_burst_is_admitted_in_blocks() -> None:
 def test_n_choices_reserve_a_sequence_each() -> None:
     async def scenario() -> tuple[int, bool]:
         router = _router([31 * 128])
-        r = await router.reserve("p", 518, sequences=3)
+        r = await router.reserve(Route("p", 518, sequences=3))
         assert r is not None
-        return r.tokens, router.has_room("p", 518, sequences=3)
+        return r.tokens, router.has_room(Route("p", 518, sequences=3))
 
     assert asyncio.run(scenario()) == (1920, False)  # 1,920 + 1,920 > 3,571
 
@@ -45,15 +46,15 @@ def test_n_choices_reserve_a_sequence_each() -> None:
 def test_a_request_over_the_target_fill_runs_alone_on_an_idle_backend() -> None:
     async def scenario() -> None:
         router = _router([31 * 128])  # limit 3,571 of 3,968
-        small = await router.reserve("p", 100)
+        small = await router.reserve(Route("p", 100))
         assert small is not None
-        assert await router.reserve("p", 3800) is None  # not while anything else runs
-        assert not router.has_room("p", 3800) and router.fits_ever("p", 3800)
+        assert await router.reserve(Route("p", 3800)) is None  # not while anything else runs
+        assert not router.has_room(Route("p", 3800)) and router.fits_ever(Route("p", 3800))
         await router.release(small)
-        assert router.has_room("p", 3800)
-        big = await router.reserve("p", 3800)
+        assert router.has_room(Route("p", 3800))
+        big = await router.reserve(Route("p", 3800))
         assert big is not None and big.tokens == 3840
-        assert await router.reserve("p", 100) is None  # and nothing joins it
+        assert await router.reserve(Route("p", 100)) is None  # and nothing joins it
         await router.release(big)
         assert router.ledger.snapshot() == {"p-0": (0, 0)}
 
@@ -63,7 +64,7 @@ def test_a_request_over_the_target_fill_runs_alone_on_an_idle_backend() -> None:
 def test_an_idle_backend_takes_an_oversized_request_only_if_none_has_room() -> None:
     async def scenario() -> str:
         router = _router([1000, 2000], target_fill=0.5, block_size=1)
-        r = await router.reserve("p", 700)  # p-1 holds it under its target fill
+        r = await router.reserve(Route("p", 700))  # p-1 holds it under its target fill
         assert r is not None
         return r.backend
 
