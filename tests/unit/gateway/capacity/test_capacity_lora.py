@@ -1,0 +1,72 @@
+"""What vLLM's --enable-lora takes from a replica's memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.capacity import load_catalog
+from gateway.capacity.catalog import CapacityError
+from gateway.capacity.hf_config import model_from_hf_config
+from gateway.capacity.lora import LoraOptions, lora_buffer_bytes
+from tests.conftest import VLLM_FIXTURES as FIXTURES
+
+CATALOG = load_catalog()
+LLAMA_8B = CATALOG.model("llama-3.1-8b")
+TINY = model_from_hf_config(FIXTURES / "vllm-0.32-tiny-llama-config.json")
+
+
+def slots(max_loras: int, max_lora_rank: int, *modules: str) -> LoraOptions:
+    return LoraOptions(
+        max_loras=max_loras, max_lora_rank=max_lora_rank, target_modules=modules or None
+    )
+
+
+def test_the_adapter_buffers_of_an_8b_llama_by_layer() -> None:
+    # per layer and unit of rank: qkv 3*4096 + 6144, o 4096 + 4096, gate_up 2*4096 + 28672,
+    # down 14336 + 4096; embeddings and LM head 2 * (128256 + 4096); bf16
+    per_layer = 3 * 4096 + 6144 + 4096 + 4096 + 2 * 4096 + 28672 + 14336 + 4096
+    one_slot = 16 * (32 * per_layer + 2 * (128256 + 4096)) * 2
+    assert lora_buffer_bytes(LLAMA_8B, slots(1, 16), tp=1) == one_slot == 92_356_608
+    assert lora_buffer_bytes(LLAMA_8B, slots(4, 16), tp=1) == 4 * one_slot
+    # tensor parallelism shards only the B of column layers and the A of row layers
+    sharded = 16 * 32 * (6144 + 4096 + 28672 + 14336) // 2 * 2
+    assert lora_buffer_bytes(LLAMA_8B, slots(1, 16), tp=2) == one_slot - sharded
+
+
+def test_past_one_kv_head_per_rank_the_k_and_v_slices_stop_shrinking() -> None:
+    # 8 KV heads on 16 ranks: vLLM replicates one per rank, so each holds 128 of K and of V
+    per_rank = lora_buffer_bytes(LLAMA_8B, slots(1, 1), tp=16)
+    q, k, inter = 4096 // 16, 128, 14336 // 16
+    per_layer = 3 * 4096 + q + 2 * k + q + 4096 + 2 * 4096 + 2 * inter + inter + 4096
+    assert per_rank == (32 * per_layer + 2 * (128256 + 4096)) * 2
+
+
+def test_target_modules_wrap_a_packed_layer_whole() -> None:
+    # q_proj and v_proj are packed into qkv_proj: vLLM wraps all three slices
+    qv = lora_buffer_bytes(TINY, slots(2, 8, "q_proj", "v_proj"), tp=1)
+    qkv = lora_buffer_bytes(TINY, slots(2, 8, "qkv_proj"), tp=1)
+    assert qv == qkv == 2 * 8 * 2 * (3 * 256 + 256 + 2 * 128) * 2
+    assert lora_buffer_bytes(TINY, slots(2, 8, "lm_head"), tp=1) == 2 * 8 * (256 + 4096) * 2
+    assert slots(1, 8, "up_proj", "o_proj").layers == ("o_proj", "gate_up_proj")
+
+
+def test_the_tiny_llama_of_the_cpu_build() -> None:
+    # hidden 256, 4 x 64 query, 2 x 64 KV, intermediate 512, vocab 4,096, 2 layers, bf16
+    per_layer = 7 * 256 + 2 * 256 + 2 * 128 + 3 * 512
+    per_rank_unit = 2 * per_layer + 2 * (4096 + 256)
+    assert per_rank_unit == 16_896
+    assert lora_buffer_bytes(TINY, slots(2, 8), tp=1) == 2 * 8 * 16_896 * 2 == 540_672
+    assert lora_buffer_bytes(TINY, slots(8, 512), tp=1) == 138_412_032
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(max_lora_rank=12), "not one vLLM accepts"),
+        (dict(max_loras=0), "at least 1"),
+        (dict(target_modules=("wq",)), "unknown --lora-target-modules wq"),
+    ],
+)
+def test_options_vllm_would_refuse(options: dict[str, object], message: str) -> None:
+    with pytest.raises(CapacityError, match=message):
+        LoraOptions(**options)  # type: ignore[arg-type]
