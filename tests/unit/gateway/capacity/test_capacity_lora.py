@@ -1,18 +1,24 @@
-"""What vLLM's --enable-lora takes from a replica's memory."""
+"""What vLLM's --enable-lora takes from a replica's memory, and the plan that accounts for it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from gateway.capacity import load_catalog
+from gateway.capacity import ReplicaOptions, load_catalog
 from gateway.capacity.catalog import CapacityError
 from gateway.capacity.hf_config import model_from_hf_config
 from gateway.capacity.lora import LoraOptions, lora_buffer_bytes
+from gateway.capacity.profile import build_profile
+from gateway.cli import main
 from tests.conftest import VLLM_FIXTURES as FIXTURES
 
 CATALOG = load_catalog()
 LLAMA_8B = CATALOG.model("llama-3.1-8b")
 TINY = model_from_hf_config(FIXTURES / "vllm-0.32-tiny-llama-config.json")
+LAUNCH = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100", "--rps", "3",
+          "--prompt-tokens", "1536", "--output-tokens", "512"]  # fmt: skip
 
 
 def slots(max_loras: int, max_lora_rank: int, *modules: str) -> LoraOptions:
@@ -70,3 +76,63 @@ def test_the_tiny_llama_of_the_cpu_build() -> None:
 def test_options_vllm_would_refuse(options: dict[str, object], message: str) -> None:
     with pytest.raises(CapacityError, match=message):
         LoraOptions(**options)  # type: ignore[arg-type]
+
+
+def test_the_buffers_come_out_of_a_profiled_pool_but_not_a_given_one() -> None:
+    h100 = CATALOG.gpu("h100")
+    base = build_profile(LLAMA_8B, h100, ReplicaOptions())
+    lora = build_profile(LLAMA_8B, h100, ReplicaOptions(lora=slots(4, 64)))
+    # 4 x 64 slots: 1.38 GiB, 704 blocks of 16 tokens at 128 KiB a token
+    assert lora_buffer_bytes(LLAMA_8B, slots(4, 64), tp=1) == 1_477_705_728
+    assert base.num_gpu_blocks - lora.num_gpu_blocks == 704
+    given = ReplicaOptions(kv_cache_gib=20.0)
+    assert (
+        build_profile(LLAMA_8B, h100, given).num_gpu_blocks
+        == build_profile(
+            LLAMA_8B, h100, ReplicaOptions(kv_cache_gib=20.0, lora=slots(4, 64))
+        ).num_gpu_blocks
+    )
+
+
+def test_plan_table_and_json_say_what_lora_took(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*LAUNCH, "--json"]) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert base["lora"] is None and base["lora_gib"] == 0
+    assert main([*LAUNCH, "--max-loras", "4", "--max-lora-rank", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["lora"] == {
+        "max_loras": 4,
+        "max_lora_rank": 64,
+        "layers": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head"],
+        "buffer_bytes": 1_477_705_728,
+        "kv_cache_gib_taken": 1.3762,
+        "kv_blocks_taken": 704,
+        "kv_tokens_taken": 11_264,
+    }
+    assert out["num_gpu_blocks"] == base["num_gpu_blocks"] - 704
+    assert out["kv_cache_gib"] == pytest.approx(base["kv_cache_gib"] - 1.3762, abs=1e-4)
+    assert out["sessions_per_replica"] < base["sessions_per_replica"]
+    assert main([*LAUNCH, "--max-loras", "4", "--max-lora-rank", "64"]) == 0
+    table = capsys.readouterr().out
+    assert "LoRA (4 x rank 64, est.)" in table and "704 (11,264 tokens)" in table
+
+
+def test_enable_lora_alone_takes_vllms_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*LAUNCH, "--enable-lora", "--json"]) == 0
+    lora = json.loads(capsys.readouterr().out)["lora"]
+    assert (lora["max_loras"], lora["max_lora_rank"], lora["buffer_bytes"]) == (1, 16, 92_356_608)
+
+
+def test_a_given_pool_loses_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    given = [*LAUNCH, "--kv-cache-gib", "40", "--json"]
+    assert main(given) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert main([*given, "--max-loras", "8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_gpu_blocks"] == base["num_gpu_blocks"]
+    assert out["lora"]["kv_blocks_taken"] == 0 and out["lora"]["buffer_bytes"] > 0
+
+
+def test_a_rank_vllm_refuses_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*LAUNCH, "--max-lora-rank", "24"]) == 2
+    assert "--max-lora-rank 24" in capsys.readouterr().err
