@@ -10,6 +10,7 @@ from pathlib import Path
 from gateway.capacity import render, throughput
 from gateway.capacity.catalog import CapacityError, Catalog, ModelSpec, load_catalog
 from gateway.capacity.hf_config import model_from_hf_config
+from gateway.capacity.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LoraOptions
 from gateway.capacity.plan import (
     DEFAULT_OUTPUT_TOKENS,
     DEFAULT_PROMPT_TOKENS,
@@ -33,6 +34,32 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--max-num-seqs", type=int, help="default: vLLM's for the GPU")
     parser.add_argument("--catalog", type=Path, help="a catalog YAML instead of the packaged one")
+    lora = parser.add_argument_group(
+        "LoRA (vLLM's adapter buffers, allocated at start-up, come out of the KV cache)"
+    )
+    lora.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="as vLLM's; implied by --max-loras, --max-lora-rank and --lora-target-modules",
+    )
+    lora.add_argument(
+        "--max-loras",
+        type=int,
+        metavar="N",
+        help=f"adapters in one batch: buffer slots (vLLM's default {DEFAULT_MAX_LORAS})",
+    )
+    lora.add_argument(
+        "--max-lora-rank",
+        type=int,
+        metavar="R",
+        help=f"the rank every slot is sized for (vLLM's default {DEFAULT_MAX_LORA_RANK})",
+    )
+    lora.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        metavar="MODULE",
+        help="only these layers get buffers (q_proj, o_proj, ...; default: all vLLM wraps)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="list the known models and GPUs")
     add_replica_arguments(parser)
     memory = parser.add_argument_group("memory overrides (GiB per GPU; default: estimated)")
-    memory.add_argument("--weights-gib", type=float, help="the model's weights")
+    memory.add_argument(
+        "--weights-gib",
+        type=float,
+        help='the weights alone (vLLM\'s "Model loading took" also counts LoRA buffers)',
+    )
     memory.add_argument("--activation-gib", type=float, help="PyTorch activation peak")
     memory.add_argument("--non-torch-gib", type=float, help="CUDA graphs, NCCL and the like")
     memory.add_argument(
@@ -103,6 +134,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def lora_options(args: argparse.Namespace) -> LoraOptions | None:
+    """vLLM needs --enable-lora; here giving any LoRA size is taken to mean it."""
+    sizes = (
+        getattr(args, "max_loras", None),
+        getattr(args, "max_lora_rank", None),
+        getattr(args, "lora_target_modules", None),
+    )
+    if not getattr(args, "enable_lora", False) and all(size is None for size in sizes):
+        return None
+    max_loras, max_lora_rank, target_modules = sizes
+    return LoraOptions(
+        max_loras=DEFAULT_MAX_LORAS if max_loras is None else max_loras,
+        max_lora_rank=DEFAULT_MAX_LORA_RANK if max_lora_rank is None else max_lora_rank,
+        target_modules=None if target_modules is None else tuple(target_modules),
+    )
+
+
 def replica_options(args: argparse.Namespace) -> ReplicaOptions:
     return ReplicaOptions(
         tp=args.tp,
@@ -115,6 +163,7 @@ def replica_options(args: argparse.Namespace) -> ReplicaOptions:
         activation_gib=getattr(args, "activation_gib", None),
         non_torch_gib=getattr(args, "non_torch_gib", None),
         kv_cache_gib=getattr(args, "kv_cache_gib", None),
+        lora=lora_options(args),
         bandwidth_efficiency=getattr(args, "bandwidth_efficiency", BANDWIDTH_EFFICIENCY),
         flops_efficiency=getattr(args, "flops_efficiency", FLOPS_EFFICIENCY),
     )

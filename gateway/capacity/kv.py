@@ -143,6 +143,7 @@ class MemoryBudget:
     weights_gib: float
     activation_gib: float
     non_torch_gib: float
+    lora_gib: float = 0.0  # vLLM's LoRA buffers, allocated with the weights
     kv_cache_override_gib: float | None = None
 
     @property
@@ -153,7 +154,18 @@ class MemoryBudget:
     def kv_cache_gib(self) -> float:
         if self.kv_cache_override_gib is not None:
             return self.kv_cache_override_gib
+        return self.kv_cache_without_lora_gib - self.lora_gib
+
+    @property
+    def kv_cache_without_lora_gib(self) -> float:
+        if self.kv_cache_override_gib is not None:
+            return self.kv_cache_override_gib
         return self.usable_gib - self.weights_gib - self.activation_gib - self.non_torch_gib
+
+    @property
+    def lora_taken_gib(self) -> float:
+        """What the LoRA buffers take from the KV pool: none from a pool given outright."""
+        return self.kv_cache_without_lora_gib - self.kv_cache_gib
 
 
 def weights_gib(model: ModelSpec, *, tp: int) -> float:
@@ -188,6 +200,7 @@ def estimate_memory(
     activation_override_gib: float | None = None,
     non_torch_override_gib: float | None = None,
     kv_cache_override_gib: float | None = None,
+    lora_gib: float = 0.0,
 ) -> MemoryBudget:
     """Each term estimated unless given; the KV pool given outright wins over all of them."""
 
@@ -200,5 +213,6 @@ def estimate_memory(
         weights_gib=pick(weights_override_gib, weights_gib(model, tp=tp)),
         activation_gib=pick(activation_override_gib, activation_gib(model, tp=tp)),
         non_torch_gib=pick(non_torch_override_gib, non_torch_gib(tp=tp)),
+        lora_gib=lora_gib,
         kv_cache_override_gib=kv_cache_override_gib,
     )

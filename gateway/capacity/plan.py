@@ -76,6 +76,24 @@ class Plan:
         )
 
     @property
+    def lora_blocks(self) -> int:
+        """KV blocks the LoRA buffers displace (none from a pool given outright)."""
+        if not self.budget.lora_taken_gib:
+            return 0
+        page = kv.block_bytes_per_layer(
+            self.model,
+            tp=self.options.tp,
+            kv_dtype=self.options.kv_dtype,
+            block_size=self.profile.block_size,
+        )
+        without = kv.num_gpu_blocks(
+            kv_cache_bytes=self.budget.kv_cache_without_lora_gib * kv.GIB,
+            block_bytes=page,
+            layers=self.model.layers,
+        )
+        return without - self.profile.num_gpu_blocks
+
+    @property
     def gpus_needed(self) -> int | None:
         return None if self.replicas_needed is None else self.replicas_needed * self.options.tp
 
@@ -172,6 +190,21 @@ def _batch1_step_s(plan: Plan) -> float:
     return plan.profile.step_cost.decode_step_s(round(plan.workload.mean_kv_tokens))
 
 
+def _lora_json(plan: Plan) -> dict[str, object] | None:
+    lora = plan.options.lora
+    if lora is None:
+        return None
+    return {
+        "max_loras": lora.max_loras,
+        "max_lora_rank": lora.max_lora_rank,
+        "layers": list(lora.layers),
+        "buffer_bytes": round(plan.budget.lora_gib * kv.GIB),
+        "kv_cache_gib_taken": round(plan.budget.lora_taken_gib, 4),
+        "kv_blocks_taken": plan.lora_blocks,
+        "kv_tokens_taken": plan.lora_blocks * plan.profile.block_size,
+    }
+
+
 def plan_json(plan: Plan) -> dict[str, object]:
     budget = plan.budget
     return {
@@ -192,6 +225,8 @@ def plan_json(plan: Plan) -> dict[str, object]:
         "weights_gib": round(budget.weights_gib, 4),
         "activation_gib": round(budget.activation_gib, 4),
         "non_torch_gib": round(budget.non_torch_gib, 4),
+        "lora_gib": round(budget.lora_gib, 4),
+        "lora": _lora_json(plan),
         "kv_cache_gib": round(budget.kv_cache_gib, 4),
         "num_gpu_blocks": plan.profile.num_gpu_blocks,
         "kv_cache_tokens": plan.profile.kv_cache_tokens,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from gateway.capacity import kv
 from gateway.capacity.catalog import CapacityError, Catalog, GpuSpec, ModelSpec, load_catalog
+from gateway.capacity.lora import LoraOptions, lora_buffer_bytes, lora_warnings
 from gateway.capacity.perf import ReplicaProfile, StepCost
 
 # Calibrated so Llama-3.1-8B on one H100 decodes at batch 1 in about 7.5 ms per token
@@ -29,6 +30,7 @@ class ReplicaOptions:
     activation_gib: float | None = None
     non_torch_gib: float | None = None
     kv_cache_gib: float | None = None
+    lora: LoraOptions | None = None  # vLLM's --enable-lora and its sizes; None: off
     bandwidth_efficiency: float = BANDWIDTH_EFFICIENCY
     flops_efficiency: float = FLOPS_EFFICIENCY
 
@@ -74,7 +76,14 @@ def memory_budget(model: ModelSpec, gpu: GpuSpec, options: ReplicaOptions) -> kv
         activation_override_gib=options.activation_gib,
         non_torch_override_gib=options.non_torch_gib,
         kv_cache_override_gib=options.kv_cache_gib,
+        lora_gib=lora_gib(model, options),
     )
+
+
+def lora_gib(model: ModelSpec, options: ReplicaOptions) -> float:
+    if options.lora is None:
+        return 0.0
+    return lora_buffer_bytes(model, options.lora, tp=options.tp) / kv.GIB
 
 
 def _check_options(model: ModelSpec, options: ReplicaOptions) -> None:
@@ -93,11 +102,12 @@ def _check_options(model: ModelSpec, options: ReplicaOptions) -> None:
 def _check_fits(model: ModelSpec, gpu: GpuSpec, budget: kv.MemoryBudget, tp: int) -> None:
     if budget.kv_cache_gib > 0:
         return
+    lora = f", LoRA {budget.lora_gib:.2f}" if budget.lora_gib else ""
     raise CapacityError(
         f"{model.name} does not fit on {tp} x {gpu.name}: of {budget.usable_gib:.2f} GiB usable "
         f"per GPU, weights take {budget.weights_gib:.2f}, activations {budget.activation_gib:.2f}"
-        f", non-torch {budget.non_torch_gib:.2f}, leaving {budget.kv_cache_gib:.2f} GiB for KV "
-        "cache; raise --tp or --gpu-memory-utilization, or choose a larger GPU"
+        f", non-torch {budget.non_torch_gib:.2f}{lora}, leaving {budget.kv_cache_gib:.2f} GiB for "
+        "KV cache; raise --tp or --gpu-memory-utilization, or choose a larger GPU"
     )
 
 
@@ -129,7 +139,7 @@ def build_profile(model: ModelSpec, gpu: GpuSpec, options: ReplicaOptions) -> Re
         step_cost=step_cost(model, gpu, options),
         max_model_len=max_model_len,
         max_num_seqs=options.max_num_seqs or default_max_num_seqs(gpu),
-        warnings=model_warnings(model),
+        warnings=(*model_warnings(model), *(lora_warnings(model) if options.lora else ())),
     )
 
 

@@ -25,10 +25,28 @@ def _memory_rows(plan: Plan) -> list[str]:
         _row(f"weights ({source(o.weights_gib)})", f"{b.weights_gib:.2f}"),
         _row(f"activation peak ({source(o.activation_gib)})", f"{b.activation_gib:.2f}"),
         _row(f"non-torch ({source(o.non_torch_gib)})", f"{b.non_torch_gib:.2f}"),
+        *_lora_memory_rows(plan),
         _row(
             "KV cache" + (" (given)" if o.kv_cache_gib is not None else ""), f"{b.kv_cache_gib:.2f}"
         ),
     ]
+
+
+def _lora_memory_rows(plan: Plan) -> list[str]:
+    lora = plan.options.lora
+    if lora is None:
+        return []
+    # vLLM's own pool given outright is not reduced by the buffers either
+    source = "not from KV" if plan.options.kv_cache_gib is not None else "est."
+    label = f"LoRA ({lora.max_loras} x rank {lora.max_lora_rank}, {source})"
+    return [_row(label, f"{plan.budget.lora_gib:.2f}")]
+
+
+def _lora_kv_rows(plan: Plan) -> list[str]:
+    if not plan.lora_blocks:
+        return []
+    taken = plan.lora_blocks * plan.profile.block_size
+    return [_row("  taken by LoRA", f"{plan.lora_blocks:,} ({taken:,} tokens)")]
 
 
 def _kv_rows(plan: Plan) -> list[str]:
@@ -37,6 +55,7 @@ def _kv_rows(plan: Plan) -> list[str]:
         "KV cache",
         _row("bytes per token per GPU", f"{plan.kv_bytes_per_token:,}"),
         _row("blocks", f"{p.num_gpu_blocks:,}"),
+        *_lora_kv_rows(plan),
         _row("tokens", f"{p.kv_cache_tokens:,}"),
         _row(f"max concurrency at {p.max_model_len:,} tokens", f"{plan.max_concurrency:.2f}x"),
     ]
@@ -114,7 +133,9 @@ def plan_table(plan: Plan) -> str:
     o = plan.options
     head = (
         f"{plan.model.name} on {o.tp} x {plan.gpu.name} (kv {o.kv_dtype}, block {o.block_size}, "
-        f"gpu_memory_utilization {o.gpu_memory_utilization:g})"
+        f"gpu_memory_utilization {o.gpu_memory_utilization:g}"
+        + (", LoRA" if o.lora is not None else "")
+        + ")"
     )
     sections = [[head], _memory_rows(plan), _kv_rows(plan)]
     if shared := _shared_prompt_rows(plan):

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from gateway.capacity.lora import MAX_LORA_RANKS
 from gateway.capacity.perf import StepCost
 from loadtest.sim.lengths import DEFAULT_MEAN_TOKENS, DEFAULT_SIGMA, AnswerLengths
 
@@ -27,8 +28,6 @@ BUILT_IN_MODEL = "llama-3.1-8b"  # the catalog's name for the built-in replica's
 ACTIVATION_RESERVE_BYTES = 1 * GIB  # what vLLM's profiling run keeps back for activations
 DEFAULT_MAX_MODEL_LEN = 8192
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default on smaller GPUs
-# the ranks vLLM 0.32's --max-lora-rank accepts (LoRAConfig.max_lora_rank)
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +115,7 @@ class SimConfig:
     `allow_runtime_lora_updating` (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=1); a load takes
     `lora_load_s` real seconds, and fails as `fail_lora_loads` says when it is set. A KV
     cache sized from a GPU (not `kv_tokens`) loses the adapter buffers vLLM allocates for
-    `max_loras` slots of `max_lora_rank` (loadtest/sim/lora_memory.py).
+    `max_loras` slots of `max_lora_rank` (gateway/capacity/lora.py).
     """
 
     model: str = "sim-model"
@@ -186,8 +185,8 @@ class SimConfig:
             return
         if self.max_loras < 1:
             raise ValueError("max_loras must be at least 1")
-        if self.max_lora_rank not in LORA_RANKS:
-            raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))}")
+        if self.max_lora_rank not in MAX_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, MAX_LORA_RANKS))}")
         if self.lora_load_s < 0:
             raise ValueError("lora_load_s cannot be negative")
         names = [module.name for module in self.lora_modules]
@@ -239,13 +238,12 @@ def _catalog(config: SimConfig) -> tuple[int, StepCost, int | None, int | None]:
 def _lora_blocks(config: SimConfig, cost: StepCost) -> int:
     """The KV blocks the adapter buffers displace: vLLM counts them with the weights."""
     from gateway.capacity import load_catalog
-    from loadtest.sim.lora_memory import lora_buffer_bytes
+    from gateway.capacity.lora import LoraOptions, lora_buffer_bytes
 
     name = (config.catalog_model or config.model) if config.gpu is not None else BUILT_IN_MODEL
     taken = lora_buffer_bytes(
         load_catalog().model(name),
-        max_loras=config.max_loras,
-        max_lora_rank=config.max_lora_rank,
+        LoraOptions(max_loras=config.max_loras, max_lora_rank=config.max_lora_rank),
         tp=config.tp,
     )
     per_block = cost.kv_bytes_per_token_per_rank * config.block_size

@@ -25,6 +25,18 @@ def test_reads_vllm_cache_config_from_a_real_server() -> None:
     )
 
 
+def test_an_engine_with_lora_reports_blocks_the_adapter_buffers_already_left() -> None:
+    # vLLM 0.32's CPU build, tiny Llama, --gpu-memory-utilization 0.1 --enable-lora
+    # --max-loras 8 --max-lora-rank 512: num_gpu_blocks="13137" (14,193 without LoRA; the
+    # 1,056 between are its 132 MiB of adapter buffers, CAPACITY.md), so what discovery
+    # reads needs no LoRA correction
+    text = (FIXTURES / "vllm-0.32-lora-metrics.txt").read_text()
+    assert 'num_gpu_blocks="13137"' in text and 'kv_cache_size_tokens="1681536"' in text
+    assert capacity_from_metrics(text) == KvCache(
+        tokens=(13137 - 1) * 128, block_size=128, prefix_caching=True
+    )
+
+
 def test_keeps_one_block_back_per_engine() -> None:
     text = (
         "# TYPE vllm:cache_config_info gauge\n"
