@@ -114,7 +114,7 @@ def create_app(
     # the backends watched: their health and capacity (probes), their own KV use (metrics);
     # and asked to load an adapter none of them serves
     client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
-    loads_told = metrics.adapter_loads
+    loads_told, unloads_told = metrics.adapter_loads, metrics.adapter_unloads
     deps = PipelineDeps(
         adapters=AdapterLoader(
             client=client,
@@ -123,6 +123,10 @@ def create_app(
             on_load=lambda pool, adapter, backend, loaded: loads_told.labels(
                 pool, adapter, backend, "loaded" if loaded else "failed"
             ).inc(),
+            on_unload=lambda pool, adapter, backend, unloaded: unloads_told.labels(
+                pool, adapter, backend, "unloaded" if unloaded else "failed"
+            ).inc(),
+            on_room=router.room_opened,
         ),
         auth=auth,
         limiter=shared.limiter if shared else LocalRateLimiter(clock),

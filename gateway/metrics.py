@@ -166,6 +166,12 @@ class GatewayMetrics:
             "Loads of a LoRA adapter on a backend, by result (loaded, failed)",
             ["pool", "adapter", "backend", "result"], registry=r,
         )  # fmt: skip
+        self.adapter_unloads = Counter(
+            "spillgate_adapter_unloads",
+            "Unloads of a LoRA adapter the gateway loaded, past max_loaded_adapters, by result "
+            "(unloaded, failed)",
+            ["pool", "adapter", "backend", "result"], registry=r,
+        )  # fmt: skip
         self.adapter_requests = Counter(
             "spillgate_adapter_requests",
             "Requests for a LoRA adapter, by their one outcome",

@@ -69,7 +69,11 @@ class OverflowContext(Protocol):
 
     def retry_after(self, request: InferenceRequest) -> float: ...
 
-    def degraded(self, request: InferenceRequest, pool: str) -> InferenceRequest | None: ...
+    def degraded(
+        self, request: InferenceRequest, pool: str, *, adapter: str | None = None
+    ) -> InferenceRequest | None:
+        """`request` sent to `pool`, asking there for `adapter` in place of its own; None
+        where that pool's model cannot hold it, or nothing stands in for its adapter."""
 
     async def send_json(self, body: bytes, *, status: int, outcome: Outcome) -> None: ...
 

@@ -140,7 +140,24 @@ class AdapterSettings(_Model):
             "where the engines load it from (vLLM's `lora_path`): with it, a request for the "
             "adapter that no backend serves has it loaded on the least filled backend that "
             "can (`POST /v1/load_lora_adapter`; vLLM needs "
-            "`VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`); without it, such a request is refused"
+            "`VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`), and where those serving it are full, on "
+            "one more with room; without it, such a request is refused"
+        ),
+    )
+    max_backends: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "the most backends the gateway spreads the adapter to when those serving it are "
+            "full (counting every backend that serves it, loaded by the gateway or at the "
+            "engine's start-up); none: every backend of the pool"
+        ),
+    )
+    degrade_to: str | None = Field(
+        None,
+        description=(
+            "the adapter of the pool's `degrade_to` pool that `degrade` asks for in its "
+            "place; none: a request for this adapter is not degraded (the next step takes it)"
         ),
     )
 
@@ -225,6 +242,16 @@ class PoolSettings(_Model):
         description=(
             "the LoRA adapters of the pool's model that clients may ask for: a request for "
             "one goes only to a backend whose `/v1/models` lists it"
+        ),
+    )
+    max_loaded_adapters: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "the most adapters the gateway itself keeps loaded on one backend: loading one "
+            "more first unloads the least recently used of those it loaded there "
+            "(`POST /v1/unload_lora_adapter`), never one the engine was started with nor one "
+            "with requests in flight there; none: it never unloads one"
         ),
     )
     target_fill: float = Field(

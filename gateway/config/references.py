@@ -38,6 +38,7 @@ def reference_problems(data: Any) -> list[Problem]:
                 if name not in tenant_names:
                     loc = ("pools", i, "adapters", j, "tenants", k)
                     problems.append(_missing(loc, "tenant", name, tenant_names))
+    problems += _degraded_adapters(pools)
     kinds = {pool.get("name"): pool.get("kind", "chat") for _, pool in pools}
     for i, pool in pools:
         problems += _pool_references(i, pool, pools=pool_names, providers=provider_names)
@@ -176,6 +177,29 @@ def _adapter_names(pools: list[Entry]) -> Iterator[Problem]:
                 message = f"{name!r} is the name of {first[name]} already"
                 yield Problem(loc=("pools", i, "adapters", j, "name"), message=message)
             first.setdefault(name, f"pools[{i}].adapters[{j}]")
+
+
+def _degraded_adapters(pools: list[Entry]) -> Iterator[Problem]:
+    """An adapter's `degrade_to` names an adapter of the pool its pool degrades to."""
+    adapters = {
+        name: _names(_entries(pool, "adapters"))
+        for _, pool in pools
+        if isinstance(name := pool.get("name"), str)
+    }
+    for i, pool in pools:
+        target = pool.get("degrade_to")
+        for j, adapter in _entries(pool, "adapters"):
+            name = adapter.get("degrade_to")
+            if not isinstance(name, str):
+                continue
+            loc = ("pools", i, "adapters", j, "degrade_to")
+            if not isinstance(target, str):
+                needed = key_path(("pools", i, "degrade_to"))
+                yield Problem(loc=loc, message=f"an adapter degrades only where {needed} is set")
+            elif target in adapters and name not in adapters[target]:
+                known = adapters[target]
+                hint = did_you_mean(name, known) if known else ": it declares no adapters"
+                yield Problem(loc=loc, message=f"pool {target!r} has no adapter {name!r}{hint}")
 
 
 def _repeated_backend_names(pools: list[Entry]) -> Iterator[Problem]:

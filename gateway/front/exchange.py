@@ -310,11 +310,14 @@ class Exchange:
             started_at=started,
         )
 
-    def degraded(self, request: InferenceRequest, pool: str) -> InferenceRequest | None:
-        """`request` sent to `pool` instead, or None if that pool's model cannot hold it (or
-        lacks the adapter it asks for)."""
-        if request.adapter is not None:
+    def degraded(
+        self, request: InferenceRequest, pool: str, *, adapter: str | None = None
+    ) -> InferenceRequest | None:
+        """`request` sent to `pool` instead, asking there for its `adapter` in place of the
+        one it asks for here; None if that pool's model cannot hold it, or the request asks
+        for an adapter and no `adapter` stands in for it."""
+        if request.adapter is not None and adapter is None:
             return None
         if request.context_tokens > self.router.pools[pool].max_model_len:
             return None
-        return request._replace(pool=pool)
+        return request._replace(pool=pool, adapter=adapter)

@@ -13,6 +13,7 @@ nothing about what the gateway would accept. What differs between endpoints is d
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.admission.adapters import AdapterLoader
 from gateway.admission.ledger.held import HeldReservation
+from gateway.admission.routing.route import Route
 from gateway.admission.routing.router import Router
 from gateway.clock import Clock
 from gateway.errors import Rejected, RequestTimeout, SpillgateError, error_response
@@ -199,6 +201,9 @@ class Pipeline:
         if trace is not None:
             trace.parsed(request)
         held = HeldReservation(d.router)
+        if request.adapter is not None and d.adapters is not None:
+            # where it is held, the adapter is in use: it is never unloaded from there
+            held = d.adapters.uses.held(d.router, request.adapter)
         exchange = Exchange(
             send=watch.send,
             headers=headers,
@@ -221,9 +226,13 @@ class Pipeline:
         served: Served | None = None
         outcome = Outcome.ERROR
         began = pool.demand.begin(request.charge_tokens)
+        if request.adapter is not None and d.adapters is not None:
+            d.adapters.uses.watch(request.adapter, held)
         try:
             if admitted is None:
                 admitted = await self._admit.first_try(request, exchange)
+            if not admitted and request.adapter is not None and d.adapters is not None:
+                self._spread(request, request.adapter, d.adapters)
             served = await self._ladder.serve(
                 request, exchange, admitted=admitted, arrived=arrived, trace=trace
             )
@@ -252,6 +261,22 @@ class Pipeline:
             finally:
                 if trace is not None:
                     trace.settled(served, outcome)
+                if request.adapter is not None and d.adapters is not None:
+                    d.adapters.uses.done(request.adapter, held)
+
+    def _spread(self, request: InferenceRequest, name: str, loader: AdapterLoader) -> None:
+        """No backend serving the adapter `name` had room for `request`: where one that does
+        not serve it has room, the adapter is loaded there too (the queue is woken once it
+        is); a cold adapter, with room where it is, is loaded nowhere else."""
+        router = self._d.router
+        pool = router.pools[request.pool]
+        adapter = pool.adapter(name)
+        if not loader.may_spread(pool, adapter):
+            return
+        route = Route.of(request)
+        # the first try may have failed for the queue's waiters: then its backends have room
+        if router.has_room(dataclasses.replace(route, adapter=None)) and not router.has_room(route):
+            loader.spread(pool, adapter)
 
     def _recorder(self, request: InferenceRequest, held: HeldReservation) -> AnswerRecorder | None:
         if self._rules.pin_to_home:

@@ -90,6 +90,37 @@ def test_references_are_checked_with_the_names_they_resemble() -> None:
     ]
 
 
+def test_an_adapters_degrade_to_names_an_adapter_of_the_smaller_pool() -> None:
+    data = _minimal(degrade_to="small", overflow=["degrade"])
+    data["pools"][0]["adapters"] = [
+        {"name": "support", "degrade_to": "support-s"},
+        {"name": "sql", "degrade_to": "sq-s"},
+    ]
+    data["pools"].append(
+        {
+            "name": "small",
+            "backends": [{"url": "http://127.0.0.1:2"}],
+            "adapters": [{"name": "support-s"}, {"name": "sql-s"}],
+        }
+    )
+    assert _problems(data) == [
+        "gw.yaml: pools[0].adapters[1].degrade_to: pool 'small' has no adapter 'sq-s'; "
+        "did you mean 'sql-s'?"
+    ]
+    del data["pools"][1]["adapters"]
+    data["pools"][0]["adapters"] = [{"name": "support", "degrade_to": "support-s"}]
+    assert _problems(data) == [
+        "gw.yaml: pools[0].adapters[0].degrade_to: pool 'small' has no adapter 'support-s': "
+        "it declares no adapters"
+    ]
+    del data["pools"][0]["degrade_to"]
+    data["pools"][0]["overflow"] = ["reject"]
+    assert _problems(data) == [
+        "gw.yaml: pools[0].adapters[0].degrade_to: an adapter degrades only where "
+        "pools[0].degrade_to is set"
+    ]
+
+
 def test_references_are_checked_beside_the_fields_that_failed() -> None:
     """The model's own cross-check runs only once every field is valid; the file's
     references are checked all the same."""
