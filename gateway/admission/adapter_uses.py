@@ -4,8 +4,10 @@ its pool's `max_loaded_adapters` (gateway/admission/adapters.py does the unloadi
 
 Only an adapter the gateway loaded itself is ever named: one the engine was started with
 (or that another client loaded) is the operator's. An adapter is in use on a backend while a
-request for it holds a reservation there; it was last used there when such a reservation
-ended, or when it was loaded. Pure bookkeeping: the clock is injected, no I/O.
+request for it holds a reservation there, or while the engine's last scrape names it among
+the adapters its steps run (`vllm:lora_requests_info`: requests another replica sent); it
+was last used there when such a reservation ended, or when it was loaded. Pure
+bookkeeping: the clock is injected, no I/O.
 """
 
 from __future__ import annotations
@@ -69,7 +71,15 @@ class AdapterUses:
         excess = len(mine) - budget + 1
         if excess <= 0:
             return []
-        idle = sorted((used, a) for a, used in mine.items() if not self.busy(backend.name, a))
+        # the engine's own word counts too: requests another replica (or a client past the
+        # gateway) sent for an adapter run there without a reservation of this process
+        load = backend.reported_load(self._clock.monotonic())
+        active = frozenset() if load is None else load.active_adapters
+        idle = sorted(
+            (used, a)
+            for a, used in mine.items()
+            if a not in active and not self.busy(backend.name, a)
+        )
         if len(idle) < excess:
             raise BudgetFull(
                 "every adapter the gateway loaded there has requests in flight "

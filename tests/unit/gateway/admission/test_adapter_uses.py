@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from gateway.admission.adapter_uses import AdapterUses, BudgetFull
+from gateway.admission.fleet.backend_load import ReportedLoad
 from gateway.admission.fleet.backends import Backend
 from gateway.admission.ledger.reservations import Reservation
 from gateway.clock import ManualClock
@@ -69,3 +70,22 @@ def test_an_adapter_in_use_there_is_kept_and_one_gone_is_forgotten() -> None:
     assert uses.to_unload(backend("x", "y"), 2) == ["x"]
     # y unloaded by other means (the backend no longer lists it): no longer counted
     assert uses.to_unload(backend("x"), 2) == []
+
+
+def test_an_adapter_the_engine_reports_running_is_kept() -> None:
+    """Requests another replica sent hold no reservation here; the engine's own report of
+    the adapters its steps run keeps theirs loaded."""
+    clock = ManualClock()
+    uses = AdapterUses(clock)
+    for name in ("x", "y"):
+        uses.loaded("b0", name)
+        clock.now += 1
+    on_b0 = backend("x", "y")
+    assert uses.to_unload(on_b0, 1) == ["x", "y"]
+    running_x = ReportedLoad(
+        kv_usage=0.1, waiting=0, preemptions=None, active_adapters=frozenset({"x"})
+    )
+    on_b0.report(running_x, now=clock.monotonic())
+    assert uses.to_unload(on_b0, 2) == ["y"]
+    with pytest.raises(BudgetFull):
+        uses.to_unload(on_b0, 1)
