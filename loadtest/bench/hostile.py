@@ -37,14 +37,30 @@ from loadtest.procs import free_port, wait_for_port
 TIMED_KEY, HOSTILE_KEY = "sk-bench-timed", "sk-bench-hostile"
 EVENT_MB = 128
 TARGET_RATIO, TARGET_RISE_MB = 1.5, 32
+# what the gateway's error event says when it cuts an event at its bound (relay.py)
+CUT_AT_BOUND = b"sent an event longer than"
 UNLIMITED = {"requests_per_minute": 10**9, "tokens_per_minute": 10**12}
 
 
+# `GET /v1/models` as vLLM answers it: the gateway's probe must find the model served, or
+# the backend never enters rotation and every hostile request is refused at the door
+MODELS = json.dumps({
+    "object": "list",
+    "data": [{"id": "m", "object": "model", "root": "m", "max_model_len": 8192}],
+}).encode()  # fmt: skip
+
+
 async def _hostile_server(port: int, megabytes: int) -> None:
-    """Every POST: a 200 event stream whose one event never ends."""
+    """Every POST: a 200 event stream whose one event never ends. `GET /v1/models`: its
+    model, so that the gateway takes it into rotation; any other GET, a 404."""
     piece = b"x" * (1 << 20)
     head = (
         b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    models = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+        % len(MODELS)
+        + MODELS
     )
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -56,6 +72,9 @@ async def _hostile_server(port: int, megabytes: int) -> None:
                     if line.startswith(b"content-length:"):
                         length = int(line.partition(b":")[2])
                 await reader.readexactly(length)
+                if head_in.startswith(b"GET /v1/models "):
+                    writer.write(models)
+                    continue
                 if not head_in.startswith(b"POST "):
                     writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
                     continue
@@ -145,20 +164,24 @@ async def _timed(url: str, seconds: float, concurrency: int) -> list[float]:
     return latencies
 
 
-async def _hostile(url: str, stop: asyncio.Event) -> dict[int, int]:
+async def _hostile(url: str, stop: asyncio.Event) -> tuple[dict[int, int], int]:
     """The hostile tenant's streams, one after another until `stop`: how many got each
-    status (a 200 is a stream the gateway cut at its event bound; a 503, one refused while
-    the backend was out of rotation for it)."""
+    status (a 200 is a stream the gateway started; a 503, one refused while the backend
+    was out of rotation for it), and how many of the 200s the gateway cut at its event
+    bound (they end with its error event)."""
     body = {"model": "hostile", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     headers = {"authorization": f"Bearer {HOSTILE_KEY}"}
     statuses: dict[int, int] = {}
+    cut = 0
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600) as client:
         while not stop.is_set():
+            tail = b""
             async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                async for _ in response.aiter_raw():
-                    pass
+                async for chunk in response.aiter_raw():
+                    tail = (tail + chunk)[-4096:]
             statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
-    return statuses
+            cut += response.status_code == 200 and CUT_AT_BOUND in tail
+    return statuses, cut
 
 
 async def _round(
@@ -172,7 +195,7 @@ async def _round(
         await asyncio.sleep(0.5)  # the first hostile stream under way
     latencies = await _timed(url, seconds, concurrency)
     stop.set()
-    statuses = (await attack) if attack is not None else {}
+    statuses, cut = (await attack) if attack is not None else ({}, 0)
     rss = sampler.stop()
     return {
         "hostile": hostile,
@@ -182,6 +205,7 @@ async def _round(
         "rss_median_mb": statistics.median(rss),
         "rss_max_mb": max(rss),
         "hostile_statuses": statuses,
+        "hostile_cut_at_bound": cut,
     }
 
 
@@ -254,8 +278,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "p99_ms": {"quiet": p99_quiet, "hostile": p99_loud},
         "p99_ratio": p99_loud / p99_quiet,
         "rss_rise_mb": rise,
+        "hostile_statuses": _summed(r["hostile_statuses"] for r in loud),
+        "hostile_cut_at_bound": sum(r["hostile_cut_at_bound"] for r in loud),
         "met": p99_loud <= TARGET_RATIO * p99_quiet and rise < TARGET_RISE_MB,
     }
+
+
+def _summed(counts: Iterator[dict[int, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for count in counts:
+        for status, n in count.items():
+            total[str(status)] = total.get(str(status), 0) + n
+    return total
 
 
 def main(argv: Sequence[str] | None = None) -> int:
