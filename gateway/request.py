@@ -98,6 +98,10 @@ class InferenceRequest(NamedTuple):
     # the LoRA adapter of its pool's model it asks for by name (gateway/config/pools.py,
     # `adapters`): it goes only to a backend that serves it, and is sent there by that name
     adapter: str | None = None
+    # the model's context (prompt and output tokens of one sequence) where its pool knows
+    # it: its `max_model_len` setting, else the longest its backends report; None where
+    # unknown. What an answer's usage may say is bounded by it (gateway/upstream/usage.py)
+    model_context: int | None = None
 
     @property
     def sequence_tokens(self) -> int:

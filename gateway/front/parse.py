@@ -163,12 +163,24 @@ def parse_request(
     default_max_tokens: int,
     max_model_len: int,
     chars_per_token: float,
+    model_context: int | None = None,
 ) -> InferenceRequest:
+    """`body` as the gateway's request. `max_model_len` is what a request is checked against
+    (a fallback where the pool knows none); `model_context` the model's context where the
+    pool knows it, which bounds what an answer's usage may say."""
     if endpoint is Endpoint.EMBEDDINGS or endpoint is Endpoint.RESPONSES:
         parse = _parse_embeddings if endpoint is Endpoint.EMBEDDINGS else _parse_responses
         return parse(
             body,
-            Terms(tenant, pool, priority, default_max_tokens, max_model_len, chars_per_token),
+            Terms(
+                tenant,
+                pool,
+                priority,
+                default_max_tokens,
+                max_model_len,
+                chars_per_token,
+                model_context,
+            ),
         )
     chars = (
         _chat_prompt_chars(body) if endpoint is Endpoint.CHAT else _completion_prompt_chars(body)
@@ -199,6 +211,7 @@ def parse_request(
         max_output_tokens=max_output,
         body=body,
         n=n,
+        model_context=model_context,
     )
 
 
@@ -245,6 +258,7 @@ class Terms(NamedTuple):
     default_max_tokens: int
     max_model_len: int
     chars_per_token: float
+    model_context: int | None = None
 
 
 def _parse_embeddings(body: dict[str, Any], terms: Terms) -> InferenceRequest:
@@ -340,6 +354,7 @@ def _parse_responses(body: dict[str, Any], terms: Terms) -> InferenceRequest:
         prompt_tokens=prompt_tokens,
         max_output_tokens=max_output,
         body=body,
+        model_context=terms.model_context,
     )
 
 

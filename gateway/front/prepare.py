@@ -74,6 +74,7 @@ class Preparer:
             default_max_tokens=pool.settings.default_max_tokens,
             max_model_len=pool.max_model_len,
             chars_per_token=pool.estimator.chars_per_token,
+            model_context=pool.model_context,
         )
         if model != pool.name:
             request = request._replace(adapter=model)

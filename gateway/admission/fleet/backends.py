@@ -217,6 +217,17 @@ class Pool:
         return min(known) if known else FALLBACK_MAX_MODEL_LEN
 
     @property
+    def model_context(self) -> int | None:
+        """The longest context the pool knows its model to have: its setting, or what its
+        backends report, whichever is longer (any backend may serve a request, and one that
+        names no output limit may be answered up to the engine's own context); None where
+        neither is known (no fallback: a guess too short would call true answers lies)."""
+        known = [b.max_model_len for b in self.backends if b.max_model_len is not None]
+        if self.settings.max_model_len is not None:
+            known.append(self.settings.max_model_len)
+        return max(known) if known else None
+
+    @property
     def shared_block_sizes(self) -> frozenset[int]:
         """The block sizes of the pool's backends that hold a prompt prefix shared by
         requests in flight once: a request's shared blocks are keyed at each (none: the

@@ -74,3 +74,22 @@ def test_a_pools_context_limit_is_its_own_else_its_backends_smallest_else_the_fa
     found.backends[0].max_model_len = 4096
     assert found.max_model_len == 4096
     assert build_pools([pool(max_model_len=1000)], clock=ManualClock())["p"].max_model_len == 1000
+
+
+def test_a_pools_known_context_is_the_longest_known_and_never_the_fallback() -> None:
+    """What bounds an answer's usage: a guess too short would call true counts lies, so
+    it is only what is known, and the longest of it (any backend may serve a request)."""
+
+    def pool(**extra: object) -> PoolSettings:
+        backends = [{"url": "http://a"}, {"url": "http://b"}]
+        return PoolSettings.model_validate({"name": "p", "backends": backends, **extra})
+
+    found = build_pools([pool()], clock=ManualClock())["p"]
+    assert found.model_context is None
+    found.backends[0].max_model_len = 4096
+    found.backends[1].max_model_len = 8192
+    assert found.model_context == 8192
+    limited = build_pools([pool(max_model_len=1000)], clock=ManualClock())["p"]
+    assert limited.model_context == 1000
+    limited.backends[0].max_model_len = 4096  # the engine's own: a request naming no limit
+    assert limited.model_context == 4096  # may be answered up to it
