@@ -5,12 +5,18 @@ misconfigured server or a compromised provider can say anything there, and the g
 charges tenants, spends provider budgets, learns its prompt estimates and fills its
 metrics from it. So every count is read defensively and bounded by the request:
 
-- the prompt by what its estimate could mean (PROMPT_FACTOR times it, or a whole
-  PROMPT_FLOOR context, whichever is more: images and stored conversations make real
-  prompts far longer than their text);
-- the output by the choices' limit where the request named one, else by PROMPT_FLOOR per
-  choice; and for a stream, from below by the events the gateway itself relayed (vLLM
-  sends one per token; a provider that sends several per event only makes it lower);
+- the prompt by what its estimate could mean (PROMPT_FACTOR times it, or a whole context,
+  whichever is more: images and stored conversations make real prompts far longer than
+  their text); the context is the model's where the pool knows it and it is longer than
+  PROMPT_FLOOR, else PROMPT_FLOOR;
+- the output by what the request could have used: the choices' limit where it named one,
+  else the model's context per choice where the pool knows it (PROMPT_FLOOR where not);
+  and for a stream, from below by the events the gateway itself relayed (vLLM sends one per
+  token; a provider that sends several per event only makes it lower). The charge is never
+  above what the request could have used, whatever was streamed: a backend that ignores
+  `max_tokens` and streams past it is the operator's to fix, and charging the tenant for it
+  would let a backend's events lock a tenant out as a told count could
+  (`completion_past_limit`);
 - a count that is missing, zero where the answer cannot be empty, negative or not a
   number falls back to the gateway's own count: the estimate for the prompt; for the
   output, the events relayed, or for an answer in one piece what the request was charged.
@@ -18,7 +24,12 @@ metrics from it. So every count is read defensively and bounded by the request:
 
 Each correction is named (`prompt_too_large`, `completion_missing`, ...): the forwarder
 counts them by target in `spillgate_usage_corrections_total` and logs them, at most once a
-minute per target (`AnswerFlaws`).
+minute per target (`AnswerFlaws`). A correction that shows the upstream told what cannot be
+true (LIES: a count that is negative, not a number, or past what the request could have
+used, or a usage that is no object) is a failure of a pool's backend, counted against its
+health as a junk answer is (`Corrected.lies`). A count that is missing or zero is not: vLLM
+leaves usage out of a stream unless asked, and other servers tell zeros where they do not
+count.
 """
 
 from __future__ import annotations
@@ -42,6 +53,12 @@ FRAMING_EVENTS = 12
 LOG_EVERY_S = 60.0
 _OUTPUT_LIMITS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 _MISSING: Any = object()
+# corrections that show the upstream told what cannot be true, not what it left out
+LIES = frozenset({
+    "usage_not_an_object",
+    "prompt_negative", "prompt_not_a_number", "prompt_too_large",
+    "completion_negative", "completion_not_a_number", "completion_too_large",
+})  # fmt: skip
 
 
 class Corrected(NamedTuple):
@@ -49,6 +66,11 @@ class Corrected(NamedTuple):
 
     flaws: tuple[str, ...]
     reported: Any
+
+    @property
+    def lies(self) -> bool:
+        """Whether the upstream told what cannot be true (LIES), not merely left it out."""
+        return not LIES.isdisjoint(self.flaws)
 
 
 def checked_usage(
@@ -64,7 +86,7 @@ def checked_usage(
         if (
             type(prompt) is int
             and type(completion) is int
-            and 0 < prompt <= PROMPT_FLOOR
+            and 0 < prompt <= PROMPT_FLOOR  # past it: the slow path knows the whole bound
             and 0 < completion <= request.n * request.max_output_tokens
             and (events is None or completion >= events - 2 * request.n - FRAMING_EVENTS)
         ):
@@ -87,7 +109,7 @@ def _corrected(
         prompt_raw = told.get("prompt_tokens", _MISSING)
         completion_raw = told.get("completion_tokens", _MISSING)
     estimate = request.prompt_tokens
-    prompt_max = max(PROMPT_FACTOR * estimate, PROMPT_FLOOR)
+    prompt_max = max(PROMPT_FACTOR * estimate, PROMPT_FLOOR, request.model_context or 0)
     prompt, why = _bounded(prompt_raw, high=prompt_max)
     if why is not None:
         flaws.append(f"prompt_{why}")
@@ -100,29 +122,31 @@ def _corrected(
 def _completion(raw: Any, request: InferenceRequest, events: int | None, flaws: list[str]) -> int:
     if request.endpoint is Endpoint.EMBEDDINGS:  # nothing generated, whatever is said
         if raw is not _MISSING and token_count(raw) not in (None, 0):
-            flaws.append("completion_too_large")
+            flaws.append("completion_not_zero")  # odd, but costs nothing: no lie to punish
         return 0
     per_choice = request.max_output_tokens
     if not any(request.body.get(key) is not None for key in _OUTPUT_LIMITS):
         # the engine may generate up to its context, which the gateway's default (what it
         # reserved) need not reach
-        per_choice = max(per_choice, PROMPT_FLOOR)
+        per_choice = max(per_choice, request.model_context or PROMPT_FLOOR)
     most = request.n * per_choice
     # the least output a stream's events show, and the fallback: the events relayed
-    # (which errs high), or for one piece what was charged
+    # (which errs high), or for one piece what was charged; neither above `most`
     least = 0 if events is None else max(0, events - 2 * request.n - FRAMING_EVENTS)
     fallback = request.n * request.max_output_tokens if events is None else events
     count, why = _bounded(raw, high=most)
-    if why == "too_large":
-        flaws.append("completion_too_large")
-        return most
+    if least > most:
+        # the backend streamed past the request's limit: a count as high as its events is
+        # the truth about a backend that ignores `max_tokens`, not a lie
+        flaws.append("completion_past_limit")
+        if why == "too_large" and events is not None and count <= events:
+            why = None
     if why is not None:
         flaws.append(f"completion_{why}")
-        return min(fallback, most)
+        return most if why == "too_large" else min(fallback, most)
     if count < least:
         flaws.append("completion_too_small")
-        return least
-    return count
+    return min(max(count, least), most)
 
 
 def _bounded(value: Any, *, high: int) -> tuple[int, str | None]:
@@ -137,7 +161,7 @@ def _bounded(value: Any, *, high: int) -> tuple[int, str | None]:
     if count == 0:
         return 0, "zero"
     if count > high:
-        return 0, "too_large"
+        return count, "too_large"
     return count, None
 
 

@@ -8,7 +8,12 @@ import pytest
 
 from gateway.request import Endpoint, InferenceRequest
 from gateway.upstream.answer import Usage
-from gateway.upstream.usage import FRAMING_EVENTS, PROMPT_FLOOR, Corrected, checked_usage
+from gateway.upstream.usage import (
+    FRAMING_EVENTS,
+    PROMPT_FLOOR,
+    Corrected,
+    checked_usage,
+)
 from tests.support.upstream import chat_request
 
 
@@ -103,7 +108,8 @@ def test_embeddings_generate_nothing_whatever_is_said() -> None:
         Usage(9, 0, known=True),
         (),
     )
-    assert check(told(9, 5), embeddings)[1] == ("completion_too_large",)
+    assert check(told(9, 5), embeddings)[1] == ("completion_not_zero",)
+    assert not checked_usage(told(9, 5), embeddings, events=None)[1].lies  # type: ignore[union-attr]
 
 
 def test_the_responses_api_names_are_read() -> None:
@@ -116,3 +122,94 @@ def test_a_usage_that_is_no_object_is_corrected_whole() -> None:
         Usage(100, 100, known=True),
         ("usage_not_an_object", "prompt_missing", "completion_missing"),
     )
+
+
+# -- never above what the request could have used
+
+
+EIGHT = request(max_tokens=8)._replace(max_output_tokens=8)
+
+
+@pytest.mark.parametrize(
+    ("completion", "flaws", "lies"),
+    [
+        (5, ("completion_past_limit", "completion_too_small"), False),
+        (10_000, ("completion_past_limit",), False),
+        (10**18, ("completion_past_limit", "completion_too_large"), True),
+        (None, ("completion_past_limit", "completion_missing"), False),
+    ],
+    ids=["told-less", "told-the-events", "told-more", "told-nothing"],
+)
+def test_a_stream_past_its_limit_is_charged_the_limit_whatever_it_tells(
+    completion: Any, flaws: tuple[str, ...], lies: bool
+) -> None:
+    """max_tokens 8, and a backend that ignored it and streamed 10,000 events: the tenant
+    asked for 8 and is charged 8, whatever the usage says (before, a usage of 5 was charged
+    9,986 and one of 10**18 was charged 8). A count its events bear out is no lie."""
+    usage, corrected = checked_usage(told(120, completion), EIGHT, events=10_000)
+    assert corrected is not None
+    assert (usage.completion_tokens, corrected.flaws, corrected.lies) == (8, flaws, lies)
+
+
+def test_a_stream_within_its_limit_is_bounded_below_by_its_events_as_before() -> None:
+    usage, corrected = checked_usage(told(120, 1), EIGHT, events=8 + 2 + FRAMING_EVENTS)
+    assert (usage.completion_tokens, corrected) == (
+        8,
+        Corrected(("completion_too_small",), told(120, 1)),
+    )
+    assert not corrected.lies
+
+
+# -- the model's context, where the pool knows it
+
+
+def test_an_unnamed_limit_is_bounded_by_the_models_context_where_known() -> None:
+    """No output limit named: a model of 8,192 tokens of context cannot have generated
+    60,000 (before, anything up to PROMPT_FLOOR was believed)."""
+    known = request()._replace(model_context=8_192)
+    assert check(told(100, 8_000), known) == (Usage(100, 8_000, known=True), ())
+    assert check(told(100, 60_000), known) == (
+        Usage(100, 8_192, known=True),
+        ("completion_too_large",),
+    )
+    # where the context is unknown, PROMPT_FLOOR stands
+    assert check(told(100, 60_000), request()) == (Usage(100, 60_000, known=True), ())
+    assert check(told(100, PROMPT_FLOOR + 1), request())[0].completion_tokens == PROMPT_FLOOR
+
+
+def test_a_model_context_longer_than_the_floor_widens_the_prompts_bound() -> None:
+    """A million-token model: a prompt of 500,000 tokens is no lie, even if the estimate
+    (100) is far off; PROMPT_FLOOR still bounds where the context is shorter or unknown."""
+    long = request(max_tokens=50)._replace(model_context=1_000_000)
+    assert check(told(500_000, 10), long) == (Usage(500_000, 10, known=True), ())
+    assert check(told(500_000, 10), NAMED)[1] == ("prompt_too_large",)
+    short = request(max_tokens=50)._replace(model_context=8_192)
+    assert check(told(20_000, 10), short) == (Usage(20_000, 10, known=True), ())
+
+
+# -- which corrections are lies
+
+
+@pytest.mark.parametrize(
+    ("reported", "lies"),
+    [
+        (told(120, 10**18), True),
+        (told(120, -5), True),
+        (told(120, "lots"), True),
+        (told(-1, 10), True),
+        (told(10**18, 10), True),
+        ([5], True),
+        ("lots", True),
+        ({}, False),  # told nothing: some servers never count
+        (told(120, 0), False),
+        (told(0, 10), False),
+        ({"prompt_tokens": 120}, False),
+        (told(120, None), False),
+    ],
+)
+def test_only_a_usage_that_cannot_be_true_is_a_lie(reported: Any, lies: bool) -> None:
+    """A lie counts against the backend's health: only a count that cannot be true is one,
+    never one left out or told as nothing."""
+    _, corrected = checked_usage(reported, NAMED, events=None)
+    assert corrected is not None
+    assert corrected.lies is lies
