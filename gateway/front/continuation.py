@@ -23,6 +23,7 @@ from gateway.upstream.relay import Relayed, StreamCut, StreamRelay
 from gateway.upstream.resume import ContinuationLeg, Partial, continued
 from gateway.upstream.served import Served
 from gateway.upstream.target import Target
+from gateway.upstream.usage import Corrected
 
 
 class Serving(Protocol):
@@ -57,7 +58,7 @@ class Serving(Protocol):
 
     async def broke_off(self, name: str, tried: set[str]) -> None: ...
 
-    def answered(self, name: str) -> None: ...
+    def answered(self, name: str, corrected: Corrected | None = None) -> None: ...
 
 
 class Continuation:
@@ -155,7 +156,7 @@ class Continuation:
         exchange.metrics.stream_continuations.labels(follow.pool, "succeeded").inc()
         went_on = Served(served.outcome, backend.name, served.pool, relayed, served.started_at)
         if relayed.cut is None:
-            exchange.answered(backend.name)
+            exchange.answered(backend.name, relayed.corrected)
         else:
             await exchange.broke_off(backend.name, self._tried)
         return went_on, relayed.cut

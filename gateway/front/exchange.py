@@ -26,6 +26,7 @@ from gateway.upstream.resume import refusal
 from gateway.upstream.retry import tried_again
 from gateway.upstream.served import Served
 from gateway.upstream.target import Target
+from gateway.upstream.usage import Corrected
 
 
 class _NoRoom(UpstreamUnavailable):
@@ -212,7 +213,7 @@ class Exchange:
             self.metrics.stream_continuations_refused.labels(request.pool, not_resumable).inc()
             await self.broke_off(backend.name, tried)
         else:
-            backend.record_success(self.clock.monotonic())
+            self.answered(backend.name, relayed.corrected)
         return served
 
     def forward_held(
@@ -271,9 +272,16 @@ class Exchange:
         self.router.backend(name).broke_off()
         await self._leave(name, "mid-stream", tried)
 
-    def answered(self, name: str) -> None:
-        """Backend `name` answered this request in full: its failures in a row start again."""
-        self.router.backend(name).record_success(self.clock.monotonic())
+    def answered(self, name: str, corrected: Corrected | None = None) -> None:
+        """Backend `name` answered this request in full: its failures in a row start again.
+        Unless its usage told what cannot be true (`corrected.lies`): a backend that lies
+        there is broken or hostile, and fails as one that answers junk does."""
+        backend, now = self.router.backend(name), self.clock.monotonic()
+        if corrected is None or not corrected.lies:
+            backend.record_success(now)
+            return
+        backend.record_failure(now, reason=f"usage: {', '.join(corrected.flaws)}")
+        self.metrics.upstream_errors.labels(name, "usage").inc()
 
     def growth(self, request: InferenceRequest, block_size: int) -> Growth | None:
         """What grows a streaming request's reservation with its answer (in `learned`

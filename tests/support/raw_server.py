@@ -161,12 +161,13 @@ Answer = Callable[[Post], bytes | AsyncIterator[bytes] | None]
 
 class Backend:
     """A backend for the gateway, on a thread of its own: a GET (the gateway's probes)
-    gets `{}`, which tells the gateway nothing and is not held against it; a POST gets what
-    `answer` returns (written as it comes, where it is an async iterator). Keeps every
-    POST, and counts the connections POSTs came on."""
+    gets `listing` (by default `{}`, which tells the gateway nothing and is not held against
+    it); a POST gets what `answer` returns (written as it comes, where it is an async
+    iterator). Keeps every POST, and counts the connections POSTs came on."""
 
-    def __init__(self, answer: Answer) -> None:
+    def __init__(self, answer: Answer, *, listing: bytes = b"{}") -> None:
         self.answer = answer
+        self._got = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(listing), listing)
         self.posts: list[Post] = []
         self._connections = 0
         self._port = 0
@@ -216,7 +217,7 @@ class Backend:
                         length = int(line.partition(b":")[2])
                 body = await reader.readexactly(length)
                 if not head.startswith(b"POST "):
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                    writer.write(self._got)
                     continue
                 post = Post(connection, on_connection, len(self.posts), orjson.loads(body))
                 self.posts.append(post)

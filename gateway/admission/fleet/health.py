@@ -104,7 +104,8 @@ class BackendHealth:
 
     def failed(self, now: float, reason: str = "") -> Change | None:
         """A request failed before its answer: an error status, a refusal, a timeout, an
-        answer that is not one. `reason` is the last failure's, told with the ejection."""
+        answer that is not one; or was answered with a usage that cannot be true
+        (gateway/upstream/usage.py). `reason` is the last failure's, told with the ejection."""
         self._failures += 1
         last = f" (last: {reason})" if reason else ""
         if self.state(now) is HealthState.PROBING:

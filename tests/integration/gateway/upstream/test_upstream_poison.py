@@ -129,13 +129,16 @@ def in_flight(url: str) -> int:
 # what a backend tells as each count of its usage, by the name the request's `user` gives
 HUGE = {"1e18": 10**18, "1e300": 1e300}
 NO_COUNTS = {"negative": -5, "text": "lots", "list": [5], "object": {"n": 1}, "null": None}
+HONEST = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 
 
 def telling(post: Post) -> bytes:
-    """An answer whose usage says what the request's `user` names: a huge output, or no
-    count at all in any field."""
+    """An answer whose usage says what the request's `user` names: a huge output, no count
+    at all in any field, or (`honest`) the truth."""
     name = post.body["user"]
-    if name in HUGE:
+    if name == "honest":
+        usage = HONEST
+    elif name in HUGE:
         usage = {"prompt_tokens": 3, "completion_tokens": HUGE[name], "total_tokens": HUGE[name]}
     else:
         told = NO_COUNTS[name]
@@ -148,7 +151,8 @@ def telling(post: Post) -> bytes:
 def test_a_huge_usage_leaves_the_tenant_admitted(loop: str) -> None:
     """The backend says it generated 10**18 (or 1e300) tokens for an 8-token request: the
     tenant's next requests are admitted (the count is bounded by max_tokens), and each
-    correction is counted against the backend; streamed and not."""
+    correction is counted against the backend; streamed and not. (Each lie is followed by
+    an honest answer: a backend that lies three times in a row leaves rotation, below.)"""
     with (
         Backend(telling) as backend,
         gateway_before(backend, loop=loop, limits={"tokens_per_minute": 100_000}) as url,
@@ -157,15 +161,18 @@ def test_a_huge_usage_leaves_the_tenant_admitted(loop: str) -> None:
         for told in HUGE:
             for stream in (False, True):
                 before = corrections(url, "completion_too_large", requests=asked)
-                texts = [chat(url, stream=stream, max_tokens=8, user=told) for _ in range(3)]
-                asked += 3
+                texts = []
+                for _ in range(3):
+                    texts.append(chat(url, stream=stream, max_tokens=8, user=told))
+                    texts.append(chat(url, stream=stream, max_tokens=8, user="honest"))
+                asked += 6
                 corrected = corrections(url, "completion_too_large", requests=asked) - before
                 completion = settled_sum(
                     url, "spillgate_tokens_total", requests=asked, kind="completion"
                 )
-                assert (told, stream, texts) == (told, stream, ["Hello there"] * 3)
+                assert (told, stream, texts) == (told, stream, ["Hello there"] * 6)
                 assert (told, stream, corrected) == (told, stream, 3)
-        assert completion == len(HUGE) * 2 * 3 * 8
+        assert completion == len(HUGE) * 2 * 3 * (8 + 2)
 
 
 def test_a_usage_that_is_no_count_is_answered_and_metrics_stay_readable(loop: str) -> None:
@@ -176,6 +183,8 @@ def test_a_usage_that_is_no_count_is_answered_and_metrics_stay_readable(loop: st
             raw = raw_stream(url, user=told)
             assert raw.rstrip().endswith(b"data: [DONE]") and b"Hello" in raw, told
             assert chat(url, stream=False, user=told) == "Hello there", told
+            # a lie counts against the backend: an honest answer keeps it under three in a row
+            assert chat(url, stream=False, user="honest") == "Hello there", told
             scraped = httpx.get(f"{url}/metrics", timeout=10)
             assert (told, scraped.status_code, in_flight(url)) == (told, 200, 0)
 
@@ -220,6 +229,75 @@ def test_a_stream_told_to_cost_nothing_is_charged_its_events(loop: str) -> None:
         corrected = corrections(url, "completion_zero", requests=1)
     assert completion >= 300 - 14
     assert corrected == 1
+
+
+def test_a_backend_that_keeps_lying_about_usage_leaves_rotation(loop: str) -> None:
+    """A backend whose every answer says 10**18 tokens, streamed and not: each answer
+    reaches the client, but each is a failure of the backend, as a junk answer is; three
+    in a row eject it, and the next request finds no backend in rotation."""
+    with Backend(telling) as backend, gateway_before(backend, loop=loop) as url:
+        texts = [chat(url, stream=i % 2 == 1, max_tokens=8, user="1e18") for i in range(3)]
+        failed = settled_sum(url, "spillgate_upstream_errors_total", requests=3, target="big-0")
+        (status,) = [b for p in admin_status(url)["pools"] for b in p["backends"]]
+        with pytest.raises(openai.APIStatusError) as refused:
+            chat(url, stream=False, max_tokens=8, user="1e18")
+    assert texts == ["Hello there"] * 3
+    assert failed == 3
+    assert status["health"] == "ejected"
+    assert "completion_too_large" in str(status)
+    assert refused.value.status_code == 503
+    assert len(backend.posts) == 3
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [None, {}, {"prompt_tokens": 0, "completion_tokens": 0}],
+    ids=["none", "empty", "zeros"],
+)
+def test_a_backend_that_leaves_usage_out_stays_in_rotation(loop: str, usage: Any) -> None:
+    """No usage, or one of nothing (vLLM leaves a stream's usage out unless asked; other
+    servers tell zeros where they do not count): corrected, never held against the backend."""
+
+    def answer(post: Post) -> bytes:
+        if post.body.get("stream"):
+            return sse_answer(post, tokens=["Hello", " there"], usage=usage)
+        return json_answer(post, usage=usage)
+
+    with Backend(answer) as backend, gateway_before(backend, loop=loop) as url:
+        texts = [chat(url, stream=i % 2 == 1, max_tokens=8) for i in range(6)]
+        failed = settled_sum(url, "spillgate_upstream_errors_total", requests=6, target="big-0")
+        (status,) = [b for p in admin_status(url)["pools"] for b in p["backends"]]
+    assert texts == ["Hello there"] * 6
+    assert failed == 0
+    assert status["health"] == "up"
+
+
+def test_an_unnamed_limit_is_bounded_by_the_context_the_backend_reports(loop: str) -> None:
+    """No max_tokens named, and a backend whose /v1/models says its model holds 4,096
+    tokens: a usage of 60,000 output tokens cannot be true, and is charged 4,096 (before,
+    anything up to a 128k context was believed)."""
+    listing = orjson.dumps({"object": "list", "data": [{"id": "m", "max_model_len": 4096}]})
+
+    def answer(post: Post) -> bytes:
+        usage = {"prompt_tokens": 3, "completion_tokens": 60_000, "total_tokens": 60_003}
+        return json_answer(post, usage=usage)
+
+    with (
+        Backend(answer, listing=listing) as backend,
+        gateway_before(backend, loop=loop) as url,
+    ):
+        deadline = time.monotonic() + 10
+        while [b["max_model_len"] for p in admin_status(url)["pools"] for b in p["backends"]] != [
+            4096
+        ]:
+            assert time.monotonic() < deadline, "the backend's listing was never read"
+            time.sleep(0.05)
+        assert chat(url, stream=False) == "Hello there"
+        completion = settled_sum(
+            url, "spillgate_tokens_total", requests=1, target="big-0", kind="completion"
+        )
+        corrected = corrections(url, "completion_too_large", requests=1)
+    assert (completion, corrected) == (4096, 1)
 
 
 # -- every SSE dialect
