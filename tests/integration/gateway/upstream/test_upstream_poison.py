@@ -449,6 +449,36 @@ def test_a_body_past_its_bound_is_a_502_naming_it(loop: str) -> None:
     assert rise and rise[0] < 32 << 20
 
 
+def test_a_refusal_body_of_128_mb_to_a_stream_is_a_502_naming_its_bound(loop: str) -> None:
+    """A 400 to a stream request whose body runs to 128 MB: the gateway reads 64 KiB of it,
+    closes the connection, and answers 502 naming the bound; its memory barely moves."""
+    rise: list[int] = []
+    size = 128 << 20
+
+    async def answer(post: Post) -> AsyncIterator[bytes]:
+        yield (
+            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % size
+        )
+        before = rss()
+        piece = b" " * (1 << 20)
+        try:
+            for _ in range(128):
+                yield piece
+        finally:
+            rise.append(rss() - before)
+
+    with (
+        Backend(answer) as backend,
+        gateway_before(backend, loop=loop) as url,
+        pytest.raises(openai.APIStatusError) as refused,
+    ):
+        chat(url, stream=True)
+    assert refused.value.status_code == 502
+    assert "a body past 65536 bytes" in refused.value.message
+    assert rise and rise[0] < 32 << 20
+
+
 # -- idle means no progress
 
 
@@ -537,8 +567,12 @@ def _not_an_answer(body: bytes) -> Callable[[Post], bytes]:
     return lambda post: head % len(body) + body
 
 
-def _status_099(post: Post) -> bytes:
-    return b"HTTP/1.1 099 Odd\r\ncontent-length: 5\r\n\r\nJUNK!" + chat_answer(post)
+def _status(code: bytes) -> Callable[[Post], bytes]:
+    """A status outside 100-599, with a body, then (where a client might read on) a true
+    answer."""
+    return lambda post: (
+        b"HTTP/1.1 %s Odd\r\ncontent-length: 5\r\n\r\nJUNK!" % code + chat_answer(post)
+    )
 
 
 JUNK = {
@@ -547,7 +581,10 @@ JUNK = {
     "gzip-chunked": _gzip_chunked,
     "result-ok": _not_an_answer(b'{"result":"ok"}'),
     "list": _not_an_answer(b"[1,2,3]"),
-    "status-099": _status_099,
+    "status-099": _status(b"099"),
+    "status-042": _status(b"042"),
+    "status-600": _status(b"600"),
+    "status-999": _status(b"999"),
 }
 
 

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, Counter
 
+from gateway.clock import ManualClock
 from gateway.request import Endpoint, InferenceRequest
 from gateway.upstream.answer import Usage
 from gateway.upstream.usage import (
     FRAMING_EVENTS,
+    LOG_EVERY_S,
     PROMPT_FLOOR,
+    AnswerFlaws,
     Corrected,
     checked_usage,
 )
@@ -213,3 +218,36 @@ def test_only_a_usage_that_cannot_be_true_is_a_lie(reported: Any, lies: bool) ->
     _, corrected = checked_usage(reported, NAMED, events=None)
     assert corrected is not None
     assert corrected.lies is lies
+
+
+# -- counted always, logged once a minute per target
+
+
+def test_a_correction_is_counted_every_time_and_logged_once_a_minute_per_target(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    registry = CollectorRegistry()
+    corrections = Counter("corrections", "", ["target", "reason"], registry=registry)
+    not_kept = Counter("not_kept", "", ["target"], registry=registry)
+    clock = ManualClock()
+    flaws = AnswerFlaws(corrections=corrections, not_kept=not_kept, clock=clock)
+    lie = Corrected(("completion_too_large",), told(1, 10**18))
+
+    def logged() -> list[str]:
+        return [r.getMessage().split(" ")[0] for r in caplog.records if r.name == "spillgate.usage"]
+
+    with caplog.at_level(logging.WARNING, logger="spillgate.usage"):
+        for _ in range(5):
+            flaws.corrected("big-0", lie)
+        flaws.corrected("big-1", lie)
+        clock.advance(LOG_EVERY_S - 0.5)
+        flaws.corrected("big-0", lie)
+        assert logged() == ["big-0", "big-1"]
+        clock.advance(0.5)
+        flaws.corrected("big-0", lie)
+        flaws.corrected("big-1", lie)
+    assert logged() == ["big-0", "big-1", "big-0", "big-1"]
+    count = registry.get_sample_value(
+        "corrections_total", {"target": "big-0", "reason": "completion_too_large"}
+    )
+    assert count == 7
