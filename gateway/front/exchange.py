@@ -328,4 +328,7 @@ class Exchange:
             return None
         if request.context_tokens > self.router.pools[pool].max_model_len:
             return None
-        return request._replace(pool=pool, adapter=adapter)
+        # its answer's usage is bounded by the context of the model that gives it
+        return request._replace(
+            pool=pool, adapter=adapter, model_context=self.router.pools[pool].model_context
+        )

@@ -223,6 +223,10 @@ class Forwarder:
         if deadline is None or deadline > end:
             deadline = end
         swap = model_swap(target.model, public_model)
+        if target.external and request.model_context is not None:
+            # the pool's model's context says nothing of a provider's model: its answers'
+            # usage is bounded as where no context is known (gateway/upstream/usage.py)
+            request = request._replace(model_context=None)
         if not request.stream:
             status, body, answer = await self._whole(
                 target, request, deadline=deadline, trace_headers=trace_headers

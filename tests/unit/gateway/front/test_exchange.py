@@ -193,6 +193,11 @@ def test_a_degraded_request_must_fit_the_smaller_models_context(urls) -> None:
         fits = s.exchange.degraded(chat_request(max_tokens=60), "small")
         assert fits is not None and fits.pool == "small"
         assert s.exchange.degraded(chat_request(max_tokens=61), "small") is None  # 4 + 61 > 64
+        # what its answer's usage may say is bounded by the smaller model's context, not the
+        # pool's it was asked of
+        assert fits.model_context == 64
+        from_big = s.exchange.degraded(chat_request(max_tokens=60, model_context=4096), "small")
+        assert from_big is not None and from_big.model_context == 64
 
     run([urls["good"]], scenario)
 
