@@ -13,7 +13,6 @@ nothing about what the gateway would accept. What differs between endpoints is d
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -275,7 +274,7 @@ class Pipeline:
             return
         route = Route.of(request)
         # the first try may have failed for the queue's waiters: then its backends have room
-        if router.has_room(dataclasses.replace(route, adapter=None)) and not router.has_room(route):
+        if router.has_room(route._replace(adapter=None)) and not router.has_room(route):
             loader.spread(pool, adapter)
 
     def _recorder(self, request: InferenceRequest, held: HeldReservation) -> AnswerRecorder | None:

@@ -68,7 +68,7 @@ class InRotation:
     name: ClassVar[str] = "in-rotation"
 
     def keeps(self, backend: Backend, route: Route, now: float) -> bool:
-        return backend.healthy(now)
+        return backend.health.in_rotation(now)
 
 
 class Serves:

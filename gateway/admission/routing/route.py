@@ -4,7 +4,6 @@ may take it as a `Candidate`."""
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from gateway.request import SharedBlocks
@@ -14,16 +13,16 @@ if TYPE_CHECKING:
     from gateway.request import InferenceRequest
 
 
-@dataclass(frozen=True, slots=True)
-class Route:
+class Route(NamedTuple):
     """What a request asks of its pool's backends: room for `sequences` sequences of up to
-    `tokens` tokens each, of which `shared` are prompt blocks other requests may hold with
-    it, for the LoRA `adapter` when one is named, never on a backend in `exclude` (tried
-    already, or avoided: a Responses continuation goes only where its previous response is
-    stored). `prefix` (the keys of its prompt's leading blocks), `session` and `token_ids`
-    (the prompt as the engine's tokens) are what prefix routing goes by. A `running`
-    request (a stream continued from a backend that failed) was admitted already: it may
-    fill a backend past its target fill, as a stream that grows does."""
+        `tokens` tokens each, of which `shared` are prompt blocks other requests may hold with
+        it, for the LoRA `adapter` when one is named, never on a backend in `exclude` (tried
+        already, or avoided: a Responses continuation goes only where its previous response is
+        stored). `prefix` (the keys of its prompt's leading blocks), `session` and `token_ids`
+        (the prompt as the engine's tokens) are what prefix routing goes by. A `running`
+        request (a stream continued from a backend that failed) was admitted already: it may
+        fill a backend past its target fill, as a stream that grows does. (A NamedTuple: one is
+    built for every admission, and a frozen dataclass costs several times as much.)"""
 
     pool: str
     tokens: int

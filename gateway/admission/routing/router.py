@@ -171,22 +171,25 @@ class Router:
         """Each backend the pool's filters keep whose capacity is known, least filled once
         it holds the request first; what it holds and may hold worked out once."""
         p = self.pools[route.pool]
-        keeps = self._profiles[route.pool].keeps
+        filters = self._profiles[route.pool].filters
         stale = p.settings.metrics_stale_s
-        shared = route.shared
         found: list[Candidate] = []
         for i, b in enumerate(p.backends):
-            if not keeps(b, route, now):
-                continue
-            capacity = b.capacity(now=now, stale_after=stale)
-            if capacity <= 0:
-                continue
-            held, limit = self._view(b, capacity, now)
-            need = kv_tokens(route.tokens, sequences=route.sequences, block_size=b.block_size)
-            blocks = _shared(b, shared) if shared else NO_BLOCKS
-            cost = self.ledger.cost(b.name, need, blocks) if blocks.keys else need
-            fill = held / capacity
-            found.append(Candidate(fill + cost / capacity, i, b, limit, capacity, fill, need, cost))
+            for f in filters:
+                if not f.keeps(b, route, now):
+                    break
+            else:
+                capacity = b.capacity(now=now, stale_after=stale)
+                if capacity <= 0:
+                    continue
+                held, limit = self._view(b, capacity, now)
+                need = kv_tokens(route.tokens, sequences=route.sequences, block_size=b.block_size)
+                blocks = _shared(b, route.shared) if route.shared else NO_BLOCKS
+                cost = self.ledger.cost(b.name, need, blocks) if blocks.keys else need
+                fill = held / capacity
+                found.append(
+                    Candidate(fill + cost / capacity, i, b, limit, capacity, fill, need, cost)
+                )
         if len(found) > 1:
             found.sort()
         return found
@@ -203,10 +206,9 @@ class Router:
         `running` request may fill a backend's KV cache past the target fill.
         """
         now = self.clock.monotonic()
-        candidates = self._candidates(route, now)
-        if not candidates:
-            return None
-        ordered = self._profiles[route.pool].order(route, candidates, now)
+        ordered: Sequence[Candidate] = self._candidates(route, now)
+        if len(ordered) > 1:
+            ordered = self._profiles[route.pool].order(route, ordered, now)
         # where it fits under the target fill first, then where it may run alone
         alone: list[tuple[Candidate, int]] = []
         for c in ordered:
