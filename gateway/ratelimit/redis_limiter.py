@@ -2,7 +2,7 @@
 
 One Lua script (bucket.lua) per decision checks and debits both buckets atomically, timed
 by Redis `TIME` so gateways with disagreeing clocks still agree. Calls go through the
-process's RedisBatcher (gateway/shared/batch.py): decisions made in the same moment travel
+process's RedisBatcher (gateway/redis_io/batch.py): decisions made in the same moment travel
 in one pipeline, and the script is reloaded when Redis answers NOSCRIPT (after a restart
 or SCRIPT FLUSH). Both keys of a tenant share the hash tag `{tenant}`, so the script also
 runs on Redis Cluster.
@@ -39,7 +39,7 @@ from redis.exceptions import RedisError
 
 from gateway.ratelimit import bucket
 from gateway.ratelimit.base import Decision, Reason, StoreError, TenantLimits
-from gateway.shared.batch import BatchScript, RedisBatcher, batcher_of, forget
+from gateway.redis_io.batch import BatchScript, RedisBatcher, batcher_of, forget
 
 CLOSE_WAIT_S = 1.0  # what closing waits for the slices' give-back without a time budget
 _REASONS: dict[int, Reason] = {0: "", 1: "requests", 2: "tokens", 3: "too_large"}

@@ -37,7 +37,7 @@ from gateway.ratelimit import (
     ResilientRateLimiter,
     TenantLimits,
 )
-from gateway.shared.batch import RedisBatcher
+from gateway.redis_io.batch import RedisBatcher
 from loadtest.percentile import percentile_or_nan
 from loadtest.procs import RedisProcess
 

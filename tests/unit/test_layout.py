@@ -176,8 +176,9 @@ def test_policies_see_the_gateway_through_overflow() -> None:
 
 
 # The gateway's rooms, lowest first (gateway/README.md "Rooms"): a module imports from its
-# own room and the rooms before it, never from one after it, even to name a type. The
-# first prefix a module starts with names its room.
+# own room and the rooms before it, never from one after it, even to name a type. A
+# prefix names a module or a whole folder, and no folder is split between rooms, so the
+# folders show which way the arrows run.
 ROOMS: list[tuple[str, tuple[str, ...]]] = [
     (
         "core",
@@ -194,7 +195,7 @@ ROOMS: list[tuple[str, tuple[str, ...]]] = [
             "gateway.slo",
         ),
     ),
-    ("clients", ("gateway.shared.batch", "gateway.shared.pubsub", "gateway.upstream")),
+    ("clients", ("gateway.redis_io", "gateway.upstream")),
     ("state", ("gateway.ratelimit", "gateway.admission", "gateway.capacity")),
     ("overflow", ("gateway.overflow",)),
     ("feeds", ("gateway.shared",)),
@@ -211,11 +212,29 @@ ROOMS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
 def room_of(module: str) -> int:
     for rank, (_, prefixes) in enumerate(ROOMS):
-        if any(module == p or module.startswith(p + ".") for p in prefixes):
+        if any(_within(module, p) for p in prefixes):
             return rank
     raise AssertionError(f"{module} is in no room: add it to ROOMS and gateway/README.md")
+
+
+def test_no_folder_is_split_between_rooms() -> None:
+    """A room holds whole folders: were a folder's files in two rooms (the Redis batcher
+    once sat in gateway/shared/ below the ledger, the feeds beside it above), the
+    folders would show arrows running both ways between them."""
+    placed = [(room, p) for room, (_, prefixes) in enumerate(ROOMS) for p in prefixes]
+    split = sorted(
+        f"{inner} ({ROOMS[r][0]}) within {outer} ({ROOMS[s][0]})"
+        for r, inner in placed
+        for s, outer in placed
+        if r != s and _within(inner, outer)
+    )
+    assert split == []
 
 
 def test_every_gateway_module_is_in_a_room() -> None:
@@ -239,7 +258,10 @@ def test_imports_run_down_the_rooms_only() -> None:
 
 def test_an_upward_import_is_found() -> None:
     assert room_of("gateway.front.pipeline") > room_of("gateway.admission.routing.router")
-    assert room_of("gateway.shared.batch") < room_of("gateway.ratelimit.redis_limiter")
+    assert room_of("gateway.redis_io.batch") < room_of("gateway.ratelimit.redis_limiter")
+    # the ledger uses the Redis client below it, never the feeds that share its figures
+    assert room_of("gateway.redis_io.batch") < room_of("gateway.admission.ledger.shared")
+    assert room_of("gateway.shared.ledger_feed") > room_of("gateway.admission.ledger.shared")
     assert room_of("gateway.shared.service_feed") > room_of("gateway.overflow")
 
 

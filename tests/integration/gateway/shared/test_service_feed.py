@@ -12,8 +12,8 @@ from redis.exceptions import RedisError
 from gateway.clock import SystemClock
 from gateway.config import Priority
 from gateway.overflow import Rival
+from gateway.redis_io.batch import RedisBatcher
 from gateway.request import InferenceRequest
-from gateway.shared.batch import RedisBatcher
 from gateway.shared.service_feed import ServiceFeed, service_key
 from loadtest.procs import RedisProcess
 from policies.queue.service import Service
