@@ -20,12 +20,11 @@ from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.clock import Clock
 from gateway.config import ProviderSettings
 from gateway.errors import SpillgateError
-from gateway.overflow import ProviderMetrics, Slots, TokenBudget
+from gateway.overflow import ProviderMetrics, Slots, Target, TokenBudget
 from gateway.request import InferenceRequest
-from gateway.upstream.target import Target
 
 if TYPE_CHECKING:
-    from gateway.admission.ledger.reservations import Reservation
+    from gateway.overflow import Reservation
 
 
 class Refusal(StrEnum):

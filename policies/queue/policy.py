@@ -52,10 +52,10 @@ from gateway.overflow import (
     QueueMetrics,
     Rival,
     Route,
+    Served,
     predict,
 )
 from gateway.request import Endpoint, InferenceRequest
-from gateway.upstream.served import Served
 from policies.deps import PolicyDeps
 from policies.queue.fair_queue import FairQueue, QueueResult, Waiter
 from policies.queue.fleet import FleetWaiters
