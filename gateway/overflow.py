@@ -317,8 +317,8 @@ class TokenBudget(Protocol):
         """Take `tokens` if the budget holds them, in one atomic check-and-debit."""
         ...
 
-    async def settle(self, *, reserved: int, used: int) -> None:
-        """Give back what a spend of `reserved` did not use, or charge what it used beyond."""
+    async def settle(self, *, spent: int, used: int) -> None:
+        """Give back what a spend of `spent` did not use, or charge what it used beyond."""
         ...
 
 

@@ -252,8 +252,8 @@ class RedisRateLimiter:
         forget(sent)
         return sent
 
-    async def reconcile(self, limits: TenantLimits, *, reserved: int, used: int) -> None:
-        charge = bucket.settlement(limits, reserved=reserved, used=used)
+    async def reconcile(self, limits: TenantLimits, *, charged: int, used: int) -> None:
+        charge = bucket.settlement(limits, charged=charged, used=used)
         if charge == 0:
             return
         held = self._slices.get(limits.tenant)

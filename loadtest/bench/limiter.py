@@ -111,7 +111,7 @@ class Ping:
         await self._client.ping()
         return await self._local.peek(limits)
 
-    async def reconcile(self, limits: TenantLimits, *, reserved: int, used: int) -> None:
+    async def reconcile(self, limits: TenantLimits, *, charged: int, used: int) -> None:
         return None
 
     async def peek(self, limits: TenantLimits) -> Decision:

@@ -133,7 +133,7 @@ class ProviderGate:
             if spent is None:
                 spent = claim.tokens
             if spent != claim.tokens:
-                await self.budget.settle(reserved=claim.tokens, used=spent)
+                await self.budget.settle(spent=claim.tokens, used=spent)
 
     def counted(self, tokens: object) -> int | None:
         """A token count the provider's answer gave, as the gate accounts it: at most a

@@ -152,7 +152,7 @@ def test_a_slice_answers_alone_and_goes_back_when_it_lapses(redis_proc: RedisPro
             assert limiter._batch.calls == calls  # ten decisions, no round trip
             assert decision.remaining_requests == first.remaining_requests - 10
             assert decision.remaining_tokens == 9_999_989
-            await limiter.reconcile(limits, reserved=1, used=0)  # refunded into the slice
+            await limiter.reconcile(limits, charged=1, used=0)  # refunded into the slice
             assert limiter._batch.calls == calls
             await asyncio.sleep(0.5)  # lapsed: the 20 requests left went back
             assert not limiter._slices
