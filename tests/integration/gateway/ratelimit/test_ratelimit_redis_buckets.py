@@ -234,7 +234,7 @@ SLICED = TenantLimits(tenant="t", requests_per_minute=600, tokens_per_minute=60_
 @pytest.mark.parametrize(
     ("slice_s", "limits", "first", "left"),
     [(0.0, SLOW, 100, (1, 900)), (0.5, SLICED, 0, (600, 60_000))],
-    ids=["decision", "decision and its slice"],
+    ids=["decision", "decision and its grant"],
 )
 def test_a_decision_made_after_its_caller_gave_up_is_refunded(
     redis_proc: RedisProcess,
@@ -244,7 +244,7 @@ def test_a_decision_made_after_its_caller_gave_up_is_refunded(
     left: tuple[int, int],
 ) -> None:
     """Cut by its time budget while Redis was paused, the decision still ran in Redis once
-    the pause ended: nobody used that admission, so it is given back, with any slice it took."""
+    the pause ended: nobody used that admission, so it is given back, with any grant it took."""
 
     async def scenario() -> None:
         client = aioredis.Redis.from_url(redis_proc.url, socket_timeout=5)
@@ -261,7 +261,7 @@ def test_a_decision_made_after_its_caller_gave_up_is_refunded(
             pass
         await asyncio.sleep(0.6)  # the pause ends, the decision runs, its refund follows
         assert limiter.late_refunds == 1
-        assert not limiter._slices
+        assert not limiter._grants
         peeked = await limiter.peek(limits)
         assert (peeked.remaining_requests, peeked.remaining_tokens) == left
         await client.aclose()
