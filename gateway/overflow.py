@@ -4,53 +4,45 @@ narrow roles of the gateway's parts a policy is handed (room in the pools, the m
 families it keeps, the batch tier's intake, a provider's slots and token budget).
 
 The gateway sees the policies only through these, and the policies see the gateway only
-through these; `gateway/app.py` builds the chains and hands each the concrete parts.
+through these and the values they name, which a policy imports from here (never from
+gateway/upstream/, whose client a policy reaches only through `OverflowContext`);
+`gateway/app.py` builds the chains and hands each the concrete parts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-# not only for the checker: a policy that asks whether a pool has room builds the Route
 from gateway.admission.routing.route import Route as Route
 from gateway.config import Priority
 from gateway.outcome import Outcome
 from gateway.request import Endpoint, InferenceRequest
 
-# not only for the checker: a policy predicts its time to first token from the targets'
-# recent answers (PredictsTtft)
+# The values a policy names, re-exported (with `Route` above): a policy builds the `Route`
+# it asks a pool's room about; predicts its time to first token from the targets' recent
+# answers (PredictsTtft); hands back what it served (`Served`: what was relayed and its
+# usage); builds the `Target` it hands `serve_target`; and a recorder reads the events it
+# is fed as the relay reads them (`event_data`).
 from gateway.slo import Latencies as Latencies
 from gateway.slo import predict as predict
-from gateway.upstream.answer import AnswerRecorder
-
-# what a policy that answers itself (the cache, the batch tier) relays and hands back
+from gateway.upstream.answer import AnswerRecorder as AnswerRecorder
+from gateway.upstream.answer import Usage as Usage
+from gateway.upstream.answer import event_data as event_data
 from gateway.upstream.relay import Relayed as Relayed
-from gateway.upstream.served import Served
-
-# what a policy hands back when it served the request
-# not only for the checker: a policy that forwards elsewhere builds the Target it hands
-# `serve_target`, and a policy may import what this module does
-from gateway.upstream.target import Target
+from gateway.upstream.served import Served as Served
+from gateway.upstream.target import Target as Target
 
 if TYPE_CHECKING:
     from prometheus_client import Counter, Gauge, Histogram
-    from starlette.types import Send
 
-    from gateway.admission.ledger.reservations import Reservation
+    from gateway.admission.ledger.reservations import Reservation as Reservation
 
 
 class OverflowContext(Protocol):
     """What a policy may do with the request it was handed: the exchange's methods a
     policy uses (gateway/front/exchange.py), and nothing it could overwrite."""
-
-    @property
-    def send(self) -> Send:
-        """The client's ASGI `send`, for a policy that answers by itself."""
-        ...
-
-    def headers(self, outcome: Outcome) -> list[tuple[bytes, bytes]]: ...
 
     def reserve(
         self, request: InferenceRequest, *, exclude: Collection[str] = ()
@@ -75,7 +67,17 @@ class OverflowContext(Protocol):
         """`request` sent to `pool`, asking there for `adapter` in place of its own; None
         where that pool's model cannot hold it, or nothing stands in for its adapter."""
 
-    async def send_json(self, body: bytes, *, status: int, outcome: Outcome) -> None: ...
+    def send_json(self, body: bytes, *, status: int, outcome: Outcome) -> Awaitable[Relayed]:
+        """Answer the client with the JSON document `body`, told as `outcome`; what was
+        relayed carries the usage the document tells (a cached answer's)."""
+        ...
+
+    async def send_events(
+        self, events: Iterable[bytes], *, outcome: Outcome, usage: Usage
+    ) -> Relayed:
+        """Answer a streaming client with the server-sent `events` (a kept answer replayed),
+        told as `outcome`, and end the stream; `usage` is what the events carried."""
+        ...
 
     async def serve_local(self, request: InferenceRequest, outcome: Outcome) -> Served: ...
 
@@ -315,8 +317,8 @@ class TokenBudget(Protocol):
         """Take `tokens` if the budget holds them, in one atomic check-and-debit."""
         ...
 
-    async def settle(self, *, reserved: int, used: int) -> None:
-        """Give back what a spend of `reserved` did not use, or charge what it used beyond."""
+    async def settle(self, *, spent: int, used: int) -> None:
+        """Give back what a spend of `spent` did not use, or charge what it used beyond."""
         ...
 
 

@@ -22,7 +22,7 @@ from gateway.clock import Clock
 from gateway.config import Settings
 from gateway.metrics import GatewayMetrics
 from gateway.ratelimit import LocalRateLimiter, RedisRateLimiter, ResilientRateLimiter
-from gateway.shared.batch import RedisBatcher
+from gateway.redis_io.batch import RedisBatcher
 from gateway.shared.ledger_feed import ReleaseFeed
 from gateway.shared.length_feed import LengthFeed
 from gateway.shared.prefix_feed import PrefixFeed
@@ -35,7 +35,7 @@ REDIS_POOL_SIZE = 64  # connections per process
 def redis_client(settings: Settings, url: str) -> aioredis.Redis | RedisCluster:
     """One client per process, shared by the limiter, the ledger and the cache.
 
-    Script calls reach it through one RedisBatcher (gateway/shared/batch.py), which never
+    Script calls reach it through one RedisBatcher (gateway/redis_io/batch.py), which never
     cancels a call in flight, so each call is bounded by the socket timeout: the ceiling of
     the callers' time budgets. The pool blocks when every connection is busy rather than
     failing the call at once, which would push the limiter into its failure mode exactly

@@ -1,6 +1,6 @@
 """One timer per event loop for every deadline on it (gateway/upstream/deadline.py), each
 request's watch for its client (gateway/front/watch.py) and each Redis call's time budget
-(gateway/shared/batch.py): a set entry costs far less than a timer handle made and
+(gateway/redis_io/batch.py): a set entry costs far less than a timer handle made and
 cancelled, and most of them are let go long before they are due."""
 
 from __future__ import annotations

@@ -20,11 +20,8 @@ import orjson
 from gateway.config import PoolSettings
 from gateway.errors import SpillgateError
 from gateway.outcome import Outcome
-from gateway.overflow import BatchIntake, OverflowContext
+from gateway.overflow import BatchIntake, OverflowContext, Relayed, Served, Usage
 from gateway.request import Endpoint, InferenceRequest
-from gateway.upstream.answer import Usage
-from gateway.upstream.relay import Relayed
-from gateway.upstream.served import Served
 from policies.deps import PolicyDeps
 
 BATCH_TARGET = "batch"  # the `target` a request accepted into the batch tier is served by

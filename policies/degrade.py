@@ -15,9 +15,8 @@ from typing import ClassVar
 from gateway.config import PoolSettings
 from gateway.errors import UpstreamError
 from gateway.outcome import Outcome
-from gateway.overflow import Latencies, OverflowContext, PoolRoom, Route, predict
+from gateway.overflow import Latencies, OverflowContext, PoolRoom, Route, Served, predict
 from gateway.request import Endpoint, InferenceRequest
-from gateway.upstream.served import Served
 from policies.deps import PolicyDeps
 
 

@@ -6,9 +6,8 @@ from typing import ClassVar
 
 from gateway.config import PoolSettings
 from gateway.errors import Rejected
-from gateway.overflow import OverflowContext
+from gateway.overflow import OverflowContext, Served
 from gateway.request import Endpoint, InferenceRequest
-from gateway.upstream.served import Served
 from policies.deps import PolicyDeps
 
 

@@ -91,8 +91,8 @@ class RateLimitSettings(_Model):
         le=5,
         description=(
             "with Redis, seconds of a tenant's refill one process may spend without a round trip; "
-            "other replicas see an unspent slice as used for at most this long. `0`: every request "
-            "asks Redis ([how](architecture.md#rate-limit-slices))"
+            "other replicas see an unspent grant as used for at most this long. `0`: every request "
+            "asks Redis ([how](architecture.md#rate-limit-grants))"
         ),
     )
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Collection, Sequence
+from collections.abc import Awaitable, Collection, Iterable, Sequence
 
 from starlette.types import Send
 
@@ -19,9 +19,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
 from gateway.request import InferenceRequest
 from gateway.slo import Prediction
-from gateway.upstream.answer import JSON_HEADERS, AnswerRecorder
+from gateway.upstream.answer import DONE, JSON_HEADERS, SSE_HEADERS, AnswerRecorder, Usage
 from gateway.upstream.forward import Forwards
-from gateway.upstream.relay import Relayed, StreamRelay
+from gateway.upstream.relay import Relayed, StreamRelay, send_json_body
 from gateway.upstream.resume import refusal
 from gateway.upstream.retry import tried_again
 from gateway.upstream.served import Served
@@ -101,11 +101,32 @@ class Exchange:
         """Tell the client how long `phase` took, in the `server-timing` header."""
         self.timings[phase] = seconds
 
-    async def send_json(self, body: bytes, *, status: int, outcome: Outcome) -> None:
-        """Answer the client with the JSON document `body`, told as `outcome`."""
-        headers = [*self.headers(outcome), *JSON_HEADERS, (b"content-length", b"%d" % len(body))]
-        await self.send({"type": "http.response.start", "status": status, "headers": headers})
-        await self.send({"type": "http.response.body", "body": body})
+    def send_json(self, body: bytes, *, status: int, outcome: Outcome) -> Awaitable[Relayed]:
+        """Answer the client with the JSON document `body`, told as `outcome`; what was
+        relayed carries the usage the document tells (a cached answer's)."""
+        return send_json_body(
+            body,
+            send=self.send,
+            status=status,
+            headers=[*JSON_HEADERS, *self.headers(outcome)],
+            swap=None,
+            recorder=None,
+            clock=self.clock,
+        )
+
+    async def send_events(
+        self, events: Iterable[bytes], *, outcome: Outcome, usage: Usage
+    ) -> Relayed:
+        """Answer a streaming client with the server-sent `events` (a kept answer replayed),
+        told as `outcome`, and end the stream; `usage` is what the events carried."""
+        send = self.send
+        headers = [*SSE_HEADERS, *self.headers(outcome)]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        first_byte_at = self.clock.monotonic()
+        for event in events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": DONE, "more_body": False})
+        return Relayed(usage, first_byte_at, True)
 
     async def admit(self, request: InferenceRequest) -> bool:
         """Reserve room for `request` in its pool; True if it now holds a reservation."""

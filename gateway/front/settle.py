@@ -66,7 +66,7 @@ class Settlement:
             if used == charged:
                 await held.release()
             elif self.shared:
-                refund = self.limiter.reconcile(tenant.limits, reserved=charged, used=used)
+                refund = self.limiter.reconcile(tenant.limits, charged=charged, used=used)
                 results = await asyncio.gather(held.release(), refund, return_exceptions=True)
                 for result in results:
                     if isinstance(result, BaseException):
@@ -75,7 +75,7 @@ class Settlement:
                 try:
                     await held.release()
                 finally:
-                    await self.limiter.reconcile(tenant.limits, reserved=charged, used=used)
+                    await self.limiter.reconcile(tenant.limits, charged=charged, used=used)
         finally:
             refused = outcome is Outcome.REJECTED
             pool.demand.end(charged, started=began, used=used, refused=refused)

@@ -3,7 +3,7 @@ in the `x-ratelimit-*` headers; over the limit, the request is refused with a 42
 honest `Retry-After` (gateway/front/refusals.py).
 
 With state in Redis, the decision and the request's first try for room start at once, so
-that they leave in one batch, one round trip (gateway/shared/batch.py); the room goes back
+that they leave in one batch, one round trip (gateway/redis_io/batch.py); the room goes back
 when the bucket refuses. In one process each call finishes at once, and two tasks would
 only cost more.
 """

@@ -1,10 +1,10 @@
 """What a rate limiter promises: a tenant's limits, one decision, and the role interface.
 
 Each tenant has two token buckets: requests (1 per request) and tokens (prompt estimate plus
-reserved output). A bucket holds at most its burst and refills at its per-minute rate. A
-decision checks and debits both at once; reconcile later settles the reservation with the
-real usage, and may leave the token bucket below zero (debt the tenant repays by waiting, at
-most one bucket: gateway/ratelimit/bucket.py).
+the most output it may ask for). A bucket holds at most its burst and refills at its
+per-minute rate. A decision checks and debits both at once; reconcile later settles the
+charge with the real usage, and may leave the token bucket below zero (debt the tenant
+repays by waiting, at most one bucket: gateway/ratelimit/bucket.py).
 """
 
 from __future__ import annotations
@@ -112,15 +112,15 @@ class RateLimiter(Protocol):
 
     `acquire` is one atomic check-and-debit of 1 request plus `tokens` tokens: concurrent
     callers never both spend the same capacity. A request larger than a whole bucket is
-    refused at once with reason "too_large". `reconcile` settles a reservation: it refunds
-    `reserved - used` when positive and charges the excess when negative, unconditionally,
-    down to one bucket of debt; it never raises for what `used` is (a backend's word: one
-    that is no count settles as the reservation).
+    refused at once with reason "too_large". `reconcile` settles the charge an admission
+    took: it refunds `charged - used` when positive and charges the excess when negative,
+    unconditionally, down to one bucket of debt; it never raises for what `used` is (a
+    backend's word: one that is no count settles as charged).
     """
 
     async def acquire(self, limits: TenantLimits, tokens: int) -> Decision: ...
 
-    async def reconcile(self, limits: TenantLimits, *, reserved: int, used: int) -> None: ...
+    async def reconcile(self, limits: TenantLimits, *, charged: int, used: int) -> None: ...
 
     async def peek(self, limits: TenantLimits) -> Decision: ...
 

@@ -12,12 +12,12 @@
 --       requests to charge (what a replica admitted on its own while Redis was away);
 --       whatever "adjust" charges, the debt it leaves is at most one bucket.
 --       For "acquire", ARGV[7] and ARGV[8]: the requests and tokens the caller would take
---       beyond this request, as a slice it spends on its own (gateway/ratelimit/redis_limiter.py);
+--       beyond this request, as a grant it spends on its own (gateway/ratelimit/redis_limiter.py);
 --       it gets at most a quarter of what each bucket holds after the request, and nothing
---       unless both are at least 1. A refund gives the slice back with the request.
--- Returns {code, request_level, token_level, slice_requests, slice_tokens}: code 0
+--       unless both are at least 1. A refund gives the grant back with the request.
+-- Returns {code, request_level, token_level, granted_requests, granted_tokens}: code 0
 -- allowed, 1 requests, 2 tokens, 3 too_large; levels as "%.17g" strings, after the debit
--- (the slice's included) when allowed; the slice granted, 0 and 0 when none.
+-- (the grant's included) when allowed; what was granted, 0 and 0 when none.
 
 local op = ARGV[1]
 local rpm, rcap = tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -73,7 +73,7 @@ end
 
 local DECIDED_MS = 120000  -- longer than any retry or late answer takes
 
--- the id key holds "admitted <slice requests> <slice tokens>", then "refunded"
+-- the id key holds "admitted <grant requests> <grant tokens>", then "refunded"
 local function admitted(key)
   local sr, st = string.match(redis.call('GET', key) or '', '^admitted (%d+) (%d+)$')
   return tonumber(sr), tonumber(st)

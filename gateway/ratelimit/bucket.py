@@ -5,7 +5,7 @@ The refill itself is written out in LocalRateLimiter._levels and in bucket.lua, 
 bucket.lua repeats `refusal_reason` and the bounds of `settled_level` inside Redis; keep
 them in step.
 
-A settlement may leave a bucket in debt (an answer that used more than it reserved: a
+A settlement may leave a bucket in debt (an answer that used more than it was charged: a
 stream that grew), but never more than one bucket's worth: the usage it settles with is
 what a backend said, and no number a backend says may lock a tenant out for longer than
 the bucket can mean. So a level stays within [-capacity, capacity], every wait it implies
@@ -42,23 +42,23 @@ def is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def settlement(limits: TenantLimits, *, reserved: object, used: object) -> int:
-    """What settling a reservation charges the token bucket: `used - reserved`, negative for
-    a refund.
+def settlement(limits: TenantLimits, *, charged: object, used: object) -> int:
+    """What settling a charge of `charged` tokens adds to it in the token bucket:
+    `used - charged`, negative for a refund.
 
     Whatever `used` is, this does not raise: it comes from what an answer said, and the
-    settling path must go on to release everything else. A `reserved` or `used` that is not
-    a count settles as the reservation (nothing back, nothing more), with a warning. The
+    settling path must go on to release everything else. A `charged` or `used` that is not
+    a count settles as charged (nothing back, nothing more), with a warning. The
     charge is held within two buckets: a level spans no more, so a larger one could change
     nothing, and Redis is never sent a number it cannot hold.
     """
-    if is_count(reserved) and is_count(used):
+    if is_count(charged) and is_count(used):
         span = 2 * limits.token_capacity
-        return max(-span, min(span, used - reserved))
+        return max(-span, min(span, used - charged))
     log.warning(
-        "%s: a reservation of %.40r tokens settled as it stood: used %.40r is not a token count",
+        "%s: a charge of %.40r tokens settled as it stood: used %.40r is not a token count",
         limits.tenant,
-        reserved,
+        charged,
         used,
     )
     return 0

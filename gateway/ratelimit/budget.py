@@ -26,9 +26,9 @@ class BucketBudget:
         decision = await self.limiter.acquire(self.limits, tokens)
         return decision.allowed
 
-    async def settle(self, *, reserved: int, used: int) -> None:
-        """Give back what a spend of `reserved` did not use, or charge what it used beyond."""
-        await self.limiter.reconcile(self.limits, reserved=reserved, used=used)
+    async def settle(self, *, spent: int, used: int) -> None:
+        """Give back what a spend of `spent` did not use, or charge what it used beyond."""
+        await self.limiter.reconcile(self.limits, charged=spent, used=used)
 
 
 def provider_budgets(

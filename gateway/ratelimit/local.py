@@ -56,8 +56,8 @@ class LocalRateLimiter:
         levels.tokens = level = level - tokens
         return bucket.decision(limits, requests=requests, tokens=level, reason="", retry_after=0.0)
 
-    async def reconcile(self, limits: TenantLimits, *, reserved: int, used: int) -> None:
-        charge = bucket.settlement(limits, reserved=reserved, used=used)
+    async def reconcile(self, limits: TenantLimits, *, charged: int, used: int) -> None:
+        charge = bucket.settlement(limits, charged=charged, used=used)
         if charge == 0:
             return
         levels = self._levels(limits)

@@ -2,7 +2,7 @@
 
 One Lua script (bucket.lua) per decision checks and debits both buckets atomically, timed
 by Redis `TIME` so gateways with disagreeing clocks still agree. Calls go through the
-process's RedisBatcher (gateway/shared/batch.py): decisions made in the same moment travel
+process's RedisBatcher (gateway/redis_io/batch.py): decisions made in the same moment travel
 in one pipeline, and the script is reloaded when Redis answers NOSCRIPT (after a restart
 or SCRIPT FLUSH). Both keys of a tenant share the hash tag `{tenant}`, so the script also
 runs on Redis Cluster.
@@ -11,16 +11,16 @@ A decision Redis made after its caller stopped waiting (the caller answered from
 failure mode instead) is undone: an admission nobody used is refunded, so a late call
 never leaves the tenant charged for a request twice.
 
-Slices. With `slice_s`, a decision that admits also takes up to `slice_s` seconds of the
-tenant's refill in both buckets (never more than a quarter of what each holds after the
-request), and the process spends that slice on its own: the tenant's next requests here
-are decided without a round trip until the slice runs out or `slice_s` has passed, when
-what is left goes back to Redis. Refunds of a request's unused tokens go to the slice
-while it lives, and a decision sent beside the one that took the slice, which Redis then
-refuses for what is left, spends the slice instead. Every slice is debited in Redis before
+Grants. With `slice_s`, Redis grants a decision that admits up to `slice_s` seconds of the
+tenant's refill in both buckets besides (never more than a quarter of what each holds
+after the request), and the process spends that grant on its own: the tenant's next
+requests here are decided without a round trip until the grant runs out or `slice_s` has
+passed, when what is left goes back to Redis. Refunds of a request's unused tokens go to the grant
+while it lives, and a decision sent beside the one that took the grant, which Redis then
+refuses for what is left, spends the grant instead. Every grant is debited in Redis before
 it is spent, so the fleet never admits more than the buckets hold; a tight bucket (under
-one request per `slice_s`, or nearly empty) yields no slice, and each request asks Redis
-as before. What a slice costs is that the other replicas see its unspent part as used,
+one request per `slice_s`, or nearly empty) yields no grant, and each request asks Redis
+as before. What a grant costs is that the other replicas see its unspent part as used,
 for at most `slice_s`.
 """
 
@@ -39,9 +39,9 @@ from redis.exceptions import RedisError
 
 from gateway.ratelimit import bucket
 from gateway.ratelimit.base import Decision, Reason, StoreError, TenantLimits
-from gateway.shared.batch import BatchScript, RedisBatcher, batcher_of, forget
+from gateway.redis_io.batch import BatchScript, RedisBatcher, batcher_of, forget
 
-CLOSE_WAIT_S = 1.0  # what closing waits for the slices' give-back without a time budget
+CLOSE_WAIT_S = 1.0  # what closing waits for the grants' give-back without a time budget
 _REASONS: dict[int, Reason] = {0: "", 1: "requests", 2: "tokens", 3: "too_large"}
 # A write, not a PING: a Redis that answers but refuses writes (a primary demoted by a
 # failover, maxmemory reached) fails every decision as a dead one does. The key is
@@ -54,14 +54,15 @@ def bucket_script() -> str:
 
 
 @dataclass(slots=True, eq=False)
-class _Slice:
-    """What this process took from a tenant's buckets beyond its requests, to spend alone."""
+class _Grant:
+    """What Redis granted this process of a tenant's buckets beyond its requests, to spend
+    alone: the limiter's grant, as the ledger's `Grant` is a replica's of a backend's room."""
 
     limits: TenantLimits
     requests: int
     tokens: int
     until: float  # event-loop time; then what is left goes back
-    request_level: float  # what the buckets held once the slice was taken
+    request_level: float  # what the buckets held once the grant was taken
     token_level: float
 
     def spend(self, tokens: int, now: float) -> bool:
@@ -100,8 +101,8 @@ class RedisRateLimiter:
     ) -> None:
         self._batch = batcher_of(redis)
         self._slice_s = slice_s
-        self._slices: dict[str, _Slice] = {}
-        self._taking: set[str] = set()  # tenants whose slice is being asked for
+        self._grants: dict[str, _Grant] = {}
+        self._taking: set[str] = set()  # tenants whose grant is being asked for
         self._timeout_s = timeout_s
         self._timeout_max_s = max(timeout_s or 0.0, timeout_max_s or 0.0)
         self._script = BatchScript(bucket_script())
@@ -148,7 +149,7 @@ class RedisRateLimiter:
             def on_late(reply: Any) -> None:
                 if reply and reply[0] == 0:  # admitted, but nobody used it: give it back
                     self.late_refunds += 1
-                    refund = self._args("refund", limits, cost)  # its slice included
+                    refund = self._args("refund", limits, cost)  # its grant included
                     forget(self._batch.submit(self._script, keys, refund))
 
         future = self._batch.submit(
@@ -165,8 +166,8 @@ class RedisRateLimiter:
             raise StoreError(f"rate-limit store failed: {exc}") from exc
         try:
             code, requests, tokens, *granted = reply
-            slice_requests, slice_tokens = (int(g) for g in granted) if granted else (0, 0)
-            return _REASONS[int(code)], float(requests), float(tokens), slice_requests, slice_tokens
+            g_requests, g_tokens = (int(g) for g in granted) if granted else (0, 0)
+            return _REASONS[int(code)], float(requests), float(tokens), g_requests, g_tokens
         except (TypeError, ValueError, KeyError) as exc:
             raise StoreError(f"rate-limit store sent an unexpected reply: {reply!r}") from exc
 
@@ -174,38 +175,38 @@ class RedisRateLimiter:
         bucket.check_tokens(tokens=tokens)
         if (spent := self._spend(limits, tokens)) is not None:
             return spent
-        # one slice asked for at a time: decisions made meanwhile go without
+        # one grant asked for at a time: decisions made meanwhile go without
         want = () if limits.tenant in self._taking else self._wanted(limits)
         if want:
             self._taking.add(limits.tenant)
         try:
-            reason, requests, left, slice_requests, slice_tokens = await self._run(
+            reason, requests, left, granted_requests, granted_tokens = await self._run(
                 "acquire", limits, tokens, *want
             )
         finally:
             if want:
                 self._taking.discard(limits.tenant)
-        if slice_requests:
-            self._hold(limits, slice_requests, slice_tokens, requests, left)
+        if granted_requests:
+            self._hold(limits, granted_requests, granted_tokens, requests, left)
         retry = 0.0
         if reason in ("requests", "tokens"):
-            # refused by what is left in Redis, while this process holds a slice (taken
-            # beside a decision sent with this one): the slice was debited already
+            # refused by what is left in Redis, while this process holds a grant (taken
+            # beside a decision sent with this one): the grant was debited already
             if (spent := self._spend(limits, tokens)) is not None:
                 return spent
             retry = bucket.retry_after_s(limits, requests=requests, tokens=left, cost=tokens)
         return bucket.decision(
             limits,
-            requests=requests + slice_requests,
-            tokens=left + slice_tokens,
+            requests=requests + granted_requests,
+            tokens=left + granted_tokens,
             reason=reason,
             retry_after=retry,
         )
 
     def _spend(self, limits: TenantLimits, tokens: int) -> Decision | None:
-        """The request admitted from this process's slice of the tenant's buckets, else
+        """The request admitted from this process's grant of the tenant's buckets, else
         None when there is none or it does not cover the request."""
-        held = self._slices.get(limits.tenant)
+        held = self._grants.get(limits.tenant)
         if held is None or not held.spend(tokens, asyncio.get_running_loop().time()):
             return None
         return bucket.decision(
@@ -217,7 +218,7 @@ class RedisRateLimiter:
         )
 
     def _wanted(self, limits: TenantLimits) -> tuple[int, ...]:
-        """The slice to ask for beside a decision: `slice_s` of the tenant's refill."""
+        """The grant to ask for beside a decision: `slice_s` of the tenant's refill."""
         if self._slice_s <= 0:
             return ()
         return (
@@ -228,20 +229,20 @@ class RedisRateLimiter:
     def _hold(
         self, limits: TenantLimits, requests: int, tokens: int, r_level: float, t_level: float
     ) -> None:
-        """Keep a slice just granted; one still held is given back (an older take's rest)."""
+        """Keep a grant just made; one still held is given back (an older take's rest)."""
         loop = asyncio.get_running_loop()
-        taken = _Slice(limits, requests, tokens, loop.time() + self._slice_s, r_level, t_level)
-        self._give_back(self._slices.get(limits.tenant))
-        self._slices[limits.tenant] = taken
+        taken = _Grant(limits, requests, tokens, loop.time() + self._slice_s, r_level, t_level)
+        self._give_back(self._grants.get(limits.tenant))
+        self._grants[limits.tenant] = taken
         loop.call_at(taken.until, self._expire, taken)
 
-    def _expire(self, taken: _Slice) -> None:
-        if self._slices.get(taken.limits.tenant) is taken:
-            del self._slices[taken.limits.tenant]
+    def _expire(self, taken: _Grant) -> None:
+        if self._grants.get(taken.limits.tenant) is taken:
+            del self._grants[taken.limits.tenant]
             self._give_back(taken)
 
-    def _give_back(self, taken: _Slice | None) -> asyncio.Future[Any] | None:
-        """What is left of a slice goes back to Redis (sent and forgotten: a lost give-back
+    def _give_back(self, taken: _Grant | None) -> asyncio.Future[Any] | None:
+        """What is left of a grant goes back to Redis (sent and forgotten: a lost give-back
         leaves the buckets lower for one refill of at most `slice_s`, never higher)."""
         if taken is None or not (taken.requests or taken.tokens):
             return None
@@ -252,11 +253,11 @@ class RedisRateLimiter:
         forget(sent)
         return sent
 
-    async def reconcile(self, limits: TenantLimits, *, reserved: int, used: int) -> None:
-        charge = bucket.settlement(limits, reserved=reserved, used=used)
+    async def reconcile(self, limits: TenantLimits, *, charged: int, used: int) -> None:
+        charge = bucket.settlement(limits, charged=charged, used=used)
         if charge == 0:
             return
-        held = self._slices.get(limits.tenant)
+        held = self._grants.get(limits.tenant)
         now = asyncio.get_running_loop().time()
         if held is None or not held.settle(charge, now):
             await self._run("adjust", limits, charge)
@@ -270,8 +271,8 @@ class RedisRateLimiter:
 
     async def peek(self, limits: TenantLimits) -> Decision:
         _, requests, tokens, _, _ = await self._run("peek", limits, 0)
-        held = self._slices.get(limits.tenant)
-        if held is not None:  # this process's unspent slice is the tenant's still
+        held = self._grants.get(limits.tenant)
+        if held is not None:  # this process's unspent grant is the tenant's still
             requests, tokens = requests + held.requests, tokens + held.tokens
         return bucket.judged(limits, requests=requests, tokens=tokens, cost=0)
 
@@ -301,8 +302,8 @@ class RedisRateLimiter:
             raise StoreError(f"rate-limit store failed a probe: {exc}") from exc
 
     async def close(self) -> None:
-        """Give back every slice still held, within the time budget's ceiling."""
-        sent = [f for taken in self._slices.values() if (f := self._give_back(taken))]
-        self._slices.clear()
+        """Give back every grant still held, within the time budget's ceiling."""
+        sent = [f for taken in self._grants.values() if (f := self._give_back(taken))]
+        self._grants.clear()
         if sent:
             await asyncio.wait(sent, timeout=self._timeout_max_s or CLOSE_WAIT_S)

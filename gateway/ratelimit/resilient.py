@@ -96,7 +96,7 @@ class Degraded:
 class ResilientRateLimiter:
     """A RateLimiter over a shared primary that answers within `timeout_s`, whatever Redis does.
 
-    A reservation made in one mode and reconciled in another settles with whichever store
+    A charge taken in one mode and reconciled in another settles with whichever store
     answers at reconcile time; the drift is bounded by the requests in flight at the change.
     """
 
@@ -225,18 +225,18 @@ class ResilientRateLimiter:
             self._owe(limits, requests=1, tokens=tokens)
         return decision
 
-    async def reconcile(self, limits: TenantLimits, *, reserved: int, used: int) -> None:
-        charge = bucket.settlement(limits, reserved=reserved, used=used)
+    async def reconcile(self, limits: TenantLimits, *, charged: int, used: int) -> None:
+        charge = bucket.settlement(limits, charged=charged, used=used)
         if charge == 0:
             return
         # what reaches the stores below is a count whatever `used` was: checked once here
-        used = reserved + charge
+        used = charged + charge
         shared = await self._ask_primary(
-            limits.tenant, lambda: self._primary.reconcile(limits, reserved=reserved, used=used)
+            limits.tenant, lambda: self._primary.reconcile(limits, charged=charged, used=used)
         )
         if isinstance(shared, _StoreDown) and self._degraded_mode() == "local":
             await self._fallback.reconcile(
-                limits.divided(self._replicas), reserved=reserved, used=used
+                limits.divided(self._replicas), charged=charged, used=used
             )
             self._owe(limits, requests=0, tokens=charge)
 

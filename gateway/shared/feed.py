@@ -1,8 +1,8 @@
 """The two ways a feed carries one replica's state to the others, each feed configuring one:
 
 - `PoolPasses`, the feed pass: every `every_s`, one script call per pool, all at once,
-  travelling with the process's other Redis calls (batch.py); the first before the first
-  request. A pass lost to a slow or absent Redis leaves each pool on what it had.
+  travelling with the process's other Redis calls (gateway/redis_io/batch.py); the first
+  before the first request. A pass lost to a slow or absent Redis leaves each pool on what it had.
 - `Subscriber`: every message published on a channel, handed over as it comes; a lost
   subscription is taken up again `retry_s` later. Whoever needs word while nothing comes
   (or while it is not subscribed) hears `on_quiet` every `quiet_s`.
@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from gateway.shared.pubsub import subscription
+from gateway.redis_io.pubsub import subscription
 from gateway.tasks import Periodic
 
 log = logging.getLogger("spillgate.feed")

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 from gateway.admission.fleet.backends import Pool
 from gateway.admission.fleet.output_lengths import WINDOW, LengthSource
-from gateway.shared.batch import BatchScript, RedisBatcher
+from gateway.redis_io.batch import BatchScript, RedisBatcher
 from gateway.shared.feed import PoolPasses
 
 KEY_PREFIX = "spillgate:lengths:"
@@ -68,7 +68,7 @@ class LengthFeed(PoolPasses[Pool]):
         learning = pool.outputs.learning()
         if not new and not learning:
             return
-        # with the other calls of the moment, in one pipeline (gateway/shared/batch.py)
+        # with the other calls of the moment, in one pipeline (gateway/redis_io/batch.py)
         listed = await self._batch.submit(
             FEED_PASS,
             [key(name)],

@@ -2,7 +2,7 @@
 (the queue's side: policies/queue/policy.py and policies/queue/service.py).
 
 Every `every_s`, off the request path, each replica makes one script call per pool, which
-travels with the process's other Redis calls (gateway/shared/batch.py):
+travels with the process's other Redis calls (gateway/redis_io/batch.py):
 
 - it adds what its tenants were served since its last pass to the pool's hash
   `spillgate:service:{POOL}` and reads the whole hash back, so every replica orders its
@@ -39,7 +39,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from gateway.config import PRIORITIES, Priority
 from gateway.overflow import Rival, SharedQueue
-from gateway.shared.batch import BatchScript, RedisBatcher
+from gateway.redis_io.batch import BatchScript, RedisBatcher
 from gateway.shared.feed import PoolPasses, Subscriber
 
 log = logging.getLogger("spillgate.queue")

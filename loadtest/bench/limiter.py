@@ -6,11 +6,12 @@ each limiter: `local` (in-process), `ping` (a bare Redis round trip, the floor),
 (one Lua call per decision, the decisions of one moment in one pipeline) and `resilient`
 (redis behind the time budget, 50-500 ms from the latency seen, and the circuit breaker)
 and `sliced` (resilient with the gateway's default `ratelimit.slice_s`, as the gateway runs
-it: a decision takes a slice of the tenant's refill and the tenant's next decisions in this
-process spend it without a round trip). At the end it prints the time Redis itself spent
-per decision (INFO commandstats), which bounds what one Redis core serves. Each limiter
-first decides once for every tenant (warm-up: connections, script load). Limits are high
-enough that every decision is an admission, so the figures are the decision cost.
+it: Redis grants a decision part of the tenant's refill besides, and the tenant's next
+decisions in this process spend that grant without a round trip). At the end it prints
+the time Redis itself spent per decision (INFO commandstats), which bounds what one Redis
+core serves. Each limiter first decides once for every tenant (warm-up: connections,
+script load). Limits are high enough that every decision is an admission, so the figures
+are the decision cost.
 
     spillgate bench limiter --decisions 20000 --concurrency 1,16,64,256
 """
@@ -37,7 +38,7 @@ from gateway.ratelimit import (
     ResilientRateLimiter,
     TenantLimits,
 )
-from gateway.shared.batch import RedisBatcher
+from gateway.redis_io.batch import RedisBatcher
 from loadtest.percentile import percentile_or_nan
 from loadtest.procs import RedisProcess
 
@@ -111,7 +112,7 @@ class Ping:
         await self._client.ping()
         return await self._local.peek(limits)
 
-    async def reconcile(self, limits: TenantLimits, *, reserved: int, used: int) -> None:
+    async def reconcile(self, limits: TenantLimits, *, charged: int, used: int) -> None:
         return None
 
     async def peek(self, limits: TenantLimits) -> Decision:
@@ -153,7 +154,7 @@ async def run_all(args: argparse.Namespace, url: str) -> list[Row]:
         "ping": lambda: Ping(client),
         "redis": lambda: RedisRateLimiter(RedisBatcher(client)),
         "resilient": lambda: CountingResilient(RedisBatcher(client)),
-        # as the gateway runs it by default: each tenant's decisions spend a slice
+        # as the gateway runs it by default: each tenant's decisions spend a grant
         "sliced": lambda: CountingResilient(RedisBatcher(client), slice_s=SLICE_S),
     }
     rows: list[Row] = []

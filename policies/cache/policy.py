@@ -22,15 +22,11 @@ from typing import Any, ClassVar
 
 import orjson
 
-from gateway.clock import Clock
 from gateway.config import CacheSettings, PoolSettings
 from gateway.outcome import Outcome
-from gateway.overflow import OverflowContext
+from gateway.overflow import OverflowContext, Served, Usage
 from gateway.request import Endpoint, InferenceRequest
-from gateway.upstream.answer import JSON_HEADERS
-from gateway.upstream.relay import send_json_body
-from gateway.upstream.served import Served
-from policies.cache.recorder import CompletionRecorder, send_replay
+from policies.cache.recorder import CompletionRecorder, replay_sse
 from policies.cache.store import LocalResponseCache, RedisResponseCache, ResponseCache
 from policies.deps import PolicyDeps
 
@@ -94,10 +90,9 @@ class CachePolicy:
     endpoints: ClassVar[frozenset[Endpoint]] = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
     serves_elsewhere: ClassVar[bool] = False
 
-    def __init__(self, settings: CacheSettings, *, store: ResponseCache, clock: Clock) -> None:
+    def __init__(self, settings: CacheSettings, *, store: ResponseCache) -> None:
         self._settings = settings
         self._store = store
-        self._clock = clock  # times a replayed answer's first byte
         self._writes: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -110,7 +105,7 @@ class CachePolicy:
             )
         else:
             store = LocalResponseCache(max_entries=s.max_entries, ttl_s=s.ttl_s, clock=deps.clock)
-        return cls(s, store=store, clock=deps.clock)
+        return cls(s, store=store)
 
     def key(self, request: InferenceRequest) -> str:
         return cache_key(request, scope=self._settings.scope or "tenant:" + request.tenant)
@@ -140,26 +135,15 @@ class CachePolicy:
         raw = await self._store.get(self.key(request))
         if raw is None:
             return None
-        headers = exchange.headers(Outcome.CACHED)
         if request.stream:
-            include_usage = request.client_wants_usage
-            relayed = await send_replay(
-                raw,
-                send=exchange.send,
-                headers=headers,
-                include_usage=include_usage,
-                clock=self._clock,
+            doc = orjson.loads(raw)
+            relayed = await exchange.send_events(
+                replay_sse(doc, include_usage=request.client_wants_usage),
+                outcome=Outcome.CACHED,
+                usage=Usage.from_json(doc.get("usage")),
             )
         else:
-            relayed = await send_json_body(
-                raw,
-                send=exchange.send,
-                status=200,
-                headers=[*JSON_HEADERS, *headers],
-                swap=None,
-                recorder=None,
-                clock=self._clock,
-            )
+            relayed = await exchange.send_json(raw, status=200, outcome=Outcome.CACHED)
         return Served(
             outcome=Outcome.CACHED, target=CACHE_TARGET, pool=request.pool, relayed=relayed
         )

@@ -4,7 +4,7 @@
 events) and, when the response completed, hands over one `chat.completion` or
 `text_completion` JSON document. Answers it cannot represent faithfully (tool-call deltas,
 several choices, error events, more than `max_bytes`) are not recorded. `replay_sse` turns
-such a document back into the event stream a streaming client expects.
+such a document back into the events a streaming client expects.
 """
 
 from __future__ import annotations
@@ -13,12 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
-from starlette.types import Send
 
-from gateway.clock import Clock
+from gateway.overflow import Usage, event_data
 from gateway.request import Endpoint
-from gateway.upstream.answer import DONE, SSE_HEADERS, Usage, event_data
-from gateway.upstream.relay import Relayed
 
 Document = dict[str, Any]
 
@@ -152,7 +149,8 @@ def _event(payload: Document) -> bytes:
 
 
 def replay_sse(doc: Document, *, include_usage: bool) -> list[bytes]:
-    """The events a streaming client would have received for the answer `doc`."""
+    """The events a streaming client would have received for the answer `doc`, up to the
+    `[DONE]` that ends the stream (`OverflowContext.send_events` sends it)."""
     chat = doc.get("object") == "chat.completion"
     choice = doc["choices"][0]
     base = {
@@ -178,25 +176,4 @@ def replay_sse(doc: Document, *, include_usage: bool) -> list[bytes]:
     events = [_event({**base, "choices": [part]}) for part in parts]
     if include_usage and doc.get("usage"):
         events.append(_event({**base, "choices": [], "usage": doc["usage"]}))
-    events.append(DONE)
     return events
-
-
-async def send_replay(
-    raw: bytes,
-    *,
-    send: Send,
-    headers: list[tuple[bytes, bytes]],
-    include_usage: bool,
-    clock: Clock,
-) -> Relayed:
-    """Send the stored answer `raw` to a streaming client as server-sent events."""
-    doc = orjson.loads(raw)
-    await send({"type": "http.response.start", "status": 200, "headers": [*SSE_HEADERS, *headers]})
-    first_byte_at = clock.monotonic()
-    for event in replay_sse(doc, include_usage=include_usage):
-        await send({"type": "http.response.body", "body": event, "more_body": True})
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
-    return Relayed(
-        usage=Usage.from_json(doc.get("usage")), first_byte_at=first_byte_at, completed=True
-    )

@@ -20,12 +20,11 @@ from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.clock import Clock
 from gateway.config import ProviderSettings
 from gateway.errors import SpillgateError
-from gateway.overflow import ProviderMetrics, Slots, TokenBudget
+from gateway.overflow import ProviderMetrics, Slots, Target, TokenBudget
 from gateway.request import InferenceRequest
-from gateway.upstream.target import Target
 
 if TYPE_CHECKING:
-    from gateway.admission.ledger.reservations import Reservation
+    from gateway.overflow import Reservation
 
 
 class Refusal(StrEnum):
@@ -134,7 +133,7 @@ class ProviderGate:
             if spent is None:
                 spent = claim.tokens
             if spent != claim.tokens:
-                await self.budget.settle(reserved=claim.tokens, used=spent)
+                await self.budget.settle(spent=claim.tokens, used=spent)
 
     def counted(self, tokens: object) -> int | None:
         """A token count the provider's answer gave, as the gate accounts it: at most a

@@ -23,9 +23,8 @@ from typing import ClassVar
 from gateway.config import PoolSettings
 from gateway.errors import UpstreamUnavailable
 from gateway.outcome import Outcome
-from gateway.overflow import Latencies, OverflowContext, ProviderMetrics, predict
+from gateway.overflow import Latencies, OverflowContext, ProviderMetrics, Served, predict
 from gateway.request import Endpoint, InferenceRequest
-from gateway.upstream.served import Served
 from policies.deps import PolicyDeps
 from policies.provider.gate import ProviderGate, Refusal
 

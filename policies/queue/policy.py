@@ -52,10 +52,10 @@ from gateway.overflow import (
     QueueMetrics,
     Rival,
     Route,
+    Served,
     predict,
 )
 from gateway.request import Endpoint, InferenceRequest
-from gateway.upstream.served import Served
 from policies.deps import PolicyDeps
 from policies.queue.fair_queue import FairQueue, QueueResult, Waiter
 from policies.queue.fleet import FleetWaiters
@@ -168,7 +168,7 @@ class QueuePolicy:
 
     def admitted(self, request: InferenceRequest) -> None:
         """The pool admitted `request` directly (CountsService)."""
-        self.service.charge(request)
+        self.service.attain(request)
 
     def settled(
         self, request: InferenceRequest, prompt_tokens: int, completion_tokens: int
@@ -251,7 +251,7 @@ class QueuePolicy:
                 )
             return None
         exchange.note_time("queue", self._clock.monotonic() - started)
-        self.service.charge(request)
+        self.service.attain(request)
         try:
             return await exchange.serve_local(request, Outcome.QUEUED)
         except NoRoomToRetry:

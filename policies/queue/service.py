@@ -7,7 +7,7 @@ with what it reserves (its prompt and its expected output), and is corrected whe
 answer settles with the usage the backend reported: a tenant whose long streams hold the
 pool counts from their start, not only once they end, so it never looks idle while it
 holds most of the room. A request whose usage never came (the client left mid-stream, the
-backend failed) keeps what it was charged: it held the room.
+backend failed) keeps what it counted on admission: it held the room.
 
 Counting costs one dict update: figures are kept in units that grow with time (a token
 counted at t is stored as 2^((t - epoch) / half_life)), so nothing decays in place; a
@@ -53,18 +53,20 @@ class Service:
         own = self._own
         own[tenant] = own.get(tenant, 0.0) + weighted * growth
 
-    def charge(self, request: InferenceRequest) -> None:
-        """Count what an admitted request reserves: its prompt and its expected output."""
-        self._count(request.tenant, self.charged(request))
+    def attain(self, request: InferenceRequest) -> None:
+        """Count the service an admitted request attains: its prompt and its expected output,
+        until its answer settles."""
+        self._count(request.tenant, self.attained(request))
 
-    def charged(self, request: InferenceRequest) -> float:
+    def attained(self, request: InferenceRequest) -> float:
+        """What an admitted request counts on admission, in weighted tokens."""
         output = request.n * (request.output_reserve or request.max_output_tokens)
         return request.prompt_tokens + self.output_weight * output
 
     def settle(self, request: InferenceRequest, prompt_tokens: int, completion_tokens: int) -> None:
-        """Correct an admitted request's charge by the usage its answer reported."""
+        """Correct what an admitted request counted by the usage its answer reported."""
         used = prompt_tokens + self.output_weight * completion_tokens
-        self._count(request.tenant, used - self.charged(request))
+        self._count(request.tenant, used - self.attained(request))
 
     def of(self, tenant: str) -> float:
         """The tenant's attained service now, in weighted tokens."""

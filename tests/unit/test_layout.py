@@ -1,7 +1,7 @@
 """The layout's rules, read from the source (README "Layout"): no import cycles, the running
 gateway imports nothing from loadtest/, the shipped packages import nothing from tests/,
 and the policies see the gateway only through gateway/overflow.py: the roles it declares
-and the modules it imports, besides the vocabulary every part shares."""
+and the values it names, besides the vocabulary every part shares."""
 
 from __future__ import annotations
 
@@ -13,15 +13,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("gateway", "policies", "loadtest")
-# What a policy may import from the gateway besides gateway/overflow.py and the modules it
-# imports: the config, errors, outcomes and clock every part shares, and the one circuit
-# breaker the provider's gate and the rate limiter use.
+# What a policy may import from the gateway besides gateway/overflow.py: the config, errors,
+# outcomes, clock and request record every part shares, and the one circuit breaker the
+# provider's gate and the rate limiter use. The values overflow.py names from elsewhere
+# (what was served, a target, an answer's usage) a policy imports from overflow.py.
 VOCABULARY = {
     "gateway.config",
     "gateway.errors",
     "gateway.outcome",
     "gateway.clock",
     "gateway.breaker",
+    "gateway.request",
 }
 
 
@@ -163,21 +165,37 @@ def test_gateway_modules_import_nothing_from_loadtest() -> None:
     assert not {m for m, ts in reaching.items() if any(t.startswith("loadtest") for t in ts)}
 
 
-def test_policies_see_the_gateway_through_overflow() -> None:
-    graph = import_graph()
-    allowed = {"gateway.overflow", *graph["gateway.overflow"], *VOCABULARY}
-    reaches = {
+def past_overflow(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Each policy module → the gateway's modules it imports other than gateway/overflow.py
+    and the shared vocabulary."""
+    allowed = {"gateway.overflow", *VOCABULARY}
+    return {
         module: outside
         for module, targets in graph.items()
         if module.startswith("policies")
         and (outside := {t for t in targets if t.startswith("gateway")} - allowed)
     }
-    assert reaches == {}
+
+
+def test_policies_see_the_gateway_through_overflow() -> None:
+    """Even to name a type: a policy that imported gateway/upstream/ could write to the
+    client or forward around the exchange; what it may do is a method of its context."""
+    assert past_overflow(import_graph(types=True)) == {}
+
+
+def test_a_policy_importing_the_upstream_is_found() -> None:
+    graph = {
+        "policies.cache.policy": {"gateway.overflow", "gateway.upstream.relay"},
+        "policies.reject": {"gateway.overflow", "gateway.errors"},
+        "gateway.front.exchange": {"gateway.upstream.relay"},
+    }
+    assert past_overflow(graph) == {"policies.cache.policy": {"gateway.upstream.relay"}}
 
 
 # The gateway's rooms, lowest first (gateway/README.md "Rooms"): a module imports from its
-# own room and the rooms before it, never from one after it, even to name a type. The
-# first prefix a module starts with names its room.
+# own room and the rooms before it, never from one after it, even to name a type. A
+# prefix names a module or a whole folder, and no folder is split between rooms, so the
+# folders show which way the arrows run.
 ROOMS: list[tuple[str, tuple[str, ...]]] = [
     (
         "core",
@@ -194,7 +212,7 @@ ROOMS: list[tuple[str, tuple[str, ...]]] = [
             "gateway.slo",
         ),
     ),
-    ("clients", ("gateway.shared.batch", "gateway.shared.pubsub", "gateway.upstream")),
+    ("clients", ("gateway.redis_io", "gateway.upstream")),
     ("state", ("gateway.ratelimit", "gateway.admission", "gateway.capacity")),
     ("overflow", ("gateway.overflow",)),
     ("feeds", ("gateway.shared",)),
@@ -211,11 +229,29 @@ ROOMS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
 def room_of(module: str) -> int:
     for rank, (_, prefixes) in enumerate(ROOMS):
-        if any(module == p or module.startswith(p + ".") for p in prefixes):
+        if any(_within(module, p) for p in prefixes):
             return rank
     raise AssertionError(f"{module} is in no room: add it to ROOMS and gateway/README.md")
+
+
+def test_no_folder_is_split_between_rooms() -> None:
+    """A room holds whole folders: were a folder's files in two rooms (the Redis batcher
+    once sat in gateway/shared/ below the ledger, the feeds beside it above), the
+    folders would show arrows running both ways between them."""
+    placed = [(room, p) for room, (_, prefixes) in enumerate(ROOMS) for p in prefixes]
+    split = sorted(
+        f"{inner} ({ROOMS[r][0]}) within {outer} ({ROOMS[s][0]})"
+        for r, inner in placed
+        for s, outer in placed
+        if r != s and _within(inner, outer)
+    )
+    assert split == []
 
 
 def test_every_gateway_module_is_in_a_room() -> None:
@@ -239,7 +275,10 @@ def test_imports_run_down_the_rooms_only() -> None:
 
 def test_an_upward_import_is_found() -> None:
     assert room_of("gateway.front.pipeline") > room_of("gateway.admission.routing.router")
-    assert room_of("gateway.shared.batch") < room_of("gateway.ratelimit.redis_limiter")
+    assert room_of("gateway.redis_io.batch") < room_of("gateway.ratelimit.redis_limiter")
+    # the ledger uses the Redis client below it, never the feeds that share its figures
+    assert room_of("gateway.redis_io.batch") < room_of("gateway.admission.ledger.shared")
+    assert room_of("gateway.shared.ledger_feed") > room_of("gateway.admission.ledger.shared")
     assert room_of("gateway.shared.service_feed") > room_of("gateway.overflow")
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gateway.admission.ledger.grants import Ask, Grant, Grants, Seen, unanswered
-from gateway.shared.batch import BatchScript, RedisBatcher, batcher_of
+from gateway.redis_io.batch import BatchScript, RedisBatcher, batcher_of
 
 log = logging.getLogger("spillgate.ledger")
 

@@ -51,8 +51,8 @@ from gateway.admission.ledger.grants import Grants, Seen
 from gateway.admission.ledger.holders import Holders
 from gateway.admission.ledger.reservations import Reservation
 from gateway.clock import Clock
+from gateway.redis_io.batch import RedisBatcher
 from gateway.request import NO_BLOCKS, SharedBlocks
-from gateway.shared.batch import RedisBatcher
 from gateway.tasks import Periodic
 
 log = logging.getLogger("spillgate.ledger")

@@ -147,7 +147,7 @@ def test_gateways_with_clocks_a_minute_apart_admit_the_same_amount(fleet: Fleet)
     assert remaining == ["5", "4", "3", "2", "1", "0"]
 
 
-# --- reserve, then reconcile -------------------------------------------------------------
+# --- charge, then reconcile --------------------------------------------------------------
 
 
 def remaining_tokens(client: httpx.Client, body: dict[str, Any]) -> tuple[int, int]:
@@ -164,26 +164,26 @@ def remaining_tokens(client: httpx.Client, body: dict[str, Any]) -> tuple[int, i
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_unused_reservation_comes_back_in_the_next_response(fleet: Fleet, stream: bool) -> None:
+def test_an_unused_charge_comes_back_in_the_next_response(fleet: Fleet, stream: bool) -> None:
     tenant = "stream" if stream else "refund"
     body = chat("how are you", model="short", max_tokens=4000, stream=stream)
     if stream:
         body["stream_options"] = {"include_usage": True}
     with fleet.client(tenant, 1) as client:
         first, used = remaining_tokens(client, body)
-        reserved = 20_000 - first
-        assert reserved > 4000 and used < 100
+        charged = 20_000 - first
+        assert charged > 4000 and used < 100
         second, _ = remaining_tokens(client, body)
-    assert second == 20_000 - used - reserved  # the first request's rest came back
+    assert second == 20_000 - used - charged  # the first request's rest came back
 
 
-def test_a_stream_cut_by_its_client_is_charged_its_reservation(fleet: Fleet) -> None:
+def test_a_stream_cut_by_its_client_keeps_its_whole_charge(fleet: Fleet) -> None:
     with fleet.client("cut", 2) as client:
         body = chat(HANG, model="short", max_tokens=4000, stream=True)
         body["stream_options"] = {"include_usage": True}
         with client.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
-            reserved = 20_000 - int(response.headers["x-ratelimit-remaining-tokens"])
+            charged = 20_000 - int(response.headers["x-ratelimit-remaining-tokens"])
             next(response.iter_raw())
         deadline = time.monotonic() + 5  # settled once the gateway has counted the request
         while metric_sum(fleet.urls[2], "spillgate_requests_total", tenant="cut") < 1:
@@ -191,8 +191,8 @@ def test_a_stream_cut_by_its_client_is_charged_its_reservation(fleet: Fleet) -> 
             time.sleep(0.02)
         same_size = {**body, "messages": [{"role": "user", "content": "fine"}]}
         after, _ = remaining_tokens(client, same_size)
-    # how much a cut stream used is unknown: its whole reservation stays spent
-    assert after == 20_000 - 2 * reserved
+    # how much a cut stream used is unknown: its whole charge stays spent
+    assert after == 20_000 - 2 * charged
 
 
 def test_a_request_larger_than_the_whole_bucket_is_refused_at_once(fleet: Fleet) -> None:

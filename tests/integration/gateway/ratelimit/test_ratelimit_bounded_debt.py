@@ -1,7 +1,7 @@
 """Whatever usage a backend reports, the shared buckets in a real redis-server owe at most one
 bucket: the level stays at or above minus the bucket's size, a refusal's Retry-After is at
 most two refills of the bucket, and the key always expires. A usage that is no count settles
-as the reservation, without an error."""
+as charged, without an error."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_a_huge_usage_leaves_a_bounded_level_wait_and_expiry(
             limiter = RedisRateLimiter(client)
             _, tokens_key = limiter.keys("acme")
             assert (await limiter.acquire(LIMITS, 400)).allowed
-            await limiter.reconcile(LIMITS, reserved=400, used=used)
+            await limiter.reconcile(LIMITS, charged=400, used=used)
             level, expiry_ms = await stored(client, tokens_key)
             assert level == -1_000.0
             assert EXPIRY_MS - 5_000 < expiry_ms <= EXPIRY_MS
@@ -87,7 +87,7 @@ def test_a_level_stored_below_the_floor_is_read_as_the_floor(redis_proc: RedisPr
 NOT_COUNTS = [-5, 1e300, float("nan"), "lots", [5], {}, None]
 
 
-def test_a_usage_that_is_no_count_settles_as_the_reservation(redis_proc: RedisProcess) -> None:
+def test_a_usage_that_is_no_count_settles_as_charged(redis_proc: RedisProcess) -> None:
     """Through the limiter the gateway runs: no error, no refund, and no store failure
     counted (a wrong number is not Redis being away)."""
     # a slow refill (a token a minute) keeps the level still while the test runs
@@ -114,10 +114,10 @@ def test_a_usage_that_is_no_count_settles_as_the_reservation(redis_proc: RedisPr
             _, tokens_key = RedisRateLimiter(client).keys("acme")
             assert (await limiter.acquire(slow, 400)).allowed
             for used in NOT_COUNTS:
-                await limiter.reconcile(slow, reserved=400, used=used)  # type: ignore[arg-type]
+                await limiter.reconcile(slow, charged=400, used=used)  # type: ignore[arg-type]
             level, _ = await stored(client, tokens_key)
             assert 600 <= level < 601
-            await limiter.reconcile(slow, reserved=400, used=10**18)
+            await limiter.reconcile(slow, charged=400, used=10**18)
             assert (await stored(client, tokens_key))[0] == -1_000.0
             assert (limiter.mode, errors) == ("shared", [])
 

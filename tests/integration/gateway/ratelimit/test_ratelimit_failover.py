@@ -199,7 +199,7 @@ def test_allow_mode_admits_but_still_refuses_oversized_requests(
         assert all(d.allowed for d in admitted)
         oversized = await gw.acquire(12_001)
         assert (oversized.allowed, oversized.reason) == (False, "too_large")
-        await gw.timed(lambda: gw.limiter.reconcile(LIMITS, reserved=100, used=10))
+        await gw.timed(lambda: gw.limiter.reconcile(LIMITS, charged=100, used=10))
         assert gw.modes == ["shared", "allow"]
         await gw.client.aclose()
 

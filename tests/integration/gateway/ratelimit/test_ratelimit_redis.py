@@ -1,5 +1,5 @@
 """The shared limiter against a real redis-server: gateway processes bursting at once admit
-no more than the buckets hold, whether they ask Redis each time or spend slices of a
+no more than the buckets hold, whether they ask Redis each time or spend grants of a
 tenant's refill. Its accounting is test_ratelimit_redis_buckets.py's."""
 
 from __future__ import annotations
@@ -100,12 +100,12 @@ def test_admitted_tokens_never_exceed_limit_plus_largest_request(
     assert len(admitted) < sum(len(s) for s in sizes)
 
 
-def test_three_processes_spending_slices_admit_no_more_than_the_buckets_hold(
+def test_three_processes_spending_grants_admit_no_more_than_the_buckets_hold(
     redis_proc: RedisProcess,
 ) -> None:
-    """Slices of 3 requests (6 a second, half a second's worth) taken by three processes at
-    once: every slice was debited in Redis first, so the fleet admits at most the burst
-    and its refill while the burst ran; and no process strands a slice, since its
+    """Grants of 3 requests (6 a second, half a second's worth) taken by three processes at
+    once: every grant was debited in Redis first, so the fleet admits at most the burst
+    and its refill while the burst ran; and no process strands a grant, since its
     decisions that Redis refused for what was left spend it instead (without that, 57)."""
     limits = {
         "tenant": "acme",
@@ -121,7 +121,7 @@ def test_three_processes_spending_slices_admit_no_more_than_the_buckets_hold(
     assert 60 <= len(admitted) <= 60 + refill
 
 
-def test_a_slice_answers_alone_and_goes_back_when_it_lapses(redis_proc: RedisProcess) -> None:
+def test_a_grant_answers_alone_and_goes_back_when_it_lapses(redis_proc: RedisProcess) -> None:
     limits = TenantLimits(
         tenant="acme",
         requests_per_minute=6_000,
@@ -141,7 +141,7 @@ def test_a_slice_answers_alone_and_goes_back_when_it_lapses(redis_proc: RedisPro
             # far below the bucket's size: the refill while the test runs does not fill it
             await limiter.charge(limits, requests=500_000, tokens=0)
             first = await limiter.acquire(limits, 1)
-            # the decision took a slice, 0.3 s of refill: 30 requests and 3,000 tokens
+            # the decision took a grant, 0.3 s of refill: 30 requests and 3,000 tokens
             level, at = await stored(client, requests_key)
             assert 500_000 - 1 - 30 <= level < 500_000 - 1 - 30 + 10
             assert first.remaining_requests == int(level) + 30
@@ -152,17 +152,17 @@ def test_a_slice_answers_alone_and_goes_back_when_it_lapses(redis_proc: RedisPro
             assert limiter._batch.calls == calls  # ten decisions, no round trip
             assert decision.remaining_requests == first.remaining_requests - 10
             assert decision.remaining_tokens == 9_999_989
-            await limiter.reconcile(limits, reserved=1, used=0)  # refunded into the slice
+            await limiter.reconcile(limits, charged=1, used=0)  # refunded into the grant
             assert limiter._batch.calls == calls
             await asyncio.sleep(0.5)  # lapsed: the 20 requests left went back
-            assert not limiter._slices
+            assert not limiter._grants
             back, later = await stored(client, requests_key)
             assert back == pytest.approx(level + (later - at) * 100 + 20)
 
     asyncio.run(scenario())
 
 
-def test_a_tight_bucket_yields_no_slice(redis_proc: RedisProcess) -> None:
+def test_a_tight_bucket_yields_no_grant(redis_proc: RedisProcess) -> None:
     """Under one request per slice_s, or a bucket nearly empty: each request asks Redis."""
     limits = TenantLimits(tenant="acme", requests_per_minute=60, tokens_per_minute=600_000)
 

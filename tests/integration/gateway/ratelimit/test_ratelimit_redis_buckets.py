@@ -80,7 +80,7 @@ def test_buckets_refill_as_redis_time_passes(redis_proc: RedisProcess) -> None:
     asyncio.run(scenario())
 
 
-def test_unused_reservation_is_refunded(redis_proc: RedisProcess) -> None:
+def test_an_unused_charge_is_refunded(redis_proc: RedisProcess) -> None:
     # A slow refill (10 tokens/s) so the figures do not drift while the test runs.
     limits = TenantLimits(
         tenant="acme", requests_per_minute=60, tokens_per_minute=600, token_burst=10_000
@@ -90,7 +90,7 @@ def test_unused_reservation_is_refunded(redis_proc: RedisProcess) -> None:
         async with connected(redis_proc) as client:
             limiter = RedisRateLimiter(client)
             assert (await limiter.acquire(limits, 4_000)).remaining_tokens == 6_000
-            await limiter.reconcile(limits, reserved=4_000, used=50)
+            await limiter.reconcile(limits, charged=4_000, used=50)
             assert 9_950 <= (await limiter.peek(limits)).remaining_tokens <= 9_952
             headers = dict((await limiter.acquire(limits, 0)).headers())
             assert 9_950 <= int(headers[b"x-ratelimit-remaining-tokens"]) <= 9_952
@@ -98,14 +98,14 @@ def test_unused_reservation_is_refunded(redis_proc: RedisProcess) -> None:
     asyncio.run(scenario())
 
 
-def test_usage_beyond_the_reservation_is_charged_as_debt(redis_proc: RedisProcess) -> None:
+def test_usage_beyond_the_charge_is_charged_as_debt(redis_proc: RedisProcess) -> None:
     limits = TenantLimits(tenant="acme", requests_per_minute=60, tokens_per_minute=1_000)
 
     async def scenario() -> None:
         async with connected(redis_proc) as client:
             limiter = RedisRateLimiter(client)
             assert (await limiter.acquire(limits, 1_000)).allowed
-            await limiter.reconcile(limits, reserved=1_000, used=1_500)
+            await limiter.reconcile(limits, charged=1_000, used=1_500)
             refused = await limiter.acquire(limits, 0)
             assert (refused.allowed, refused.reason, refused.remaining_tokens) == (
                 False,
@@ -234,7 +234,7 @@ SLICED = TenantLimits(tenant="t", requests_per_minute=600, tokens_per_minute=60_
 @pytest.mark.parametrize(
     ("slice_s", "limits", "first", "left"),
     [(0.0, SLOW, 100, (1, 900)), (0.5, SLICED, 0, (600, 60_000))],
-    ids=["decision", "decision and its slice"],
+    ids=["decision", "decision and its grant"],
 )
 def test_a_decision_made_after_its_caller_gave_up_is_refunded(
     redis_proc: RedisProcess,
@@ -244,7 +244,7 @@ def test_a_decision_made_after_its_caller_gave_up_is_refunded(
     left: tuple[int, int],
 ) -> None:
     """Cut by its time budget while Redis was paused, the decision still ran in Redis once
-    the pause ended: nobody used that admission, so it is given back, with any slice it took."""
+    the pause ended: nobody used that admission, so it is given back, with any grant it took."""
 
     async def scenario() -> None:
         client = aioredis.Redis.from_url(redis_proc.url, socket_timeout=5)
@@ -261,7 +261,7 @@ def test_a_decision_made_after_its_caller_gave_up_is_refunded(
             pass
         await asyncio.sleep(0.6)  # the pause ends, the decision runs, its refund follows
         assert limiter.late_refunds == 1
-        assert not limiter._slices
+        assert not limiter._grants
         peeked = await limiter.peek(limits)
         assert (peeked.remaining_requests, peeked.remaining_tokens) == left
         await client.aclose()

@@ -18,7 +18,7 @@ from gateway.app import create_app
 from gateway.clock import SystemClock
 from gateway.config import parse_settings
 from gateway.ratelimit import RedisRateLimiter, TenantLimits
-from gateway.shared.batch import RedisBatcher
+from gateway.redis_io.batch import RedisBatcher
 from gateway.shared.ledger_feed import ReleaseFeed
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig

@@ -31,7 +31,7 @@ from gateway.ratelimit import (
     ResilientRateLimiter,
     TenantLimits,
 )
-from gateway.shared.batch import RedisBatcher
+from gateway.redis_io.batch import RedisBatcher
 from loadtest.cluster import ClusterProcesses
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig

@@ -12,8 +12,8 @@ from redis.exceptions import RedisError
 from gateway.clock import SystemClock
 from gateway.config import Priority
 from gateway.overflow import Rival
+from gateway.redis_io.batch import RedisBatcher
 from gateway.request import InferenceRequest
-from gateway.shared.batch import RedisBatcher
 from gateway.shared.service_feed import ServiceFeed, service_key
 from loadtest.procs import RedisProcess
 from policies.queue.service import Service
@@ -52,8 +52,8 @@ def test_replicas_order_by_the_fleets_service(redis_proc: RedisProcess) -> None:
     async def main() -> None:
         redis = aioredis.Redis.from_url(redis_proc.url)
         (one, q1), (two, q2) = replica(redis, "one"), replica(redis, "two")
-        q1.service.charge(request("heavy", 1000, 500))  # 3000 weighted tokens
-        q2.service.charge(request("light", 10, 10))  # 50
+        q1.service.attain(request("heavy", 1000, 500))  # 3000 weighted tokens
+        q2.service.attain(request("light", 10, 10))  # 50
         await one.feed_pass()
         await two.feed_pass()
         await one.feed_pass()
@@ -114,13 +114,13 @@ def test_without_redis_a_replica_keeps_its_own_figures_and_its_own_order() -> No
             await two.feed_pass()
             await one.feed_pass()
             assert q1.rivals
-            q1.service.charge(request("heavy", 100, 0))
+            q1.service.attain(request("heavy", 100, 0))
             proc.stop()
             with pytest.raises((RedisError, OSError, TimeoutError)):
                 await one.feed_pass()
             assert q1.rivals == []  # unknown now: the local order
             assert q1.service.of("heavy") == pytest.approx(100, rel=0.01)
-            q1.service.charge(request("heavy", 100, 0))
+            q1.service.attain(request("heavy", 100, 0))
             with pytest.raises((RedisError, OSError, TimeoutError)):
                 await one.feed_pass()
             assert q1.service.of("heavy") == pytest.approx(200, rel=0.01)

@@ -23,7 +23,7 @@ from gateway.admission.fleet.metrics_text import values
 from gateway.clock import SystemClock
 from gateway.config import Priority
 from gateway.overflow import Rival
-from gateway.shared.batch import RedisBatcher
+from gateway.redis_io.batch import RedisBatcher
 from gateway.shared.service_feed import ServiceFeed
 from loadtest.procs import RedisProcess
 from loadtest.sim.app import create_sim_app

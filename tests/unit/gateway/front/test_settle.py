@@ -29,7 +29,7 @@ from tests.support.upstream import Client, chat_request
 class FailingLimiter(LocalRateLimiter):
     """The local limiter, but its refund fails as Redis's does when Redis is gone."""
 
-    async def reconcile(self, limits: TenantLimits, *, reserved: int, used: int) -> None:
+    async def reconcile(self, limits: TenantLimits, *, charged: int, used: int) -> None:
         raise StoreError("redis is gone")
 
 

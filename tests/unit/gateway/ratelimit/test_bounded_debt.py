@@ -16,20 +16,20 @@ LIMITS = TenantLimits(tenant="acme", requests_per_minute=600, tokens_per_minute=
 NOT_COUNTS = [-5, 1e300, float("inf"), float("nan"), 10.0, "lots", [5], {}, None, True]
 
 
-def levels_after(used: object, *, reserved: int = 400) -> tuple[LocalRateLimiter, float]:
-    """A limiter whose tenant reserved `reserved` and settled with `used`; the tokens left."""
+def levels_after(used: object, *, charged: int = 400) -> tuple[LocalRateLimiter, float]:
+    """A limiter whose tenant was charged `charged` and settled with `used`; the tokens left."""
     limiter = LocalRateLimiter(ManualClock())
 
     async def scenario() -> float:
-        assert (await limiter.acquire(LIMITS, reserved)).allowed
-        await limiter.reconcile(LIMITS, reserved=reserved, used=used)  # type: ignore[arg-type]
+        assert (await limiter.acquire(LIMITS, charged)).allowed
+        await limiter.reconcile(LIMITS, charged=charged, used=used)  # type: ignore[arg-type]
         return limiter._tenants["acme"].tokens
 
     return limiter, asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("used", [2_000, 10**18, 10**400], ids=["2x", "1e18", "1e400"])
-def test_usage_far_beyond_the_reservation_owes_one_bucket_at_most(used: int) -> None:
+def test_usage_far_beyond_the_charge_owes_one_bucket_at_most(used: int) -> None:
     limiter, level = levels_after(used)
     assert level == -1_000.0
     refused = asyncio.run(limiter.acquire(LIMITS, 500))
@@ -41,13 +41,13 @@ def test_usage_far_beyond_the_reservation_owes_one_bucket_at_most(used: int) -> 
 
 
 def test_a_legitimate_overrun_is_charged_in_full_up_to_the_bound() -> None:
-    assert levels_after(1_300)[1] == 600 - 900  # 900 tokens beyond the reservation: debt
+    assert levels_after(1_300)[1] == 600 - 900  # 900 tokens beyond the charge: debt
     assert levels_after(400)[1] == 600.0
     assert levels_after(0)[1] == 1_000.0  # all of it back
 
 
 @pytest.mark.parametrize("used", NOT_COUNTS, ids=repr)
-def test_a_usage_that_is_no_count_settles_as_the_reservation(
+def test_a_usage_that_is_no_count_settles_as_charged(
     used: object, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="spillgate.ratelimit")
@@ -56,24 +56,24 @@ def test_a_usage_that_is_no_count_settles_as_the_reservation(
     assert "acme" in caplog.records[0].getMessage()
 
 
-def test_a_reservation_that_is_no_count_settles_as_it_stood() -> None:
+def test_a_charge_that_is_no_count_settles_as_it_stood() -> None:
     limiter = LocalRateLimiter(ManualClock())
 
     async def scenario() -> float:
         await limiter.acquire(LIMITS, 400)
-        await limiter.reconcile(LIMITS, reserved=-400, used=0)
+        await limiter.reconcile(LIMITS, charged=-400, used=0)
         return limiter._tenants["acme"].tokens
 
     assert asyncio.run(scenario()) == 600.0
 
 
 def test_settlement_is_the_charge_held_within_two_buckets() -> None:
-    assert bucket.settlement(LIMITS, reserved=400, used=50) == -350
-    assert bucket.settlement(LIMITS, reserved=400, used=900) == 500
-    assert bucket.settlement(LIMITS, reserved=400, used=10**30) == 2_000
-    assert bucket.settlement(LIMITS, reserved=10**30, used=0) == -2_000
-    assert bucket.settlement(LIMITS, reserved=400, used="7") == 0
-    assert bucket.settlement(LIMITS, reserved=400, used=False) == 0
+    assert bucket.settlement(LIMITS, charged=400, used=50) == -350
+    assert bucket.settlement(LIMITS, charged=400, used=900) == 500
+    assert bucket.settlement(LIMITS, charged=400, used=10**30) == 2_000
+    assert bucket.settlement(LIMITS, charged=10**30, used=0) == -2_000
+    assert bucket.settlement(LIMITS, charged=400, used="7") == 0
+    assert bucket.settlement(LIMITS, charged=400, used=False) == 0
 
 
 def test_a_settled_level_stays_between_its_debt_and_its_size() -> None:
@@ -97,7 +97,7 @@ def test_a_share_admitting_a_request_larger_than_itself_owes_up_to_the_whole_buc
         assert (await limiter.acquire(share, share.token_capacity)).allowed
         limiter.charge(share, tokens=750, debt=LIMITS.token_capacity)
         seen.append(limiter._tenants["acme"].tokens)
-        await limiter.reconcile(share, reserved=1_000, used=1_100)
+        await limiter.reconcile(share, charged=1_000, used=1_100)
         seen.append(limiter._tenants["acme"].tokens)
         limiter.charge(share, tokens=10**18, debt=LIMITS.token_capacity)
         seen.append(limiter._tenants["acme"].tokens)

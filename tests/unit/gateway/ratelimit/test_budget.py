@@ -16,11 +16,11 @@ def test_a_budget_counts_tokens_only_and_settles_with_what_was_used() -> None:
     async def scenario() -> None:
         assert await budget.spend(60)
         assert not await budget.spend(60)  # 40 left, and a refusal takes nothing
-        await budget.settle(reserved=60, used=20)
+        await budget.settle(spent=60, used=20)
         assert (await budget.limiter.peek(budget.limits)).remaining_tokens == 80
         assert [await budget.spend(1) for _ in range(80)] == [True] * 80  # requests uncounted
         assert not await budget.spend(1)
-        await budget.settle(reserved=1, used=11)  # used more than it spent: charged
+        await budget.settle(spent=1, used=11)  # used more than it spent: charged
         clock.advance(6)  # a tenth of a minute: 10 tokens back
         assert (await budget.limiter.peek(budget.limits)).remaining_tokens == 0
 

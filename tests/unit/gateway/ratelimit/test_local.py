@@ -83,11 +83,11 @@ def test_burst_caps_the_bucket_and_refill() -> None:
     assert acquire(limiter, tenant, 0).remaining_requests == 1
 
 
-def test_reconcile_refunds_the_unused_reservation() -> None:
+def test_reconcile_refunds_the_unused_charge() -> None:
     limiter = LocalRateLimiter(ManualClock())
     tenant = limits(tokens_per_minute=10_000)
     assert acquire(limiter, tenant, 4_000).remaining_tokens == 6_000
-    asyncio.run(limiter.reconcile(tenant, reserved=4_000, used=50))
+    asyncio.run(limiter.reconcile(tenant, charged=4_000, used=50))
     assert asyncio.run(limiter.peek(tenant)).remaining_tokens == 9_950
 
 
@@ -97,17 +97,17 @@ def test_refund_never_fills_past_the_bucket() -> None:
     tenant = limits(tokens_per_minute=1_000)
     acquire(limiter, tenant, 500)
     clock.advance(60)
-    asyncio.run(limiter.reconcile(tenant, reserved=500, used=0))
+    asyncio.run(limiter.reconcile(tenant, charged=500, used=0))
     peeked = asyncio.run(limiter.peek(tenant))
     assert (peeked.remaining_tokens, peeked.reset_tokens_s) == (1_000, 0.0)
 
 
-def test_usage_beyond_the_reservation_becomes_debt() -> None:
+def test_usage_beyond_the_charge_becomes_debt() -> None:
     clock = ManualClock()
     limiter = LocalRateLimiter(clock)
     tenant = limits(tokens_per_minute=1_000)
     acquire(limiter, tenant, 1_000)
-    asyncio.run(limiter.reconcile(tenant, reserved=1_000, used=1_500))
+    asyncio.run(limiter.reconcile(tenant, charged=1_000, used=1_500))
     refused = acquire(limiter, tenant, 0)
     assert (refused.allowed, refused.reason, refused.remaining_tokens) == (False, "tokens", 0)
     assert refused.retry_after_s == pytest.approx(30.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.shared.batch import Latency
+from gateway.redis_io.batch import Latency
 
 
 def test_the_budget_is_the_floor_while_waits_are_short() -> None:
