@@ -25,6 +25,9 @@ class Filter(Protocol):
     """Whether a backend may take a request at all."""
 
     name: ClassVar[str]
+    # True when it passes over backends only for a request that names backends to exclude
+    # or a LoRA adapter: for any other request it is not run (most requests name neither)
+    conditional: ClassVar[bool]
 
     def keeps(self, backend: Backend, route: Route, now: float) -> bool:
         """False passes `backend` over for this request."""
@@ -66,6 +69,7 @@ class InRotation:
     """A backend its health keeps in rotation (not draining, ejected or probing)."""
 
     name: ClassVar[str] = "in-rotation"
+    conditional: ClassVar[bool] = False
 
     def keeps(self, backend: Backend, route: Route, now: float) -> bool:
         return backend.health.in_rotation(now)
@@ -75,6 +79,7 @@ class Serves:
     """A backend that serves the request's LoRA adapter, when it names one."""
 
     name: ClassVar[str] = "serves"
+    conditional: ClassVar[bool] = True
 
     def keeps(self, backend: Backend, route: Route, now: float) -> bool:
         return route.adapter is None or route.adapter in backend.adapters
@@ -84,6 +89,7 @@ class NotExcluded:
     """A backend the request has not tried already and does not avoid."""
 
     name: ClassVar[str] = "not-excluded"
+    conditional: ClassVar[bool] = True
 
     def keeps(self, backend: Backend, route: Route, now: float) -> bool:
         return backend.name not in route.exclude

@@ -44,6 +44,8 @@ class RoutingProfile:
         settings = pool.routing
         built = scorers()
         self.filters = FILTERS
+        # the filters a request that names no backends to exclude and no adapter meets
+        self.plain_filters = tuple(f for f in FILTERS if not f.conditional)
         made = [(s.weight, built[s.plugin](pool, groups)) for s in settings.scorers]
         self.scorers = made
         # those whose scores alone keep the candidates' order (fill) are only worked out

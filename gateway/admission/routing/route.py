@@ -46,17 +46,22 @@ class Route(NamedTuple):
     ) -> Route:
         """The route of `request` (in `pool`, when another than its own: `degrade`'s)."""
         avoid = request.avoid
-        return cls(
-            pool or request.pool,
-            request.sequence_tokens,
-            request.n,
-            avoid.union(exclude) if avoid else exclude,
-            request.prefix,
-            request.session,
-            request.token_ids,
-            request.shared,
-            request.adapter,
-            running,
+        # built as NamedTuple._make builds one: the generated __new__ binds its ten
+        # parameters one by one, and a Route is built for every admission
+        return tuple.__new__(
+            cls,
+            (
+                pool or request.pool,
+                request.sequence_tokens,
+                request.n,
+                avoid.union(exclude) if avoid else exclude,
+                request.prefix,
+                request.session,
+                request.token_ids,
+                request.shared,
+                request.adapter,
+                running,
+            ),
         )
 
 

@@ -171,7 +171,9 @@ class Router:
         """Each backend the pool's filters keep whose capacity is known, least filled once
         it holds the request first; what it holds and may hold worked out once."""
         p = self.pools[route.pool]
-        filters = self._profiles[route.pool].filters
+        profile = self._profiles[route.pool]
+        plain = not route.exclude and route.adapter is None
+        filters = profile.plain_filters if plain else profile.filters
         stale = p.settings.metrics_stale_s
         found: list[Candidate] = []
         for i, b in enumerate(p.backends):
