@@ -20,6 +20,13 @@ over 0.3 s in an engine's queue (`vllm:request_queue_time_seconds`) and the 4xx 
 engines gave; and the loads the gateway counted (`spillgate_adapter_loads_total`). With the
 KV cache far from full and `max_num_seqs` far away, a request waits inside an engine for an
 adapter slot, or for the next step.
+
+Placement (`--engine-cores`): by default each real vLLM's worker is bound to a core of its
+own and the gateway and the client share the machine with them. `--engine-cores 0` puts
+both engines on core 0 (`taskset -c 0`, their workers bound there) and the gateway and
+this client on the cores left, as on a GPU host, where the gateway has CPU cores apart
+from what drives the GPUs; both arms run so. The report prints the placement and the cores
+each process had while the arms ran (`cores_seen` in the JSON).
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ import asyncio
 import collections
 import contextlib
 import json
+import os
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -54,7 +63,14 @@ from loadtest.bench.adapters_fleet import (
     gateway_config,
     reset,
 )
-from loadtest.bench.machine import logs_dir, progress
+from loadtest.bench.machine import (
+    cores_seen,
+    cores_text,
+    logs_dir,
+    parse_cores,
+    pinned,
+    progress,
+)
 from loadtest.percentile import percentile_or_nan as percentile
 
 ARMS = ("gateway", "round-robin")
@@ -284,6 +300,7 @@ def run_scenario(
         kv_tokens=args.kv_tokens,
         sim_speed=args.sim_speed,
         workdir=workdir,
+        engine_cores=args.placement["engines"] if args.engine_cores is not None else None,
     )
     with engines as found:
         _warm_up(found, args.max_tokens)
@@ -315,17 +332,24 @@ def _one_arm(
     workdir: Path,
     round_: int,
 ) -> dict[str, Any]:
-    def measure(url: str | None) -> dict[str, Any]:
-        return asyncio.run(
+    def measure(url: str | None, gateway_command: str | None = None) -> dict[str, Any]:
+        # where each process may run, as the kernel has it while the arm runs
+        seen = {e.name: cores_seen(*e.command) for e in found.engines}
+        if gateway_command is not None:
+            seen["gateway"] = cores_seen(gateway_command)
+        seen["client"] = cores_text(os.sched_getaffinity(0))
+        figures = asyncio.run(
             run_arm(arm, fleet_=found, gateway_url=url, planned=planned, max_tokens=args.max_tokens)
         )
+        return {**figures, "cores_seen": seen}
 
     if arm == "round-robin":
         return measure(None)
     config = gateway_config(found, scenario, refresh_s=args.refresh)
     name = f"{scenario.name}-{round_}"
-    with admission_fleet.gateway(config, workdir=workdir, arm=name) as url:
-        return measure(url)
+    cores = args.placement["gateway"] if args.engine_cores is not None else None
+    with admission_fleet.gateway(config, workdir=workdir, arm=name, cores=cores) as url:
+        return measure(url, f"{workdir / f'gateway-{name}.yaml'} ")
 
 
 def _warm_up(found: Fleet, max_tokens: int) -> None:
@@ -357,7 +381,7 @@ def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     first = runs[0]
     merged: dict[str, Any] = {"rounds": len(runs)}
     for key, value in first.items():
-        if key in ("scenario", "round", "arm"):
+        if key in ("scenario", "round", "arm", "cores_seen"):
             continue
         values = [r[key] for r in runs]
         if isinstance(value, list):
@@ -441,6 +465,46 @@ def table(scenario: str, arms: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def placement(engine_cores: str | None) -> dict[str, str]:
+    """Where the engines, the gateway and this client run. `engine_cores` (a `taskset -c`
+    list): both engines confined there, the gateway and the client on the cores left to
+    this process. None: as before, each real vLLM's worker bound to a core of its own (0
+    and 1), everything else wherever the kernel puts it."""
+    if engine_cores is None:
+        return {
+            "engines": "engine 0's worker on core 0, engine 1's on core 1, servers unconfined",
+            "gateway": "any core",
+            "client": "any core",
+        }
+    engines = parse_cores(engine_cores)
+    allowed = os.sched_getaffinity(0)
+    rest = allowed - engines
+    if not engines <= allowed or not rest or not shutil.which("taskset"):
+        raise SystemExit(
+            f"--engine-cores {engine_cores}: needs `taskset` and cores of {cores_text(allowed)}"
+            " with at least one left for the gateway and the client"
+        )
+    return {"engines": cores_text(engines), "gateway": cores_text(rest), "client": cores_text(rest)}
+
+
+def _placement_line(engine_cores: str | None, where: dict[str, str]) -> str:
+    if engine_cores is None:
+        return f"placement: {where['engines']}; the gateway and the client on any core"
+    return (
+        f"placement: both engines on core(s) {where['engines']} (taskset, worker bound there);"
+        f" the gateway and the client on core(s) {where['gateway']}"
+    )
+
+
+def _seen_line(rounds: list[dict[str, Any]]) -> str:
+    """Each process's cores as the kernel had them while the arms ran, over every round."""
+    seen: dict[str, set[str]] = {}
+    for r in rounds:
+        for name, cores in r["cores_seen"].items():
+            seen.setdefault(name, set()).add("?" if cores is None else cores)
+    return "cores seen: " + ", ".join(f"{k} {' | '.join(sorted(v))}" for k, v in seen.items())
+
+
 def _ports(text: str) -> tuple[int, int]:
     first, second = (int(p) for p in text.split(","))
     return first, second
@@ -462,20 +526,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--refresh", type=float, default=1.0, help="the pool's capacity_refresh_s")
     p.add_argument("--sim-speed", type=float, default=1.0, help="the simulators' speed-up")
     p.add_argument("--ports", type=_ports, default=(8121, 8122), help="the real vLLMs' ports")
+    p.add_argument(
+        "--engine-cores",
+        metavar="CORES",
+        help="both engines confined to these cores (a `taskset -c` list, such as 0; a real"
+        " vLLM's worker bound there too), the gateway and this client on the others, as on a"
+        " GPU host, where the gateway has CPU cores of its own; default: each real vLLM's"
+        " worker on a core of its own (0, 1), the rest anywhere",
+    )
     p.add_argument("--seed", type=int, default=53)
     p.add_argument("--json", type=Path, help="write every round and the summary here")
     p.add_argument("--logs", type=Path, help="keep the processes' output in this folder")
     args = p.parse_args(argv)
+    args.placement = placement(args.engine_cores)
+    line = _placement_line(args.engine_cores, args.placement)
+    progress(line)
     scenarios = [SCENARIOS[name] for name in args.scenarios.split(",")]
     planned = plan(
         requests=args.requests, rate=args.rate, prompt_words=args.prompt_words, seed=args.seed
     )
     rounds: list[dict[str, Any]] = []
-    with logs_dir(args.logs, prefix="spillgate-bench-adapters-") as workdir:
+    client = parse_cores(args.placement["client"]) if args.engine_cores is not None else None
+    with logs_dir(args.logs, prefix="spillgate-bench-adapters-") as workdir, pinned(client):
         for scenario in scenarios:
             rounds += run_scenario(scenario, args, planned, workdir)
     figures = summary(rounds)
     checks = {name: met(name, arms) for name, arms in figures.items()}
+    print(line)
+    print(_seen_line(rounds), end="\n\n")
     for name, arms in figures.items():
         print(table(name, arms), end="\n\n")
         for check, ok in checks[name].items():
@@ -484,7 +562,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json is not None:
         report = {
             "backend": "real-vllm" if args.real_vllm else "simulator",
-            "options": {k: v for k, v in vars(args).items() if k != "json"},
+            "options": {k: v for k, v in vars(args).items() if k not in ("json", "placement")},
+            "placement": args.placement,
             "summary": figures,
             "checks": checks,
             "rounds": rounds,

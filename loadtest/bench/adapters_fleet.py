@@ -62,6 +62,8 @@ class Engine:
     name: str
     url: str
     adapters: tuple[str, ...]
+    # what its server's command line holds, and no other process's (machine.cores_seen)
+    command: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,9 +101,12 @@ def _simulator(
     speed: float,
     paths: dict[str, Path],
     log: Path,
+    cores: str | None = None,
 ) -> Iterator[str]:
     port = free_port()
+    confine = ["taskset", "-c", cores] if cores is not None else []
     cmd = [
+        *confine,
         sys.executable, "-m", "gateway.cli", "sim", "--port", str(port), "--model", MODEL,
         "--kv-tokens", str(kv_tokens), "--speed", str(speed), "--allow-runtime-lora",
         *_lora_args(served, max_loras=max_loras, paths=paths),
@@ -138,8 +143,11 @@ def fleet(
     kv_tokens: int,
     sim_speed: float,
     workdir: Path,
+    engine_cores: str | None = None,
 ) -> Iterator[Fleet]:
-    """The scenario's two engines, started together; stopped after."""
+    """The scenario's two engines, started together; stopped after. `engine_cores`: both
+    confined to those cores (`taskset -c`), a real vLLM's worker bound there too; None:
+    each real vLLM's worker bound to a core of its own (0, 1), the servers unconfined."""
     contexts: list[contextlib.AbstractContextManager[str]]
     if real_vllm:
         install()
@@ -149,7 +157,10 @@ def fleet(
                 RealVllm(
                     port=port,
                     kv_tokens=kv_tokens,
-                    cores=str(i),  # vLLM binds every worker to core 0; the second to core 1
+                    # vLLM binds every worker to core 0; the second to core 1, unless
+                    # both are placed together
+                    cores=engine_cores if engine_cores is not None else str(i),
+                    confined=engine_cores is not None,
                     args=tuple(_lora_args(served, max_loras=max_loras, paths=paths)),
                     runtime_lora=True,
                 )
@@ -166,12 +177,19 @@ def fleet(
                 speed=sim_speed,
                 paths=paths,
                 log=workdir / f"engine-{i}.log",
+                cores=engine_cores,
             )
             for i, served in enumerate(scenario.served)
         ]
     with _start_all(contexts) as urls:
+        program = "vllm.entrypoints.openai.api_server" if real_vllm else "gateway.cli sim"
         engines = tuple(
-            Engine(name=f"engine-{i}", url=url, adapters=served)
+            Engine(
+                name=f"engine-{i}",
+                url=url,
+                adapters=served,
+                command=(program, f"--port {url.rsplit(':', 1)[1]} "),
+            )
             for i, (url, served) in enumerate(zip(urls, scenario.served, strict=True))
         )
         # every answer runs to max_tokens: the same work on every arm

@@ -223,14 +223,21 @@ def wait_ready(url: str, *, timeout_s: float = START_TIMEOUT_S) -> None:
 
 @contextlib.contextmanager
 def gateway(
-    config: dict[str, Any], *, workdir: Path, arm: str, redis_url: str | None = None
+    config: dict[str, Any],
+    *,
+    workdir: Path,
+    arm: str,
+    redis_url: str | None = None,
+    cores: str | None = None,
 ) -> Iterator[str]:
-    """A `spillgate serve` of `config` (sharing `redis_url`, when given), once ready."""
+    """A `spillgate serve` of `config` (sharing `redis_url`, when given), once ready; on
+    the cores `cores` lists alone (`taskset -c`), when given."""
     path = workdir / f"gateway-{arm}.yaml"
     path.write_text(yaml.safe_dump(config))
     port = free_port()
     env = {"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN, PROVIDER_KEY_ENV: PROVIDER_KEY}
-    cmd = [*serve_command(sys.executable, path), "--port", str(port)]
+    confine = ["taskset", "-c", cores] if cores is not None else []
+    cmd = [*confine, *serve_command(sys.executable, path), "--port", str(port)]
     if redis_url is not None:
         cmd += ["--redis", redis_url]
     with process(cmd, port, log=workdir / f"gateway-{arm}.log", env=env) as url:

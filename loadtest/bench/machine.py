@@ -58,3 +58,64 @@ def logs_dir(kept: Path | None, *, prefix: str) -> Iterator[Path]:
         return
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         yield Path(tmp)
+
+
+def parse_cores(text: str) -> set[int]:
+    """A `taskset -c` list (`0`, `0,2`, `0-1`) as a set of cores."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    if not cores:
+        raise ValueError(f"no core in {text!r}")
+    return cores
+
+
+def cores_text(cores: set[int]) -> str:
+    """A set of cores as `taskset -c` takes it: `0`, `0,1`."""
+    return ",".join(map(str, sorted(cores)))
+
+
+@contextlib.contextmanager
+def pinned(cores: set[int] | None) -> Iterator[None]:
+    """Run this thread, and every process and thread it starts meanwhile, on `cores`
+    alone; as before, after. None: as it is."""
+    if cores is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def cores_seen(*fragments: str) -> str | None:
+    """The cores the processes whose command line holds every one of `fragments` may run
+    on, with their descendants' (a server's engine process, say), as `taskset -c` lists
+    them; None where no such process runs or /proc cannot tell (not Linux)."""
+    proc = Path("/proc")
+    commands: dict[int, str] = {}
+    parents: dict[int, int] = {}
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            stat = (entry / "stat").read_text()
+            commands[int(entry.name)] = command
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found = {pid for pid, command in commands.items() if all(f in command for f in fragments)}
+    if not found:
+        return None
+    tree, grew = set(found), True
+    while grew:
+        children = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= children
+        grew = bool(children)
+    cores: set[int] = set()
+    for pid in tree:
+        with contextlib.suppress(OSError):
+            cores |= os.sched_getaffinity(pid)
+    return cores_text(cores) if cores else None

@@ -5,6 +5,8 @@ gateway's loads counted, the report and its JSON), not a measurement."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,36 @@ def test_the_bench_runs_both_arms_on_both_scenarios(
     assert len(shared["gateway"]["peak_waiting"]) == 2
     printed = capsys.readouterr().out
     assert "| shared | gateway | round-robin |" in printed and "TTFT p90" in printed
+    assert report["placement"]["gateway"] == "any core"
+
+
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2 or not shutil.which("taskset"),
+    reason="needs taskset and two cores",
+)
+def test_engine_cores_puts_both_engines_on_one_core_and_the_rest_on_the_others(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = os.sched_getaffinity(0)
+    engines = min(before)
+    rest = ",".join(map(str, sorted(before - {engines})))
+    out = tmp_path / "adapters.json"
+    args = ["--scenarios", "shared", "--rounds", "1", "--requests", "4", "--rate", "0",
+            "--max-tokens", "4", "--engine-cores", str(engines), "--json", str(out)]  # fmt: skip
+    main(["bench", "adapters", *args])
+    report = json.loads(out.read_text())
+    assert report["placement"] == {"engines": str(engines), "gateway": rest, "client": rest}
+    # what the kernel had while each arm ran: the engines' servers on their core alone,
+    # the gateway (only in its arm) and the client on the others
+    seen = {r["arm"]: r["cores_seen"] for r in report["rounds"]}
+    on_engines = {"engine-0": str(engines), "engine-1": str(engines)}
+    assert seen["gateway"] == {**on_engines, "gateway": rest, "client": rest}
+    assert seen["round-robin"] == {**on_engines, "client": rest}
+    assert report["summary"]["shared"]["gateway"]["ok"] == 4
+    assert os.sched_getaffinity(0) == before  # the bench's own, as it was
+    printed = capsys.readouterr().out
+    assert f"both engines on core(s) {engines}" in printed
+    assert f"cores seen: engine-0 {engines}, engine-1 {engines}, gateway {rest}" in printed
 
 
 def test_the_burst_asks_for_each_adapter_as_often_and_the_same_every_time() -> None:
