@@ -93,16 +93,6 @@ class ReportedLoad:
     max_loras: int | None = None
     signals: Signals = field(default=NO_SIGNALS, compare=False)  # every series the scrape kept
 
-    def adapter_room(self, adapter: str) -> int:
-        """How readily it runs a request for `adapter` now: 0 where the adapter is active,
-        1 where a step has a free adapter slot (or it does not say), 2 where every slot is
-        taken by other adapters (the request waits inside it for one)."""
-        if adapter in self.active_adapters:
-            return 0
-        if self.max_loras is None or len(self.active_adapters) < self.max_loras:
-            return 1
-        return 2
-
     @property
     def prefix_hit_rate(self) -> float | None:
         """The share of looked-up prompt tokens the backend found in its prefix cache."""

@@ -89,12 +89,18 @@ class Backend:
     # the lengths of the answers it generated, as its metrics last told them; read only
     # while its pool reserves by lengths other than its own answers'
     answers: LengthHistogram | None = None
+    # LoRA: the adapters of this process's requests in flight there, each with its count,
+    # known at once; and how many adapters a step may run, as its scrape last told it
+    running_adapters: dict[str, int] = field(default_factory=dict)
+    max_loras: int | None = None
 
     def report(self, load: ReportedLoad, *, now: float, reserved: int = 0) -> FillReason | None:
         """Take a scrape of the backend's own load, and what the ledger held on it as the
         scrape was taken; the reason its fill backed off, if it did."""
         previous, self.load, self.load_at = self.load, load, now
         self.reserved_at_load = reserved
+        if load.max_loras is not None:
+            self.max_loras = load.max_loras
         counter = load.preemptions
         before = None if previous is None else previous.preemptions
         preempted = load.retracted > 0 or (
@@ -115,10 +121,32 @@ class Backend:
         return self.load if now - self.load_at <= STALE_S else None
 
     def adapter_room(self, adapter: str, now: float) -> int:
-        """How readily it runs a request for `adapter` now, by its last fresh scrape
-        (ReportedLoad.adapter_room); without one, as a backend with a free adapter slot."""
+        """How readily it runs a request for `adapter` now: 0 where the adapter runs (this
+        process's requests in flight there, or its last fresh scrape says so), 1 where a
+        step has a free adapter slot (or the slots are not known yet), 2 where the adapters
+        running there take every slot and the request would wait inside the engine for one.
+        The process's own requests count at once, where a scrape tells them up to half a
+        second late: a burst's requests for adapters running nowhere yet would all take
+        the same free slots."""
         load = self.reported_load(now)
-        return 1 if load is None else load.adapter_room(adapter)
+        reported = frozenset() if load is None else load.active_adapters
+        running = self.running_adapters
+        if adapter in running or adapter in reported:
+            return 0
+        if self.max_loras is None:
+            return 1
+        return 1 if len(reported.union(running)) < self.max_loras else 2
+
+    def adapter_started(self, adapter: str) -> None:
+        """A request of this process for `adapter` holds room here now."""
+        self.running_adapters[adapter] = self.running_adapters.get(adapter, 0) + 1
+
+    def adapter_ended(self, adapter: str) -> None:
+        left = self.running_adapters.get(adapter, 0) - 1
+        if left > 0:
+            self.running_adapters[adapter] = left
+        else:
+            self.running_adapters.pop(adapter, None)
 
     def capacity(self, *, now: float, stale_after: float) -> int:
         """Tokens the backend can hold; 0 (full) when unknown or its metrics went stale."""

@@ -41,6 +41,7 @@ class InFlight:
 
     reservation: Reservation
     at: float
+    adapter: str | None = None  # the LoRA adapter its request asks for
 
 
 class Ledger(Protocol):

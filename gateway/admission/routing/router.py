@@ -260,8 +260,10 @@ class Router:
     def _hold(self, reservation: Reservation, route: Route) -> Reservation:
         pool = self._backends[reservation.backend].pool
         record = self._held[pool][reservation.id] = InFlight(
-            reservation=reservation, at=self.clock.monotonic()
+            reservation=reservation, at=self.clock.monotonic(), adapter=route.adapter
         )
+        if route.adapter is not None:
+            self._backends[reservation.backend].adapter_started(route.adapter)
         group = group_of(route.prefix, route.session)
         if group is not None and self.pools[pool].by_prefix:
             self._groups.add(record, group)
@@ -388,6 +390,8 @@ class Router:
         pool = self._backends[reservation.backend].pool
         record = self._held[pool].pop(reservation.id, None)  # gone even if the release fails
         self._groups.remove(reservation.id)
+        if record is not None and record.adapter is not None:
+            self._backends[reservation.backend].adapter_ended(record.adapter)
         await self.ledger.release(reservation)
         if record is not None:
             self._holds[pool].observe(self.clock.monotonic() - record.at)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from gateway.admission.fleet.backend_load import STALE_S, ReportedLoad, load_from_metrics
+from gateway.admission.fleet.backends import Backend
 from gateway.admission.fleet.fill import FillReason
 from gateway.admission.routing.route import Route
 from gateway.admission.routing.router import Router
@@ -183,11 +184,40 @@ def test_the_newest_lora_series_names_the_active_adapters() -> None:
     assert busy is not None
     assert busy.active_adapters == {"a1", "a2"}
     # where a request for each adapter would run soonest
-    assert [busy.adapter_room(a) for a in ("a1", "a3")] == [0, 2]
-    assert [idle.adapter_room(a) for a in ("a1", "a3")] == [1, 1]
+    assert [reported(busy).adapter_room(a, NOW) for a in ("a1", "a3")] == [0, 2]
+    assert [reported(idle).adapter_room(a, NOW) for a in ("a1", "a3")] == [1, 1]
+
+
+def test_the_processs_own_requests_take_adapter_slots_at_once() -> None:
+    """A scrape tells the adapters running up to half a second late: the requests this
+    process has in flight there count at once, and free their slot as they end."""
+    backend = reported(load_from_metrics(lora_page("metrics_idle_after")))
+    backend.adapter_started("a1")
+    backend.adapter_started("a2")
+    assert [backend.adapter_room(a, NOW) for a in ("a1", "a2", "a3")] == [0, 0, 2]
+    backend.adapter_ended("a2")
+    assert [backend.adapter_room(a, NOW) for a in ("a1", "a2", "a3")] == [0, 1, 1]
+    backend.adapter_started("a3")
+    backend.adapter_started("a3")
+    backend.adapter_ended("a3")
+    assert backend.adapter_room("a2", NOW) == 2  # a3 has one request left there
 
 
 def test_a_page_before_any_adapter_ran_tells_no_adapters() -> None:
     load = load_from_metrics(lora_page("metrics_before_any_request"))
     assert load is not None
-    assert (load.active_adapters, load.max_loras, load.adapter_room("a1")) == (frozenset(), None, 1)
+    assert (load.active_adapters, load.max_loras) == (frozenset(), None)
+    assert reported(load).adapter_room("a1", NOW) == 1
+
+
+NOW = 100.0
+
+
+def reported(load: ReportedLoad | None) -> Backend:
+    """A backend whose last scrape, at NOW, read `load`."""
+    assert load is not None
+    backend = Backend(
+        name="b", pool="p", url="http://127.0.0.1:1", served_model="m", configured_capacity=1000
+    )
+    backend.report(load, now=NOW)
+    return backend
