@@ -173,9 +173,17 @@ class AdapterLoader:
     def _where_to_load(self, pool: Pool, adapter: str) -> list[Backend]:
         """The pool's backends in rotation to ask, in turn: those with a free adapter slot
         (or that do not say) before those whose slots all run other adapters, where the
-        adapter's requests would wait for one; each least filled first."""
+        adapter's requests would wait for one; then those serving fewer adapters first,
+        whose slots the adapters they serve will take less often; each least filled first.
+        (A burst's first request for the adapter may come before any other holds a slot
+        anywhere: every backend has a free one then, and only what each serves tells where
+        the adapter will keep finding one.)"""
         now = self._clock.monotonic()
-        return sorted(self._candidates(pool.name), key=lambda b: b.adapter_room(adapter, now) == 2)
+
+        def order(backend: Backend) -> tuple[bool, int]:
+            return backend.adapter_room(adapter, now) == 2, len(backend.adapters)
+
+        return sorted(self._candidates(pool.name), key=order)
 
     async def _make_room(self, pool: Pool, backend: Backend) -> None:
         """Unload from `backend` what the gateway loaded there past the pool's budget, least

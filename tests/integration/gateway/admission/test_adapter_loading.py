@@ -150,3 +150,26 @@ def test_an_adapter_is_loaded_where_a_slot_is_free() -> None:
         assert asyncio.run(scenario()) == ["a5"]
         assert loads(fleet, "a5", backend="m-1", result="loaded") == 1
         assert loads(fleet, "a5", backend="m-0") == 0
+
+
+def test_an_adapter_is_loaded_where_fewer_adapters_are_served() -> None:
+    """Nothing runs anywhere yet, so both backends have a free slot now; the first serves
+    a1 and a2 for its two slots, the second only a3. a5 is loaded on the second, where its
+    requests will not have to wait for the others' to leave a slot."""
+    first = dataclasses.replace(
+        sim(),
+        max_loras=2,
+        lora_modules=(LoraModule(name="a1", path="/a1"), LoraModule(name="a2", path="/a2")),
+    )
+    second = dataclasses.replace(
+        sim(), max_loras=2, lora_modules=(LoraModule(name="a3", path="/a3"),)
+    )
+    options = {
+        "adapters": [{"name": "a1"}, {"name": "a2"}, {"name": "a3"}, *ADAPTERS],
+        "overflow": ["reject"],
+    }
+    with run_fleet(pools={"m": [first, second]}, pool_options={"m": options}) as fleet:
+        until_ready(fleet)
+        assert asyncio.run(ask(fleet, "a5", 1)) == ["a5"]
+        assert loads(fleet, "a5", backend="m-1", result="loaded") == 1
+        assert loads(fleet, "a5", backend="m-0") == 0
