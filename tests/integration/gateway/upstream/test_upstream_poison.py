@@ -423,23 +423,8 @@ def test_a_body_past_its_bound_is_a_502_naming_it(loop: str) -> None:
     """A 128 MB answer to a request not streamed: a 502 that names the bound, and the
     gateway read no more than the bound of it."""
     rise: list[int] = []
-    size = 128 << 20
-
-    async def answer(post: Post) -> AsyncIterator[bytes]:
-        yield (
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
-            % size
-        )
-        before = rss()
-        piece = b" " * (1 << 20)
-        try:
-            for _ in range(128):
-                yield piece
-        finally:
-            rise.append(rss() - before)
-
     with (
-        Backend(answer) as backend,
+        Backend(huge_body(b"200 OK", rise)) as backend,
         gateway_before(backend, loop=loop, server={"upstream_max_body_bytes": 8 << 20}) as url,
         pytest.raises(openai.APIStatusError) as refused,
     ):
@@ -453,23 +438,8 @@ def test_a_refusal_body_of_128_mb_to_a_stream_is_a_502_naming_its_bound(loop: st
     """A 400 to a stream request whose body runs to 128 MB: the gateway reads 64 KiB of it,
     closes the connection, and answers 502 naming the bound; its memory barely moves."""
     rise: list[int] = []
-    size = 128 << 20
-
-    async def answer(post: Post) -> AsyncIterator[bytes]:
-        yield (
-            b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n\r\n" % size
-        )
-        before = rss()
-        piece = b" " * (1 << 20)
-        try:
-            for _ in range(128):
-                yield piece
-        finally:
-            rise.append(rss() - before)
-
     with (
-        Backend(answer) as backend,
+        Backend(huge_body(b"400 Bad Request", rise)) as backend,
         gateway_before(backend, loop=loop) as url,
         pytest.raises(openai.APIStatusError) as refused,
     ):
@@ -603,3 +573,23 @@ def test_a_junk_success_is_the_backends_failure(loop: str, kind: str, stream: bo
     assert texts == ["Hello there"] * 4
     assert failed >= 1
     assert len(junk.posts) == failed
+
+
+def huge_body(status: bytes, rise: list[int]) -> Callable[[Post], AsyncIterator[bytes]]:
+    """An answer of `status` with a 128 MB JSON body, sent a megabyte at a time; how much
+    the gateway's memory rose while it was sent goes into `rise`."""
+
+    async def answer(post: Post) -> AsyncIterator[bytes]:
+        yield b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % (
+            status,
+            128 << 20,
+        )
+        before = rss()
+        piece = b" " * (1 << 20)
+        try:
+            for _ in range(128):
+                yield piece
+        finally:
+            rise.append(rss() - before)
+
+    return answer
