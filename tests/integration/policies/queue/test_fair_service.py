@@ -43,8 +43,9 @@ CAPACITY = SLOTS * 32
 SHARE = SLOTS // 2  # two tenants
 B_EVERY_S, WINDOW_S, ROUNDS = 0.1, 1.5, 2
 RATIO = 1.5
-# scheduling hiccups of a shared two-core machine, well below a flood's effect (seconds)
-NOISE_S = 0.02
+# scheduling hiccups of a shared two-core machine, well below a flood's effect (seconds):
+# under a full test run a light tenant's mean wait alone moved between 37 and 88 ms
+NOISE_S = 0.05
 POOL: dict[str, Any] = {
     "target_fill": 1.0,
     "overflow": ["queue", "reject"],
