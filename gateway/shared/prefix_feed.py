@@ -6,8 +6,8 @@ publishes the blocks its routing taught its index that it did not know yet (a pr
 tail, not the system prompt it has sent there a thousand times), a batch every `flush_s`,
 and adds what the others publish to its own index. Nothing waits on Redis on the request
 path, and a batch lost to a slow or absent Redis only makes the guess rougher: the
-rendezvous homes of a new prefix (Router._by_prefix) still keep the replicas' choices
-together.
+rendezvous homes of a new prefix (the prefix scorer, admission/routing/prefix_route.py)
+still keep the replicas' choices together.
 """
 
 from __future__ import annotations

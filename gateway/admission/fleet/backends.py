@@ -222,18 +222,15 @@ class Pool:
     # (gateway/admission/fleet/kv_events.py), and the model's tokenizer to match prompts against it
     events: dict[str, EventsView] = field(default_factory=dict)
     tokenizer: PromptTokenizer | None = None
-    # the routing profile its `routing` names (gateway/config/routing.py)
+    # the routing profile its `routing` names (gateway/config/routing.py), and whether it
+    # weighs where a prompt's prefix is cached: its requests' prompts are then keyed, and
+    # where they went remembered (worked out once: every request asks)
     routing: RoutingProfileSettings = BUILTIN_PROFILES["prefix"]
+    by_prefix: bool = True
 
     @property
     def name(self) -> str:
         return self.settings.name
-
-    @property
-    def by_prefix(self) -> bool:
-        """Whether its routing weighs where a prompt's prefix is cached: its requests'
-        prompts are then keyed, and where they went remembered."""
-        return any(s.plugin == "prefix" for s in self.routing.scorers)
 
     @property
     def max_model_len(self) -> int:
@@ -315,8 +312,9 @@ def build_pools(
         backends = [_backend(pool, i, b) for i, b in enumerate(pool.backends)]
         tokenizer = None if pool.tokenizer is None else PromptTokenizer(pool.tokenizer)
         routing = profile_named(pool.routing, profiles)
+        by_prefix = any(s.plugin == "prefix" for s in routing.scorers)
         # the events index matches the prompt's tokens: only with a tokenizer, routing by prefix
-        by_events = any(s.plugin == "prefix" for s in routing.scorers) and tokenizer is not None
+        by_events = by_prefix and tokenizer is not None
         built[pool.name] = Pool(
             settings=pool,
             backends=backends,
@@ -329,6 +327,7 @@ def build_pools(
             },
             tokenizer=tokenizer,
             routing=routing,
+            by_prefix=by_prefix,
         )
     return built
 

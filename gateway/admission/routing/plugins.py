@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
-from gateway.admission.fleet.backend_load import WAITING
 from gateway.admission.fleet.backends import Backend, Pool
 from gateway.admission.routing.prefix_route import GroupLoads, Held, by_prefix
 from gateway.admission.routing.route import Candidate, Route
@@ -159,32 +158,20 @@ class AdapterScorer:
 
 class WaitingScorer:
     """Fewer requests waiting inside the engine scores higher: 1 − waiting ÷ the most any
-    candidate has waiting, by each backend's last fresh scrape. It has nothing to say
-    while no candidate reports any waiting."""
+    candidate has waiting, by each backend's last fresh scrape (ReportedLoad.waiting). It
+    has nothing to say while no candidate reports any waiting."""
 
     name: ClassVar[str] = "waiting"
-    signals: ClassVar[frozenset[str]] = frozenset(WAITING)
+    signals: ClassVar[frozenset[str]] = frozenset()  # the load's own: every scrape keeps them
     follows_fill: ClassVar[bool] = False
 
-    def score(
-        self, route: Route, candidates: Sequence[Candidate], now: float
-    ) -> list[float] | None:
-        waiting = [_waiting(c.backend, now) for c in candidates]
+    def score(self, route: Route, candidates: Sequence[Candidate], now: float) -> Scores:
+        loads = [c.backend.reported_load(now) for c in candidates]
+        waiting = [0 if load is None else load.waiting for load in loads]
         most = max(waiting)
         if most <= 0:
             return None
         return [1.0 - w / most for w in waiting]
-
-
-def _waiting(backend: Backend, now: float) -> float:
-    load = backend.reported_load(now)
-    if load is None:
-        return 0.0
-    for name in WAITING:
-        found = load.signals.value(name)
-        if found is not None:
-            return found
-    return 0.0
 
 
 class BestPicker:

@@ -47,7 +47,6 @@ class RoutingProfile:
         # the filters a request that names no backends to exclude and no adapter meets
         self.plain_filters = tuple(f for f in FILTERS if not f.conditional)
         made = [(s.weight, built[s.plugin](pool, groups)) for s in settings.scorers]
-        self.scorers = made
         # those whose scores alone keep the candidates' order (fill) are only worked out
         # when another scorer has something to say about a request
         self._deciding = [(w, s) for w, s in made if not s.follows_fill]

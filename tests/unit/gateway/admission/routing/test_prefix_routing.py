@@ -1,5 +1,5 @@
 """Prefix routing: the index's guess of each backend's cached blocks, and the router's
-choice between that guess and load (admission/routing/prefix_index.py, Router._by_prefix)."""
+choice between that guess and load (admission/routing/prefix_index.py, prefix_route.by_prefix)."""
 
 import asyncio
 import random
