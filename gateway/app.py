@@ -202,6 +202,8 @@ def create_app(
                 stack.push_async_callback(deps.limiter.close)
             stack.push_async_callback(upstream.aclose)
             stack.push_async_callback(client.aclose)
+            if deps.adapters is not None:
+                stack.push_async_callback(deps.adapters.aclose)
             await start_all(stack, watcher, loads)
             await operators.start(stack)
             if shared is not None:

@@ -134,6 +134,18 @@ class AdapterLoader:
         task.add_done_callback(lambda done: self._finished(key, done))
         return task
 
+    def loading(self) -> list[tuple[str, str]]:
+        """(pool, adapter) of each load running now."""
+        return list(self._loading)
+
+    async def aclose(self) -> None:
+        """Cancel the loads still running (a spread's has no waiter): at shutdown, before
+        the client they use is closed."""
+        running = list(self._loading.values())
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+
     def _finished(self, key: tuple[str, str], task: asyncio.Task[None]) -> None:
         """A load is over: the next request for the adapter starts a new one. Its failure
         is taken here too, so that a load every waiter left (past their deadlines) is not
