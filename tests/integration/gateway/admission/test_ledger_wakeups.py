@@ -139,7 +139,10 @@ def test_room_held_spare_elsewhere_comes_back_when_a_replica_is_refused(
             assert await b.reserve(300) is None
             await until(lambda: bool(b.woken))
             assert await b.reserve(300) is not None
-            assert a.ledger.tokens_in_flight("p-0") == 600  # a's requests kept their room
+            # a's requests kept their room: a sees its own 600, plus b's 300 once a refresh
+            # has told it (on a loaded machine one may come first); had the spare taken
+            # its requests' room, a would see b's 300 alone
+            assert a.ledger.tokens_in_flight("p-0") in (600, 900)
 
     asyncio.run(scenario())
 

@@ -158,12 +158,28 @@ async def standard_beside_a_critical_flood(urls: list[str], keys: dict[str, str]
             return (await std.post(f"{urls[2]}/v1/chat/completions", json=body)).status_code
 
         async with flooding(vip_sends, in_flight=3 * SLOTS, into=vip_seen):
-            await asyncio.sleep(1.0)  # the critical queues build at the first two replicas
+            # the critical queues build at the first two replicas (on a starved machine the
+            # flood's client takes longer than a second to get there)
+            await queues_built(std, urls[:2])
             statuses = await asyncio.gather(*(std_sends(0.25 * i) for i in range(8)))
         assert sum(r.status_code == 200 for r in vip_seen) > 2 * SLOTS
         # the flood over, the standard tenant is served at once
         statuses.append(await std_sends(0.0))
     return statuses
+
+
+async def queues_built(http: httpx.AsyncClient, urls: list[str], *, within_s: float = 10.0) -> None:
+    """Until each of `urls` has requests waiting in its queue of pool `big`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        pages = [(await http.get(f"{url}/metrics")).text for url in urls]
+        depths = [
+            sum(values(samples_of(page), "spillgate_queue_depth", pool="big")) for page in pages
+        ]
+        if all(depth > 0 for depth in depths):
+            return
+        assert time.monotonic() < deadline, "the flood built no queue"
+        await asyncio.sleep(0.05)
 
 
 def test_a_lower_class_waits_while_a_higher_one_waits_at_another_replica(tmp_path: Path) -> None:
