@@ -176,7 +176,14 @@ def test_one_replica_with_three_workers_admits_one_bucket(setup: Setup) -> None:
     try:
         time.sleep(2.0)  # every worker up and connected
         result = burst([gateway.url], "workers")
+        store_errors = gateway.metric("spillgate_ratelimit_store_errors_total")
     finally:
         gateway.stop()
     refill = int(result.seconds * 30 / 60)
-    assert 30 <= result.admitted <= 30 + max(1, refill), str(result)
+    # Exact while Redis answered every decision in its time budget. A machine too loaded for
+    # redis-server to answer in time sends a worker to its local share (limit ÷ workers,
+    # full for a tenant it never heard of), the documented bound of `failure_mode: local`.
+    degraded = 30 if store_errors else 0
+    assert 30 <= result.admitted <= 30 + degraded + max(1, refill), (
+        f"{result}; store errors {store_errors}"
+    )
