@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import Awaitable, Collection
 from typing import Protocol
 
+from gateway.admission.fleet.backends import Backend
 from gateway.admission.ledger.growth import Growth
 from gateway.admission.ledger.held import HeldReservation
 from gateway.admission.ledger.reservations import Reservation
@@ -58,7 +59,7 @@ class Serving(Protocol):
 
     async def broke_off(self, name: str, tried: set[str]) -> None: ...
 
-    def answered(self, name: str, corrected: Corrected | None = None) -> None: ...
+    def answered(self, backend: Backend, corrected: Corrected | None = None) -> None: ...
 
 
 class Continuation:
@@ -123,7 +124,7 @@ class Continuation:
         router = self._exchange.router
         backend = self._exchange.held.backend
         assert backend is not None
-        return router.target(router.backend(backend), self._request.adapter)
+        return router.target(backend, self._request.adapter)
 
     async def _continue(
         self,
@@ -156,7 +157,7 @@ class Continuation:
         exchange.metrics.stream_continuations.labels(follow.pool, "succeeded").inc()
         went_on = Served(served.outcome, backend.name, served.pool, relayed, served.started_at)
         if relayed.cut is None:
-            exchange.answered(backend.name, relayed.corrected)
+            exchange.answered(backend, relayed.corrected)
         else:
             await exchange.broke_off(backend.name, self._tried)
         return went_on, relayed.cut

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Collection, Iterable, Sequence
 
 from starlette.types import Send
 
+from gateway.admission.fleet.backends import Backend
 from gateway.admission.ledger.growth import Growth
 from gateway.admission.ledger.held import HeldReservation
 from gateway.admission.ledger.reservations import Reservation
@@ -234,7 +235,7 @@ class Exchange:
             self.metrics.stream_continuations_refused.labels(request.pool, not_resumable).inc()
             await self.broke_off(backend.name, tried)
         else:
-            self.answered(backend.name, relayed.corrected)
+            self.answered(backend, relayed.corrected)
         return served
 
     def forward_held(
@@ -252,7 +253,7 @@ class Exchange:
         held = self.held.backend
         assert held is not None
         return self.forwarder.forward(
-            self.router.target(self.router.backend(held), request.adapter),
+            self.router.target(held, request.adapter),
             request,
             public_model=request.adapter or request.pool,
             send=self.send,
@@ -293,16 +294,16 @@ class Exchange:
         self.router.backend(name).broke_off()
         await self._leave(name, "mid-stream", tried)
 
-    def answered(self, name: str, corrected: Corrected | None = None) -> None:
-        """Backend `name` answered this request in full: its failures in a row start again.
+    def answered(self, backend: Backend, corrected: Corrected | None = None) -> None:
+        """`backend` answered this request in full: its failures in a row start again.
         Unless its usage told what cannot be true (`corrected.lies`): a backend that lies
         there is broken or hostile, and fails as one that answers junk does."""
-        backend, now = self.router.backend(name), self.clock.monotonic()
+        now = self.clock.monotonic()
         if corrected is None or not corrected.lies:
             backend.record_success(now)
             return
         backend.record_failure(now, reason=f"usage: {', '.join(corrected.flaws)}")
-        self.metrics.upstream_errors.labels(name, "usage").inc()
+        self.metrics.upstream_errors.labels(backend.name, "usage").inc()
 
     def growth(self, request: InferenceRequest, block_size: int) -> Growth | None:
         """What grows a streaming request's reservation with its answer (in `learned`

@@ -232,25 +232,34 @@ class Pool:
     def name(self) -> str:
         return self.settings.name
 
-    @property
-    def max_model_len(self) -> int:
-        """The longest request (prompt plus output tokens) the pool accepts: the pool's own
-        setting, else the smallest context its backends reported, else a fallback."""
-        if self.settings.max_model_len is not None:
-            return self.settings.max_model_len
-        known = [b.max_model_len for b in self.backends if b.max_model_len is not None]
-        return min(known) if known else FALLBACK_MAX_MODEL_LEN
+    # the longest request (prompt plus output tokens) the pool accepts: its own setting,
+    # else the smallest context its backends reported, else a fallback
+    max_model_len: int = field(init=False)
+    # the longest context the pool knows its model to have: its setting, or what its
+    # backends report, whichever is longer (any backend may serve a request, and one that
+    # names no output limit may be answered up to the engine's own context); None where
+    # neither is known (no fallback: a guess too short would call true answers lies).
+    # Both are read by every request, and change only as a backend's listing is learned
+    model_context: int | None = field(init=False)
 
-    @property
-    def model_context(self) -> int | None:
-        """The longest context the pool knows its model to have: its setting, or what its
-        backends report, whichever is longer (any backend may serve a request, and one that
-        names no output limit may be answered up to the engine's own context); None where
-        neither is known (no fallback: a guess too short would call true answers lies)."""
+    def __post_init__(self) -> None:
+        self._contexts_learned()
+
+    def learn(self, backend: Backend, models: list[ServedModel]) -> str | None:
+        """Take what `backend`'s /v1/models says (Backend.learn): the reason it cannot serve,
+        if any."""
+        mismatch = backend.learn(models)
+        self._contexts_learned()
+        return mismatch
+
+    def _contexts_learned(self) -> None:
         known = [b.max_model_len for b in self.backends if b.max_model_len is not None]
-        if self.settings.max_model_len is not None:
-            known.append(self.settings.max_model_len)
-        return max(known) if known else None
+        own = self.settings.max_model_len
+        fallback = min(known) if known else FALLBACK_MAX_MODEL_LEN
+        self.max_model_len = own if own is not None else fallback
+        if own is not None:
+            known.append(own)
+        self.model_context = max(known) if known else None
 
     @property
     def shared_block_sizes(self) -> frozenset[int]:
@@ -444,7 +453,8 @@ class FleetWatcher:
         except ProbeFailed as exc:
             backend.probe_failed(exc.reason)
             return
-        mismatch = None if models is None else backend.learn(models)
+        pool = self._pools[backend.pool]
+        mismatch = None if models is None else pool.learn(backend, models)
         if mismatch is not None:
             backend.probe_failed(mismatch)
         else:

@@ -65,13 +65,14 @@ class Router:
     def backend(self, name: str) -> Backend:
         return self._backends[name]
 
-    def target(self, backend: Backend, adapter: str | None = None) -> Target:
-        """Where requests reserved on `backend` go (asking for `adapter`, when given, by its
-        name); made once, as pools never change."""
-        target = self._targets.get((backend.name, adapter))
+    def target(self, name: str, adapter: str | None = None) -> Target:
+        """Where requests reserved on backend `name` go (asking for `adapter`, when given, by
+        its name); made once, as pools never change."""
+        target = self._targets.get((name, adapter))
         if target is None:
-            target = self._targets[(backend.name, adapter)] = Target(
-                name=backend.name,
+            backend = self._backends[name]
+            target = self._targets[(name, adapter)] = Target(
+                name=name,
                 api_base=backend.url + "/v1",
                 model=adapter or backend.served_model,
                 timeouts=self.pools[backend.pool].settings.timeouts,

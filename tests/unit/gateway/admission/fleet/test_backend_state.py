@@ -69,9 +69,9 @@ def test_a_pools_context_limit_is_its_own_else_its_backends_smallest_else_the_fa
 
     found = build_pools([pool()], clock=ManualClock())["p"]
     assert found.max_model_len == FALLBACK_MAX_MODEL_LEN
-    found.backends[1].max_model_len = 8192
+    found.learn(found.backends[1], [ServedModel(id="p", max_model_len=8192)])
     assert found.max_model_len == 8192
-    found.backends[0].max_model_len = 4096
+    found.learn(found.backends[0], [ServedModel(id="p", max_model_len=4096)])
     assert found.max_model_len == 4096
     assert build_pools([pool(max_model_len=1000)], clock=ManualClock())["p"].max_model_len == 1000
 
@@ -86,10 +86,11 @@ def test_a_pools_known_context_is_the_longest_known_and_never_the_fallback() -> 
 
     found = build_pools([pool()], clock=ManualClock())["p"]
     assert found.model_context is None
-    found.backends[0].max_model_len = 4096
-    found.backends[1].max_model_len = 8192
+    found.learn(found.backends[0], [ServedModel(id="p", max_model_len=4096)])
+    found.learn(found.backends[1], [ServedModel(id="p", max_model_len=8192)])
     assert found.model_context == 8192
     limited = build_pools([pool(max_model_len=1000)], clock=ManualClock())["p"]
     assert limited.model_context == 1000
-    limited.backends[0].max_model_len = 4096  # the engine's own: a request naming no limit
-    assert limited.model_context == 4096  # may be answered up to it
+    # the engine's own: a request naming no limit may be answered up to it
+    limited.learn(limited.backends[0], [ServedModel(id="p", max_model_len=4096)])
+    assert limited.model_context == 4096
