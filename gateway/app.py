@@ -168,7 +168,7 @@ def create_app(
         on_room=router.room_opened,
     )
     loads = LoadWatcher(
-        [b for pool in pools.values() if pool.settings.feedback for b in pool.backends],
+        [b for pool in pools.values() if pool.settings.feedback for b in pool.members],
         scrape=scrape,
         clock=clock,
         reserved=router.ledger.tokens_in_flight,

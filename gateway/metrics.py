@@ -203,6 +203,12 @@ class GatewayMetrics:
             "spillgate_tokens", "Tokens served by target (backend or provider) and kind",
             ["target", "kind"], registry=r,
         )  # fmt: skip
+        self.prefill_decisions = Counter(
+            "spillgate_prefill_decisions",
+            "Requests of pools with prefill backends, by whether a prefill backend computed the "
+            "prompt (split) or the decode backend alone served it, and why",
+            ["pool", "decision"], registry=r,
+        )  # fmt: skip
         self.upstream_errors = Counter(
             "spillgate_upstream_errors", "Failed upstream attempts", ["target", "reason"],
             registry=r,

@@ -21,6 +21,11 @@ TTFT_HEADER = "x-spillgate-ttft-ms"
 TPOT_HEADER = "x-spillgate-tpot-ms"
 
 
+# the body field that tells a vLLM engine to keep a prompt's KV for another engine, or to load
+# it from one (its KV connector's handshake; gateway/front/prefill.py)
+KV_TRANSFER_FIELD = "kv_transfer_params"
+
+
 class Endpoint(StrEnum):
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"

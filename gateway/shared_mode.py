@@ -158,7 +158,7 @@ class SharedMode:
             limiter=limiter(for_providers=False),
             provider_limiter=limiter(for_providers=True),
             ledger=ledger(
-                [b.name for pool in pools.values() for b in pool.backends],
+                [b.name for pool in pools.values() for b in pool.members],
                 key_prefix="spillgate",
                 on_mode_change=metrics.set_ledger_mode,
             ),

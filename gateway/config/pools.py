@@ -106,6 +106,17 @@ class BackendSettings(_Model):
         ),
     )
 
+    role: Literal["both", "prefill", "decode"] = Field(
+        "both",
+        description=(
+            "its part where prefill and decode run on different engines: `prefill` computes "
+            "prompts for the pool's other backends (the prefill leg; it takes no request of "
+            "its own), `decode` and `both` serve requests, given the prompt's KV by a prefill "
+            "backend when the pool's `prefill` rule says so "
+            "([how](architecture.md#prefill-and-decode))"
+        ),
+    )
+
     @field_validator("url")
     @classmethod
     def _url(cls, url: str) -> str:
@@ -158,6 +169,30 @@ class AdapterSettings(_Model):
         description=(
             "the adapter of the pool's `degrade_to` pool that `degrade` asks for in its "
             "place; none: a request for this adapter is not degraded (the next step takes it)"
+        ),
+    )
+
+
+class PrefillSettings(_Model):
+    """When a pool with `role: prefill` backends sends a request's prompt to one first, and
+    how the decode engine gets its KV ([how](architecture.md#prefill-and-decode))."""
+
+    kv_transfer: Literal["params", "shared"] = Field(
+        "params",
+        description=(
+            "how the engines pass a prompt's KV: `params`, the prefill answer's "
+            "`kv_transfer_params` handed to the decode leg (vLLM's NixlConnector, P2pNccl, "
+            "Mooncake); `shared`, a store both engines read by the prompt's tokens, nothing "
+            "handed on (vLLM's ExampleConnector, LMCache)"
+        ),
+    )
+    min_prompt_tokens: int = Field(
+        256,
+        ge=0,
+        description=(
+            "a prompt with fewer tokens than this not already cached on its decode backend "
+            "goes to the decode backend alone, which prefills it itself: a short prompt costs "
+            "less there than a second leg"
         ),
     )
 
@@ -346,6 +381,7 @@ class PoolSettings(_Model):
             "reserved ([how](architecture.md#the-tokenizer))"
         ),
     )
+    prefill: PrefillSettings = PrefillSettings()
     continue_streams: int = Field(
         2,
         ge=0,

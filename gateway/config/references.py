@@ -43,6 +43,7 @@ def reference_problems(data: Any) -> list[Problem]:
     for i, pool in pools:
         problems += _pool_references(i, pool, pools=pool_names, providers=provider_names)
         problems += _kind_problems(i, pool, kinds)
+        problems += _role_problems(i, pool)
     for i, tenant in tenants:
         for j, name in _strings(tenant.get("pools")):
             if name not in pool_names:
@@ -253,3 +254,17 @@ def _names(entries: list[Entry]) -> list[str]:
 def _strings(items: Any) -> Iterator[tuple[int, str]]:
     if isinstance(items, list):
         yield from ((i, item) for i, item in enumerate(items) if isinstance(item, str))
+
+
+def _role_problems(i: int, pool: dict[str, Any]) -> Iterator[Problem]:
+    """A pool whose backends all prefill has none to serve its requests, and an embedding
+    pool has no answers to decode."""
+    roles = [b.get("role", "both") for _, b in _entries(pool, "backends")]
+    if "prefill" not in roles:
+        return
+    if all(role == "prefill" for role in roles):
+        message = "every backend has `role: prefill`: at least one must serve requests"
+        yield Problem(loc=("pools", i, "backends"), message=message)
+    if pool.get("kind", "chat") == "embedding":
+        message = "an embedding pool has nothing to decode: no backend may have `role: prefill`"
+        yield Problem(loc=("pools", i, "backends"), message=message)

@@ -16,6 +16,7 @@ from gateway.admission.routing.router import Router
 from gateway.clock import Clock
 from gateway.errors import NoRoomToRetry, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from gateway.front.continuation import Continuation
+from gateway.front.prefill import DecodeLeg, PrefillLeg, Split
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
 from gateway.request import InferenceRequest
@@ -47,6 +48,7 @@ class Exchange:
         "held",
         "metrics",
         "prediction",
+        "prefill",
         "recorder",
         "router",
         "send",
@@ -76,6 +78,8 @@ class Exchange:
         self.timings: dict[str, float] = {}  # phase → seconds, told as `server-timing`
         # what the TTFT ladder predicted for the step now serving, if it weighed one
         self.prediction: Prediction | None = None
+        # in a pool with prefill backends, whether a prefill backend computed its prompt
+        self.prefill: Split | None = None
 
     def headers(self, outcome: Outcome) -> list[tuple[bytes, bytes]]:
         """The gateway's own response headers, as ASGI wants them."""
@@ -209,13 +213,18 @@ class Exchange:
         started = self.clock.monotonic()
         # why a stream cut mid-answer could not go on elsewhere; None: it can
         not_resumable = self._not_resumable(request) if request.stream else "not a stream"
+        leg = None
+        if self.router.pools[request.pool].prefillers and not tried:
+            # a retry prefills where it goes: the failure may have been the KV's transfer
+            leg = await self._decode_leg(request, reservation, deadline=deadline)
         try:
             relayed = await self.forward_held(
-                request,
+                request if leg is None else leg.request,
                 outcome,
                 deadline=deadline,
                 growth=self.growth(request, backend.block_size),
                 resumable=not_resumable is None,
+                upstream_headers=None if leg is None else leg.headers,
             )
         except UpstreamUnavailable as exc:
             await self.failed(backend.name, exc.reason, tried, unreachable=exc.unreachable)
@@ -238,6 +247,20 @@ class Exchange:
             self.answered(backend, relayed.corrected)
         return served
 
+    async def _decode_leg(
+        self, request: InferenceRequest, reservation: Reservation, *, deadline: float
+    ) -> DecodeLeg:
+        """What the decode leg of `request` sends, its prefill leg run first where the
+        pool's rule says so (gateway/front/prefill.py)."""
+        prefill = PrefillLeg(
+            router=self.router, forwarder=self.forwarder, metrics=self.metrics, clock=self.clock
+        )
+        leg = await prefill.run(request, reservation, deadline=deadline)
+        self.prefill = leg.split
+        if leg.prefill_s is not None:
+            self.note_time("prefill", leg.prefill_s)
+        return leg
+
     def forward_held(
         self,
         request: InferenceRequest,
@@ -247,9 +270,11 @@ class Exchange:
         growth: Growth | None,
         resumable: bool = False,
         relay: StreamRelay | None = None,
+        upstream_headers: dict[str, str] | None = None,
     ) -> Awaitable[Relayed]:
         """Forward `request` to the backend it holds its reservation on, its answer relayed
-        to the client as `outcome` (on `relay`: as the next leg of a stream cut before)."""
+        to the client as `outcome` (on `relay`: as the next leg of a stream cut before), with
+        `upstream_headers` besides the gateway's own (a decode leg's request id)."""
         held = self.held.backend
         assert held is not None
         return self.forwarder.forward(
@@ -260,6 +285,7 @@ class Exchange:
             headers=self.headers(outcome),
             recorder=self.recorder,
             deadline=deadline,
+            trace_headers=upstream_headers,
             growth=growth,
             resumable=resumable,
             relay=relay,

@@ -9,7 +9,7 @@ import orjson
 
 from gateway.config import Priority
 from gateway.errors import InvalidRequest
-from gateway.request import Endpoint, InferenceRequest
+from gateway.request import KV_TRANSFER_FIELD, Endpoint, InferenceRequest
 
 MAX_TOKENS_CEILING = 1_000_000
 MAX_CHOICES = 128  # `n`: each choice is a sequence of its own on the backend
@@ -34,6 +34,9 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     openers = raw.count(b"{") + raw.count(b"[")
     if openers > MAX_JSON_DEPTH and _depth_over(body, MAX_JSON_DEPTH):
         raise InvalidRequest(f"The request body nests deeper than {MAX_JSON_DEPTH} levels.")
+    # where an engine loads a prompt's KV from (a host and port it connects to) is the
+    # gateway's to say, on a decode leg it sends itself (gateway/front/prefill.py)
+    body.pop(KV_TRANSFER_FIELD, None)
     return body
 
 

@@ -259,7 +259,7 @@ class Pipeline:
                 )
             finally:
                 if trace is not None:
-                    trace.settled(served, outcome)
+                    trace.settled(served, outcome, prefill=exchange.prefill)
                 if request.adapter is not None and d.adapters is not None:
                     d.adapters.uses.done(request.adapter, held)
 

@@ -91,12 +91,15 @@ class RequestTrace:
             attributes["gen_ai.request.choice.count"] = request.n
         span.set_attributes(attributes)
 
-    def settled(self, served: Served | None, outcome: Outcome) -> None:
-        """How the request ended, once its reservation is released."""
+    def settled(self, served: Served | None, outcome: Outcome, *, prefill: str | None) -> None:
+        """How the request ended, once its reservation is released; `prefill`: in a pool
+        with prefill backends, whether one computed its prompt (gateway/front/prefill.py)."""
         if not self.recording:
             return
         span = self.span
         span.set_attribute("spillgate.outcome", outcome.value)
+        if prefill is not None:
+            span.set_attribute("spillgate.prefill", prefill)
         if served is None:
             return
         span.set_attribute("spillgate.backend", served.target)
@@ -243,6 +246,37 @@ class _TracedForwarder:
     async def prompt_tokens(self, target: Target, request: InferenceRequest) -> int | None:
         return await self._inner.prompt_tokens(target, request)
 
+    async def prefill(
+        self,
+        target: Target,
+        request: InferenceRequest,
+        *,
+        deadline: float,
+        trace_headers: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        trace = self._trace
+        if not trace.recording:
+            headers = {**(trace_headers or {}), **trace.unsampled_headers()}
+            return await self._inner.prefill(
+                target, request, deadline=deadline, trace_headers=headers
+            )
+        span, carrier = trace.attempt(target)
+        span.set_attribute("spillgate.leg", "prefill")
+        headers = {**(trace_headers or {}), **carrier}
+        try:
+            answer = await self._inner.prefill(
+                target, request, deadline=deadline, trace_headers=headers
+            )
+        except UpstreamUnavailable as exc:
+            span.set_attribute("error.type", exc.reason.split(":")[0])
+            span.set_status(Status(StatusCode.ERROR, exc.reason))
+            raise
+        else:
+            span.set_attribute("http.response.status_code", 200)
+            return answer
+        finally:
+            span.end()
+
     async def forward(
         self,
         target: Target,
@@ -268,7 +302,7 @@ class _TracedForwarder:
                 headers=headers,
                 recorder=recorder,
                 deadline=deadline,
-                trace_headers=trace.unsampled_headers(),
+                trace_headers={**(trace_headers or {}), **trace.unsampled_headers()},
                 growth=growth,
                 resumable=resumable,
                 relay=relay,
@@ -291,7 +325,7 @@ class _TracedForwarder:
                 headers=headers,
                 recorder=reasons,
                 deadline=deadline,
-                trace_headers=carrier,
+                trace_headers={**(trace_headers or {}), **carrier},
                 growth=growth,
                 resumable=resumable,
                 relay=relay,

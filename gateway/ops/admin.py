@@ -108,7 +108,7 @@ class AdminEndpoints:
             down = {
                 b.name: b.down_reason
                 for pool in self._router.pools.values()
-                for b in pool.backends
+                for b in pool.members
                 if b.down_reason is not None
             }
             body = {"status": "not ready", "pools_without_capacity": missing, "backends_down": down}
@@ -120,16 +120,21 @@ class AdminEndpoints:
         self.refresh_gauges()
         self._metrics.flush()
 
+    def _in_rotation(self, pool: Pool) -> set[Backend]:
+        """The pool's backends in rotation whose capacity is known, its prefillers too."""
+        serving = self._router.in_rotation(pool.name)
+        return {*serving, *self._router.in_rotation(pool.name, prefill=True)}
+
     def refresh_gauges(self) -> None:
         m = self._metrics
         if self._limiter is not None:
             m.ratelimit_degraded_tenants.set(len(self._limiter.degraded()))
         for name, pool in self._router.pools.items():
             capacity = 0
-            in_rotation = set(self._router.in_rotation(name))
-            for backend in pool.backends:
+            in_rotation = self._in_rotation(pool)
+            for backend in pool.members:
                 cap = self._router.capacity(backend)
-                capacity += cap
+                capacity += cap if backend.role != "prefill" else 0
                 m.capacity_tokens.labels(backend.name).set(cap)
                 m.inflight_tokens.labels(backend.name).set(
                     self._router.ledger.tokens_in_flight(backend.name)
@@ -220,12 +225,13 @@ class AdminEndpoints:
         pools = []
         now = self._router.clock.monotonic()
         for name, pool in self._router.pools.items():
-            in_rotation = set(self._router.in_rotation(name))
+            in_rotation = self._in_rotation(pool)
             backends = [
                 {
                     "name": b.name,
                     "url": b.url,
                     "served_model": b.served_model,
+                    "role": b.role,
                     "capacity_tokens": self._router.capacity(b),
                     "capacity_source": "config" if b.configured_capacity else "metrics",
                     "limit_tokens": self._router.limit(b),
@@ -240,7 +246,7 @@ class AdminEndpoints:
                     "max_model_len": b.max_model_len,
                     "adapters": sorted(b.adapters),
                 }
-                for b in pool.backends
+                for b in pool.members
             ]
             down = pool.outage() is not None
             service = self._services.get(name)

@@ -104,7 +104,7 @@ class OutcomeHistory:
             if changed:
                 delta[pool] = changed
         ledger = self._router.ledger
-        backends = [b.name for p in self._router.pools.values() for b in p.backends]
+        backends = [b.name for p in self._router.pools.values() for b in p.members]
         return HistoryPoint(
             t=now,
             step_s=now - self._last_t,

@@ -123,6 +123,15 @@ class Forwards(Protocol):
 
     async def prompt_tokens(self, target: Target, request: InferenceRequest) -> int | None: ...
 
+    async def prefill(
+        self,
+        target: Target,
+        request: InferenceRequest,
+        *,
+        deadline: float,
+        trace_headers: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]: ...
+
 
 # a prompt's count is worth this long: past it, a continued stream's usage does without
 COUNT_S = 2.0
@@ -193,6 +202,24 @@ class Forwarder:
         # a count is evidence too: none that is not a positive whole number (the usage it
         # goes into is checked against the request, gateway/upstream/usage.py)
         return count if type(count) is int and count > 0 else None
+
+    async def prefill(
+        self,
+        target: Target,
+        request: InferenceRequest,
+        *,
+        deadline: float,
+        trace_headers: Mapping[str, str] | None = None,
+    ) -> dict[str, Any]:
+        """The answer of a prefill leg (`request`, not streamed), read whole within
+        `deadline` and relayed to no one; UpstreamUnavailable when it is no success."""
+        status, _, answer = await self._whole(
+            target, request, deadline=deadline, trace_headers=trace_headers
+        )
+        if status != 200:
+            raise UpstreamUnavailable(f"status {status}", status=status)
+        assert isinstance(answer, dict)  # a 200 that is no answer raised in _whole
+        return answer
 
     async def forward(
         self,

@@ -73,6 +73,8 @@ class Backend:
     prefix_caching: bool = False
     discovered_capacity: int | None = None
     max_model_len: int | None = None  # the served model's context, from the backend's /v1/models
+    # its part where prefill and decode run on different engines (BackendSettings.role)
+    role: str = "both"
     root: str | None = None  # the weights it loaded, from the same listing
     # the LoRA adapters of its model it serves, from the same listing (`parent`)
     adapters: frozenset[str] = frozenset()
@@ -213,6 +215,9 @@ class Backend:
 @dataclass(eq=False, kw_only=True)
 class Pool:
     settings: PoolSettings
+    # the backends that serve its requests; those that only prefill prompts for them
+    # (`role: prefill`) are `prefillers`, with a ledger, a fill and a queue-free admission
+    # of their own (gateway/front/prefill.py)
     backends: list[Backend]
     demand: PoolDemand
     estimator: PromptEstimator = field(default_factory=PromptEstimator)
@@ -227,6 +232,10 @@ class Pool:
     # where they went remembered (worked out once: every request asks)
     routing: RoutingProfileSettings = BUILTIN_PROFILES["prefix"]
     by_prefix: bool = True
+    prefillers: list[Backend] = field(default_factory=list)
+    # every backend of the pool in its settings' order, prefillers too: what is probed,
+    # scraped and shown
+    members: list[Backend] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -243,6 +252,7 @@ class Pool:
     model_context: int | None = field(init=False)
 
     def __post_init__(self) -> None:
+        self.members = self.members or self.backends + self.prefillers
         self._contexts_learned()
 
     def learn(self, backend: Backend, models: list[ServedModel]) -> str | None:
@@ -318,7 +328,7 @@ def build_pools(
     built-in one)."""
     built: dict[str, Pool] = {}
     for pool in pools:
-        backends = [_backend(pool, i, b) for i, b in enumerate(pool.backends)]
+        members = [_backend(pool, i, b) for i, b in enumerate(pool.backends)]
         tokenizer = None if pool.tokenizer is None else PromptTokenizer(pool.tokenizer)
         routing = profile_named(pool.routing, profiles)
         by_prefix = any(s.plugin == "prefix" for s in routing.scorers)
@@ -326,12 +336,14 @@ def build_pools(
         by_events = by_prefix and tokenizer is not None
         built[pool.name] = Pool(
             settings=pool,
-            backends=backends,
+            backends=[b for b in members if b.role != "prefill"],
+            prefillers=[b for b in members if b.role == "prefill"],
+            members=members,
             demand=PoolDemand(clock),
             outputs=OutputLengths(pool.reservation),
             events={
                 backend.name: EventsView()
-                for backend, b in zip(backends, pool.backends, strict=True)
+                for backend, b in zip(members, pool.backends, strict=True)
                 if b.kv_events is not None and by_events
             },
             tokenizer=tokenizer,
@@ -350,6 +362,7 @@ def _backend(pool: PoolSettings, index: int, b: BackendSettings) -> Backend:
         configured_capacity=None if b.capacity == "auto" else b.capacity,
         block_size=b.block_size,
         fill=FillController(pool.target_fill),
+        role=b.role,
     )
 
 
@@ -398,7 +411,7 @@ class FleetWatcher:
             {
                 backend.name: (where, pool.events[backend.name])
                 for pool in pools.values()
-                for backend, b in zip(pool.backends, pool.settings.backends, strict=True)
+                for backend, b in zip(pool.members, pool.settings.backends, strict=True)
                 if (where := b.kv_events) is not None and backend.name in pool.events
             },
             clock=clock,
@@ -410,7 +423,7 @@ class FleetWatcher:
         jobs = [
             self._refresh(backend, pool.settings.capacity_refresh_s, lengths=name in learning)
             for name, pool in self._pools.items()
-            for backend in pool.backends
+            for backend in pool.members
             if now - backend.last_probe >= pool.settings.capacity_refresh_s
             or backend.health.probe_due(now)
         ]

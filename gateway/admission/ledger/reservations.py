@@ -42,6 +42,9 @@ class InFlight:
     reservation: Reservation
     at: float
     adapter: str | None = None  # the LoRA adapter its request asks for
+    # the prompt's leading tokens its backend was known to cache when it was routed there,
+    # in a pool with prefill backends (gateway/front/prefill.py: what a prefill leg spares)
+    cached: int = 0
 
 
 class Ledger(Protocol):

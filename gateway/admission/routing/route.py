@@ -15,14 +15,16 @@ if TYPE_CHECKING:
 
 class Route(NamedTuple):
     """What a request asks of its pool's backends: room for `sequences` sequences of up to
-        `tokens` tokens each, of which `shared` are prompt blocks other requests may hold with
-        it, for the LoRA `adapter` when one is named, never on a backend in `exclude` (tried
-        already, or avoided: a Responses continuation goes only where its previous response is
-        stored). `prefix` (the keys of its prompt's leading blocks), `session` and `token_ids`
-        (the prompt as the engine's tokens) are what prefix routing goes by. A `running`
-        request (a stream continued from a backend that failed) was admitted already: it may
-        fill a backend past its target fill, as a stream that grows does. (A NamedTuple: one is
-    built for every admission, and a frozen dataclass costs several times as much.)"""
+    `tokens` tokens each, of which `shared` are prompt blocks other requests may hold with
+    it, for the LoRA `adapter` when one is named, never on a backend in `exclude` (tried
+    already, or avoided: a Responses continuation goes only where its previous response is
+    stored). `prefix` (the keys of its prompt's leading blocks), `session` and `token_ids`
+    (the prompt as the engine's tokens) are what prefix routing goes by. A `running`
+    request (a stream continued from a backend that failed) was admitted already: it may
+    fill a backend past its target fill, as a stream that grows does. A `prefill` route is
+    a prefill leg's: it goes to the pool's prefill backends (Pool.prefillers) alone. (A
+    NamedTuple: one is built for every admission, and a frozen dataclass costs several
+    times as much.)"""
 
     pool: str
     tokens: int
@@ -34,6 +36,7 @@ class Route(NamedTuple):
     shared: Sequence[SharedBlocks] = ()
     adapter: str | None = None
     running: bool = False
+    prefill: bool = False
 
     @classmethod
     def of(
@@ -46,7 +49,7 @@ class Route(NamedTuple):
     ) -> Route:
         """The route of `request` (in `pool`, when another than its own: `degrade`'s)."""
         avoid = request.avoid
-        # built as NamedTuple._make builds one: the generated __new__ binds its ten
+        # built as NamedTuple._make builds one: the generated __new__ binds its eleven
         # parameters one by one, and a Route is built for every admission
         return tuple.__new__(
             cls,
@@ -61,6 +64,7 @@ class Route(NamedTuple):
                 request.shared,
                 request.adapter,
                 running,
+                False,
             ),
         )
 

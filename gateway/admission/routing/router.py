@@ -15,7 +15,7 @@ from gateway.admission.routing.forecast import (
     expected_hold_s,
     seconds_until_fits,
 )
-from gateway.admission.routing.prefix_route import GroupLoads, group_of
+from gateway.admission.routing.prefix_route import GroupLoads, Held, group_of
 from gateway.admission.routing.profile import RoutingProfile
 from gateway.admission.routing.route import Candidate, Route
 from gateway.clock import Clock
@@ -42,7 +42,7 @@ class Router:
         self.pools = pools
         self.ledger = ledger
         self.clock = clock
-        self._backends = {b.name: b for p in pools.values() for b in p.backends}
+        self._backends = {b.name: b for p in pools.values() for b in p.members}
         self._listeners: list[ReleaseListener] = []
         self._holds = {name: HoldTimes() for name in pools}
         # pool → reservation id → its one record: the reservations and ages the forecast reads
@@ -56,7 +56,7 @@ class Router:
         self._groups = GroupLoads()  # what each prefix holds where: prefix routing's guard
         self._profiles = {name: RoutingProfile(p, groups=self._groups) for name, p in pools.items()}
         for name, p in pools.items():  # each backend's scrape keeps what its routing reads
-            for b in p.backends:
+            for b in p.members:
                 b.signals = LOAD_SIGNALS | self._profiles[name].signals
         # told of prompt blocks the prefix index learned by routing (shared mode: the
         # replicas' PrefixFeed), as (pool, backend, keys)
@@ -164,9 +164,10 @@ class Router:
         filters keep them, their capacity is known), least filled first."""
         return [c.backend for c in self._candidates(route, self.clock.monotonic())]
 
-    def in_rotation(self, pool: str) -> list[Backend]:
-        """The pool's backends in rotation whose capacity is known, least filled first."""
-        return self.candidates(Route(pool, 0))
+    def in_rotation(self, pool: str, *, prefill: bool = False) -> list[Backend]:
+        """The pool's backends in rotation whose capacity is known, least filled first (its
+        prefill backends with `prefill`)."""
+        return self.candidates(Route(pool, 0, prefill=prefill))
 
     def _candidates(self, route: Route, now: float) -> list[Candidate]:
         """Each backend the pool's filters keep whose capacity is known, least filled once
@@ -177,7 +178,7 @@ class Router:
         filters = profile.plain_filters if plain else profile.filters
         stale = p.settings.metrics_stale_s
         found: list[Candidate] = []
-        for i, b in enumerate(p.backends):
+        for i, b in enumerate(p.prefillers if route.prefill else p.backends):
             for f in filters:
                 if not f.keeps(b, route, now):
                     break
@@ -259,17 +260,21 @@ class Router:
         return most
 
     def _hold(self, reservation: Reservation, route: Route) -> Reservation:
-        pool = self._backends[reservation.backend].pool
-        record = self._held[pool][reservation.id] = InFlight(
-            reservation=reservation, at=self.clock.monotonic(), adapter=route.adapter
-        )
+        backend = self._backends[reservation.backend]
+        pool = backend.pool
+        p = self.pools[pool]
+        record = InFlight(reservation=reservation, at=self.clock.monotonic(), adapter=route.adapter)
+        if p.prefillers and route.prefix:  # before this request is learned there
+            held = Held(p.prefixes, route.prefix, events=p.events, token_ids=route.token_ids)
+            record.cached = held.tokens(backend)
+        if not route.prefill:  # a prefill leg's hold is no answer's: the forecast leaves it
+            self._held[pool][reservation.id] = record
         if route.adapter is not None:
-            self._backends[reservation.backend].adapter_started(route.adapter)
+            backend.adapter_started(route.adapter)
         group = group_of(route.prefix, route.session)
-        if group is not None and self.pools[pool].by_prefix:
+        if group is not None and p.by_prefix:
             self._groups.add(record, group)
-            backend = self._backends[reservation.backend]
-            fresh = self.pools[pool].prefixes.routed(
+            fresh = p.prefixes.routed(
                 backend.name,
                 route.prefix,
                 session=route.session,
@@ -278,6 +283,12 @@ class Router:
             if fresh and self.on_prefix_routed is not None:
                 self.on_prefix_routed(pool, backend.name, fresh)
         return reservation
+
+    def cached_tokens(self, reservation: Reservation) -> int:
+        """The prompt's leading tokens the reservation's backend was known to cache when the
+        request was routed there (kept for pools with prefill backends only)."""
+        record = self._held[self._backends[reservation.backend].pool].get(reservation.id)
+        return 0 if record is None else record.cached
 
     def prefix_routed_elsewhere(self, pool: str, backend: str, keys: Sequence[bytes]) -> None:
         """Another replica routed the prompt blocks `keys` of `pool` to `backend`."""
