@@ -10,10 +10,12 @@ import asyncio
 import contextlib
 import random
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import orjson
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -25,9 +27,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gateway.admission.prompt_tokens import PromptTokenizer
 from loadtest.sim.apis import EmbeddingsEndpoint, json_body, unsupported
 from loadtest.sim.completions import CompletionsEndpoint
-from loadtest.sim.config import ResolvedSim, SimConfig, resolve
+from loadtest.sim.config import KvTransfer, ResolvedSim, SimConfig, resolve
 from loadtest.sim.engine import Engine, LiveSequence
 from loadtest.sim.kv_events import EventLog, Publisher
+from loadtest.sim.kv_transfer import (
+    ENGINE_ROUTE,
+    KvConnector,
+    ParamsConnector,
+    SharedStorageConnector,
+)
 from loadtest.sim.lengths import DEFAULT_VOCAB_SIZE, AnswerLengths, LengthSampler
 from loadtest.sim.lora import Adapters, LoraRoutes
 from loadtest.sim.metrics import SimMetrics
@@ -146,6 +154,7 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
             max_num_batched_tokens=config.max_num_batched_tokens,
             prefix_caching=config.enable_prefix_caching,
             max_loras=config.max_loras if adapters is not None else 0,
+            kv_connector=config.kv_transfer is not None,
         ),
         events=events,
     )
@@ -175,6 +184,13 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
         rng=random.Random(config.seed),
     )
     filler = FillerText()
+    engine_id = config.engine_id or str(uuid.uuid4())  # vLLM's default: a random one
+    # the decoder's side of the params handshake; closed with the app
+    client = httpx.AsyncClient(timeout=httpx.Timeout(5.0), trust_env=False)
+    connector = _connector(
+        config, engine_id=engine_id, block_size=resolved.block_size, client=client
+    )
+    shutdown = Shutdown(engine=engine, timeout_s=config.shutdown_timeout_s)
     models = [orjson.dumps(_models_body(config, resolved, adapters))]
 
     def models_changed() -> None:
@@ -188,6 +204,8 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
             engine=engine,
             filler=filler,
             lengths=lengths,
+            connector=connector,
+            on_fatal=shutdown.engine_died,
         )
 
     async def list_models(request: Request) -> Response:
@@ -209,6 +227,10 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
         # vLLM's (with VLLM_SERVER_DEV_MODE=1): refused while sequences hold blocks
         done = scheduler.pool.reset()
         return Response(b"", status_code=200 if done else 400)
+
+    async def kv_engine(request: Request) -> Response:
+        # the NIXL side channel's handshake, as far as a decoder needs it
+        return Response(orjson.dumps({"engine_id": engine_id}), media_type="application/json")
 
     async def metrics_endpoint(request: Request) -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -235,6 +257,7 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
                         await running
             if publisher is not None:
                 publisher.close()
+            await client.aclose()
 
     routes = [
         *_api_routes(config, limits=limits, engine=engine, filler=filler, endpoint=endpoint),
@@ -244,12 +267,13 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     ]
+    if config.kv_transfer is KvTransfer.PARAMS:
+        routes.append(Route(ENGINE_ROUTE, kv_engine, methods=["GET"]))
     if adapters is not None and config.allow_runtime_lora_updating:
         lora = LoraRoutes(
             config=config, adapters=adapters, hold=engine.hold, changed=models_changed
         )
         routes += lora.routes()
-    shutdown = Shutdown(engine=engine, timeout_s=config.shutdown_timeout_s)
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
@@ -257,6 +281,19 @@ def create_sim_replica(config: SimConfig) -> SimReplica:
         middleware=[Middleware(RefuseWhileStopping, shutdown=shutdown)],
     )
     return SimReplica(app=app, shutdown=shutdown)
+
+
+def _connector(
+    config: SimConfig, *, engine_id: str, block_size: int, client: httpx.AsyncClient
+) -> KvConnector | None:
+    if config.kv_transfer is KvTransfer.PARAMS:
+        return ParamsConnector(engine_id=engine_id, block_size=block_size, client=client)
+    if config.kv_transfer is KvTransfer.SHARED:
+        assert config.kv_shared_path is not None
+        return SharedStorageConnector(
+            path=config.kv_shared_path, model=config.model, block_size=block_size
+        )
+    return None
 
 
 def _adapters(config: SimConfig) -> Adapters | None:

@@ -20,6 +20,11 @@ once with vLLM's dead-engine error and the server stops listening; with
 With `--enable-lora` it serves LoRA adapters as vLLM does (loadtest/sim/lora.py): vLLM's
 `--lora-modules`, `--max-loras` and `--max-lora-rank`, and the load and unload endpoints
 where VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (or `--allow-runtime-lora`).
+
+With `--kv-transfer` it plays either role of vLLM's disaggregated prefill/decode
+(loadtest/sim/kv_transfer.py): `params` as NixlConnector (a prefill answer carries
+`kv_transfer_params`, a decode leg that brings them loads the prompt's blocks), `shared` as
+ExampleConnector (prompts' KV kept in the `--kv-shared-path` folder).
 """
 
 from __future__ import annotations
@@ -32,7 +37,14 @@ import sys
 import uvicorn
 
 from loadtest.sim.app import create_sim_replica
-from loadtest.sim.config import LoraLoadFailure, LoraModule, SimConfig, resolve
+from loadtest.sim.config import (
+    KvLoadFailurePolicy,
+    KvTransfer,
+    LoraLoadFailure,
+    LoraModule,
+    SimConfig,
+    resolve,
+)
 from loadtest.sim.lengths import DEFAULT_MEAN_TOKENS, DEFAULT_SIGMA, AnswerLengths
 from loadtest.sim.provider import DEFAULT_API_KEY, ProviderConfig, create_provider_app
 from loadtest.sim.shutdown import Shutdown, SimServer
@@ -134,6 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a model directory (tokenizer.json, tokenizer_config.json): tokenize as it does",
     )
     _add_lora_arguments(parser)
+    _add_kv_transfer_arguments(parser)
     provider = parser.add_argument_group("simulated external provider")
     provider.add_argument("--provider", action="store_true", help="run the provider instead")
     provider.add_argument(
@@ -198,6 +211,34 @@ def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_kv_transfer_arguments(parser: argparse.ArgumentParser) -> None:
+    kv = parser.add_argument_group("disaggregated prefill/decode (as vLLM's KV connectors)")
+    kv.add_argument(
+        "--kv-transfer",
+        choices=[k.value for k in KvTransfer],
+        help="params: as NixlConnector, a prefill leg (kv_transfer_params do_remote_decode) "
+        "answers with the kv_transfer_params its decode leg brings, and a decode leg loads "
+        "the prompt's full blocks from the prefiller instead of computing them; shared: as "
+        "ExampleConnector, every engine saves prompts' KV in --kv-shared-path and loads the "
+        "longest entry that begins a prompt (default: neither)",
+    )
+    kv.add_argument(
+        "--kv-shared-path", help="the folder the engines share (with --kv-transfer shared)"
+    )
+    kv.add_argument(
+        "--engine-id",
+        help="the remote_engine_id its prefill answers name (default: a random one, as vLLM's)",
+    )
+    kv.add_argument(
+        "--kv-load-failure-policy",
+        choices=[p.value for p in KvLoadFailurePolicy],
+        default=KvLoadFailurePolicy.FAIL.value,
+        help="vLLM's: a KV load that fails (prefiller unreachable or of another engine id, a "
+        "shared entry missing its file) kills the engine and the server exits (fail, the "
+        "default), or the prompt is computed locally (recompute)",
+    )
+
+
 def _runtime_lora(args: argparse.Namespace) -> bool:
     """The flag, or vLLM's environment variable (1 or true) where LoRA is enabled: the
     variable may be set for a whole host, the flag is asked for."""
@@ -240,6 +281,10 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         allow_runtime_lora_updating=_runtime_lora(args),
         lora_load_s=args.lora_load_time,
         fail_lora_loads=args.fail_lora_loads,
+        kv_transfer=None if args.kv_transfer is None else KvTransfer(args.kv_transfer),
+        kv_shared_path=args.kv_shared_path,
+        engine_id=args.engine_id,
+        kv_load_failure_policy=KvLoadFailurePolicy(args.kv_load_failure_policy),
     )
 
 
@@ -290,6 +335,9 @@ def run(args: argparse.Namespace) -> int:
                 info["lora_modules"] = ",".join(m.name for m in replica.lora_modules)
                 info["max_loras"] = replica.max_loras
                 info["runtime_lora_updating"] = replica.allow_runtime_lora_updating
+            if replica.kv_transfer is not None:
+                info["kv_transfer"] = replica.kv_transfer.value
+                info["kv_load_failure_policy"] = replica.kv_load_failure_policy.value
     except ValueError as exc:
         print(f"spillgate sim: {exc}", file=sys.stderr)
         return 2

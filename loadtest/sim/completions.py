@@ -7,6 +7,8 @@ thousands of requests per second through them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from starlette.types import Receive, Scope, Send
 
 from loadtest.sim.asgi import (
@@ -16,8 +18,9 @@ from loadtest.sim.asgi import (
     send_json,
     start_sse,
 )
-from loadtest.sim.config import SimConfig
+from loadtest.sim.config import KvLoadFailurePolicy, SimConfig
 from loadtest.sim.engine import Engine, EngineStopped, LiveSequence
+from loadtest.sim.kv_transfer import KvConnector, KvLoadError
 from loadtest.sim.lengths import Finish, LengthSampler
 from loadtest.sim.protocol import (
     Limits,
@@ -69,15 +72,23 @@ class CompletionsEndpoint:
         engine: Engine,
         filler: FillerText,
         lengths: LengthSampler,
+        connector: KvConnector | None = None,
+        on_fatal: Callable[[], None] = lambda: None,
     ) -> None:
+        """`connector`: the replica's KV connector, if any; `on_fatal` kills the replica,
+        as a failed KV load kills vLLM's engine under `kv_load_failure_policy` fail."""
         self._kind = kind
         self._config = config
         self._limits = limits
         self._engine = engine
         self._filler = filler
         self._lengths = lengths
-        # only an engine with a prefix cache needs the prompt's ids, not just their count
-        self._token_ids = config.enable_prefix_caching and not config.no_delay
+        self._connector = connector
+        self._on_fatal = on_fatal
+        # only a prefix cache or a connector needs the prompt's ids, not just their count
+        self._token_ids = (
+            config.enable_prefix_caching or connector is not None
+        ) and not config.no_delay
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -98,6 +109,8 @@ class CompletionsEndpoint:
         if self._config.no_delay:
             await self._answer_now(req, seqs, send)
             return
+        if self._connector is not None and not await self._load(req, seqs, send):
+            return
         try:
             self._submit(seqs)
         except EngineStopped:  # stopping (loadtest/sim/shutdown.py)
@@ -108,9 +121,48 @@ class CompletionsEndpoint:
             return
         async with self._engine.serving(seqs, receive):
             if req.stream:
-                await self._stream(req, seqs, send)
+                await self._stream(req, seqs, send, scope)
             else:
-                await self._complete(req, seqs, send)
+                await self._complete(req, seqs, send, scope)
+
+    async def _load(self, req: SimRequest, seqs: list[LiveSequence], send: Send) -> bool:
+        """Ask the connector what the prompt may load; False when the load failed and
+        killed the engine (the answer is then sent)."""
+        assert self._connector is not None
+        try:
+            loaded = await self._connector.matched_tokens(
+                params=req.kv_transfer_params,
+                token_ids=req.prompt_token_ids,
+                prompt=req.prompt_tokens,
+            )
+        except KvLoadError:
+            if self._config.kv_load_failure_policy is KvLoadFailurePolicy.RECOMPUTE:
+                return True
+            self._on_fatal()
+            # vLLM's stream has begun when its engine dies: the error comes as an event
+            if req.stream:
+                await start_sse(send)
+                await send_chunk(send, ENGINE_DEAD_EVENT, last=True)
+            else:
+                await send_json(send, 500, ENGINE_DEAD_BODY)
+            return False
+        for seq in seqs:
+            seq.external_tokens = loaded
+        return True
+
+    def _finished(
+        self, req: SimRequest, seqs: list[LiveSequence], scope: Scope
+    ) -> dict[str, object] | None:
+        """The answer's `kv_transfer_params`, once its sequences have run."""
+        if self._connector is None:
+            return None
+        server = scope.get("server")
+        return self._connector.request_finished(
+            params=req.kv_transfer_params,
+            seq=seqs[0],
+            token_ids=req.prompt_token_ids,
+            server=None if server is None else (str(server[0]), int(server[1])),
+        )
 
     def _sequences(self, req: SimRequest) -> list[LiveSequence]:
         """One sequence per choice, as vLLM runs `n`, each ending at its own sampled EOS;
@@ -162,7 +214,9 @@ class CompletionsEndpoint:
             for index in range(req.n)
         ]
 
-    async def _stream(self, req: SimRequest, seqs: list[LiveSequence], send: Send) -> None:
+    async def _stream(
+        self, req: SimRequest, seqs: list[LiveSequence], send: Send, scope: Scope
+    ) -> None:
         frames = self._frames(req)
         progress = seqs[0].progress
         start = req.answer_start
@@ -204,11 +258,14 @@ class CompletionsEndpoint:
             if finished:
                 end = frames[0].end(prompt_tokens=req.prompt_tokens, completion_tokens=sum(sent))
                 parts.append(end)
+                self._finished(req, seqs, scope)
             await send_chunk(send, b"".join(parts), last=finished)
             if finished:
                 return
 
-    async def _complete(self, req: SimRequest, seqs: list[LiveSequence], send: Send) -> None:
+    async def _complete(
+        self, req: SimRequest, seqs: list[LiveSequence], send: Send, scope: Scope
+    ) -> None:
         progress = seqs[0].progress
         while not all(seq.done for seq in seqs):
             await progress.wait()
@@ -219,9 +276,16 @@ class CompletionsEndpoint:
             else:
                 await send_error(send, _aborted())
             return
-        await send_json(send, 200, self._full(req, seqs))
+        params = self._finished(req, seqs, scope)
+        await send_json(send, 200, self._full(req, seqs, kv_transfer_params=params))
 
-    def _full(self, req: SimRequest, seqs: list[LiveSequence]) -> bytes:
+    def _full(
+        self,
+        req: SimRequest,
+        seqs: list[LiveSequence],
+        *,
+        kv_transfer_params: dict[str, object] | None = None,
+    ) -> bytes:
         return full_response_of(
             kind=self._kind,
             model=req.served_model or self._config.model,
@@ -235,6 +299,7 @@ class CompletionsEndpoint:
             ],
             prompt_tokens=req.prompt_tokens,
             completion_tokens=sum(seq.answer_tokens for seq in seqs),
+            kv_transfer_params=kv_transfer_params,
         )
 
     async def _answer_now(self, req: SimRequest, seqs: list[LiveSequence], send: Send) -> None:

@@ -69,6 +69,24 @@ class Adapter:
         object.__setattr__(self, "hash_key", int.from_bytes(digest, "big"))
 
 
+class KvTransfer(StrEnum):
+    """How a replica takes part in disaggregated prefill/decode (loadtest/sim/kv_transfer.py):
+    PARAMS as vLLM's NixlConnector, the prefill leg's answer carrying `kv_transfer_params`
+    that the decode leg brings; SHARED as its ExampleConnector, prompts' KV kept in a
+    folder both engines read, keyed by the prompt's tokens."""
+
+    PARAMS = "params"
+    SHARED = "shared"
+
+
+class KvLoadFailurePolicy(StrEnum):
+    """vLLM's `kv_load_failure_policy`: what a KV load that fails does. FAIL (vLLM's
+    default) kills the engine; RECOMPUTE computes the prompt locally instead."""
+
+    FAIL = "fail"
+    RECOMPUTE = "recompute"
+
+
 class LoraLoadFailure(StrEnum):
     """How the simulator fails every `/v1/load_lora_adapter`, to test a backend that
     cannot load: NOT_FOUND as vLLM answers a path with no adapter (404), ERROR as it
@@ -116,6 +134,11 @@ class SimConfig:
     `lora_load_s` real seconds, and fails as `fail_lora_loads` says when it is set. A KV
     cache sized from a GPU (not `kv_tokens`) loses the adapter buffers vLLM allocates for
     `max_loras` slots of `max_lora_rank` (gateway/capacity/lora.py).
+    `kv_transfer` makes the replica a prefiller and a decoder of disaggregated serving as
+    vLLM's KV connectors do (loadtest/sim/kv_transfer.py): `params` (NixlConnector), or
+    `shared` (ExampleConnector, its folder `kv_shared_path`). `engine_id` is the id a
+    prefill answer names (default: a random one, as vLLM's); `kv_load_failure_policy`
+    says what a failed load does: `fail` kills the engine, `recompute` computes locally.
     """
 
     model: str = "sim-model"
@@ -156,6 +179,10 @@ class SimConfig:
     allow_runtime_lora_updating: bool = False
     lora_load_s: float = 0.05
     fail_lora_loads: LoraLoadFailure | None = None
+    kv_transfer: KvTransfer | None = None
+    kv_shared_path: str | None = None
+    engine_id: str | None = None
+    kv_load_failure_policy: KvLoadFailurePolicy = KvLoadFailurePolicy.FAIL
 
     def __post_init__(self) -> None:
         if self.speed <= 0:
@@ -175,6 +202,18 @@ class SimConfig:
         if self.answer_mean_tokens < 1 or self.answer_sigma <= 0:
             raise ValueError("answer_mean_tokens must be at least 1 and answer_sigma positive")
         self._check_lora()
+        self._check_kv_transfer()
+
+    def _check_kv_transfer(self) -> None:
+        # plain strings from a caller become the enums, or a ValueError
+        if self.kv_transfer is not None:
+            object.__setattr__(self, "kv_transfer", KvTransfer(self.kv_transfer))
+        policy = KvLoadFailurePolicy(self.kv_load_failure_policy)
+        object.__setattr__(self, "kv_load_failure_policy", policy)
+        if (self.kv_transfer is KvTransfer.SHARED) != (self.kv_shared_path is not None):
+            raise ValueError("kv_shared_path goes with kv_transfer 'shared', and only with it")
+        if self.kv_transfer is not None and self.no_delay:
+            raise ValueError("kv_transfer needs the engine: it cannot go with no_delay")
 
     def _check_lora(self) -> None:
         if self.fail_lora_loads is not None:

@@ -137,6 +137,20 @@ class _EngineCollector(Collector):
                 stats.generation_tokens,
             ),
         )
+        # vLLM exports these with or without a KV connector: 0 without
+        yield self._counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.",
+            stats.external_prefix_cache_queries,
+        )
+        yield self._counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens.",
+            stats.external_prefix_cache_hits,
+        )
+        yield self._prompt_sources()
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
@@ -145,6 +159,21 @@ class _EngineCollector(Collector):
         info.add_metric(list(self._cache_info.values()), 1.0)
         yield info
         yield from self._extras()
+
+    def _prompt_sources(self) -> CounterMetricFamily:
+        stats = self._scheduler.stats
+        family = CounterMetricFamily(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            labels=[*LABELS, "source"],
+        )
+        for source, value in (
+            ("local_compute", stats.prompt_tokens_local_compute),
+            ("local_cache_hit", stats.prompt_tokens_local_cache_hit),
+            ("external_kv_transfer", stats.prompt_tokens_external),
+        ):
+            family.add_metric([*self._labels, source], value)
+        return family
 
     def _extras(self) -> Iterator[Metric]:
         s = self._scheduler

@@ -67,6 +67,8 @@ class SimRequest:
     # it continues an answer (loadtest/sim/tokens.py), else 0
     answer_start: int = 0
     adapter: Adapter | None = None  # the LoRA adapter `model` names; None: the base model
+    # what a disaggregated leg brings for the KV connector (loadtest/sim/kv_transfer.py)
+    kv_transfer_params: dict[str, object] | None = None
 
     @property
     def served_model(self) -> str | None:
@@ -266,6 +268,11 @@ def parse_request(kind: Kind, raw: bytes, limits: Limits, *, token_ids: bool = F
             param="min_tokens",
         )
     options = body.get("stream_options")
+    kv_params = body.get("kv_transfer_params")
+    if kv_params is not None and not isinstance(kv_params, dict):
+        raise SimRequestError(
+            "kv_transfer_params must be an object or null", param="kv_transfer_params"
+        )
     return SimRequest(
         kind=kind,
         model=model if isinstance(model, str) else None,
@@ -279,6 +286,7 @@ def parse_request(kind: Kind, raw: bytes, limits: Limits, *, token_ids: bool = F
         prompt_token_ids=prompt.ids,
         answer_start=prompt.answer_start,
         adapter=adapter,
+        kv_transfer_params=kv_params,
     )
 
 

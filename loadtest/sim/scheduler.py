@@ -20,7 +20,13 @@ cached: generated tokens are filler no later prompt repeats.
 
 With LoRA (`max_loras` > 0), at most `max_loras` distinct adapters run in one step: a waiting
 sequence for another adapter is skipped, and those behind it may still be admitted; skipped
-ones go back to the front of the queue in their order, as vLLM's scheduler does. The
+ones go back to the front of the queue in their order, as vLLM's scheduler does.
+
+With a KV connector (`kv_connector`), a sequence may bring `external_tokens`: how many of its
+prompt's first tokens a prefiller or a shared store holds (loadtest/sim/kv_transfer.py).
+At its first admission, those beyond its local cache hit are loaded, not computed: their
+blocks are allocated and named as computed ones, but the step spends no prefill on them. A
+preempted sequence computes everything again, as vLLM's connectors load only once. The
 adapters of requests the engine has begun (scheduled at least once, not yet ended) are
 `active_adapters`, in the order they became active: what vLLM's `lora_requests_info` shows
 (a request that has only waited is not in it, as its first event reaches vLLM's front-end
@@ -54,9 +60,13 @@ class Sequence:
         "answer_tokens",
         "block_hashes",
         "block_ids",
+        "cache_hit_tokens",
+        "external_hit_tokens",
+        "external_tokens",
         "generated",
         "max_tokens",
         "preemptions",
+        "prompt_block_ids",
         "prompt_token_ids",
         "prompt_tokens",
         "state",
@@ -88,6 +98,13 @@ class Sequence:
         self.generated = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # of the prompt's full blocks, once added
+        self.external_tokens = 0  # set before it is added: what a KV connector can load
+        # where its prompt tokens came from at its first admission: the rest were computed
+        self.cache_hit_tokens = 0
+        self.external_hit_tokens = 0
+        # the blocks that held its prompt's full blocks when it ended: what a prefiller
+        # offers its decoder
+        self.prompt_block_ids: list[int] = []
         self.preemptions = 0
         self.state = SeqState.WAITING
 
@@ -114,6 +131,7 @@ class SchedulerLimits:
     max_num_batched_tokens: int = 8192
     prefix_caching: bool = True
     max_loras: int = 0  # distinct adapters a step may run; 0: LoRA is off
+    kv_connector: bool = False  # a KV connector is asked for every new prompt's tokens
 
     def __post_init__(self) -> None:
         if self.num_blocks < 2:
@@ -161,6 +179,13 @@ class SchedulerStats:
     # looked up, and those found cached
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # the same, asked of a KV connector (only with one)
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    # vLLM's prompt tokens by source, counted with `prompt_tokens`: they sum to it
+    prompt_tokens_local_compute: int = 0
+    prompt_tokens_local_cache_hit: int = 0
+    prompt_tokens_external: int = 0
 
 
 class Scheduler(Generic[S]):
@@ -235,9 +260,15 @@ class Scheduler(Generic[S]):
         finished: list[S] = []
         produced = 0
         running = SeqState.RUNNING
+        stats = self.stats
         for seq in step.prefills:
             if seq.state is running and seq.generated == 0:
-                self.stats.prompt_tokens += seq.prompt_tokens
+                stats.prompt_tokens += seq.prompt_tokens
+                stats.prompt_tokens_local_cache_hit += seq.cache_hit_tokens
+                stats.prompt_tokens_external += seq.external_hit_tokens
+                stats.prompt_tokens_local_compute += (
+                    seq.prompt_tokens - seq.cache_hit_tokens - seq.external_hit_tokens
+                )
         for group in (step.decodes, step.prefills):
             for seq in group:
                 if seq.state is running:
@@ -254,6 +285,7 @@ class Scheduler(Generic[S]):
         for seq in finished:
             if seq.adapter is not None:
                 self._adapter_ended(seq.adapter)
+            seq.prompt_block_ids = seq.block_ids[: seq.prompt_tokens // self.limits.block_size]
             self._free(seq)
             self.reserved_tokens -= seq.prompt_tokens + seq.max_tokens
             seq.state = SeqState.FINISHED
@@ -307,7 +339,10 @@ class Scheduler(Generic[S]):
                 continue
             tokens = seq.context_tokens
             hit = self._cached_prefix(seq, tokens)
-            computed = tokens - len(hit) * limits.block_size
+            hit_tokens = len(hit) * limits.block_size
+            first = seq.preemptions == 0
+            external = max(0, seq.external_tokens - hit_tokens) if first else 0
+            computed = tokens - hit_tokens - external
             if step.prefills and computed > budget:
                 break
             need = self.blocks_for(tokens) - len(hit)
@@ -327,9 +362,8 @@ class Scheduler(Generic[S]):
                 block_size=bs,
                 adapter=adapter,
             )
-            if limits.prefix_caching and seq.preemptions == 0:
-                self.stats.prefix_cache_queries += seq.prompt_tokens
-                self.stats.prefix_cache_hits += tokens - computed
+            if first:
+                self._count_first_admission(seq, hit_tokens=hit_tokens, external=external)
             if adapter is not None:
                 loras.add(adapter.lora_id)
                 if seq.preemptions == 0:
@@ -342,6 +376,17 @@ class Scheduler(Generic[S]):
             budget -= computed
         if skipped:
             waiting.extendleft(reversed(skipped))
+
+    def _count_first_admission(self, seq: S, *, hit_tokens: int, external: int) -> None:
+        seq.cache_hit_tokens = hit_tokens
+        seq.external_hit_tokens = external
+        stats = self.stats
+        if self.limits.prefix_caching:
+            stats.prefix_cache_queries += seq.prompt_tokens
+            stats.prefix_cache_hits += hit_tokens
+        if self.limits.kv_connector:
+            stats.external_prefix_cache_queries += seq.prompt_tokens
+            stats.external_prefix_cache_hits += external
 
     def _scheduled_loras(self, step: Step[S]) -> set[int]:
         """The adapters of the running sequences this step runs."""

@@ -21,6 +21,13 @@ As measured on vLLM 0.32 (the CPU build) with streams in flight:
   dead-engine error.)
 
 A second SIGTERM, or SIGINT, stops the server as uvicorn does: at once if already stopping.
+
+An engine that dies (a failed KV load under `kv_load_failure_policy` fail,
+loadtest/sim/kv_transfer.py) takes vLLM's API server with it: the requests in flight end
+with the dead-engine error and the server exits. Under `spillgate sim` the replica does the
+same; an app served some other way (a test's server thread) cannot exit, so it answers
+every POST with the dead-engine 500 and /health with 503, as vLLM does between the engine's
+death and its server's exit.
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ class Shutdown:
         self._engine = engine
         self._timeout_s = timeout_s
         self.refusing = False
+        self.dead = False
+        self.died = asyncio.Event()  # set once, from the event loop that serves the app
 
     async def run(self) -> None:
         """From the signal until the server may stop listening."""
@@ -67,6 +76,12 @@ class Shutdown:
         if self._timeout_s > 0:
             await asyncio.sleep(self._timeout_s)
         self._engine.close()  # what is still running ends with the dead-engine error
+
+    def engine_died(self) -> None:
+        """The engine hit a fatal error: everything in flight fails, and the server goes."""
+        self.dead = True
+        self._engine.close()
+        self.died.set()
 
 
 class RefuseWhileStopping:
@@ -78,9 +93,18 @@ class RefuseWhileStopping:
         self._shutdown = shutdown
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._shutdown.refusing and scope["type"] == "http" and scope["method"] == "POST":
-            await send_json(send, 500, REFUSED_BODY)
-            return
+        if scope["type"] == "http":
+            shutdown = self._shutdown
+            if shutdown.dead and scope["method"] == "POST":
+                await send_json(send, 500, ENGINE_DEAD_BODY)
+                return
+            if shutdown.dead and scope["path"] == "/health":
+                await send({"type": "http.response.start", "status": 503, "headers": []})
+                await send({"type": "http.response.body", "body": b""})
+                return
+            if shutdown.refusing and scope["method"] == "POST":
+                await send_json(send, 500, REFUSED_BODY)
+                return
         await self._app(scope, receive, send)
 
 
@@ -96,7 +120,15 @@ class SimServer(uvicorn.Server):
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        watcher = self._loop.create_task(self._exit_when_engine_dies())
+        try:
+            await super().serve(sockets)
+        finally:
+            watcher.cancel()
+
+    async def _exit_when_engine_dies(self) -> None:
+        await self._shutdown.died.wait()
+        self._stop_listening()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig != signal.SIGTERM or self._signalled or self._loop is None:
@@ -111,8 +143,12 @@ class SimServer(uvicorn.Server):
 
     async def _stop(self) -> None:
         await self._shutdown.run()
+        self._stop_listening()
+
+    def _stop_listening(self) -> None:
         # as vLLM, stop listening and drop idle connections now; uvicorn's own stop, next,
-        # would leave them for up to a tick of its main loop
+        # would leave them for up to a tick of its main loop (a response under way ends
+        # first: uvicorn closes its connection after it)
         for server in self.servers:
             server.close()
         for connection in list(self.server_state.connections):

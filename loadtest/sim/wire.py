@@ -232,8 +232,10 @@ def full_response_of(
     prompt_tokens: int,
     completion_tokens: int,
     fingerprint: str = SYSTEM_FINGERPRINT,
+    kv_transfer_params: dict[str, object] | None = None,
 ) -> bytes:
-    """A non-streamed response body with one choice per answer."""
+    """A non-streamed response body with one choice per answer; `kv_transfer_params` is
+    what a prefill leg hands its decode leg (loadtest/sim/kv_transfer.py)."""
     shape = _SHAPES[kind]
     make = _chat_choice if kind is Kind.CHAT else _completion_choice
     body: dict[str, object] = {
@@ -252,7 +254,7 @@ def full_response_of(
     }
     if kind is Kind.CHAT:
         body |= {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
-    body |= {"kv_transfer_params": None}
+    body |= {"kv_transfer_params": kv_transfer_params}
     if kind is Kind.CHAT:
         body |= {"ec_transfer_params": None, "metrics": None}
     return orjson.dumps(body)

@@ -30,9 +30,12 @@ def parse(text: str) -> dict[str, float]:
     for sample in samples(text):
         if "le" in sample.labels:
             continue
-        if sample.name != "vllm:cache_config_info":
-            assert sample.labels == LABELS, sample
-        values[sample.name] = sample.value
+        name, labels = sample.name, dict(sample.labels)
+        if "source" in labels:  # vllm:prompt_tokens_by_source: one series per source
+            name = f"{name}:{labels.pop('source')}"
+        if name != "vllm:cache_config_info":
+            assert labels == LABELS, sample
+        values[name] = sample.value
     return values
 
 

@@ -25,8 +25,11 @@ def metrics(url: str) -> tuple[dict[str, float], dict[str, str]]:
         if sample.name == "vllm:cache_config_info":
             info = sample.labels
         elif "le" not in sample.labels:
-            assert sample.labels == {"engine": "0", "model_name": MODEL}, sample
-            values[sample.name] = sample.value
+            labels, name = dict(sample.labels), sample.name
+            if "source" in labels:  # vllm:prompt_tokens_by_source: one series per source
+                name = f"{name}:{labels.pop('source')}"
+            assert labels == {"engine": "0", "model_name": MODEL}, sample
+            values[name] = sample.value
     return values, info
 
 
@@ -47,5 +50,8 @@ def test_a_second_chat_with_the_same_system_prompt_hits_its_full_blocks(
     assert values["vllm:prefix_cache_queries_total"] == (232 if enabled else 0)
     assert values["vllm:prefix_cache_hits_total"] == hits
     assert values["vllm:prompt_tokens_total"] == 232
+    assert values["vllm:prompt_tokens_by_source_total:local_cache_hit"] == hits
+    assert values["vllm:prompt_tokens_by_source_total:local_compute"] == 232 - hits
+    assert values["vllm:prompt_tokens_by_source_total:external_kv_transfer"] == 0
     assert values["vllm:kv_cache_usage_perc"] == 0.0  # cached blocks nobody holds are free
     assert info["enable_prefix_caching"] == str(enabled)

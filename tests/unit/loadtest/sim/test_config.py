@@ -6,7 +6,13 @@ import pytest
 
 from gateway.capacity import replica_profile
 from loadtest.sim.cli import add_arguments, sim_config
-from loadtest.sim.config import DEFAULT_STEP_COST, SimConfig, resolve
+from loadtest.sim.config import (
+    DEFAULT_STEP_COST,
+    KvLoadFailurePolicy,
+    KvTransfer,
+    SimConfig,
+    resolve,
+)
 
 
 def test_explicit_kv_tokens_are_rounded_down_to_whole_blocks() -> None:
@@ -63,3 +69,31 @@ def test_prefix_caching_is_on_unless_turned_off_with_vllms_flag(
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert sim_config(parser.parse_args(flags)).enable_prefix_caching is enabled
+
+
+def test_kv_transfer_names_become_enums_and_a_shared_folder_goes_with_shared() -> None:
+    config = SimConfig(
+        kv_transfer="shared", kv_shared_path="/tmp/kv", kv_load_failure_policy="recompute"
+    )
+    assert config.kv_transfer is KvTransfer.SHARED
+    assert config.kv_load_failure_policy is KvLoadFailurePolicy.RECOMPUTE
+    for wrong in (
+        {"kv_transfer": "shared"},
+        {"kv_transfer": "params", "kv_shared_path": "/tmp/kv"},
+        {"kv_transfer": "params", "no_delay": True},
+        {"kv_transfer": "nixl"},
+    ):
+        with pytest.raises(ValueError):
+            SimConfig(**wrong)  # type: ignore[arg-type]
+
+
+def test_the_kv_transfer_flags_make_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["--kv-transfer", "params", "--engine-id", "p0", "--kv-load-failure-policy", "recompute"]
+    )
+    config = sim_config(args)
+    assert (config.kv_transfer, config.engine_id) == (KvTransfer.PARAMS, "p0")
+    assert config.kv_load_failure_policy is KvLoadFailurePolicy.RECOMPUTE
+    assert sim_config(parser.parse_args([])).kv_transfer is None
