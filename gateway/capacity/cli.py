@@ -9,6 +9,11 @@ from pathlib import Path
 
 from gateway.capacity import render, throughput
 from gateway.capacity.catalog import CapacityError, Catalog, ModelSpec, load_catalog
+from gateway.capacity.disaggregated import (
+    DEFAULT_KV_TRANSFER_GBPS,
+    disaggregated_json,
+    make_disaggregated_plan,
+)
 from gateway.capacity.hf_config import model_from_hf_config
 from gateway.capacity.lora import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LoraOptions
 from gateway.capacity.plan import (
@@ -115,6 +120,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fraction of the KV bound each replica is run at, as the gateway's target_fill",
     )
     work.add_argument("--ttft-slo-ms", type=float, help="cap sessions per replica to meet it")
+    work.add_argument(
+        "--itl-slo-ms",
+        type=float,
+        help="inter-token latency objective: cap sessions per replica so a step meets it",
+    )
+    split = parser.add_argument_group(
+        "disaggregated prefill/decode (prefill and decode engines sized apart, against unified)"
+    )
+    split.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="also size prefill and decode engines apart for --rps, and compare the GPUs",
+    )
+    split.add_argument(
+        "--kv-transfer-gbps",
+        type=float,
+        default=DEFAULT_KV_TRANSFER_GBPS,
+        metavar="GBIT",
+        help="each GPU's link for moving a prompt's KV from prefill to decode engine",
+    )
     speed = parser.add_argument_group("speed model")
     speed.add_argument(
         "--bandwidth-efficiency",
@@ -198,6 +223,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         burst=args.burst,
         target_fill=args.target_fill,
         ttft_slo_s=None if args.ttft_slo_ms is None else args.ttft_slo_ms / 1e3,
+        itl_slo_s=None if args.itl_slo_ms is None else args.itl_slo_ms / 1e3,
     )
     return make_plan(
         _model(args, catalog),
@@ -222,6 +248,9 @@ def run(args: argparse.Namespace) -> int:
             print(render.catalog_listing(load_catalog(args.catalog)))
             return 0
         plan = build_plan(args)
+        split = None
+        if args.disaggregated:
+            split = make_disaggregated_plan(plan, kv_transfer_gbps=args.kv_transfer_gbps)
     except CapacityError as exc:
         print(f"spillgate plan: error: {exc}", file=sys.stderr)
         return 2
@@ -229,7 +258,12 @@ def run(args: argparse.Namespace) -> int:
         render.write_chart(plan, args.chart)
         print(f"wrote {args.chart.resolve()}", file=sys.stderr)
     if args.json:
-        print(json.dumps(plan_json(plan), indent=2))
+        out = plan_json(plan)
+        if split is not None:
+            out["disaggregated"] = disaggregated_json(split)
+        print(json.dumps(out, indent=2))
     else:
         print(render.plan_table(plan))
+        if split is not None:
+            print(f"\n{render.disaggregated_table(split)}")
     return 0

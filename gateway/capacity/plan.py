@@ -28,8 +28,12 @@ class Demand:
     burst: float = 1.0
     target_fill: float = DEFAULT_TARGET_FILL
     ttft_slo_s: float | None = None
+    itl_slo_s: float | None = None  # the inter-token latency objective: a step's time
 
     def __post_init__(self) -> None:
+        for flag, slo in (("--ttft-slo-ms", self.ttft_slo_s), ("--itl-slo-ms", self.itl_slo_s)):
+            if slo is not None and slo <= 0:
+                raise CapacityError(f"{flag} must be more than 0")
         if self.rps is not None and self.sessions is not None:
             raise CapacityError("give --rps or --sessions, not both")
         if not 0 < self.target_fill <= 1:
@@ -54,6 +58,7 @@ class Plan:
     at_bound: LoadPoint
     knee: int
     slo_sessions: int | None  # most sessions within the TTFT SLO, when one is given
+    itl_sessions: int | None  # most sessions whose step is within the ITL SLO, when given
     sessions_at_fill: int
     at_fill: LoadPoint
     replica_tokens_per_s: float  # prompt + output tokens/s one replica serves at target fill
@@ -98,9 +103,11 @@ class Plan:
         return None if self.replicas_needed is None else self.replicas_needed * self.options.tp
 
 
-def _sessions_at_fill(sessions: int, demand: Demand, slo_sessions: int | None) -> int:
+def sessions_at_fill(sessions: int, demand: Demand, *caps: int | None) -> int:
+    """The sessions a replica is run at: `target_fill` of its running limit, lowered to each
+    cap an objective sets (never below one session)."""
     at_fill = max(1, math.floor(sessions * demand.target_fill))
-    return at_fill if slo_sessions is None else min(at_fill, max(1, slo_sessions))
+    return min([at_fill, *(max(1, cap) for cap in caps if cap is not None)])
 
 
 def _peak_tokens_per_s(demand: Demand, workload: Workload, at_fill: LoadPoint) -> float | None:
@@ -121,12 +128,15 @@ def _seqs_warnings(profile: ReplicaProfile, sessions: int) -> list[str]:
     ]
 
 
-def _slo_warnings(demand: Demand, slo_sessions: int | None, single_ttft_s: float) -> list[str]:
-    if demand.ttft_slo_s is None or slo_sessions:
+def slo_warning(
+    name: str, *, slo_s: float | None, sessions: int | None, single_s: float
+) -> list[str]:
+    """A warning when an objective is given and even one session per replica misses it."""
+    if slo_s is None or sessions:
         return []
     return [
-        f"even one session misses the TTFT SLO of {demand.ttft_slo_s * 1e3:.0f} ms "
-        f"(predicted {single_ttft_s * 1e3:.0f} ms); the plan sizes for one session per replica"
+        f"even one session misses the {name} SLO of {slo_s * 1e3:.0f} ms "
+        f"(predicted {single_s * 1e3:.0f} ms); the plan sizes for one session per replica"
     ]
 
 
@@ -145,8 +155,11 @@ def make_plan(
     slo_sessions = None
     if demand.ttft_slo_s is not None:
         slo_sessions = throughput.max_sessions_within(profile, workload, ttft_s=demand.ttft_slo_s)
+    itl_sessions = None
+    if demand.itl_slo_s is not None:
+        itl_sessions = throughput.max_sessions_within_itl(profile, workload, itl_s=demand.itl_slo_s)
     at_fill = throughput.predict(
-        profile, workload, _sessions_at_fill(running, demand, slo_sessions)
+        profile, workload, sessions_at_fill(running, demand, slo_sessions, itl_sessions)
     )
     replica_tokens_per_s = at_fill.output_tokens_per_s * workload.tokens / workload.output_tokens
     peak = _peak_tokens_per_s(demand, workload, at_fill)
@@ -171,6 +184,7 @@ def make_plan(
         at_bound=throughput.predict(profile, workload, running),
         knee=throughput.knee(profile, workload),
         slo_sessions=slo_sessions,
+        itl_sessions=itl_sessions,
         sessions_at_fill=at_fill.running,
         at_fill=at_fill,
         replica_tokens_per_s=replica_tokens_per_s,
@@ -179,7 +193,12 @@ def make_plan(
         warnings=(
             *profile.warnings,
             *_seqs_warnings(profile, sessions),
-            *_slo_warnings(demand, slo_sessions, single.ttft_s),
+            *slo_warning(
+                "TTFT", slo_s=demand.ttft_slo_s, sessions=slo_sessions, single_s=single.ttft_s
+            ),
+            *slo_warning(
+                "ITL", slo_s=demand.itl_slo_s, sessions=itl_sessions, single_s=single.step_s
+            ),
         ),
         assumed=assumed,
     )
@@ -241,6 +260,8 @@ def plan_json(plan: Plan) -> dict[str, object]:
         "batch1_tokens_per_s": round(1 / _batch1_step_s(plan), 1),
         "knee_concurrency": plan.knee,
         "slo_sessions": plan.slo_sessions,
+        "itl_sessions": plan.itl_sessions,
+        "itl_ms_at_fill": round(plan.at_fill.itl_s * 1e3, 2),
         "target_fill": plan.demand.target_fill,
         "sessions_at_fill": plan.sessions_at_fill,
         "decode_tokens_per_s_at_fill": round(plan.at_fill.output_tokens_per_s, 1),

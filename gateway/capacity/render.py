@@ -6,6 +6,7 @@ from pathlib import Path
 
 from gateway.capacity import throughput
 from gateway.capacity.catalog import Catalog
+from gateway.capacity.disaggregated import DisaggregatedPlan
 from gateway.capacity.plan import DEFAULT_TARGET_FILL, Plan
 
 
@@ -101,9 +102,17 @@ def _replica_rows(plan: Plan) -> list[str]:
     if plan.slo_sessions is not None:
         slo = plan.demand.ttft_slo_s or 0.0
         rows.append(_row(f"sessions within TTFT {slo * 1e3:.0f} ms", f"{plan.slo_sessions:,}"))
+    if plan.itl_sessions is not None:
+        itl = plan.demand.itl_slo_s or 0.0
+        rows.append(_row(f"sessions within ITL {itl * 1e3:.0f} ms", f"{plan.itl_sessions:,}"))
     rows += [
         _row(f"sessions at {plan.demand.target_fill:.0%} fill", f"{plan.sessions_at_fill:,}"),
         _row("  decode tokens/s", f"{fill.output_tokens_per_s:,.0f}"),
+        *(
+            [_row("  inter-token latency", f"{fill.itl_s * 1e3:.1f} ms")]
+            if plan.itl_sessions is not None
+            else []
+        ),
         _row("  TTFT", f"{fill.ttft_s * 1e3:,.0f} ms"),
         _row("  prompt + output tokens/s", f"{plan.replica_tokens_per_s:,.0f}"),
     ]
@@ -144,6 +153,104 @@ def plan_table(plan: Plan) -> str:
     sections.append(_workload_rows(plan))
     if plan.warnings:
         sections.append([f"warning: {w}" for w in plan.warnings])
+    return "\n\n".join("\n".join(s) for s in sections)
+
+
+def _prefill_rows(split: DisaggregatedPlan) -> list[str]:
+    p, demand = split.prefill, split.unified.demand
+    allowed = "utilization allowed"
+    if demand.ttft_slo_s is not None and p.ttft_reachable:
+        allowed += f" (TTFT {demand.ttft_slo_s * 1e3:.0f} ms)"
+    elif p.utilization_cap == demand.target_fill:
+        allowed += " (target_fill)"
+    return [
+        f"Prefill engines, prompts of {split.unified.workload.prompt_tokens:,} tokens",
+        _row("one prompt's prefill", f"{p.prefill_s * 1e3:.1f} ms"),
+        _row("  prompts/s per engine, never idle", f"{p.prompts_per_s:,.1f}"),
+        _row(allowed, f"{p.utilization_cap:.0%}"),
+        _row("utilization at the rate", f"{p.utilization:.0%}"),
+        _row("  mean queue wait (M/D/1)", f"{p.wait_s * 1e3:,.1f} ms"),
+        _row("engines / GPUs", f"{p.replicas:,} / {split.prefill_gpus:,}"),
+    ]
+
+
+def _decode_rows(split: DisaggregatedPlan) -> list[str]:
+    d, w, demand = split.decode, split.unified.workload, split.unified.demand
+    rows = [
+        f"Decode engines, each stream holding {w.tokens:,} tokens for its life",
+        _row("sessions at the KV bound", f"{d.running_limit:,}"),
+    ]
+    if d.itl_sessions is not None:
+        itl = demand.itl_slo_s or 0.0
+        rows.append(_row(f"sessions within ITL {itl * 1e3:.0f} ms", f"{d.itl_sessions:,}"))
+    return [
+        *rows,
+        _row("sessions per engine", f"{d.sessions:,}"),
+        _row("  inter-token latency", f"{d.step_s * 1e3:.1f} ms"),
+        _row("  decode tokens/s", f"{d.output_tokens_per_s:,.0f}"),
+        _row("engines / GPUs", f"{d.replicas:,} / {split.decode_gpus:,}"),
+    ]
+
+
+def _transfer_rows(split: DisaggregatedPlan) -> list[str]:
+    t = split.transfer
+    return [
+        "KV transfer, a prompt's KV from prefill to decode engine",
+        _row("bytes per request", f"{t.bytes_per_request:,}"),
+        _row("needed at the rate", f"{t.gbps_needed:,.1f} Gbit/s"),
+        _row(f"one request, {t.link_gbps:g} Gbit/s a GPU", f"{t.transfer_s * 1e3:.1f} ms"),
+        _row("load on the prefill GPUs' links", f"{t.link_load:.0%}"),
+    ]
+
+
+def _side_by_side(label: str, split: str, unified: str) -> str:
+    return f"  {label:<26}{split:>16}{unified:>10}"
+
+
+def _comparison_rows(split: DisaggregatedPlan) -> list[str]:
+    u = split.unified
+    if split.cheaper == "equal":
+        verdict = "the same GPUs either way"
+    else:
+        saved = abs(split.gpus - split.unified_gpus)
+        verdict = f"{split.cheaper} is cheaper by {saved:,} GPU{'s' if saved > 1 else ''}"
+    return [
+        _side_by_side("Side by side", "disaggregated", "unified"),
+        _side_by_side(
+            "GPUs",
+            f"{split.prefill_gpus:,} + {split.decode_gpus:,} = {split.gpus:,}",
+            f"{split.unified_gpus:,}",
+        ),
+        _side_by_side("TTFT", f"{split.ttft_s * 1e3:,.0f} ms", f"{u.at_fill.ttft_s * 1e3:,.0f} ms"),
+        _side_by_side(
+            "inter-token latency",
+            f"{split.decode.step_s * 1e3:.1f} ms",
+            f"{u.at_fill.itl_s * 1e3:.1f} ms",
+        ),
+        _side_by_side(
+            "  a step holding a prefill",
+            f"{split.decode.step_s * 1e3:.1f} ms",
+            f"{split.unified_prefill_step_s * 1e3:.1f} ms",
+        ),
+        verdict,
+    ]
+
+
+def disaggregated_table(split: DisaggregatedPlan) -> str:
+    u = split.unified
+    head = (
+        f"Disaggregated: {split.requests_per_s:g} req/s (burst included) on prefill and decode "
+        f"engines of {u.options.tp} x {u.gpu.name} each"
+    )
+    sections = [
+        [head],
+        _prefill_rows(split),
+        _decode_rows(split),
+        _transfer_rows(split),
+        _comparison_rows(split),
+    ]
+    if split.warnings:
+        sections.append([f"warning: {w}" for w in split.warnings])
     return "\n\n".join("\n".join(s) for s in sections)
 
 

@@ -22,7 +22,7 @@ session: past it, TTFT has more than doubled, from batching cost or from queuein
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gateway.capacity.catalog import CapacityError
@@ -108,6 +108,12 @@ def step_s(profile: ReplicaProfile, workload: Workload, running: int) -> float:
     return decode + running / workload.output_tokens * cost.prefill_s(workload.prompt_tokens)
 
 
+def decode_only_step_s(profile: ReplicaProfile, workload: Workload, running: int) -> float:
+    """A step of an engine that only decodes (a disaggregated decode engine): the batch's
+    decode with no prefill in it, the prompts having been computed elsewhere."""
+    return profile.step_cost.decode_step_s(round(running * workload.mean_kv_tokens))
+
+
 def predict(profile: ReplicaProfile, workload: Workload, concurrency: int) -> LoadPoint:
     bound = running_limit(profile, workload)
     running = max(1, min(concurrency, bound))
@@ -146,6 +152,30 @@ def max_sessions_within(profile: ReplicaProfile, workload: Workload, *, ttft_s: 
     if predict(profile, workload, 1).ttft_s > ttft_s:
         return 0
     return _most_within(profile, workload, limit_s=ttft_s, low=1, high=bound + 1)
+
+
+def max_sessions_within_itl(
+    profile: ReplicaProfile,
+    workload: Workload,
+    *,
+    itl_s: float,
+    step: Callable[[ReplicaProfile, Workload, int], float] = step_s,
+) -> int:
+    """Most sessions one replica runs with its step, the inter-token latency, within `itl_s`;
+    0 when even one misses it. The step grows with the batch, so the bound is found by
+    bisection; `step` is the unified engine's by default, `decode_only_step_s` for one that
+    only decodes."""
+    bound = running_limit(profile, workload)
+    if step(profile, workload, 1) > itl_s:
+        return 0
+    low, high = 1, bound + 1
+    while high - low > 1:
+        mid = (low + high) // 2
+        if step(profile, workload, mid) <= itl_s:
+            low = mid
+        else:
+            high = mid
+    return low
 
 
 def _most_within(
