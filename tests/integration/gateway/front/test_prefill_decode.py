@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import parse_settings
+from loadtest.procs import free_port, wait_for_port
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from tests.support.fleet import ADMIN_TOKEN, admin_status, tenant
@@ -31,8 +34,10 @@ SHORT = "hi"
 @dataclass
 class Disaggregated:
     gateway: ServerThread
-    prefill: ServerThread
-    decode: ServerThread
+    prefill: str  # the backends' URLs
+    decode: str  # the first decode backend's
+    decoders: list[str]
+    servers: list[ServerThread]  # those the test runs in process, the prefill backend first
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key=KEY, max_retries=0)
@@ -47,11 +52,26 @@ class Disaggregated:
 
 
 @contextlib.contextmanager
-def disaggregated(**prefill: Any) -> Iterator[Disaggregated]:
-    sim = SimConfig(model="big", kv_tokens=16_384, no_delay=True)
+def disaggregated(
+    *,
+    sims: tuple[SimConfig, ...] | None = None,
+    apps: tuple[Any, ...] = (),
+    urls: list[str] | None = None,
+    **prefill: Any,
+) -> Iterator[Disaggregated]:
+    """A gateway in front of a prefill backend and one or more decode backends (`sims`, in
+    that order, or `apps`, then the servers already at `urls`; by default two plain
+    simulators, a pool with `kv_transfer: shared`)."""
+    plain = SimConfig(model="big", kv_tokens=16_384, no_delay=True)
+    sims = sims or (plain, plain)
+    prefill = {"kv_transfer": "shared", **prefill}
     with contextlib.ExitStack() as stack:
-        prefiller = stack.enter_context(ServerThread(create_sim_app(sim)))
-        decoder = stack.enter_context(ServerThread(create_sim_app(sim)))
+        servers = [
+            stack.enter_context(ServerThread(app))
+            for app in apps or [create_sim_app(sim) for sim in sims]
+        ]
+        urls = [server.url for server in servers] + (urls or [])
+        roles = ["prefill"] + ["decode"] * (len(urls) - 1)
         settings = parse_settings(
             {
                 "tenants": [tenant("acme", KEY)],
@@ -59,10 +79,10 @@ def disaggregated(**prefill: Any) -> Iterator[Disaggregated]:
                     {
                         "name": "big",
                         "backends": [
-                            {"url": prefiller.url, "role": "prefill"},
-                            {"url": decoder.url, "role": "decode"},
+                            {"url": url, "role": role}
+                            for url, role in zip(urls, roles, strict=True)
                         ],
-                        "prefill": {"kv_transfer": "shared", **prefill},
+                        "prefill": prefill,
                     }
                 ],
             }
@@ -70,10 +90,11 @@ def disaggregated(**prefill: Any) -> Iterator[Disaggregated]:
         app = create_app(settings, environ={"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN})
         gateway = stack.enter_context(ServerThread(app))
         until_both_in_rotation(gateway.url)
-        yield Disaggregated(gateway, prefiller, decoder)
+        yield Disaggregated(gateway, urls[0], urls[1], urls[1:], servers)
 
 
 def until_both_in_rotation(url: str) -> None:
+    """Until every backend of the pool is in rotation."""
     deadline = time.monotonic() + 20
     while True:
         backends = admin_status(url)["pools"][0]["backends"]
@@ -102,9 +123,9 @@ def test_a_long_prompt_is_prefilled_there_and_decoded_here() -> None:
         assert usage is not None and usage.completion_tokens == 20 and text
         # the prefill backend computed the prompt and generated its one token; the decode
         # backend the answer; the client's usage counts the prompt once
-        assert generated(fleet.prefill.url) == 1
-        assert generated(fleet.decode.url) == 20
-        prompt_there = metric_sum(fleet.prefill.url, "vllm:prompt_tokens_total")
+        assert generated(fleet.prefill) == 1
+        assert generated(fleet.decode) == 20
+        prompt_there = metric_sum(fleet.prefill, "vllm:prompt_tokens_total")
         assert prompt_there == usage.prompt_tokens > 700
         assert fleet.decisions()["split"] == 1
         served = metric_sum(
@@ -135,18 +156,103 @@ def test_a_short_prompt_goes_to_the_decode_backend_alone(min_prompt_tokens: int)
     with disaggregated(min_prompt_tokens=min_prompt_tokens) as fleet:
         prompt = SHORT if min_prompt_tokens == 256 else LONG
         fleet.client().completions.create(model="big", prompt=prompt, max_tokens=5)
-        assert generated(fleet.prefill.url) == 0
-        assert generated(fleet.decode.url) == 5
+        assert generated(fleet.prefill) == 0
+        assert generated(fleet.decode) == 5
         assert fleet.decisions()["short"] == 1
 
 
 def test_a_prefill_backend_that_fails_is_no_failure_of_the_client() -> None:
     with disaggregated() as fleet:
-        fleet.prefill.stop()  # the gateway still takes it for up: the leg fails
+        fleet.servers[0].stop()  # the gateway still takes it for up: the leg fails
         answer = fleet.client().completions.create(model="big", prompt=LONG, max_tokens=5)
         assert answer.usage is not None and answer.usage.completion_tokens == 5
         assert fleet.decisions()["failed"] == 1
         # it is out of rotation now: the next request does not try it
         fleet.client().completions.create(model="big", prompt=LONG, max_tokens=5)
         assert fleet.decisions()["no_room"] == 1
-        assert generated(fleet.decode.url) == 10
+        assert generated(fleet.decode) == 10
+
+
+def params_sim(engine: str, **extra: Any) -> SimConfig:
+    """A simulated vLLM with a NixlConnector-style connector, in real time at 20x."""
+    return SimConfig(
+        model="big", kv_tokens=16_384, speed=20.0, kv_transfer="params", engine_id=engine, **extra
+    )
+
+
+def by_source(url: str, source: str) -> float:
+    return metric_sum(url, "vllm:prompt_tokens_by_source_total", source=source)
+
+
+def test_the_decode_engine_loads_the_prompt_the_prefill_engine_handed_on() -> None:
+    sims = (params_sim("p0"), params_sim("d0"))
+    with disaggregated(sims=sims, kv_transfer="params") as fleet:
+        stream = fleet.client().chat.completions.create(
+            model="big",
+            messages=[{"role": "user", "content": LONG}],
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens == 12
+        assert fleet.decisions()["split"] == 1
+        loaded = by_source(fleet.decode, "external_kv_transfer")
+        computed = by_source(fleet.decode, "local_compute")
+        assert loaded + computed == usage.prompt_tokens
+        assert loaded >= 0.8 * usage.prompt_tokens, (loaded, computed)
+        assert by_source(fleet.prefill, "local_compute") == usage.prompt_tokens
+
+
+def test_prefill_params_that_lead_nowhere_are_no_failure_of_the_client() -> None:
+    """A prefill backend whose KV cannot be loaded (here: its handshake route is gone) makes
+    the decode engine fail the request and exit, as vLLM's `kv_load_failure_policy: fail`
+    does: the decode leg is retried on the other decode backend, which prefills itself, and
+    the dead one is out of rotation."""
+    prefiller = create_sim_app(params_sim("p0"))
+
+    async def unreachable_kv(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/sim/kv_engine"):
+            await send({"type": "http.response.start", "status": 503, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await prefiller(scope, receive, send)
+
+    with contextlib.ExitStack() as stack:
+        decoders = [stack.enter_context(decode_process(f"d{i}")) for i in range(2)]
+        with disaggregated(apps=(unreachable_kv,), urls=decoders, kv_transfer="params") as fleet:
+            answers = [
+                fleet.client().completions.create(model="big", prompt=LONG, max_tokens=5)
+                for _ in range(2)
+            ]
+            assert [a.usage.completion_tokens for a in answers if a.usage] == [5, 5]
+            # the second goes where the first was served, which caches its prompt now
+            decisions = fleet.decisions()
+            assert (decisions["split"], decisions["short"]) == (1, 1), decisions
+            backends = admin_status(fleet.gateway.url)["pools"][0]["backends"]
+            healthy = [(b["role"], b["healthy"]) for b in backends]
+            assert sorted(healthy) == [("decode", False), ("decode", True), ("prefill", True)]
+            alive = next(url for url in decoders if url.endswith(str(healthy_port(backends))))
+            assert generated(alive) == 10
+
+
+def healthy_port(backends: list[dict[str, Any]]) -> int:
+    (url,) = [b["url"] for b in backends if b["role"] == "decode" and b["healthy"]]
+    return int(url.rsplit(":", 1)[1])
+
+
+@contextlib.contextmanager
+def decode_process(engine: str) -> Iterator[str]:
+    """A `spillgate sim` decode engine in a process of its own: a failed KV load ends it."""
+    port = free_port()
+    args = [sys.executable, "-m", "gateway.cli", "sim", "--port", str(port), "--model", "big",
+            "--kv-tokens", "16384", "--speed", "20", "--kv-transfer", "params",
+            "--engine-id", engine, "--answer-lengths", "max_tokens"]  # fmt: skip
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, timeout=30)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
