@@ -22,7 +22,7 @@ from gateway.outcome import OUTCOME_HEADERS, Outcome
 from gateway.request import InferenceRequest
 from gateway.slo import Prediction
 from gateway.upstream.answer import DONE, JSON_HEADERS, SSE_HEADERS, AnswerRecorder, Usage
-from gateway.upstream.forward import Forwards
+from gateway.upstream.forward import Forwards, Leg
 from gateway.upstream.relay import Relayed, StreamRelay, send_json_body
 from gateway.upstream.resume import refusal
 from gateway.upstream.retry import tried_again
@@ -277,19 +277,20 @@ class Exchange:
         `upstream_headers` besides the gateway's own (a decode leg's request id)."""
         held = self.held.backend
         assert held is not None
-        return self.forwarder.forward(
-            self.router.target(held, request.adapter),
-            request,
+        leg = Leg(
+            target=self.router.target(held, request.adapter),
+            request=request,
             public_model=request.adapter or request.pool,
             send=self.send,
             headers=self.headers(outcome),
             recorder=self.recorder,
             deadline=deadline,
-            trace_headers=upstream_headers,
+            upstream_headers=upstream_headers,
             growth=growth,
             resumable=resumable,
             relay=relay,
         )
+        return self.forwarder.forward(leg)
 
     def _not_resumable(self, request: InferenceRequest) -> str | None:
         """Why `request`'s stream, cut mid-answer, could not go on on another backend (`off`:
@@ -350,14 +351,15 @@ class Exchange:
     ) -> Served:
         """Forward once to a target outside the pools (an external provider)."""
         started = self.clock.monotonic()
-        relayed = await self.forwarder.forward(
-            target,
-            request,
+        leg = Leg(
+            target=target,
+            request=request,
             public_model=public_model,
             send=self.send,
             headers=self.headers(outcome),
             recorder=self.recorder,
         )
+        relayed = await self.forwarder.forward(leg)
         return Served(
             outcome=outcome,
             target=target.name,

@@ -155,7 +155,7 @@ class PrefillLeg:
                     body=prefill_body(request.body, kv_transfer=settings.kv_transfer),
                 ),
                 deadline=deadline,
-                trace_headers=headers,
+                upstream_headers=headers,
             )
         except UpstreamUnavailable as exc:
             self._failed(prefiller, exc.reason, unreachable=exc.unreachable)

@@ -15,13 +15,13 @@ from urllib.parse import urlsplit
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from starlette.types import Message, Send
+from starlette.types import Message
 
 from gateway.errors import SpillgateError, UpstreamUnavailable
 from gateway.outcome import Outcome
-from gateway.upstream.answer import AnswerRecorder, StreamWatch, Usage
-from gateway.upstream.forward import Forwards
-from gateway.upstream.relay import Relayed, StreamRelay
+from gateway.upstream.answer import AnswerRecorder, Usage
+from gateway.upstream.forward import Forwards, Leg
+from gateway.upstream.relay import Relayed
 
 if TYPE_CHECKING:
     from gateway.front.exchange import Exchange
@@ -252,20 +252,20 @@ class _TracedForwarder:
         request: InferenceRequest,
         *,
         deadline: float,
-        trace_headers: Mapping[str, str] | None = None,
+        upstream_headers: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         trace = self._trace
         if not trace.recording:
-            headers = {**(trace_headers or {}), **trace.unsampled_headers()}
+            headers = {**(upstream_headers or {}), **trace.unsampled_headers()}
             return await self._inner.prefill(
-                target, request, deadline=deadline, trace_headers=headers
+                target, request, deadline=deadline, upstream_headers=headers
             )
         span, carrier = trace.attempt(target)
         span.set_attribute("spillgate.leg", "prefill")
-        headers = {**(trace_headers or {}), **carrier}
+        headers = {**(upstream_headers or {}), **carrier}
         try:
             answer = await self._inner.prefill(
-                target, request, deadline=deadline, trace_headers=headers
+                target, request, deadline=deadline, upstream_headers=headers
             )
         except UpstreamUnavailable as exc:
             span.set_attribute("error.type", exc.reason.split(":")[0])
@@ -277,58 +277,27 @@ class _TracedForwarder:
         finally:
             span.end()
 
-    async def forward(
-        self,
-        target: Target,
-        request: InferenceRequest,
-        *,
-        public_model: str,
-        send: Send,
-        headers: Sequence[tuple[bytes, bytes]],
-        recorder: AnswerRecorder | None = None,
-        deadline: float | None = None,
-        trace_headers: Mapping[str, str] | None = None,
-        growth: StreamWatch | None = None,
-        resumable: bool = False,
-        relay: StreamRelay | None = None,
-    ) -> Relayed:
+    async def forward(self, leg: Leg) -> Relayed:
         trace = self._trace
+        upstream = leg.upstream_headers or {}
         if not trace.recording:
             return await self._inner.forward(
-                target,
-                request,
-                public_model=public_model,
-                send=send,
-                headers=headers,
-                recorder=recorder,
-                deadline=deadline,
-                trace_headers={**(trace_headers or {}), **trace.unsampled_headers()},
-                growth=growth,
-                resumable=resumable,
-                relay=relay,
+                leg._replace(upstream_headers={**upstream, **trace.unsampled_headers()})
             )
+        target = leg.target
         span, carrier = trace.attempt(target)
         status: list[int] = []
+        send = leg.send
 
         async def seen(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status.append(message["status"])
             await send(message)
 
-        reasons = _FinishReasons(recorder)
+        reasons = _FinishReasons(leg.recorder)
         try:
             relayed = await self._inner.forward(
-                target,
-                request,
-                public_model=public_model,
-                send=seen,
-                headers=headers,
-                recorder=reasons,
-                deadline=deadline,
-                trace_headers={**(trace_headers or {}), **carrier},
-                growth=growth,
-                resumable=resumable,
-                relay=relay,
+                leg._replace(send=seen, recorder=reasons, upstream_headers={**upstream, **carrier})
             )
         except UpstreamUnavailable as exc:
             if exc.status is not None:

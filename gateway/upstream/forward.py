@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import orjson
 from starlette.types import Send
@@ -102,24 +102,33 @@ def _retry_after(response: Response) -> float | None:
     return min(float(value), RETRY_AFTER_MAX_S) if value.isdigit() else None
 
 
+class Leg(NamedTuple):
+    """One upstream request serving part of a client's request, its answer relayed: to
+    `target`, `request` under `public_model` for the client, relayed to `send` with the
+    gateway's `headers` (and to `recorder`), within `deadline` (Clock time; by default
+    `timeouts.total` from its start), `upstream_headers` sent on besides the gateway's own
+    (the trace's context, a decode leg's request id). A stream's `growth` grows its
+    reservation; a `resumable` one that breaks off mid-answer is left open (`Relayed.cut`);
+    `relay` is such a stream, which this leg continues (gateway/upstream/resume.py). (A
+    NamedTuple: one is made for every request.)"""
+
+    target: Target
+    request: InferenceRequest
+    public_model: str
+    send: Send
+    headers: Sequence[tuple[bytes, bytes]]
+    recorder: AnswerRecorder | None = None
+    deadline: float | None = None
+    upstream_headers: Mapping[str, str] | None = None
+    growth: StreamWatch | None = None
+    resumable: bool = False
+    relay: StreamRelay | None = None
+
+
 class Forwards(Protocol):
     """What an exchange forwards with: the Forwarder, or a traced one around it."""
 
-    async def forward(
-        self,
-        target: Target,
-        request: InferenceRequest,
-        *,
-        public_model: str,
-        send: Send,
-        headers: Sequence[tuple[bytes, bytes]],
-        recorder: AnswerRecorder | None = None,
-        deadline: float | None = None,
-        trace_headers: Mapping[str, str] | None = None,
-        growth: StreamWatch | None = None,
-        resumable: bool = False,
-        relay: StreamRelay | None = None,
-    ) -> Relayed: ...
+    async def forward(self, leg: Leg) -> Relayed: ...
 
     async def prompt_tokens(self, target: Target, request: InferenceRequest) -> int | None: ...
 
@@ -129,7 +138,7 @@ class Forwards(Protocol):
         request: InferenceRequest,
         *,
         deadline: float,
-        trace_headers: Mapping[str, str] | None = None,
+        upstream_headers: Mapping[str, str] | None = None,
     ) -> dict[str, Any]: ...
 
 
@@ -170,13 +179,13 @@ class Forwarder:
         self,
         target: Target,
         request: InferenceRequest,
-        trace_headers: Mapping[str, str] | None,
+        upstream_headers: Mapping[str, str] | None,
     ) -> Awaitable[Response]:
         route = self._routes.get((target.name, target.api_base, request.endpoint))
         if route is None:
             route = self._route(target, request.endpoint)
         # `traceparent` (gateway/front/tracing.py) only when tracing is on
-        return self._pool.post(route, upstream_body(request, target.model), trace_headers)
+        return self._pool.post(route, upstream_body(request, target.model), upstream_headers)
 
     async def prompt_tokens(self, target: Target, request: InferenceRequest) -> int | None:
         """`request`'s prompt tokens as `target` counts them (`POST /tokenize`, vLLM's and
@@ -209,40 +218,25 @@ class Forwarder:
         request: InferenceRequest,
         *,
         deadline: float,
-        trace_headers: Mapping[str, str] | None = None,
+        upstream_headers: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         """The answer of a prefill leg (`request`, not streamed), read whole within
         `deadline` and relayed to no one; UpstreamUnavailable when it is no success."""
         status, _, answer = await self._whole(
-            target, request, deadline=deadline, trace_headers=trace_headers
+            target, request, deadline=deadline, upstream_headers=upstream_headers
         )
         if status != 200:
             raise UpstreamUnavailable(f"status {status}", status=status)
         assert isinstance(answer, dict)  # a 200 that is no answer raised in _whole
         return answer
 
-    async def forward(
-        self,
-        target: Target,
-        request: InferenceRequest,
-        *,
-        public_model: str,
-        send: Send,
-        headers: Sequence[tuple[bytes, bytes]],
-        recorder: AnswerRecorder | None = None,
-        deadline: float | None = None,
-        trace_headers: Mapping[str, str] | None = None,
-        growth: StreamWatch | None = None,
-        resumable: bool = False,
-        relay: StreamRelay | None = None,
-    ) -> Relayed:
-        """Relay `request` via `target` to the client; raise UpstreamUnavailable before any byte.
+    async def forward(self, leg: Leg) -> Relayed:
+        """Relay `leg` to the client; raise UpstreamUnavailable before any byte.
 
-        `deadline` (Clock time) ends the whole exchange, earlier attempts included;
-        by default it is `timeouts.total` from now. `trace_headers` go to the upstream too.
-        A `resumable` stream that breaks off mid-answer is left open (`Relayed.cut`);
-        `relay` is such a stream, which this request continues (gateway/upstream/resume.py).
+        Its `deadline` ends the whole exchange, earlier attempts included.
         """
+        (target, request, public_model, send, headers, recorder, deadline, upstream_headers,
+         growth, resumable, relay) = leg  # fmt: skip
         clock = self._clock
         now = clock.monotonic()
         t = target.timeouts
@@ -256,7 +250,7 @@ class Forwarder:
             request = request._replace(model_context=None)
         if not request.stream:
             status, body, answer = await self._whole(
-                target, request, deadline=deadline, trace_headers=trace_headers
+                target, request, deadline=deadline, upstream_headers=upstream_headers
             )
             if target.external:
                 _check_external_body(status, body, answer)
@@ -274,7 +268,7 @@ class Forwarder:
             return self._told(target, relayed)
         try:
             with Deadline.after(min(t.first_token, deadline - now)):
-                response = await self._post(target, request, trace_headers)
+                response = await self._post(target, request, upstream_headers)
         except (TimeoutError, TransportError) as exc:
             raise _unavailable(exc, answered=False, target=target) from None
         done = False
@@ -362,7 +356,7 @@ class Forwarder:
         request: InferenceRequest,
         *,
         deadline: float,
-        trace_headers: Mapping[str, str] | None,
+        upstream_headers: Mapping[str, str] | None,
     ) -> tuple[int, bytes, Any]:
         """A non-streaming answer: its status, its body, and its body's JSON where it is a
         success (a 4xx is relayed as it came). Its head is its first byte, which vLLM
@@ -375,7 +369,7 @@ class Forwarder:
         response: Response | None = None
         try:
             with Deadline.after(min(t.first_token, deadline - clock.monotonic())) as budget:
-                response = await self._post(target, request, trace_headers)
+                response = await self._post(target, request, upstream_headers)
                 if _refused(response):
                     await self._drain(response, deadline)  # see forward
                     raise _refusal(response)

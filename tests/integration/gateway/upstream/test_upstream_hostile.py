@@ -20,7 +20,7 @@ import pytest
 from gateway.clock import SystemClock
 from gateway.config import Timeouts
 from gateway.errors import UpstreamUnavailable
-from gateway.upstream.forward import AnswerBounds, Forwarder
+from gateway.upstream.forward import AnswerBounds, Forwarder, Leg
 from gateway.upstream.http_head import ProtocolError
 from gateway.upstream.pool import UpstreamPool
 from gateway.upstream.target import Target
@@ -237,11 +237,13 @@ async def forwarded(
     client = Client()
     try:
         await forwarder.forward(
-            target(server),
-            chat_request(stream=stream),
-            public_model="big",
-            send=client.send,
-            headers=[],
+            Leg(
+                target(server),
+                chat_request(stream=stream),
+                public_model="big",
+                send=client.send,
+                headers=[],
+            )
         )
     except UpstreamUnavailable as exc:
         return exc

@@ -13,7 +13,7 @@ from gateway.clock import SystemClock
 from gateway.config import Timeouts
 from gateway.errors import UpstreamUnavailable
 from gateway.upstream.answer import Usage
-from gateway.upstream.forward import Forwarder
+from gateway.upstream.forward import Forwarder, Leg
 from gateway.upstream.pool import UpstreamPool
 from gateway.upstream.relay import Relayed
 from gateway.upstream.target import Target
@@ -67,7 +67,7 @@ def forward(url: str, *, stream: bool, recorder: Recorder | None = None) -> tupl
     async def main() -> Relayed:
         pool = UpstreamPool(max_connections=2)
         try:
-            return await Forwarder(pool, clock=SystemClock()).forward(
+            leg = Leg(
                 target(url),
                 chat_request(stream=stream),
                 public_model="big",
@@ -75,6 +75,7 @@ def forward(url: str, *, stream: bool, recorder: Recorder | None = None) -> tupl
                 headers=[(b"x-spillgate-outcome", b"local")],
                 recorder=recorder,
             )
+            return await Forwarder(pool, clock=SystemClock()).forward(leg)
         finally:
             await pool.aclose()
 
@@ -129,10 +130,11 @@ def test_nothing_listening_is_unreachable_and_nothing_is_sent() -> None:
     async def main() -> None:
         pool = UpstreamPool(max_connections=1)
         try:
-            await Forwarder(pool, clock=SystemClock()).forward(
+            leg = Leg(
                 target(url), chat_request(stream=True), public_model="big", send=client.send,
                 headers=[],
             )  # fmt: skip
+            await Forwarder(pool, clock=SystemClock()).forward(leg)
         finally:
             await pool.aclose()
 
