@@ -15,7 +15,7 @@ from gateway.admission.routing.route import Route
 from gateway.admission.routing.router import Router
 from gateway.clock import Clock
 from gateway.errors import NoRoomToRetry, UpstreamError, UpstreamTimeout, UpstreamUnavailable
-from gateway.front.continuation import Continuation
+from gateway.front.legs import Legs
 from gateway.front.prefill import DecodeLeg, PrefillLeg, Split
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
@@ -209,45 +209,9 @@ class Exchange:
             if self.router.candidates(Route.of(request, exclude=tried)):
                 raise _NoRoom("no backend of the pool has room to retry")
             raise UpstreamUnavailable("no other backend of the pool to retry on")
-        backend = self.router.backend(reservation.backend)
-        started = self.clock.monotonic()
-        # why a stream cut mid-answer could not go on elsewhere; None: it can
-        not_resumable = self._not_resumable(request) if request.stream else "not a stream"
-        leg = None
-        if self.router.pools[request.pool].prefillers and not tried:
-            # a retry prefills where it goes: the failure may have been the KV's transfer
-            leg = await self._decode_leg(request, reservation, deadline=deadline)
-        try:
-            relayed = await self.forward_held(
-                request if leg is None else leg.request,
-                outcome,
-                deadline=deadline,
-                growth=self.growth(request, backend.block_size),
-                resumable=not_resumable is None,
-                upstream_headers=None if leg is None else leg.headers,
-            )
-        except UpstreamUnavailable as exc:
-            await self.failed(backend.name, exc.reason, tried, unreachable=exc.unreachable)
-            raise
-        served = Served(
-            outcome=outcome,
-            target=backend.name,
-            pool=request.pool,
-            relayed=relayed,
-            started_at=started,
-        )
-        if relayed.cut is not None:
-            going_on = Continuation(self, request, tried=tried, deadline=deadline)
-            return await going_on.go_on(served, relayed.cut)
-        if not_resumable is not None and request.stream and not relayed.completed:
-            # cut, and ended with an error event
-            self.metrics.stream_continuations_refused.labels(request.pool, not_resumable).inc()
-            await self.broke_off(backend.name, tried)
-        else:
-            self.answered(backend, relayed.corrected)
-        return served
+        return await Legs(self, request, outcome, tried=tried, deadline=deadline).serve(reservation)
 
-    async def _decode_leg(
+    async def decode_leg(
         self, request: InferenceRequest, reservation: Reservation, *, deadline: float
     ) -> DecodeLeg:
         """What the decode leg of `request` sends, its prefill leg run first where the
@@ -292,7 +256,7 @@ class Exchange:
         )
         return self.forwarder.forward(leg)
 
-    def _not_resumable(self, request: InferenceRequest) -> str | None:
+    def not_resumable(self, request: InferenceRequest) -> str | None:
         """Why `request`'s stream, cut mid-answer, could not go on on another backend (`off`:
         its pool never continues streams); None when it can."""
         if self.router.pools[request.pool].settings.continue_streams == 0:

@@ -1,0 +1,209 @@
+"""Serving a request on its pool: one loop over its legs, each an upstream request that
+serves part of it. The first leg goes to the backend the request holds its reservation on,
+after a prefill leg where its pool splits it (gateway/front/prefill.py); while its stream
+breaks off mid-answer, each further leg continues it on another backend of the pool, as
+often as the pool allows within the request's deadline (gateway/upstream/resume.py says how
+a continuation is built and what the client sees); else the stream ends with an error event.
+
+A first leg that fails before its first byte raises: nothing reached the client, and the
+request's exchange tries again elsewhere (gateway/upstream/retry.py). After each leg, what
+its answer says of its backend is recorded in one place: it answered in full, it broke
+off mid-answer (it drains), or it failed before its first byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Collection
+from typing import Protocol
+
+from gateway.admission.fleet.backends import Backend
+from gateway.admission.ledger.growth import Growth
+from gateway.admission.ledger.held import HeldReservation
+from gateway.admission.ledger.reservations import Reservation
+from gateway.admission.routing.router import Router
+from gateway.clock import Clock
+from gateway.errors import UpstreamUnavailable
+from gateway.front.prefill import DecodeLeg
+from gateway.metrics import GatewayMetrics
+from gateway.outcome import Outcome
+from gateway.request import InferenceRequest
+from gateway.upstream.forward import Forwards
+from gateway.upstream.relay import Relayed, StreamCut, StreamRelay
+from gateway.upstream.resume import ContinuationLeg, Partial, continued
+from gateway.upstream.served import Served
+from gateway.upstream.usage import Corrected
+
+
+class Serving(Protocol):
+    """What the legs use of the request's exchange (gateway/front/exchange.py)."""
+
+    held: HeldReservation
+    router: Router
+    forwarder: Forwards
+    metrics: GatewayMetrics
+    clock: Clock
+
+    def reserve(
+        self, request: InferenceRequest, *, exclude: Collection[str] = (), running: bool = False
+    ) -> Awaitable[Reservation | None]: ...
+
+    def growth(self, request: InferenceRequest, block_size: int) -> Growth | None: ...
+
+    def not_resumable(self, request: InferenceRequest) -> str | None: ...
+
+    async def decode_leg(
+        self, request: InferenceRequest, reservation: Reservation, *, deadline: float
+    ) -> DecodeLeg: ...
+
+    def forward_held(
+        self,
+        request: InferenceRequest,
+        outcome: Outcome,
+        *,
+        deadline: float,
+        growth: Growth | None,
+        resumable: bool = False,
+        relay: StreamRelay | None = None,
+        upstream_headers: dict[str, str] | None = None,
+    ) -> Awaitable[Relayed]: ...
+
+    async def failed(
+        self, name: str, reason: str, tried: set[str], *, unreachable: str | None = None
+    ) -> None: ...
+
+    async def broke_off(self, name: str, tried: set[str]) -> None: ...
+
+    def answered(self, backend: Backend, corrected: Corrected | None = None) -> None: ...
+
+
+class Legs:
+    """The legs of one request on its pool, within `deadline`; `tried`: the backends that
+    failed it or broke it off, which no further leg goes to."""
+
+    def __init__(
+        self,
+        exchange: Serving,
+        request: InferenceRequest,
+        outcome: Outcome,
+        *,
+        tried: set[str],
+        deadline: float,
+    ) -> None:
+        self._exchange = exchange
+        self._request = request
+        self._outcome = outcome
+        self._tried = tried
+        self._deadline = deadline
+
+    async def serve(self, reservation: Reservation) -> Served:
+        """Serve the request from the backend of `reservation`, which it holds, and while
+        its stream breaks off, from others; the answer as the client got it."""
+        exchange, request, tried = self._exchange, self._request, self._tried
+        # why a stream cut mid-answer could not go on elsewhere; None: it can
+        why_not = exchange.not_resumable(request) if request.stream else "not a stream"
+        sent, headers = request, None
+        if exchange.router.pools[request.pool].prefillers and not tried:
+            # a retry prefills where it goes: the failure may have been the KV's transfer
+            leg = await exchange.decode_leg(request, reservation, deadline=self._deadline)
+            sent, headers = leg.request, leg.headers
+        started = exchange.clock.monotonic()
+        tries = exchange.router.pools[request.pool].settings.continue_streams
+        served: Served | None = None
+        cut: StreamCut | None = None
+        partial: Partial | None = None
+        count: asyncio.Task[int | None] | None = None  # the original prompt's tokens
+        try:
+            while True:
+                backend = exchange.router.backend(follow_backend(exchange))
+                growth = exchange.growth(sent, backend.block_size)
+                if cut is not None and partial is not None:  # a continuation
+                    cut.relay.next_leg(
+                        ContinuationLeg(partial),
+                        carried=partial.tokens,
+                        growth=growth,
+                        prompt=count,
+                    )
+                try:
+                    relayed = await exchange.forward_held(
+                        sent,
+                        self._outcome,
+                        deadline=self._deadline,
+                        growth=growth,
+                        resumable=why_not is None,
+                        relay=None if cut is None else cut.relay,
+                        upstream_headers=headers,
+                    )
+                except UpstreamUnavailable as exc:
+                    await exchange.failed(
+                        backend.name, exc.reason, tried, unreachable=exc.unreachable
+                    )
+                    if cut is None:
+                        raise  # nothing reached the client: tried again elsewhere
+                    self._continued(result="failed")
+                else:
+                    if cut is not None:
+                        self._continued(result="succeeded")
+                    served = Served(self._outcome, backend.name, request.pool, relayed, started)
+                    cut = relayed.cut
+                    if cut is None:
+                        await self._ended(backend, relayed, why_not)
+                        return served
+                    await exchange.broke_off(backend.name, tried)
+                # the stream broke off mid-answer: the next leg goes on with it elsewhere
+                assert served is not None
+                partial = cut.relay.partial()
+                if partial.finished or cut.relay.finished:  # broke off after its last token
+                    await cut.finish()
+                    return served.ended(completed=True)
+                follow, why = await self._follow(partial, tries)
+                if follow is None:
+                    exchange.metrics.stream_continuations_refused.labels(request.pool, why).inc()
+                    await cut.fail()
+                    return served.ended(completed=False)
+                tries -= 1
+                if count is None:  # as the backend of the first continuation counts it
+                    target = exchange.router.target(follow_backend(exchange), request.adapter)
+                    count = asyncio.create_task(exchange.forwarder.prompt_tokens(target, request))
+                sent, headers = follow, None
+        finally:
+            if count is not None:
+                count.cancel()
+
+    async def _ended(self, backend: Backend, relayed: Relayed, why_not: str | None) -> None:
+        """What a leg that was not left open says of its backend: it answered in full, or
+        broke off a stream that could not go on (which ended with an error event)."""
+        exchange, request = self._exchange, self._request
+        if why_not is not None and request.stream and not relayed.completed:
+            exchange.metrics.stream_continuations_refused.labels(request.pool, why_not).inc()
+            await exchange.broke_off(backend.name, self._tried)
+        else:
+            exchange.answered(backend, relayed.corrected)
+
+    def _continued(self, *, result: str) -> None:
+        self._exchange.metrics.stream_continuations.labels(self._request.pool, result).inc()
+
+    async def _follow(self, partial: Partial, tries: int) -> tuple[InferenceRequest | None, str]:
+        """The continuation of the request from `partial`, holding room on a backend not
+        yet tried; else None and why not."""
+        if partial.refusal is not None:
+            return None, partial.refusal
+        follow = continued(self._request, partial)
+        if follow is None:
+            return None, "output_limit"
+        if tries == 0:
+            return None, "tries"
+        exchange = self._exchange
+        if exchange.clock.monotonic() >= self._deadline:
+            return None, "deadline"
+        room = await exchange.reserve(follow, exclude=self._tried, running=True)
+        if not exchange.held.take(room):
+            return None, "no_room"
+        return follow, ""
+
+
+def follow_backend(exchange: Serving) -> str:
+    """The backend the request holds its reservation on now."""
+    held = exchange.held.backend
+    assert held is not None
+    return held
