@@ -116,7 +116,7 @@ def _simulator(
 
 
 @contextlib.contextmanager
-def _start_all(contexts: list[contextlib.AbstractContextManager[str]]) -> Iterator[list[str]]:
+def start_all(contexts: list[contextlib.AbstractContextManager[str]]) -> Iterator[list[str]]:
     """Enter every context at once (a real vLLM takes a minute to start), exit each after."""
     with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(contexts)) as pool:
         futures = [pool.submit(context.__enter__) for context in contexts]
@@ -181,7 +181,7 @@ def fleet(
             )
             for i, served in enumerate(scenario.served)
         ]
-    with _start_all(contexts) as urls:
+    with start_all(contexts) as urls:
         program = "vllm.entrypoints.openai.api_server" if real_vllm else "gateway.cli sim"
         engines = tuple(
             Engine(

@@ -67,6 +67,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "loadtest.bench.adapters",
         "LoRA adapter routing against round-robin on two engines with adapter slots",
     ),
+    "disagg": (
+        "loadtest.bench.disagg",
+        "prefill and decode on different engines against a unified pool, either leg failing",
+    ),
     "soak": ("loadtest.soak", "minutes of mixed load with faults injected, resources sampled"),
     "tools": ("loadtest.tools.run", "guidellm and inference-perf, direct and through the gateway"),
 }
