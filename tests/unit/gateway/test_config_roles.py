@@ -1,9 +1,11 @@
 """Backends' roles in a pool that splits prefill and decode over two engines, and the pool's
 `prefill` rule."""
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from gateway.admission.fleet.backends import build_pools
 from gateway.clock import ManualClock
@@ -58,3 +60,13 @@ def test_a_role_or_protocol_that_does_not_exist_is_named() -> None:
         "gw.yaml: pools[0].backends[0].role: unknown role 'prefil'; did you mean 'prefill'?",
         "gw.yaml: pools[0].prefill.kv_transfer: unknown kv_transfer 'nixl' (known: params, shared)",
     ]
+
+
+def test_the_guides_pool_is_a_pool_this_gateway_takes() -> None:
+    page = (Path(__file__).resolve().parents[3] / "docs" / "disaggregation.md").read_text()
+    block = page.split("```yaml\n", 1)[1].split("```", 1)[0]
+    data = yaml.safe_load(block)
+    data["tenants"] = [{"name": "acme", "key_sha256": hash_key("k")}]
+    pool = parse_settings(data).pools[0]
+    assert [b.role for b in pool.backends] == ["prefill", "decode", "decode"]
+    assert pool.prefill.kv_transfer == "params"
