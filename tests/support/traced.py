@@ -94,8 +94,8 @@ def _backend(url: str, model: str, **options: Any) -> dict[str, Any]:
 def traced_fleet(*, enabled: bool) -> Iterator[Traced]:
     """Pools `chat` and `stream` (one backend each), `flaky` (a failing backend listed
     first, then a good one), `dead` (the failing one alone), `queued` (one backend, then
-    the queue), and `tiny` (too small for any request: it spills through queue and
-    provider)."""
+    the queue), `tiny` (too small for any request: it spills through queue and provider),
+    and `split` (a prefill backend and a decode backend)."""
     key = "sk-" + secrets.token_hex(8)
     started: list[ServerThread] = []
     try:
@@ -103,6 +103,10 @@ def traced_fleet(*, enabled: bool) -> Iterator[Traced]:
             name: Recorder(create_sim_app(SimConfig(model=f"{name}-served", kv_tokens=4096)))
             for name in ("chat", "stream", "flaky", "queued")
         }
+        for name in ("prefill", "decode"):
+            recorders[name] = Recorder(
+                create_sim_app(SimConfig(model="split-served", kv_tokens=4096))
+            )
         recorders["embed"] = Recorder(
             create_sim_app(SimConfig(model="embed-served", kv_tokens=4096, embedding_dim=8))
         )
@@ -131,6 +135,14 @@ def traced_fleet(*, enabled: bool) -> Iterator[Traced]:
                     ],
                 },
                 {"name": "dead", "backends": [_backend(url["failing"], "dead", name="dead")]},
+                {
+                    "name": "split",
+                    "backends": [
+                        _backend(url["prefill"], "split-served", name="prefill", role="prefill"),
+                        _backend(url["decode"], "split-served", name="decode", role="decode"),
+                    ],
+                    "prefill": {"kv_transfer": "shared", "min_prompt_tokens": 16},
+                },
                 {
                     "name": "queued",
                     "backends": [_backend(url["queued"], "queued-served")],

@@ -315,3 +315,27 @@ def test_responses_and_embeddings_are_traced_as_their_operations(traced: Traced,
     assert server.attributes["gen_ai.operation.name"] == operation
     assert attempt.parent is not None and attempt.parent.span_id == server.context.span_id
     assert traced.recorders[pool].posts[-1]["traceparent"] == traceparent(attempt)
+
+
+def test_a_split_request_has_a_span_per_leg_and_both_legs_one_request_id(
+    traced: Traced,
+) -> None:
+    prompt = "Tell me everything about the fleet and its engines. " * 8
+    answer = traced.client().chat.completions.create(
+        model="split", messages=[{"role": "user", "content": prompt}], max_tokens=6
+    )
+    assert answer.usage is not None and answer.usage.completion_tokens == 6
+    server = one(traced.spans(SpanKind.SERVER))
+    assert (server.attributes or {})["spillgate.prefill"] == "split"
+    legs = {
+        (span.attributes or {}).get("spillgate.leg", "decode"): span
+        for span in traced.spans(SpanKind.CLIENT)
+    }
+    assert {name: (s.attributes or {})["spillgate.backend"] for name, s in legs.items()} == {
+        "prefill": "prefill",
+        "decode": "decode",
+    }
+    (prefill,), (decode,) = traced.recorders["prefill"].posts, traced.recorders["decode"].posts
+    assert prefill["traceparent"] == traceparent(legs["prefill"])
+    assert decode["traceparent"] == traceparent(legs["decode"])
+    assert prefill["x-request-id"] == decode["x-request-id"]
