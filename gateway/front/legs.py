@@ -7,7 +7,7 @@ a continuation is built and what the client sees); else the stream ends with an 
 
 A first leg that fails before its first byte raises: nothing reached the client, and the
 request's exchange tries again elsewhere (gateway/upstream/retry.py). After each leg, what
-its answer says of its backend is recorded in one place: it answered in full, it broke
+its answer says of its backend is recorded with the exchange: it answered in full, it broke
 off mid-answer (it drains), or it failed before its first byte.
 """
 
@@ -81,6 +81,8 @@ class Legs:
     """The legs of one request on its pool, within `deadline`; `tried`: the backends that
     failed it or broke it off, which no further leg goes to."""
 
+    __slots__ = ("_deadline", "_exchange", "_outcome", "_request", "_tried")  # one per request
+
     def __init__(
         self,
         exchange: Serving,
@@ -99,59 +101,51 @@ class Legs:
     async def serve(self, reservation: Reservation) -> Served:
         """Serve the request from the backend of `reservation`, which it holds, and while
         its stream breaks off, from others; the answer as the client got it."""
-        exchange, request, tried = self._exchange, self._request, self._tried
+        exchange, request = self._exchange, self._request
         # why a stream cut mid-answer could not go on elsewhere; None: it can
         why_not = exchange.not_resumable(request) if request.stream else "not a stream"
         sent, headers = request, None
-        if exchange.router.pools[request.pool].prefillers and not tried:
+        if exchange.router.pools[request.pool].prefillers and not self._tried:
             # a retry prefills where it goes: the failure may have been the KV's transfer
             leg = await exchange.decode_leg(request, reservation, deadline=self._deadline)
             sent, headers = leg.request, leg.headers
+        backend = exchange.router.backend(reservation.backend)
         started = exchange.clock.monotonic()
+        try:
+            relayed = await exchange.forward_held(
+                sent,
+                self._outcome,
+                deadline=self._deadline,
+                growth=exchange.growth(request, backend.block_size),
+                resumable=why_not is None,
+                upstream_headers=headers,
+            )
+        except UpstreamUnavailable as exc:
+            # nothing reached the client: the exchange tries again elsewhere
+            await exchange.failed(
+                backend.name, exc.reason, self._tried, unreachable=exc.unreachable
+            )
+            raise
+        served = Served(self._outcome, backend.name, request.pool, relayed, started)
+        if relayed.cut is not None:
+            return await self._go_on(served, relayed.cut)
+        if why_not is not None and request.stream and not relayed.completed:
+            # cut, and ended with an error event: it could not go on
+            exchange.metrics.stream_continuations_refused.labels(request.pool, why_not).inc()
+            await exchange.broke_off(backend.name, self._tried)
+        else:
+            exchange.answered(backend, relayed.corrected)
+        return served
+
+    async def _go_on(self, served: Served, cut: StreamCut) -> Served:
+        """The legs after the first, each continuing the stream `served` broke off with
+        `cut` on another backend; the stream as it ends."""
+        exchange, request, tried = self._exchange, self._request, self._tried
         tries = exchange.router.pools[request.pool].settings.continue_streams
-        served: Served | None = None
-        cut: StreamCut | None = None
-        partial: Partial | None = None
+        await exchange.broke_off(served.target, tried)
         count: asyncio.Task[int | None] | None = None  # the original prompt's tokens
         try:
             while True:
-                backend = exchange.router.backend(follow_backend(exchange))
-                growth = exchange.growth(sent, backend.block_size)
-                if cut is not None and partial is not None:  # a continuation
-                    cut.relay.next_leg(
-                        ContinuationLeg(partial),
-                        carried=partial.tokens,
-                        growth=growth,
-                        prompt=count,
-                    )
-                try:
-                    relayed = await exchange.forward_held(
-                        sent,
-                        self._outcome,
-                        deadline=self._deadline,
-                        growth=growth,
-                        resumable=why_not is None,
-                        relay=None if cut is None else cut.relay,
-                        upstream_headers=headers,
-                    )
-                except UpstreamUnavailable as exc:
-                    await exchange.failed(
-                        backend.name, exc.reason, tried, unreachable=exc.unreachable
-                    )
-                    if cut is None:
-                        raise  # nothing reached the client: tried again elsewhere
-                    self._continued(result="failed")
-                else:
-                    if cut is not None:
-                        self._continued(result="succeeded")
-                    served = Served(self._outcome, backend.name, request.pool, relayed, started)
-                    cut = relayed.cut
-                    if cut is None:
-                        await self._ended(backend, relayed, why_not)
-                        return served
-                    await exchange.broke_off(backend.name, tried)
-                # the stream broke off mid-answer: the next leg goes on with it elsewhere
-                assert served is not None
                 partial = cut.relay.partial()
                 if partial.finished or cut.relay.finished:  # broke off after its last token
                     await cut.finish()
@@ -162,23 +156,41 @@ class Legs:
                     await cut.fail()
                     return served.ended(completed=False)
                 tries -= 1
+                held = exchange.held.backend
+                assert held is not None
+                backend = exchange.router.backend(held)
                 if count is None:  # as the backend of the first continuation counts it
-                    target = exchange.router.target(follow_backend(exchange), request.adapter)
+                    target = exchange.router.target(held, request.adapter)
                     count = asyncio.create_task(exchange.forwarder.prompt_tokens(target, request))
-                sent, headers = follow, None
+                growth = exchange.growth(follow, backend.block_size)
+                leg = ContinuationLeg(partial)
+                cut.relay.next_leg(leg, carried=partial.tokens, growth=growth, prompt=count)
+                try:
+                    relayed = await exchange.forward_held(
+                        follow,
+                        served.outcome,
+                        deadline=self._deadline,
+                        growth=growth,
+                        relay=cut.relay,
+                    )
+                except UpstreamUnavailable as exc:
+                    self._continued(result="failed")
+                    await exchange.failed(
+                        backend.name, exc.reason, tried, unreachable=exc.unreachable
+                    )
+                    continue  # from the same cut, on yet another backend
+                self._continued(result="succeeded")
+                served = Served(
+                    served.outcome, backend.name, served.pool, relayed, served.started_at
+                )
+                if relayed.cut is None:
+                    exchange.answered(backend, relayed.corrected)
+                    return served
+                cut = relayed.cut
+                await exchange.broke_off(backend.name, tried)
         finally:
             if count is not None:
                 count.cancel()
-
-    async def _ended(self, backend: Backend, relayed: Relayed, why_not: str | None) -> None:
-        """What a leg that was not left open says of its backend: it answered in full, or
-        broke off a stream that could not go on (which ended with an error event)."""
-        exchange, request = self._exchange, self._request
-        if why_not is not None and request.stream and not relayed.completed:
-            exchange.metrics.stream_continuations_refused.labels(request.pool, why_not).inc()
-            await exchange.broke_off(backend.name, self._tried)
-        else:
-            exchange.answered(backend, relayed.corrected)
 
     def _continued(self, *, result: str) -> None:
         self._exchange.metrics.stream_continuations.labels(self._request.pool, result).inc()
@@ -200,10 +212,3 @@ class Legs:
         if not exchange.held.take(room):
             return None, "no_room"
         return follow, ""
-
-
-def follow_backend(exchange: Serving) -> str:
-    """The backend the request holds its reservation on now."""
-    held = exchange.held.backend
-    assert held is not None
-    return held
