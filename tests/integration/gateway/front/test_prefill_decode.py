@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,11 +58,14 @@ def disaggregated(
     sims: tuple[SimConfig, ...] | None = None,
     apps: tuple[Any, ...] = (),
     urls: list[str] | None = None,
+    pool: dict[str, Any] | None = None,
+    decode_capacity: int | None = None,
     **prefill: Any,
 ) -> Iterator[Disaggregated]:
     """A gateway in front of a prefill backend and one or more decode backends (`sims`, in
     that order, or `apps`, then the servers already at `urls`; by default two plain
-    simulators, a pool with `kv_transfer: shared`)."""
+    simulators, a pool with `kv_transfer: shared`), with `pool`'s settings besides, the
+    decode backends' capacity set to `decode_capacity` when given."""
     plain = SimConfig(model="big", kv_tokens=16_384, no_delay=True)
     sims = sims or (plain, plain)
     prefill = {"kv_transfer": "shared", **prefill}
@@ -80,9 +84,11 @@ def disaggregated(
                         "name": "big",
                         "backends": [
                             {"url": url, "role": role}
-                            for url, role in zip(urls, roles, strict=True)
+                            | ({"capacity": decode_capacity} if decode_capacity and i else {})
+                            for i, (url, role) in enumerate(zip(urls, roles, strict=True))
                         ],
                         "prefill": prefill,
+                        **(pool or {}),
                     }
                 ],
             }
@@ -256,3 +262,31 @@ def decode_process(engine: str) -> Iterator[str]:
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_a_request_that_queued_for_its_decode_backend_is_split_once_admitted() -> None:
+    """The queue, the class order and the split work together: the decode backend holds one
+    request at a time, the second waits in the queue, then goes as a split request too."""
+    sims = (
+        SimConfig(model="big", kv_tokens=16_384),  # in real time: the first answer lasts
+        SimConfig(model="big", kv_tokens=16_384),
+    )
+    pool = {"overflow": ["queue", "reject"], "reservation": {"mode": "max_tokens"}}
+    with disaggregated(sims=sims, pool=pool, decode_capacity=1600) as fleet:
+        client = fleet.client()
+
+        def ask(i: int) -> str:
+            raw = client.completions.with_raw_response.create(
+                model="big", prompt=f"{i} {LONG}", max_tokens=48
+            )
+            assert raw.parse().usage.completion_tokens == 48  # type: ignore[union-attr]
+            return raw.headers["x-spillgate-outcome"]
+
+        with ThreadPoolExecutor(max_workers=2) as pool_of:
+            first = pool_of.submit(ask, 1)
+            time.sleep(0.1)
+            second = pool_of.submit(ask, 2)
+            outcomes = sorted([first.result(timeout=30), second.result(timeout=30)])
+        assert outcomes == ["local", "queued"]
+        assert fleet.decisions()["split"] == 2
+        assert generated(fleet.prefill) == 2
