@@ -20,7 +20,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import parse_settings
-from loadtest.procs import free_port, wait_for_port
+from loadtest.procs import RedisProcess, free_port, wait_for_port
 from loadtest.sim.app import create_sim_app
 from loadtest.sim.config import SimConfig
 from tests.support.fleet import ADMIN_TOKEN, admin_status, tenant
@@ -60,6 +60,7 @@ def disaggregated(
     urls: list[str] | None = None,
     pool: dict[str, Any] | None = None,
     decode_capacity: int | None = None,
+    redis_url: str | None = None,
     **prefill: Any,
 ) -> Iterator[Disaggregated]:
     """A gateway in front of a prefill backend and one or more decode backends (`sims`, in
@@ -93,7 +94,8 @@ def disaggregated(
                 ],
             }
         )
-        app = create_app(settings, environ={"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN})
+        env = {"SPILLGATE_ADMIN_TOKEN": ADMIN_TOKEN}
+        app = create_app(settings, environ=env, redis_url=redis_url)
         gateway = stack.enter_context(ServerThread(app))
         until_both_in_rotation(gateway.url)
         yield Disaggregated(gateway, urls[0], urls[1], urls[1:], servers)
@@ -290,3 +292,18 @@ def test_a_request_that_queued_for_its_decode_backend_is_split_once_admitted() -
         assert outcomes == ["local", "queued"]
         assert fleet.decisions()["split"] == 2
         assert generated(fleet.prefill) == 2
+
+
+def test_with_redis_the_prefill_backends_ledger_is_shared_and_given_back() -> None:
+    """In shared mode the prefill backend's room is reserved through the shared ledger as
+    every backend's is: a split request is served, and what it held there is given back."""
+    with RedisProcess() as redis, disaggregated(redis_url=redis.url) as fleet:
+        answer = fleet.client().completions.create(model="big", prompt=LONG, max_tokens=5)
+        assert answer.usage is not None and answer.usage.completion_tokens == 5
+        assert fleet.decisions()["split"] == 1
+        assert metric_sum(fleet.gateway.url, "spillgate_ledger_mode", mode="shared") == 1
+        backends = admin_status(fleet.gateway.url)["pools"][0]["backends"]
+        assert [(b["role"], b["tokens_in_flight"]) for b in backends] == [
+            ("prefill", 0),
+            ("decode", 0),
+        ]
