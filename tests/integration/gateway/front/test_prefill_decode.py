@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -26,6 +27,7 @@ from loadtest.sim.config import SimConfig
 from tests.support.fleet import ADMIN_TOKEN, admin_status, tenant
 from tests.support.harness import ServerThread
 from tests.support.metrics import metric_sum
+from tests.support.traced import Recorder
 
 KEY = "sk-" + secrets.token_hex(8)
 LONG = "the fleet " * 400  # some 800 tokens: split
@@ -307,3 +309,26 @@ def test_with_redis_the_prefill_backends_ledger_is_shared_and_given_back() -> No
             ("prefill", 0),
             ("decode", 0),
         ]
+
+
+def test_a_client_that_leaves_during_the_prefill_leg_leaves_nothing_held() -> None:
+    slow = SimConfig(model="big", kv_tokens=16_384, speed=0.01)  # a prefill of seconds
+    prefill, decode = Recorder(create_sim_app(slow)), Recorder(create_sim_app(slow))
+    with disaggregated(apps=(prefill, decode)) as fleet:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(
+                f"{fleet.gateway.url}/v1/completions",
+                json={"model": "big", "prompt": LONG, "max_tokens": 5},
+                headers={"authorization": f"Bearer {KEY}"},
+                timeout=1.0,
+            )
+        deadline = time.monotonic() + 10
+        while True:
+            backends = admin_status(fleet.gateway.url)["pools"][0]["backends"]
+            held = [(b["role"], b["tokens_in_flight"]) for b in backends]
+            if held == [("prefill", 0), ("decode", 0)]:
+                break
+            assert time.monotonic() < deadline, held
+            time.sleep(0.05)
+        # the client left during the prefill leg: the decode engine was never asked
+        assert (len(prefill.posts), len(decode.posts)) == (1, 0)
