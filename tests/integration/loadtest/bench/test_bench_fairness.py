@@ -14,7 +14,7 @@ from gateway.cli import main
 def test_the_door_case_floods_the_queue_and_reports_the_light_tenant(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    args = ["--cases", "door-depth", "--runs", "1", "--sim-speed", "4", "--light-count", "3",
+    args = ["--cases", "door-depth", "--runs", "1", "--sim-speed", "20", "--light-count", "3",
             "--light-every", "0.2", "--json"]  # fmt: skip
     assert main(["bench", "fairness", *args]) == 0
     result = json.loads(capsys.readouterr().out)

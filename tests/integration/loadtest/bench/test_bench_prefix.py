@@ -44,11 +44,13 @@ def test_the_bench_runs_every_arm_on_fresh_backends(
     args = [
         "--backends", "2", "--tenants", "2", "--chats", "1", "--turns", "2",
         "--system-tokens", "256", "--kv-tokens", "8192", "--order", "rounds",
-        "--concurrency", "2", "--schedules", "2", "--json", str(out),
+        "--concurrency", "2", "--json", str(out),
     ]  # fmt: skip
+    # one schedule: every arm starts its own backends, so each schedule costs a dozen
+    # process starts; `schedules` (above) covers the seeds a second one would get
     assert main(["bench", "prefix", *args]) == 0
     figures = json.loads(out.read_text())
-    assert [s["seed"] for s in figures["schedules"]] == [23, 24]
+    assert [s["seed"] for s in figures["schedules"]] == [23]
     for schedule in figures["schedules"]:
         arms = schedule["arms"]
         assert list(arms) == list(ARMS)
@@ -61,6 +63,6 @@ def test_the_bench_runs_every_arm_on_fresh_backends(
         assert arms["sticky"]["hit_rate"] > 0
         assert arms["oracle"]["hit_rate"] >= arms["sticky"]["hit_rate"]
     printed = capsys.readouterr()
-    assert printed.out.count("hit rate ≥ 80 % of the oracle's") == 2
+    assert printed.out.count("hit rate ≥ 80 % of the oracle's") == 1
     assert "hit rate per schedule:" in printed.out
     assert f"wrote {out.resolve()}" in printed.err

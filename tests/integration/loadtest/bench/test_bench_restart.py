@@ -21,7 +21,7 @@ def test_the_bench_counts_what_its_clients_saw_across_a_restart(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "restart.json"
-    args = ["--duration", "5", "--warmup", "1.5", "--restarts", "1", "--clients", "4",
+    args = ["--duration", "3.5", "--warmup", "1", "--restarts", "1", "--clients", "4",
             "--max-tokens", "30", "--json", str(out)]  # fmt: skip
     code = main(["bench", "restart", *args])
     figures = json.loads(out.read_text())

@@ -17,8 +17,8 @@ def test_the_bench_runs_both_arms_on_the_same_spike(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "bench.json"
-    args = ["--rounds", "1", "--rate", "2", "--spike-factor", "3", "--spike-start", "0.5",
-            "--spike-duration", "1", "--duration", "2", "--output-tokens", "uniform:8:16",
+    args = ["--rounds", "1", "--rate", "4", "--spike-factor", "3", "--spike-start", "0.25",
+            "--spike-duration", "0.5", "--duration", "1", "--output-tokens", "uniform:8:16",
             "--sim-speed", "5", "--logs", str(tmp_path / "logs"), "--json", str(out)]  # fmt: skip
     assert main(["bench", "slo-ladder", *args]) == 0
     result = json.loads(out.read_text())

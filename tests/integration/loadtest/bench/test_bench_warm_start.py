@@ -18,7 +18,7 @@ def test_the_bench_runs_every_arm_on_the_same_requests(
 ) -> None:
     out = tmp_path / "bench.json"
     args = [
-        "--burst", "4", "--runs", "2", "--warmup", "50", "--warmup-rate", "200",
+        "--burst", "4", "--runs", "1", "--warmup", "50", "--warmup-rate", "200",
         "--trickle-rate", "5", "--trickle-s", "1", "--max-tokens", "40", "--sim-speed", "50",
         "--json", str(out),
     ]  # fmt: skip
@@ -31,14 +31,14 @@ def test_the_bench_runs_every_arm_on_the_same_requests(
     runs = figures["runs"]
     assert list(runs) == list(ARMS)
     for arm in ARMS:
-        assert [(r["ok"], r["refused"], r["errors"]) for r in runs[arm]] == [(4, 0, 0)] * 2
+        assert [(r["ok"], r["refused"], r["errors"]) for r in runs[arm]] == [(4, 0, 0)]
     # where each gateway took the lengths it reserved by, before its burst
-    assert [r["lengths_from"] for r in runs["direct"]] == [None, None]
-    assert [r["lengths_from"] for r in runs["fresh"]] == ["backends", "backends"]
-    assert [r["lengths_from"] for r in runs["warm"]] == ["answers", "answers"]
-    assert [r["lengths_from"] for r in runs["replica"]] == ["replicas", "replicas"]
+    assert [r["lengths_from"] for r in runs["direct"]] == [None]
+    assert [r["lengths_from"] for r in runs["fresh"]] == ["backends"]
+    assert [r["lengths_from"] for r in runs["warm"]] == ["answers"]
+    assert [r["lengths_from"] for r in runs["replica"]] == ["replicas"]
     # the first replica served its trickle meanwhile
-    assert [r["trickle_ok"] for r in runs["replica"]] == [5, 5]
+    assert [r["trickle_ok"] for r in runs["replica"]] == [5]
     # the same seeded requests on every arm: the same answers
     lengths = {tuple(r["completion_tokens_mean"] for r in runs[arm]) for arm in ARMS}
     assert len(lengths) == 1
