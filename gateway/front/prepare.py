@@ -78,7 +78,9 @@ class Preparer:
         )
         if model != pool.name:
             request = request._replace(adapter=model)
-        by_prefix = len(pool.backends) > 1 and pool.by_prefix  # else no choice
+        # keyed where routing has a choice, or where a pool that splits prefill from decode
+        # asks how much of the prompt its decode backend caches (gateway/front/prefill.py)
+        by_prefix = pool.by_prefix and (len(pool.backends) > 1 or bool(pool.prefillers))
         request, routed = self._keyed(request, pool, by_prefix=by_prefix)
         request = self._expect(request, pool)
         if by_prefix:

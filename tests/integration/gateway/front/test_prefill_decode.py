@@ -186,8 +186,8 @@ def test_a_prefill_backend_that_fails_is_no_failure_of_the_client() -> None:
         answer = fleet.client().completions.create(model="big", prompt=LONG, max_tokens=5)
         assert answer.usage is not None and answer.usage.completion_tokens == 5
         assert fleet.decisions()["failed"] == 1
-        # it is out of rotation now: the next request does not try it
-        fleet.client().completions.create(model="big", prompt=LONG, max_tokens=5)
+        # it is out of rotation now: the next long prompt does not try it
+        fleet.client().completions.create(model="big", prompt="Another. " + LONG, max_tokens=5)
         assert fleet.decisions()["no_room"] == 1
         assert generated(fleet.decode) == 10
 
@@ -336,3 +336,14 @@ def test_a_client_that_leaves_during_the_prefill_leg_leaves_nothing_held() -> No
         until_nothing_held(fleet.gateway.url)
         # the client left during the prefill leg: the decode engine was never asked
         assert (len(prefill.posts), len(decode.posts)) == (1, 0)
+
+
+def test_with_one_decode_backend_a_prompt_it_caches_is_not_prefilled_again() -> None:
+    """One decode backend leaves routing no choice, but the split still asks what it caches:
+    the same long prompt again goes to it alone."""
+    with disaggregated() as fleet:
+        for _ in range(2):
+            fleet.client().completions.create(model="big", prompt=LONG, max_tokens=5)
+        decisions = fleet.decisions()
+        assert (decisions["split"], decisions["short"]) == (1, 1), decisions
+        assert generated(fleet.prefill) == 1
