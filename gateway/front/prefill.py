@@ -145,25 +145,24 @@ class PrefillLeg:
             return DecodeLeg(request, Split.NO_ROOM)
         prefiller = router.backend(held.backend)
         headers = {REQUEST_ID_HEADER: secrets.token_hex(16)}
+        leg = request._replace(
+            stream=False,
+            max_output_tokens=1,
+            body=prefill_body(request.body, kv_transfer=settings.kv_transfer),
+        )
         started = self._clock.monotonic()
         try:
             answer = await self._forwarder.prefill(
-                router.target(prefiller.name),
-                request._replace(
-                    stream=False,
-                    max_output_tokens=1,
-                    body=prefill_body(request.body, kv_transfer=settings.kv_transfer),
-                ),
-                deadline=deadline,
-                upstream_headers=headers,
+                router.target(prefiller.name), leg, deadline=deadline, upstream_headers=headers
             )
         except UpstreamUnavailable as exc:
-            self._failed(prefiller, exc.reason, unreachable=exc.unreachable)
+            if not _refuses_the_request(exc.status):
+                self._failed(prefiller, exc.reason, unreachable=exc.unreachable)
             return DecodeLeg(request, Split.FAILED)
         finally:
             await router.release(held)
         took = self._clock.monotonic() - started
-        self._count_prompt(prefiller, request, answer)
+        self._count_prompt(prefiller, leg, answer)
         if settings.kv_transfer == "shared":
             prefiller.record_success(self._clock.monotonic())
             return DecodeLeg(request, Split.SPLIT, headers, took)
@@ -183,12 +182,18 @@ class PrefillLeg:
         prefiller.record_failure(now, reason=reason, unreachable=unreachable)
         self._metrics.upstream_errors.labels(prefiller.name, reason.split(":")[0]).inc()
 
-    def _count_prompt(self, prefiller: Backend, request: InferenceRequest, answer: Any) -> None:
-        """The prompt tokens the prefill backend computed, as its usage tells within bounds."""
-        leg = request._replace(stream=False, max_output_tokens=1)
+    def _count_prompt(self, prefiller: Backend, leg: InferenceRequest, answer: Any) -> None:
+        """The prompt tokens the prefill backend computed for `leg`, as its usage tells
+        within bounds."""
         usage, _ = checked_usage(answer.get("usage"), leg, events=None)
         if usage.known:
             self._metrics.tokens.labels(prefiller.name, "prompt").inc(usage.prompt_tokens)
+
+
+def _refuses_the_request(status: int | None) -> bool:
+    """A 4xx (not 429) refuses what the client sent, which the decode leg will be told too: no
+    failure of the backend, or a client could take prefill backends out of rotation."""
+    return status is not None and 400 <= status < 500 and status != 429
 
 
 def _stopped_by_length(answer: dict[str, Any]) -> bool:

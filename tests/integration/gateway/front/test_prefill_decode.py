@@ -347,3 +347,18 @@ def test_with_one_decode_backend_a_prompt_it_caches_is_not_prefilled_again() -> 
         decisions = fleet.decisions()
         assert (decisions["split"], decisions["short"]) == (1, 1), decisions
         assert generated(fleet.prefill) == 1
+
+
+def test_a_prompt_the_engines_refuse_takes_no_prefill_backend_out_of_rotation() -> None:
+    """Token ids past the engines' vocabulary: the prefill engine refuses the leg with a 400,
+    the decode engine the request, and the client is told so. Were a refusal of what a client
+    sent the prefill backend's failure, three such requests would take it out of rotation."""
+    sim = SimConfig(model="big", kv_tokens=16_384, no_delay=True, vocab_size=4096)
+    with disaggregated(sims=(sim, sim)) as fleet:
+        for i in range(4):  # four prompts: the same one again would be cached, not split
+            prompt = [4096 + i] * 600
+            with pytest.raises(openai.BadRequestError):
+                fleet.client().completions.create(model="big", prompt=prompt, max_tokens=5)
+        assert fleet.decisions()["failed"] == 4
+        fleet.client().completions.create(model="big", prompt=LONG, max_tokens=5)
+        assert fleet.decisions()["split"] == 1
