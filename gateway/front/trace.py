@@ -256,20 +256,21 @@ class _TracedForwarder:
     ) -> dict[str, Any]:
         trace = self._trace
         if not trace.recording:
-            headers = {**(upstream_headers or {}), **trace.unsampled_headers()}
+            headers = _with(upstream_headers, trace.unsampled_headers())
             return await self._inner.prefill(
                 target, request, deadline=deadline, upstream_headers=headers
             )
         span, carrier = trace.attempt(target)
         span.set_attribute("spillgate.leg", "prefill")
-        headers = {**(upstream_headers or {}), **carrier}
         try:
             answer = await self._inner.prefill(
-                target, request, deadline=deadline, upstream_headers=headers
+                target,
+                request,
+                deadline=deadline,
+                upstream_headers=_with(upstream_headers, carrier),
             )
         except UpstreamUnavailable as exc:
-            span.set_attribute("error.type", exc.reason.split(":")[0])
-            span.set_status(Status(StatusCode.ERROR, exc.reason))
+            _unavailable(span, exc)
             raise
         else:
             span.set_attribute("http.response.status_code", 200)
@@ -279,11 +280,10 @@ class _TracedForwarder:
 
     async def forward(self, leg: Leg) -> Relayed:
         trace = self._trace
-        upstream = leg.upstream_headers or {}
+        upstream = leg.upstream_headers
         if not trace.recording:
-            return await self._inner.forward(
-                leg._replace(upstream_headers={**upstream, **trace.unsampled_headers()})
-            )
+            unsampled = _with(upstream, trace.unsampled_headers())
+            return await self._inner.forward(leg._replace(upstream_headers=unsampled))
         target = leg.target
         span, carrier = trace.attempt(target)
         status: list[int] = []
@@ -297,15 +297,10 @@ class _TracedForwarder:
         reasons = _FinishReasons(leg.recorder)
         try:
             relayed = await self._inner.forward(
-                leg._replace(send=seen, recorder=reasons, upstream_headers={**upstream, **carrier})
+                leg._replace(send=seen, recorder=reasons, upstream_headers=_with(upstream, carrier))
             )
         except UpstreamUnavailable as exc:
-            if exc.status is not None:
-                span.set_attribute("http.response.status_code", exc.status)
-            # the HTTP conventions' error type: the status when there was one
-            kind = exc.reason.split(":")[0] if exc.status is None else str(exc.status)
-            span.set_attribute("error.type", kind)
-            span.set_status(Status(StatusCode.ERROR, exc.reason))
+            _unavailable(span, exc)
             raise
         except BaseException as exc:
             span.set_attribute("error.type", type(exc).__name__)
@@ -326,3 +321,18 @@ class _TracedForwarder:
             return relayed
         finally:
             span.end()
+
+
+def _with(upstream: Mapping[str, str] | None, trace_headers: dict[str, str]) -> dict[str, str]:
+    """The headers an attempt sends on: its own (a leg's request id), and the trace's."""
+    return trace_headers if not upstream else {**upstream, **trace_headers}
+
+
+def _unavailable(span: Span, exc: UpstreamUnavailable) -> None:
+    """An attempt that failed before its answer, as its span tells it."""
+    if exc.status is not None:
+        span.set_attribute("http.response.status_code", exc.status)
+    # the HTTP conventions' error type: the status when there was one
+    kind = exc.reason.split(":")[0] if exc.status is None else str(exc.status)
+    span.set_attribute("error.type", kind)
+    span.set_status(Status(StatusCode.ERROR, exc.reason))
