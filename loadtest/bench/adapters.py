@@ -63,6 +63,8 @@ from loadtest.bench.adapters_fleet import (
     gateway_config,
     reset,
 )
+from loadtest.bench.engine_metrics import Counts, port_pair
+from loadtest.bench.engine_metrics import samples as engine_samples
 from loadtest.bench.machine import (
     cores_seen,
     cores_text,
@@ -127,17 +129,10 @@ async def ask(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Answ
     return Answer(adapter=body["model"], status=200, ttft_s=ttft, served=served)
 
 
-def samples(text: str) -> dict[tuple[str, str], float]:
-    """A metrics page's samples by name and one label that tells them apart here (`le`,
-    `status` or `result`), summed over the others."""
-    found: dict[tuple[str, str], float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            label = s.labels.get("le") or s.labels.get("result") or s.labels.get("status", "")
-            if s.labels.get("handler", "/v1/completions") != "/v1/completions":
-                continue
-            found[(s.name, label)] = found.get((s.name, label), 0.0) + s.value
-    return found
+def samples(text: str) -> Counts:
+    """A metrics page's samples by name and the label that tells them apart here (`le`,
+    `result` or `status`), of the completions route alone."""
+    return engine_samples(text, by=("le", "result", "status"), handler="/v1/completions")
 
 
 class Watch:
@@ -164,7 +159,6 @@ class Watch:
             await asyncio.sleep(POLL_S)
 
 
-Counts = dict[tuple[str, str], float]
 # a request run to its end: vLLM's counter, the simulator's
 FINISHED = (("vllm:request_success_total", ""), ("sim_requests_finished_total", ""))
 
@@ -505,11 +499,6 @@ def _seen_line(rounds: list[dict[str, Any]]) -> str:
     return "cores seen: " + ", ".join(f"{k} {' | '.join(sorted(v))}" for k, v in seen.items())
 
 
-def _ports(text: str) -> tuple[int, int]:
-    first, second = (int(p) for p in text.split(","))
-    return first, second
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="spillgate bench adapters", description=__doc__.split("\n\n")[0]
@@ -525,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kv-tokens", type=int, default=16_384, help="each engine's KV cache")
     p.add_argument("--refresh", type=float, default=1.0, help="the pool's capacity_refresh_s")
     p.add_argument("--sim-speed", type=float, default=1.0, help="the simulators' speed-up")
-    p.add_argument("--ports", type=_ports, default=(8121, 8122), help="the real vLLMs' ports")
+    p.add_argument("--ports", type=port_pair, default=(8121, 8122), help="the real vLLMs' ports")
     p.add_argument(
         "--engine-cores",
         metavar="CORES",

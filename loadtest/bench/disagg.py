@@ -51,10 +51,11 @@ from typing import Any
 
 import httpx
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.bench import admission_fleet
 from loadtest.bench.disagg_fleet import KEY, MODEL, Fleet, fleet, gateway_config, reset
+from loadtest.bench.engine_metrics import Counts, port_pair
+from loadtest.bench.engine_metrics import samples as engine_samples
 from loadtest.bench.machine import logs_dir, progress
 from loadtest.percentile import percentile_or_nan as percentile
 
@@ -139,19 +140,10 @@ async def ask(client: httpx.AsyncClient, url: str, body: dict[str, Any], burst: 
                   problem=problem)  # fmt: skip
 
 
-Counts = dict[tuple[str, str], float]
-
-
 def samples(text: str) -> Counts:
     """A metrics page's samples by name and the label that tells them apart here (`source`,
     `decision`, `result`), summed over the others."""
-    found: Counts = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            label = s.labels.get("source") or s.labels.get("decision") or ""
-            label = label or s.labels.get("result", "")
-            found[(s.name, label)] = found.get((s.name, label), 0.0) + s.value
-    return found
+    return engine_samples(text, by=("source", "decision", "result"))
 
 
 async def counters(client: httpx.AsyncClient, url: str) -> Counts:
@@ -510,11 +502,6 @@ def table(scenario: str, arms: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _ports(text: str) -> tuple[int, int]:
-    first, second = (int(p) for p in text.split(","))
-    return first, second
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="spillgate bench disagg", description=__doc__)
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -538,7 +525,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--refresh", type=float, default=1.0, help="the pool's capacity_refresh_s")
     p.add_argument("--sim-speed", type=float, default=1.0, help="the simulators' speed-up")
-    p.add_argument("--ports", type=_ports, default=(8131, 8132), help="the real vLLMs' ports")
+    p.add_argument("--ports", type=port_pair, default=(8131, 8132), help="the real vLLMs' ports")
     p.add_argument("--seed", type=int, default=54)
     p.add_argument("--json", type=Path, help="write every round and the summary here")
     p.add_argument("--logs", type=Path, help="keep the processes' output in this folder")
