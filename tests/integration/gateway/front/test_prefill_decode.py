@@ -18,12 +18,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types import CompletionUsage
 
 from gateway.app import create_app
 from gateway.config import parse_settings
 from loadtest.procs import RedisProcess, free_port, wait_for_port
 from loadtest.sim.app import create_sim_app
-from loadtest.sim.config import SimConfig
+from loadtest.sim.config import KvTransfer, SimConfig
 from tests.support.fleet import ADMIN_TOKEN, admin_status, tenant
 from tests.support.harness import ServerThread
 from tests.support.metrics import metric_sum
@@ -126,22 +127,29 @@ def until_nothing_held(url: str) -> None:
         time.sleep(0.05)
 
 
+def stream_long_chat(
+    fleet: Disaggregated, *, max_tokens: int
+) -> tuple[str, CompletionUsage | None]:
+    """A streamed chat with the LONG prompt: its text and the usage its last chunk told."""
+    stream = fleet.client().chat.completions.create(
+        model="big",
+        messages=[{"role": "user", "content": LONG}],
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return text, chunks[-1].usage
+
+
 def generated(url: str) -> float:
     return metric_sum(url, "vllm:generation_tokens_total")
 
 
 def test_a_long_prompt_is_prefilled_there_and_decoded_here() -> None:
     with disaggregated() as fleet:
-        stream = fleet.client().chat.completions.create(
-            model="big",
-            messages=[{"role": "user", "content": LONG}],
-            max_tokens=20,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        chunks = list(stream)
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        usage = chunks[-1].usage
+        text, usage = stream_long_chat(fleet, max_tokens=20)
         assert usage is not None and usage.completion_tokens == 20 and text
         # the prefill backend computed the prompt and generated its one token; the decode
         # backend the answer; the client's usage counts the prompt once
@@ -192,10 +200,11 @@ def test_a_prefill_backend_that_fails_is_no_failure_of_the_client() -> None:
         assert generated(fleet.decode) == 10
 
 
-def params_sim(engine: str, **extra: Any) -> SimConfig:
+def params_sim(engine: str) -> SimConfig:
     """A simulated vLLM with a NixlConnector-style connector, in real time at 20x."""
+    params = KvTransfer.PARAMS
     return SimConfig(
-        model="big", kv_tokens=16_384, speed=20.0, kv_transfer="params", engine_id=engine, **extra
+        model="big", kv_tokens=16_384, speed=20.0, kv_transfer=params, engine_id=engine
     )
 
 
@@ -206,15 +215,7 @@ def by_source(url: str, source: str) -> float:
 def test_the_decode_engine_loads_the_prompt_the_prefill_engine_handed_on() -> None:
     sims = (params_sim("p0"), params_sim("d0"))
     with disaggregated(sims=sims, kv_transfer="params") as fleet:
-        stream = fleet.client().chat.completions.create(
-            model="big",
-            messages=[{"role": "user", "content": LONG}],
-            max_tokens=12,
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        chunks = list(stream)
-        usage = chunks[-1].usage
+        _, usage = stream_long_chat(fleet, max_tokens=12)
         assert usage is not None and usage.completion_tokens == 12
         assert fleet.decisions()["split"] == 1
         loaded = by_source(fleet.decode, "external_kv_transfer")
