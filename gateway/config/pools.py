@@ -57,6 +57,10 @@ def _backend_url(url: str) -> str:
     return url
 
 
+# a backend's part where prefill and decode run on different engines
+BackendRole = Literal["both", "prefill", "decode"]
+
+
 class BackendSettings(_Model):
     """One server of the pool."""
 
@@ -106,7 +110,7 @@ class BackendSettings(_Model):
         ),
     )
 
-    role: Literal["both", "prefill", "decode"] = Field(
+    role: BackendRole = Field(
         "both",
         description=(
             "its part where prefill and decode run on different engines: `prefill` computes "

@@ -41,6 +41,7 @@ from gateway.admission.prompt_tokens import PromptTokenizer
 from gateway.admission.routing.prefix_index import PrefixIndex
 from gateway.clock import Clock
 from gateway.config import AdapterSettings, BackendSettings, PoolSettings, ReservationSettings
+from gateway.config.pools import BackendRole
 from gateway.config.references import backend_name
 from gateway.config.routing import BUILTIN_PROFILES, RoutingProfileSettings, profile_named
 from gateway.errors import BackendUnavailable
@@ -73,8 +74,7 @@ class Backend:
     prefix_caching: bool = False
     discovered_capacity: int | None = None
     max_model_len: int | None = None  # the served model's context, from the backend's /v1/models
-    # its part where prefill and decode run on different engines (BackendSettings.role)
-    role: str = "both"
+    role: BackendRole = "both"  # BackendSettings.role
     root: str | None = None  # the weights it loaded, from the same listing
     # the LoRA adapters of its model it serves, from the same listing (`parent`)
     adapters: frozenset[str] = frozenset()
