@@ -1,7 +1,15 @@
-"""The overflow policy role: what runs when no backend of a pool has room, the hooks a
-policy may offer the request path (recording answers, holding new arrivals back), and the
-narrow roles of the gateway's parts a policy is handed (room in the pools, the metric
-families it keeps, the batch tier's intake, a provider's slots and token budget).
+"""The overflow policy role: what runs when no backend of a pool has room, the decisions a
+policy hands back for the serve stage to carry out, the hooks a policy may offer the request
+path (recording answers, holding new arrivals back), and the narrow roles of the gateway's
+parts a policy is handed (room in the pools, the metric families it keeps, the batch tier's
+intake, a provider's slots and token budget).
+
+A policy decides; it never forwards. It finds room (the queue waits for it, `degrade` takes
+it in another pool) or a target (`provider`), and says so as a `ServeHeld` or a
+`ServeTarget`; the ladder (gateway/front/ladder.py) carries the decision out, so the serve
+stage alone talks to the upstream, and one decision serves a request as it arrives or a
+stream the gateway has to move. A step that answers by itself from what it keeps (`cache`,
+`batch`) hands back what it `Served`.
 
 The gateway sees the policies only through these, and the policies see the gateway only
 through these and the values they name, which a policy imports from here (never from
@@ -13,17 +21,18 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeAlias, runtime_checkable
 
 from gateway.admission.routing.route import Route as Route
 from gateway.config import Priority
+from gateway.errors import NoRoomToRetry, UpstreamError, UpstreamUnavailable
 from gateway.outcome import Outcome
 from gateway.request import Endpoint, InferenceRequest
 
 # The values a policy names, re-exported (with `Route` above): a policy builds the `Route`
 # it asks a pool's room about; predicts its time to first token from the targets' recent
 # answers (PredictsTtft); hands back what it served (`Served`: what was relayed and its
-# usage); builds the `Target` it hands `serve_target`; and a recorder reads the events it
+# usage); builds the `Target` a `ServeTarget` names; and a recorder reads the events it
 # is fed as the relay reads them (`event_data`).
 from gateway.slo import Latencies as Latencies
 from gateway.slo import predict as predict
@@ -79,19 +88,62 @@ class OverflowContext(Protocol):
         told as `outcome`, and end the stream; `usage` is what the events carried."""
         ...
 
-    async def serve_local(self, request: InferenceRequest, outcome: Outcome) -> Served: ...
 
-    async def serve_target(
-        self, target: Target, request: InferenceRequest, *, outcome: Outcome, public_model: str
-    ) -> Served: ...
+@dataclass(frozen=True, slots=True)
+class ServeHeld:
+    """Serve `request` from the backend of the reservation the exchange now holds for it
+    (the step took it: the queue's turn, room in the smaller pool), told as `outcome`."""
+
+    request: InferenceRequest  # as sent: the smaller pool's where it was degraded
+    outcome: Outcome
+    # whether the answer may be recorded as the pool's (the cache): not another model's
+    recorded: bool = True
+    # a failure before the first byte that passes the request to the next step, its
+    # reservation given back (the rest of the pool was full: `NoRoomToRetry`); any other
+    # failure is the client's answer
+    passes_on: type[UpstreamError] = NoRoomToRetry
+
+
+class Spill(Protocol):
+    """What a step that sends a request outside the pools keeps of it (a provider's claim on
+    its slots and budget), told how the sending went: exactly one of these is called."""
+
+    async def refused(self, error: UpstreamUnavailable) -> None:
+        """The target failed before the first byte: the request passes to the next step."""
+        ...
+
+    async def abandoned(self) -> None:
+        """The request ended while the target answered (cancelled, the client gone)."""
+        ...
+
+    async def answered(self, served: Served) -> None:
+        """The target answered (in full, or cut mid-stream with the gateway's error event)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServeTarget:
+    """Send `request` once to `target`, outside the pools, its answer naming `public_model`
+    and told as `outcome`; `spill` hears how it went."""
+
+    target: Target
+    request: InferenceRequest
+    outcome: Outcome
+    public_model: str
+    spill: Spill
+
+
+# what a step decides: serve on the reservation it took, serve at a target, or (the cache,
+# the batch tier) the answer it already gave
+Decision: TypeAlias = ServeHeld | ServeTarget | Served
 
 
 class OverflowPolicy(Protocol):
-    """Tries to serve a request the pool had no room for.
+    """Decides how to serve a request the pool had no room for.
 
-    Returns what it served, or None to pass the request to the next policy.
-    Raises a SpillgateError to refuse the request outright.
-    Must release anything it reserved, on every path.
+    Returns its decision, which the ladder carries out, or None to pass the request to the
+    next policy. Raises a SpillgateError to refuse the request outright.
+    Must release anything it reserved on every path that returns no decision.
     """
 
     name: ClassVar[str]
@@ -103,9 +155,9 @@ class OverflowPolicy(Protocol):
     # may send a request there while the pool's own backends are too slow for it
     serves_elsewhere: ClassVar[bool]
 
-    async def serve(
+    async def decide(
         self, request: InferenceRequest, exchange: OverflowContext
-    ) -> Served | None: ...
+    ) -> Decision | None: ...
 
 
 @runtime_checkable

@@ -39,7 +39,7 @@ class BatchPolicy:
     def build(cls, pool: PoolSettings, deps: PolicyDeps) -> BatchPolicy:
         return cls(deps.batches)
 
-    async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
+    async def decide(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         if not request.batchable or self._batches is None:
             return None
         try:

@@ -15,7 +15,7 @@ from typing import ClassVar
 from gateway.config import PoolSettings
 from gateway.errors import UpstreamError
 from gateway.outcome import Outcome
-from gateway.overflow import Latencies, OverflowContext, PoolRoom, Route, Served, predict
+from gateway.overflow import Latencies, OverflowContext, PoolRoom, Route, ServeHeld, predict
 from gateway.request import Endpoint, InferenceRequest
 from policies.deps import PolicyDeps
 
@@ -66,17 +66,16 @@ class DegradePolicy:
         """The smaller pool's adapter asked for in place of the request's (None: none)."""
         return None if request.adapter is None else self._adapters.get(request.adapter)
 
-    async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
+    async def decide(
+        self, request: InferenceRequest, exchange: OverflowContext
+    ) -> ServeHeld | None:
         adapter = self._stand_in(request)
         if request.adapter is not None and adapter is None:
             return None  # no adapter of the smaller model stands in for this one
         smaller = exchange.degraded(request, self._to, adapter=adapter)
         if smaller is None or not await exchange.admit(smaller):
             return None
-        exchange.stop_recording()  # the smaller model's answer must not be cached as this pool's
-        try:
-            # public model = the smaller pool's name: the client learns which model answered
-            return await exchange.serve_local(smaller, Outcome.DEGRADED)
-        except UpstreamError:
-            await exchange.release()  # nothing was sent: the next policy may answer
-            return None
+        # public model = the smaller pool's name: the client learns which model answered;
+        # that answer must not be cached as this pool's; and should the smaller pool fail it
+        # before a byte, nothing was sent: the next step may answer
+        return ServeHeld(smaller, Outcome.DEGRADED, recorded=False, passes_on=UpstreamError)

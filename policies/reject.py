@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from gateway.config import PoolSettings
 from gateway.errors import Rejected
-from gateway.overflow import OverflowContext, Served
+from gateway.overflow import Decision, OverflowContext
 from gateway.request import Endpoint, InferenceRequest
 from policies.deps import PolicyDeps
 
@@ -16,7 +16,7 @@ class RejectPolicy:
     endpoints: ClassVar[frozenset[Endpoint]] = frozenset(Endpoint)
     serves_elsewhere: ClassVar[bool] = False
 
-    async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
+    async def decide(self, request: InferenceRequest, exchange: OverflowContext) -> Decision | None:
         raise Rejected(
             f"Pool {request.pool!r} is at capacity and every overflow path is spent; "
             "retry after the indicated delay.",

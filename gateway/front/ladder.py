@@ -2,6 +2,8 @@
 the pool's backends are measured too slow for its TTFT objective while a step of its chain
 is not), else the steps of its pool's overflow chain in order (queue, degrade, provider,
 cache, batch, reject), each a policy in policies/; the first that serves it ends the climb.
+A step decides (gateway/overflow.py: serve on the room it took, serve at a target, or the
+answer it gave from what it keeps) and the ladder carries the decision out.
 
 With a TTFT objective, a step predicted to give the first token too late is passed over
 (gateway/slo.py), and a chain that ends after passing one over refuses the request saying
@@ -12,18 +14,26 @@ here names a policy.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from gateway.admission.routing.router import Router
 from gateway.clock import Clock
-from gateway.errors import NoRoomToRetry, Rejected
+from gateway.errors import Rejected, UpstreamUnavailable
 from gateway.front.exchange import Exchange
 from gateway.front.refusals import never_fits
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
-from gateway.overflow import CountsService, OverflowPolicy, PredictsTtft
+from gateway.overflow import (
+    CountsService,
+    Decision,
+    OverflowPolicy,
+    PredictsTtft,
+    ServeHeld,
+    ServeTarget,
+)
 from gateway.request import InferenceRequest
 from gateway.slo import Latencies, Prediction, unattainable
 from gateway.upstream.served import Served
@@ -67,14 +77,55 @@ class Ladder:
                 service = self._services.get(request.pool)
                 if service is not None:
                     service.admitted(request)
-                try:
-                    return await exchange.serve_local(request, Outcome.LOCAL)
-                except NoRoomToRetry:
-                    # its backend failed it before a byte (going away) and the rest are full:
-                    # nothing was sent, so it overflows as an arrival that found no room
-                    pass
+                # should its backend fail it before a byte (going away) while the rest are
+                # full, nothing was sent: it overflows as an arrival that found no room
+                served = await self.carry_out(ServeHeld(request, Outcome.LOCAL), exchange)
+                if served is not None:
+                    return served
             await exchange.release()
         return await self._climb(request, exchange, chain, arrived=arrived, trace=trace)
+
+    @staticmethod
+    async def carry_out(decision: Decision, exchange: Exchange) -> Served | None:
+        """Serve the request as a step decided; None when the decision failed before the
+        first byte in a way that passes the request to the next step (what it held given
+        back)."""
+        if isinstance(decision, Served):  # answered by the step itself
+            return decision
+        if isinstance(decision, ServeHeld):
+            if not decision.recorded:
+                exchange.stop_recording()
+            try:
+                return await exchange.serve_local(decision.request, decision.outcome)
+            except decision.passes_on:
+                await exchange.release()
+                return None
+        return await Ladder._send(decision, exchange)
+
+    @staticmethod
+    async def _send(decision: ServeTarget, exchange: Exchange) -> Served | None:
+        spill = decision.spill
+        try:
+            served = await exchange.serve_target(
+                decision.target,
+                decision.request,
+                outcome=decision.outcome,
+                public_model=decision.public_model,
+            )
+        except UpstreamUnavailable as exc:
+            await spill.refused(exc)
+            return None
+        except BaseException:
+            await spill.abandoned()
+            raise
+        await spill.answered(served)
+        return served
+
+    async def _step(
+        self, policy: OverflowPolicy, request: InferenceRequest, exchange: Exchange
+    ) -> Served | None:
+        decision = await policy.decide(request, exchange)
+        return None if decision is None else await self.carry_out(decision, exchange)
 
     async def _climb(
         self,
@@ -95,9 +146,10 @@ class Ladder:
                 ):
                     continue
                 if trace is None:
-                    served = await policy.serve(request, exchange)
+                    served = await self._step(policy, request, exchange)
                 else:  # each step tried is a span
-                    served = await trace.spill(policy, request, exchange)
+                    step = functools.partial(self._step, policy, request, exchange)
+                    served = await trace.spill(policy, step, exchange)
                 if served is not None:
                     return served
                 exchange.prediction = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -131,11 +131,15 @@ class RequestTrace:
         self.span.end()
 
     async def spill(
-        self, policy: OverflowPolicy, request: InferenceRequest, exchange: Exchange
+        self,
+        policy: OverflowPolicy,
+        step: Callable[[], Awaitable[Served | None]],
+        exchange: Exchange,
     ) -> Served | None:
-        """`policy.serve`, in a span of its own; upstream attempts it makes are its children."""
+        """`step`, `policy`'s decision carried out, in a span of its own; upstream attempts
+        it makes are its children."""
         if not self.recording:
-            return await policy.serve(request, exchange)
+            return await step()
         span = self._tracer.start_span(
             f"spill {policy.name}",
             context=set_span_in_context(self.span),
@@ -145,7 +149,7 @@ class RequestTrace:
         self._parent = set_span_in_context(span)
         served: Served | None = None
         try:
-            served = await policy.serve(request, exchange)
+            served = await step()
             return served
         except BaseException as exc:
             span.set_attribute("error.type", type(exc).__name__)

@@ -129,7 +129,7 @@ class CachePolicy:
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
+    async def decide(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
         if not storable(request, self._settings):
             return None
         raw = await self._store.get(self.key(request))

@@ -23,10 +23,17 @@ from typing import ClassVar
 from gateway.config import PoolSettings
 from gateway.errors import UpstreamUnavailable
 from gateway.outcome import Outcome
-from gateway.overflow import Latencies, OverflowContext, ProviderMetrics, Served, predict
+from gateway.overflow import (
+    Latencies,
+    OverflowContext,
+    ProviderMetrics,
+    Served,
+    ServeTarget,
+    predict,
+)
 from gateway.request import Endpoint, InferenceRequest
 from policies.deps import PolicyDeps
-from policies.provider.gate import ProviderGate, Refusal
+from policies.provider.gate import Claim, ProviderGate, Refusal
 
 log = logging.getLogger("spillgate.provider")
 
@@ -52,8 +59,8 @@ class ProviderPolicy:
         metrics: ProviderMetrics,
         latencies: Latencies,
     ) -> None:
-        self._gate = gate
-        self._metrics = metrics
+        self.gate = gate
+        self.metrics = metrics
         self._latencies = latencies
 
     @classmethod
@@ -65,61 +72,39 @@ class ProviderPolicy:
         )
 
     def predict_ttft_s(self, request: InferenceRequest) -> float | None:
-        gate = self._gate
+        gate = self.gate
         if not gate.serves(request):
             return math.inf
         if gate.in_flight >= gate.settings.max_concurrency or gate.breaker.open_for() > 0:
             return math.inf
         return predict(self._latencies.provider, gate.name, request)
 
-    async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
-        gate = self._gate
+    async def decide(
+        self, request: InferenceRequest, exchange: OverflowContext
+    ) -> ServeTarget | None:
+        gate = self.gate
         if not gate.serves(request):
             return None
         claim = await gate.acquire(request.charge_tokens)
         if isinstance(claim, Refusal):
             log.debug("provider %s passes %s: %s", gate.name, request.pool, claim)
             return None
-        try:
-            asked = request.adapter or request.pool
-            served = await exchange.serve_target(
-                gate.target(asked), request, outcome=Outcome.PROVIDER, public_model=asked
-            )
-        except UpstreamUnavailable as exc:
-            # the breaker first: nothing awaited below may leave a half-open trial claimed
-            if exc.status in REQUEST_REFUSALS:
-                gate.breaker.release_trial()
-            else:
-                gate.breaker.record_failure(retry_after=exc.retry_after)
-            self._metrics.upstream_errors.labels(gate.name, exc.reason.split(":")[0]).inc()
-            log.warning(
-                "provider %s failed for pool %s (%s), passing the request on: %s",
-                gate.name,
-                request.pool,
-                exc.reason,
-                gate.redact(exc.detail.decode("utf-8", "replace"))[:LOGGED_DETAIL_CHARS],
-            )
-            await gate.release(claim, used=0)  # refused before generating: budget comes back
-            return None
-        except BaseException:  # cancelled mid-answer: keep the budget spent, free the slot
-            gate.breaker.release_trial()
-            await gate.release(claim, used=None)
-            raise
-        used: tuple[int, int] | None = None
-        try:
-            used = self._used(served)
-            self._settle(served, used)
-        finally:  # whatever recording the answer does, the slot and the budget settle
-            await gate.release(claim, used=None if used is None else sum(used))
-        return served
+        asked = request.adapter or request.pool
+        return ServeTarget(
+            target=gate.target(asked),
+            request=request,
+            outcome=Outcome.PROVIDER,
+            public_model=asked,
+            spill=_Spill(self, request, claim),
+        )
 
-    def _used(self, served: Served) -> tuple[int, int] | None:
+    def used(self, served: Served) -> tuple[int, int] | None:
         """The prompt and completion tokens the answer used, as the gate counts them; None
         when unknown, or when the provider said something that is no count."""
         usage = served.relayed.usage
         if not usage.known:
             return None
-        gate = self._gate
+        gate = self.gate
         prompt, completion = (
             gate.counted(usage.prompt_tokens),
             gate.counted(usage.completion_tokens),
@@ -136,14 +121,14 @@ class ProviderPolicy:
             return None
         return prompt, completion
 
-    def _settle(self, served: Served, used: tuple[int, int] | None) -> None:
-        gate, relayed = self._gate, served.relayed
+    def settle(self, served: Served, used: tuple[int, int] | None) -> None:
+        gate, relayed = self.gate, served.relayed
         if relayed.completed:
             gate.breaker.record_success()
         else:
             # past the first byte: the client got the gateway's own error event
             gate.breaker.record_failure()
-            self._metrics.upstream_errors.labels(gate.name, MID_STREAM).inc()
+            self.metrics.upstream_errors.labels(gate.name, MID_STREAM).inc()
             said = relayed.upstream_error.decode("utf-8", "replace")
             log.warning(
                 "provider %s failed mid-stream for pool %s: %s",
@@ -155,4 +140,47 @@ class ProviderPolicy:
             prompt, completion = used
             cost = gate.cost(prompt_tokens=prompt, completion_tokens=completion)
             if math.isfinite(cost):  # counts are bounded; a price of `inf` is not
-                self._metrics.provider_cost.labels(gate.name).inc(cost)
+                self.metrics.provider_cost.labels(gate.name).inc(cost)
+
+
+class _Spill:
+    """One request's claim on the provider's slots and budget, settled as its sending went
+    (gateway/overflow.py Spill)."""
+
+    __slots__ = ("_claim", "_policy", "_request")
+
+    def __init__(self, policy: ProviderPolicy, request: InferenceRequest, claim: Claim) -> None:
+        self._policy = policy
+        self._request = request
+        self._claim = claim
+
+    async def refused(self, error: UpstreamUnavailable) -> None:
+        gate = self._policy.gate
+        # the breaker first: nothing awaited below may leave a half-open trial claimed
+        if error.status in REQUEST_REFUSALS:
+            gate.breaker.release_trial()
+        else:
+            gate.breaker.record_failure(retry_after=error.retry_after)
+        self._policy.metrics.upstream_errors.labels(gate.name, error.reason.split(":")[0]).inc()
+        log.warning(
+            "provider %s failed for pool %s (%s), passing the request on: %s",
+            gate.name,
+            self._request.pool,
+            error.reason,
+            gate.redact(error.detail.decode("utf-8", "replace"))[:LOGGED_DETAIL_CHARS],
+        )
+        await gate.release(self._claim, used=0)  # refused before generating: budget comes back
+
+    async def abandoned(self) -> None:
+        # cancelled mid-answer: the budget stays spent, the slot is freed
+        gate = self._policy.gate
+        gate.breaker.release_trial()
+        await gate.release(self._claim, used=None)
+
+    async def answered(self, served: Served) -> None:
+        used: tuple[int, int] | None = None
+        try:
+            used = self._policy.used(served)
+            self._policy.settle(served, used)
+        finally:  # whatever recording the answer does, the slot and the budget settle
+            await self._policy.gate.release(self._claim, used=None if used is None else sum(used))

@@ -42,7 +42,7 @@ from typing import ClassVar
 
 from gateway.clock import Clock
 from gateway.config import PoolSettings, Priority
-from gateway.errors import NoRoomToRetry, QueueFull
+from gateway.errors import QueueFull
 from gateway.outcome import Outcome
 from gateway.overflow import (
     Latencies,
@@ -52,7 +52,7 @@ from gateway.overflow import (
     QueueMetrics,
     Rival,
     Route,
-    Served,
+    ServeHeld,
     predict,
 )
 from gateway.request import Endpoint, InferenceRequest
@@ -233,7 +233,9 @@ class QueuePolicy:
         slo = request.ttft_slo_s
         return min(wait, self._budgets.get(request.tenant, math.inf) if slo is None else slo)
 
-    async def serve(self, request: InferenceRequest, exchange: OverflowContext) -> Served | None:
+    async def decide(
+        self, request: InferenceRequest, exchange: OverflowContext
+    ) -> ServeHeld | None:
         started = self._clock.monotonic()
         result = await self.wait(request, exchange)
         if result is not QueueResult.ADMITTED:
@@ -252,10 +254,8 @@ class QueuePolicy:
             return None
         exchange.note_time("queue", self._clock.monotonic() - started)
         self.service.attain(request)
-        try:
-            return await exchange.serve_local(request, Outcome.QUEUED)
-        except NoRoomToRetry:
-            return None  # its backend failed it before a byte, the rest are full: pass it on
+        # should its backend fail it before a byte while the rest are full, it passes on
+        return ServeHeld(request, Outcome.QUEUED)
 
     async def wait(self, request: InferenceRequest, exchange: OverflowContext) -> QueueResult:
         """Wait until the request holds a reservation in its pool (ADMITTED), or say why not."""

@@ -20,7 +20,6 @@ from gateway.slo import Latencies
 from gateway.upstream.answer import Usage
 from gateway.upstream.relay import Relayed
 from gateway.upstream.served import Served
-from gateway.upstream.target import Target
 from policies.provider.gate import Claim, ProviderGate
 from policies.provider.policy import ProviderPolicy
 from tests.support.upstream import chat_request
@@ -70,15 +69,13 @@ def request() -> InferenceRequest:
     return chat_request(max_tokens=CLAIM - 100)._replace(prompt_tokens=100)
 
 
-class Answering:
-    """An exchange whose provider answers with `usage`."""
-
-    def __init__(self, usage: Usage) -> None:
-        self.usage = usage
-
-    async def serve_target(self, target: Target, request: InferenceRequest, **_: Any) -> Served:
-        relayed = Relayed(self.usage, first_byte_at=None, completed=True)
-        return Served(Outcome.PROVIDER, target.name, request.pool, relayed)
+async def answered(policy: ProviderPolicy, usage: Usage) -> None:
+    """The policy's decision for one request, told that the provider answered with `usage`."""
+    decision = await policy.decide(request(), None)  # type: ignore[arg-type]
+    assert decision is not None
+    relayed = Relayed(usage, first_byte_at=None, completed=True)
+    served = Served(Outcome.PROVIDER, decision.target.name, decision.request.pool, relayed)
+    await decision.spill.answered(served)
 
 
 def spill(usage: Usage, *, metrics: Any = None) -> tuple[ProviderGate, BucketBudget, Any]:
@@ -86,8 +83,7 @@ def spill(usage: Usage, *, metrics: Any = None) -> tuple[ProviderGate, BucketBud
     gate, budget = gate_and_budget()
     metrics = metrics or GatewayMetrics()
     policy = ProviderPolicy(gate=gate, metrics=metrics, latencies=Latencies(ManualClock()))
-    served = asyncio.run(policy.serve(request(), Answering(usage)))  # type: ignore[arg-type]
-    assert served is not None
+    asyncio.run(answered(policy, usage))
     return gate, budget, metrics
 
 
@@ -138,9 +134,8 @@ class BrokenCost:
 def test_an_error_recording_the_answer_still_frees_the_slot_and_settles_the_budget() -> None:
     gate, budget = gate_and_budget()
     policy = ProviderPolicy(gate=gate, metrics=BrokenCost(), latencies=Latencies(ManualClock()))
-    exchange = Answering(Usage(prompt_tokens=10, completion_tokens=90, known=True))
     with pytest.raises(RuntimeError, match="spend counter"):
-        asyncio.run(policy.serve(request(), exchange))  # type: ignore[arg-type]
+        asyncio.run(answered(policy, Usage(prompt_tokens=10, completion_tokens=90, known=True)))
     assert gate.in_flight == 0
     assert budget_left(budget) == BUDGET - 100  # what was not used came back
 

@@ -62,15 +62,15 @@ def test_a_full_queue_refuses_with_its_own_code_when_only_a_refusal_follows(
         )
         full = await s.router.reserve(Route("p", CAPACITY))
         assert full is not None
-        waiting = asyncio.create_task(queue.serve(request(tenant="heavy"), s.exchange()))
+        waiting = asyncio.create_task(queue.decide(request(tenant="heavy"), s.exchange()))
         await settle()
         if refused:
             with pytest.raises(QueueFull) as caught:
-                await queue.serve(request(tenant="heavy"), s.exchange())
+                await queue.decide(request(tenant="heavy"), s.exchange())
             assert caught.value.status == 503 and caught.value.code == "queue_full"
             assert caught.value.retry_after is not None and caught.value.retry_after > 0
         else:  # the next step may serve it
-            assert await queue.serve(request(tenant="heavy"), s.exchange()) is None
+            assert await queue.decide(request(tenant="heavy"), s.exchange()) is None
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
         await s.router.release(full)
