@@ -32,6 +32,7 @@ from gateway.errors import InvalidRequest, SpillgateError, error_response
 from gateway.front.auth import Authenticator, KeyRefusals
 from gateway.front.guard import head_bytes, head_too_large
 from gateway.front.pipeline import Pipeline, PipelineDeps, endpoint_rules
+from gateway.front.preemption import Preemptions
 from gateway.front.response_homes import ResponseHomes
 from gateway.front.tracing import build_tracing
 from gateway.metrics import MULTIPROC_ENV, GatewayMetrics
@@ -83,6 +84,9 @@ def create_app(
         )
     batches = Batches(store, settings=settings.batch, pools=pools, clock=clock)
     latencies = Latencies(clock)  # measured on the request path, read by the TTFT ladder
+    # the streams in flight that a waiter of a higher class may stop, in pools that allow it
+    preempt = {name: pool.settings.preempt for name, pool in pools.items() if pool.settings.preempt}
+    preemptions = Preemptions(router, preempt=preempt, clock=clock) if preempt else None
     policy_deps = PolicyDeps(
         settings=settings,
         latencies=latencies,
@@ -92,6 +96,7 @@ def create_app(
         redis=shared.redis if shared else None,
         batches=batches,
         service_feed=shared.service_feed if shared else None,
+        preempts=preemptions,
         providers=build_gates(
             settings.providers,
             environ=env,
@@ -132,6 +137,7 @@ def create_app(
         limiter=shared.limiter if shared else LocalRateLimiter(clock),
         router=router,
         chains=chains,
+        preemptions=preemptions,
         recorders=answer_recorders(chains),
         arrival_checks=arrival_checks(chains),
         services=service_counters(chains),

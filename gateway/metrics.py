@@ -237,6 +237,13 @@ class GatewayMetrics:
             "Streams cut mid-answer that were not continued, by reason",
             ["pool", "reason"], registry=r,
         )  # fmt: skip
+        self.preemptions = Counter(
+            "spillgate_preemptions",
+            "Requests in flight stopped to give their room to a waiter of a higher class, by "
+            "what became of them: requeued (stopped before their first byte, served later), "
+            "continued (the stream went on on the pool), ended (an error event or a 503)",
+            ["pool", "priority", "result"], registry=r,
+        )  # fmt: skip
         self.refused_keys = Counter(
             "spillgate_refused_keys", "Requests refused for their API key: missing or incorrect",
             ["reason"], registry=r,

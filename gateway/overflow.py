@@ -68,6 +68,13 @@ class OverflowContext(Protocol):
 
     def note_time(self, phase: str, seconds: float) -> None: ...
 
+    @property
+    def moving(self) -> bool:
+        """Whether the request is one the gateway stopped for more urgent work and now
+        finds room for again (a step that `moves_streams`): its service was counted when it
+        was first admitted."""
+        ...
+
     def retry_after(self, request: InferenceRequest) -> float: ...
 
     def degraded(
@@ -154,6 +161,10 @@ class OverflowPolicy(Protocol):
     # step may serve a request no backend of the pool could ever hold, and the TTFT ladder
     # may send a request there while the pool's own backends are too slow for it
     serves_elsewhere: ClassVar[bool]
+    # whether it may find room again on the pool for a request the gateway stopped for
+    # more urgent work, so that its stream goes on where it was (the queue): its decision
+    # for such a request is a `ServeHeld` on the request's own pool
+    moves_streams: ClassVar[bool]
 
     async def decide(
         self, request: InferenceRequest, exchange: OverflowContext
@@ -268,6 +279,16 @@ class QueueFeed(Protocol):
     def announce(self, pool: str, heads: list[tuple[Priority, str, int, int]]) -> None:
         """Tell the other replicas at once who waits here now (`waiting_heads`), without
         waiting for the next pass; never waits itself."""
+        ...
+
+
+class Preempts(Protocol):
+    """The requests in flight that more urgent work may stop (gateway/front/preemption.py)."""
+
+    def make_room(self, route: Route, priority: Priority) -> int:
+        """Stop the fewest requests of a class below `priority` in the route's pool whose
+        room lets the route fit; how many were stopped (0: none would make room, or room
+        already stopped is coming)."""
         ...
 
 

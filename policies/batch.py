@@ -31,6 +31,7 @@ class BatchPolicy:
     name: ClassVar[str] = "batch"
     endpoints: ClassVar[frozenset[Endpoint]] = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
     serves_elsewhere: ClassVar[bool] = False
+    moves_streams: ClassVar[bool] = False
 
     def __init__(self, batches: BatchIntake | None) -> None:
         self._batches = batches

@@ -26,6 +26,8 @@ class DegradePolicy:
     # stored response's continuation
     endpoints: ClassVar[frozenset[Endpoint]] = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
     serves_elsewhere: ClassVar[bool] = True
+    # a stream stopped for more urgent work does not go on in another model's words
+    moves_streams: ClassVar[bool] = False
 
     def __init__(
         self,

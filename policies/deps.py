@@ -20,6 +20,7 @@ from gateway.overflow import (
     OverflowPolicy,
     PolicyMetrics,
     PoolRoom,
+    Preempts,
     QueueFeed,
 )
 from policies.provider.gate import ProviderGate
@@ -40,6 +41,8 @@ class PolicyDeps:
     batches: BatchIntake | None = None  # the batch tier, which the `batch` step hands work to
     # shared mode: where the queues share their tenants' service and waiters (None: local)
     service_feed: QueueFeed | None = None
+    # the requests in flight that a waiter of a higher class may stop (None: never)
+    preempts: Preempts | None = None
 
 
 PolicyFactory = Callable[[PoolSettings, PolicyDeps], OverflowPolicy]

@@ -15,6 +15,7 @@ class RejectPolicy:
     name: ClassVar[str] = "reject"
     endpoints: ClassVar[frozenset[Endpoint]] = frozenset(Endpoint)
     serves_elsewhere: ClassVar[bool] = False
+    moves_streams: ClassVar[bool] = False
 
     async def decide(self, request: InferenceRequest, exchange: OverflowContext) -> Decision | None:
         raise Rejected(

@@ -396,3 +396,12 @@ class PoolSettings(_Model):
             "continuation (TGI's Messages API) ([how](architecture.md#continuing-a-stream))"
         ),
     )
+    preempt: list[Literal["sheddable", "standard"]] = Field(
+        ["sheddable"],
+        description=(
+            "the classes whose requests in flight a waiter of a higher class may stop to take "
+            "their room, each request at most once; a stopped stream goes on where it left "
+            "off once room frees. `[]`: never; `critical` is never preempted "
+            "([how](architecture.md#preemption))"
+        ),
+    )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Collection, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 
 from starlette.types import Send
 
@@ -16,6 +16,7 @@ from gateway.admission.routing.router import Router
 from gateway.clock import Clock
 from gateway.errors import NoRoomToRetry, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from gateway.front.legs import Legs
+from gateway.front.preemption import Preemptions, Running
 from gateway.front.prefill import DecodeLeg, PrefillLeg, Split
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import OUTCOME_HEADERS, Outcome
@@ -27,8 +28,12 @@ from gateway.upstream.relay import Relayed, StreamRelay, send_json_body
 from gateway.upstream.resume import refusal
 from gateway.upstream.retry import tried_again
 from gateway.upstream.served import Served
+from gateway.upstream.stop import Stop
 from gateway.upstream.target import Target
 from gateway.upstream.usage import Corrected
+
+# what finds a request the gateway stopped room in its pool again (Ladder.move)
+Mover = Callable[[InferenceRequest, "Exchange"], Awaitable[bool]]
 
 
 class _NoRoom(UpstreamUnavailable):
@@ -47,11 +52,15 @@ class Exchange:
         "forwarder",
         "held",
         "metrics",
+        "mover",
+        "moving",
         "prediction",
+        "preemptions",
         "prefill",
         "recorder",
         "router",
         "send",
+        "stopped",
         "timings",
     )  # fmt: skip
 
@@ -66,7 +75,11 @@ class Exchange:
         clock: Clock,
         held: HeldReservation,
         recorder: AnswerRecorder | None = None,
+        preemptions: Preemptions | None = None,
+        mover: Mover | None = None,
     ) -> None:
+        """`preemptions`: the requests in flight that more urgent work may stop; `mover`:
+        what finds a stopped request room in its pool again (the ladder's `move`)."""
         self.send = send
         self.base_headers = headers
         self.router = router
@@ -80,10 +93,18 @@ class Exchange:
         self.prediction: Prediction | None = None
         # in a pool with prefill backends, whether a prefill backend computed its prompt
         self.prefill: Split | None = None
+        self.preemptions = preemptions
+        self.mover = mover
+        # whether the request is one the gateway stopped and now finds room for again: its
+        # service was counted when it was first admitted
+        self.moving = False
+        self.stopped: str | None = None  # what became of it, if the gateway stopped it
 
     def headers(self, outcome: Outcome) -> list[tuple[bytes, bytes]]:
         """The gateway's own response headers, as ASGI wants them."""
         headers = [*self.base_headers, OUTCOME_HEADERS[outcome]]
+        if self.stopped is not None:  # it was stopped before its first byte, and requeued
+            headers.append((b"x-spillgate-preempted", self.stopped.encode()))
         if self.timings:
             phases = (f"{name};dur={sec * 1000:.1f}" for name, sec in self.timings.items())
             headers.append((b"server-timing", ", ".join(phases).encode()))
@@ -235,10 +256,12 @@ class Exchange:
         resumable: bool = False,
         relay: StreamRelay | None = None,
         upstream_headers: dict[str, str] | None = None,
+        stop: Stop | None = None,
     ) -> Awaitable[Relayed]:
         """Forward `request` to the backend it holds its reservation on, its answer relayed
         to the client as `outcome` (on `relay`: as the next leg of a stream cut before), with
-        `upstream_headers` besides the gateway's own (a decode leg's request id)."""
+        `upstream_headers` besides the gateway's own (a decode leg's request id); `stop` may
+        stop it (preemption)."""
         held = self.held.backend
         assert held is not None
         leg = Leg(
@@ -253,8 +276,36 @@ class Exchange:
             growth=growth,
             resumable=resumable,
             relay=relay,
+            stop=stop,
         )
         return self.forwarder.forward(leg)
+
+    def preemptible(self, request: InferenceRequest) -> Running | None:
+        """`request`, entered with the requests more urgent work may stop, if it may be."""
+        if self.preemptions is None or self.stopped is not None:
+            return None
+        return self.preemptions.enter(request, self.held)
+
+    def left(self, running: Running) -> None:
+        """`running` no longer runs as it was entered: stopped, or ended."""
+        assert self.preemptions is not None
+        self.preemptions.leave(running)
+
+    async def move(self, request: InferenceRequest) -> bool:
+        """Find room again in its pool for `request`, stopped for more urgent work: whether
+        it now holds a reservation."""
+        if self.mover is None:
+            return False
+        self.moving = True
+        try:
+            return await self.mover(request, self)
+        finally:
+            self.moving = False
+
+    def preempted(self, request: InferenceRequest, result: str) -> None:
+        """`request` was stopped for more urgent work, and `result` became of it."""
+        self.stopped = result
+        self.metrics.preemptions.labels(request.pool, request.priority, result).inc()
 
     def not_resumable(self, request: InferenceRequest) -> str | None:
         """Why `request`'s stream, cut mid-answer, could not go on on another backend (`off`:

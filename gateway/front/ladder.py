@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from gateway.admission.routing.router import Router
 from gateway.clock import Clock
-from gateway.errors import Rejected, UpstreamUnavailable
+from gateway.errors import Rejected, SpillgateError, UpstreamUnavailable
 from gateway.front.exchange import Exchange
 from gateway.front.refusals import never_fits
 from gateway.metrics import GatewayMetrics
@@ -84,6 +84,22 @@ class Ladder:
                     return served
             await exchange.release()
         return await self._climb(request, exchange, chain, arrived=arrived, trace=trace)
+
+    async def move(self, request: InferenceRequest, exchange: Exchange) -> bool:
+        """Find room again on its pool for `request`, which the gateway stopped for more
+        urgent work (gateway/front/preemption.py): the steps of its chain that `moves_streams`
+        decide, in order; whether it now holds a reservation there."""
+        for policy in self._chains[request.pool]:
+            if not policy.moves_streams:
+                continue
+            try:
+                decision = await policy.decide(request, exchange)
+            except SpillgateError:  # refused (a full queue): the next step may take it
+                continue
+            if isinstance(decision, ServeHeld) and decision.request.pool == request.pool:
+                return exchange.held.reservation is not None
+            exchange.prediction = None
+        return False
 
     @staticmethod
     async def carry_out(decision: Decision, exchange: Exchange) -> Served | None:

@@ -30,6 +30,7 @@ from gateway.front.admit import Admission
 from gateway.front.auth import Authenticator
 from gateway.front.exchange import Exchange
 from gateway.front.ladder import Ladder
+from gateway.front.preemption import Preemptions
 from gateway.front.prepare import Preparer
 from gateway.front.request import header_text, request_headers
 from gateway.front.response_homes import ResponseHomes, ResponseIdRecorder
@@ -93,6 +94,8 @@ class PipelineDeps:
     services: Mapping[str, CountsService] = field(default_factory=dict)
     homes: ResponseHomes = field(default_factory=ResponseHomes)  # where responses are stored
     adapters: AdapterLoader | None = None  # loads a LoRA adapter no backend serves
+    # the streams in flight that a waiter of a higher class may stop (None: no pool allows)
+    preemptions: Preemptions | None = None
 
 
 class Pipeline:
@@ -118,6 +121,7 @@ class Pipeline:
             metrics=deps.metrics,
             clock=deps.clock,
         )
+        self._move = self._ladder.move
         self._settle = Settlement(
             limiter=deps.limiter,
             metrics=deps.metrics,
@@ -213,6 +217,8 @@ class Pipeline:
             clock=d.clock,
             held=held,
             recorder=self._recorder(request, held),
+            preemptions=d.preemptions,
+            mover=self._move,
         )
         admitted: bool | None = None  # not tried yet
         if d.shared:

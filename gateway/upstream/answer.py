@@ -108,6 +108,24 @@ def sse_error_event(message: str, *, code: str = "upstream_error") -> bytes:
     return b"data: " + orjson.dumps(error) + b"\n\n" + DONE
 
 
+def preempted_event(retry_after: float) -> bytes:
+    """The end of a stream the gateway stopped for more urgent work and could not go on
+    with: an error event whose `retry_after` (seconds) says when to send it again, the
+    hint a 503's `Retry-After` header gives where headers can still be sent."""
+    seconds = max(1, round(retry_after))
+    error = {
+        "error": {
+            "message": "This stream was preempted by more urgent work and could not go on; "
+            f"retry after {seconds} s.",
+            "type": "server_error",
+            "param": None,
+            "code": "preempted",
+            "retry_after": seconds,
+        }
+    }
+    return b"data: " + orjson.dumps(error) + b"\n\n" + DONE
+
+
 # an event's data that carries an error instead of a chunk of the answer
 ERROR_DATA = re.compile(rb'\s*\{\s*"error"\s*:')
 # a batch of events where one may carry an error (a cheap first look)

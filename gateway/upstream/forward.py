@@ -33,6 +33,7 @@ from gateway.upstream.relay import (
     send_json_body,
 )
 from gateway.upstream.resume import count_body
+from gateway.upstream.stop import Stop
 from gateway.upstream.target import Target
 from gateway.upstream.usage import AnswerFlaws
 
@@ -109,8 +110,9 @@ class Leg(NamedTuple):
     `timeouts.total` from its start), `upstream_headers` sent on besides the gateway's own
     (the trace's context, a decode leg's request id). A stream's `growth` grows its
     reservation; a `resumable` one that breaks off mid-answer is left open (`Relayed.cut`);
-    `relay` is such a stream, which this leg continues (gateway/upstream/resume.py). (A
-    NamedTuple: one is made for every request.)"""
+    `relay` is such a stream, which this leg continues (gateway/upstream/resume.py); `stop`
+    may stop a stream's answer at its upstream (gateway/upstream/stop.py). (A NamedTuple:
+    one is made for every request.)"""
 
     target: Target
     request: InferenceRequest
@@ -123,6 +125,7 @@ class Leg(NamedTuple):
     growth: StreamWatch | None = None
     resumable: bool = False
     relay: StreamRelay | None = None
+    stop: Stop | None = None
 
 
 class Forwards(Protocol):
@@ -236,7 +239,7 @@ class Forwarder:
         Its `deadline` ends the whole exchange, earlier attempts included.
         """
         (target, request, public_model, send, headers, recorder, deadline, upstream_headers,
-         growth, resumable, relay) = leg  # fmt: skip
+         growth, resumable, relay, stop) = leg  # fmt: skip
         clock = self._clock
         now = clock.monotonic()
         t = target.timeouts
@@ -272,7 +275,11 @@ class Forwarder:
         except (TimeoutError, TransportError) as exc:
             raise _unavailable(exc, answered=False, target=target) from None
         done = False
+        if stop is not None:
+            stop.watch(response)
         try:
+            if stop is not None and stop.fired:  # stopped while its head was on the way
+                raise UpstreamUnavailable("preempted")
             if _refused(response):
                 # its connection serves the next request if the refusal is read to its end
                 await self._drain(response, deadline)
@@ -324,6 +331,8 @@ class Forwarder:
                     max_kept_bytes=bounds.kept_bytes,
                 )
                 await relay.start(status=200, headers=[*SSE_HEADERS, *headers])
+            if stop is not None:
+                stop.relay = relay
             relayed = await relay_stream(
                 chunks,
                 relay=relay,
@@ -337,6 +346,8 @@ class Forwarder:
                 self._flaws.not_kept(target.name)  # no leg follows: it cannot be continued
             return self._told(target, relayed)
         finally:
+            if stop is not None:
+                stop.unwatch()
             # a fully read response gives its connection back; anything else closes it,
             # which is also how an abandoned request is cancelled at the upstream
             if done:

@@ -157,6 +157,14 @@ class Response:
         if connection is not None:
             connection.done(reuse=False)
 
+    def abort(self, failure: TransportError) -> None:
+        """Stop the answer from outside, as the gateway preempts a request: its connection
+        closes (an engine aborts a request whose connection closed, and frees its KV
+        blocks) and a read waiting on it raises `failure`."""
+        self.close()
+        if not self.complete and self._failure is None:
+            self._failed(failure)
+
     async def _arrival(self) -> None:
         if self._failure is not None:
             raise self._failure

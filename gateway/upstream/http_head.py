@@ -32,6 +32,18 @@ class ConnectionClosed(TransportError):
     """The connection closed before the answer ended."""
 
 
+class Preempted(TransportError):
+    """The gateway stopped the request at its upstream: more urgent work took its room
+    (gateway/upstream/stop.py)."""
+
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(
+            "This request was preempted by more urgent work and could not go on; "
+            f"retry after {retry_after:.0f} s."
+        )
+        self.retry_after = retry_after
+
+
 class ProtocolError(TransportError):
     """The upstream's bytes were not HTTP/1.1, or not within the client's bounds."""
 

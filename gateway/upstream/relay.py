@@ -35,10 +35,11 @@ from gateway.upstream.answer import (
     error_data,
     event_json,
     failure_event,
+    preempted_event,
     sse_error_event,
 )
 from gateway.upstream.deadline import Deadline
-from gateway.upstream.http_head import ProtocolError, TransportError
+from gateway.upstream.http_head import Preempted, ProtocolError, TransportError
 from gateway.upstream.resume import NOTHING, Partial, read_partial
 from gateway.upstream.usage import Corrected, checked_usage
 
@@ -215,6 +216,13 @@ class StreamRelay:
     def finished(self) -> bool:
         """A finishing event arrived and is held: the answer ended before the cut."""
         return self._held is not None
+
+    async def comment(self, text: bytes) -> None:
+        """Tell the client `text` in an SSE comment line, between two events (clients
+        ignore comments; a person reading the stream sees it)."""
+        await self._send(
+            {"type": "http.response.body", "body": b": " + text + b"\n\n", "more_body": True}
+        )
 
     async def end(self, last: bytes = b"") -> None:
         """Close the client's stream with `last`, what is held going first."""
@@ -439,14 +447,17 @@ async def relay_stream(
                     budget.push(min(idle_s, deadline - clock.monotonic()))
     except (TimeoutError, TransportError, OSError) as exc:
         message = "The upstream stopped responding mid-stream; the response is incomplete."
-        if isinstance(exc, UpstreamFailed | EventTooLarge):
+        if isinstance(exc, UpstreamFailed | EventTooLarge | Preempted):
             message = str(exc)
         elif not isinstance(exc, TimeoutError):
             message = f"The upstream connection failed mid-stream: {type(exc).__name__}."
         if relay.kept is not None:
             return _relayed(relay, completed=False, cut=StreamCut(relay, message))
         await relay.flush()
-        await relay.end(sse_error_event(message))
+        if isinstance(exc, Preempted):
+            await relay.end(preempted_event(exc.retry_after))
+        else:
+            await relay.end(sse_error_event(message))
         return _relayed(relay, completed=False)
     await relay.flush()
     failed = bool(relay.upstream_error)

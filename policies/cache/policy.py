@@ -89,6 +89,7 @@ class CachePolicy:
     # the cache holds chat and completion text
     endpoints: ClassVar[frozenset[Endpoint]] = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS})
     serves_elsewhere: ClassVar[bool] = False
+    moves_streams: ClassVar[bool] = False
 
     def __init__(self, settings: CacheSettings, *, store: ResponseCache) -> None:
         self._settings = settings

@@ -51,6 +51,7 @@ class ProviderPolicy:
         {Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.EMBEDDINGS}
     )
     serves_elsewhere: ClassVar[bool] = True
+    moves_streams: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -48,6 +48,7 @@ from gateway.overflow import (
     Latencies,
     OverflowContext,
     PoolRoom,
+    Preempts,
     QueueFeed,
     QueueMetrics,
     Rival,
@@ -84,6 +85,7 @@ class QueuePolicy:
     name: ClassVar[str] = "queue"
     endpoints: ClassVar[frozenset[Endpoint]] = frozenset(Endpoint)
     serves_elsewhere: ClassVar[bool] = False
+    moves_streams: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -95,8 +97,10 @@ class QueuePolicy:
         ttft_budgets_s: Mapping[str, float],
         latencies: Latencies | None = None,
         feed: QueueFeed | None = None,
+        preempts: Preempts | None = None,
     ) -> None:
         self._pool = pool.name
+        self._preempts = preempts
         self._max_wait_s = pool.queue.max_wait_s
         self._room = room
         self._metrics = metrics
@@ -151,6 +155,7 @@ class QueuePolicy:
             ttft_budgets_s=budgets,
             latencies=deps.latencies,
             feed=deps.service_feed,
+            preempts=deps.preempts,
         )
 
     def __len__(self) -> int:
@@ -253,7 +258,8 @@ class QueuePolicy:
                 )
             return None
         exchange.note_time("queue", self._clock.monotonic() - started)
-        self.service.attain(request)
+        if not exchange.moving:  # a stopped request's service counted when it first came
+            self.service.attain(request)
         # should its backend fail it before a byte while the rest are full, it passes on
         return ServeHeld(request, Outcome.QUEUED)
 
@@ -353,12 +359,16 @@ class QueuePolicy:
                     self._queue.remove(waiter)
                     continue
                 request = entry.request
-                if not self._room.has_room(Route.of(request)):
+                route = Route.of(request)
+                if not self._room.has_room(route):
                     if request.adapter is not None or request.avoid:
                         # it may go to some backends only: room on the others is not
                         # its, and its line must not hold back the lines behind it
                         passed.add((waiter.priority, waiter.tenant))
                         continue
+                    if self._preempts is not None and waiter.priority != "sheddable":
+                        # lower-class work in flight gives way: its release drains again
+                        self._preempts.make_room(route, waiter.priority)
                     return  # the next release, or this waiter leaving, drains again
                 if self._fleet.rivals and self._fleet.gives_way(
                     waiter.priority, waiter.tenant, self._kick

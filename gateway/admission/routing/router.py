@@ -301,15 +301,21 @@ class Router:
     def has_room(self, route: Route) -> bool:
         """Whether `reserve` would find room for `route` now (from the last known tokens in
         flight), by the same filters and the same rule of where a request fits."""
+        return any(short == 0 for _, short in self.shortfalls(route))
+
+    def shortfalls(self, route: Route) -> list[tuple[str, int]]:
+        """For each backend the route's filters keep and that could ever hold its request:
+        the tokens in flight there that must be released before it fits, by `has_room`'s
+        rule (0: it fits now)."""
         held = self.ledger.tokens_in_flight
+        short = []
         for c in self._candidates(route, self.clock.monotonic()):
             fit = self._fit_limit(c.backend, c.need, limit=c.limit, capacity=c.capacity)
             if fit is None:
                 continue
             cost = c.cost if fit == c.limit else c.need  # alone, it shares nothing
-            if held(c.backend.name) + cost <= fit:
-                return True
-        return False
+            short.append((c.backend.name, max(0, held(c.backend.name) + cost - fit)))
+        return short
 
     def fits_ever(self, route: Route) -> bool:
         """Whether any backend of the route's pool (serving its adapter, when it names one)

@@ -1,0 +1,281 @@
+"""Preemption: a critical request never waits behind sheddable streams already running. The
+gateway stops the fewest of them, the engine frees their blocks, and each stopped stream
+waits in the pool's queue and goes on where it was: one stream, one id, usage counted once.
+Real processes: a simulated vLLM and the gateway under uvicorn, clients over loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from gateway.admission.fleet.metrics_text import samples, total
+from gateway.capacity.perf import StepCost
+from loadtest.sim.config import DEFAULT_STEP_COST, SimConfig
+from tests.support.fleet import Fleet, run_fleet
+from tests.support.metrics import metrics_text
+from tests.support.overflow import async_client, chat, sample, wait_for
+
+STREAM_TOKENS = 200  # a sheddable stream's answer: long beside a critical one's
+SLOTS = 2  # sheddable streams the pool holds at once
+HELD = 208  # what one holds: its answer and the gateway's estimate of its prompt, in blocks
+CAPACITY = SLOTS * HELD + 8  # full: less than a block left
+
+
+def pool_options(**extra: Any) -> dict[str, Any]:
+    return {
+        "target_fill": 1.0,
+        "overflow": ["queue", "reject"],
+        "queue": {"max_wait_s": 30},
+        # the whole answer reserved up front: the pool is full with SLOTS streams
+        "reservation": {"mode": "max_tokens"},
+        **extra,
+    }
+
+
+def start(*, step_cost: StepCost | None = None, **extra: Any) -> Iterator[Fleet]:
+    with run_fleet(
+        pools={"big": [SimConfig(model="m", kv_tokens=8192, step_cost=step_cost)]},
+        pool_options={"big": pool_options(**extra)},
+        capacity={"big": CAPACITY},
+        tenants={
+            "bulk": {"priority": "sheddable", "requests_per_minute": 100_000},
+            "steady": {"priority": "standard", "requests_per_minute": 100_000},
+            "vip": {"priority": "critical", "requests_per_minute": 100_000},
+        },
+    ) as f:
+        yield f
+
+
+@pytest.fixture
+def fleet() -> Iterator[Fleet]:
+    yield from start()
+
+
+@dataclass
+class Stream:
+    """One streamed answer as its client read it."""
+
+    status: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+    ids: set[str] = field(default_factory=set)
+    text: str = ""
+    comments: list[str] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    done: bool = False
+    first_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def stream(client: httpx.AsyncClient, out: Stream, *, max_tokens: int) -> Stream:
+    body = chat("go on", max_tokens=max_tokens, stream=True)
+    body["stream_options"] = {"include_usage": True}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        out.status, out.headers = response.status_code, dict(response.headers)
+        async for line in response.aiter_lines():
+            if line.startswith(":"):
+                out.comments.append(line)
+            elif line == "data: [DONE]":
+                out.done = True
+            elif line.startswith("data: "):
+                event = orjson.loads(line[6:])
+                out.first_event.set()
+                if "error" in event:
+                    out.error = event["error"]
+                    continue
+                out.ids.add(event["id"])
+                if event.get("usage"):
+                    out.usage = event["usage"]
+                for choice in event.get("choices", ()):
+                    out.text += choice["delta"].get("content") or ""
+    out.first_event.set()
+    return out
+
+
+def preemptions(fleet: Fleet, result: str) -> float:
+    return (
+        sample(
+            fleet, "spillgate_preemptions_total", pool="big", priority="sheddable", result=result
+        )
+        or 0.0
+    )
+
+
+def running_on_engine(fleet: Fleet) -> float:
+    found = total(samples(metrics_text(fleet.backends["big"][0].url)), "vllm:num_requests_running")
+    assert found is not None
+    return found
+
+
+async def one_by_one(
+    client: httpx.AsyncClient, count: int, *, max_tokens: int
+) -> tuple[list[Stream], list[asyncio.Task[Stream]]]:
+    """`count` streams, each sent once the one before it streams (the first is the oldest)."""
+    streams = [Stream() for _ in range(count)]
+    tasks = []
+    for s in streams:
+        tasks.append(asyncio.create_task(stream(client, s, max_tokens=max_tokens)))
+        await s.first_event.wait()
+    return streams, tasks
+
+
+async def flood_then(
+    fleet: Fleet, *, urgent_tenant: str, urgent_tokens: int = 5, urgent_count: int = 1
+) -> tuple[list[Stream], list[Stream]]:
+    """SLOTS sheddable streams fill the pool; once each streams, `urgent_count` requests of
+    `urgent_tenant` come one after another; every answer as its client read it."""
+    async with (
+        async_client(fleet, "bulk", timeout=60) as bulk,
+        async_client(fleet, urgent_tenant, timeout=60) as urgent,
+    ):
+        flood, tasks = await one_by_one(bulk, SLOTS, max_tokens=STREAM_TOKENS)
+        urgents = []
+        for _ in range(urgent_count):
+            urgents.append(await stream(urgent, Stream(), max_tokens=urgent_tokens))
+        await asyncio.gather(*tasks)
+    return flood, urgents
+
+
+def whole(s: Stream) -> bool:
+    """One stream from one id to [DONE], its answer's every token counted once."""
+    return (
+        s.status == 200
+        and s.done
+        and s.error is None
+        and len(s.ids) == 1
+        and s.usage is not None
+        and s.usage["completion_tokens"] == STREAM_TOKENS
+    )
+
+
+def test_a_critical_request_stops_one_sheddable_stream_which_goes_on_whole(fleet: Fleet) -> None:
+    flood, (vip,) = asyncio.run(flood_then(fleet, urgent_tenant="vip"))
+    assert vip.status == 200 and vip.done and vip.headers["x-spillgate-outcome"] == "queued"
+    # it did not wait for a sheddable stream to end by itself
+    assert all(s.done for s in flood) and all(whole(s) for s in flood), flood
+    stopped = [s for s in flood if s.comments]
+    assert len(stopped) == 1  # the fewest: one stream's room was enough
+    assert stopped[0].comments[0].startswith(": spillgate preempted; resumed after ")
+    assert stopped[0] is flood[-1]  # the newest, fewest tokens sent
+    assert preemptions(fleet, "continued") == 1
+    assert preemptions(fleet, "ended") == 0
+
+
+def test_the_engine_frees_a_stopped_streams_blocks_while_it_waits(fleet: Fleet) -> None:
+    async def scenario() -> None:
+        async with (
+            async_client(fleet, "bulk", timeout=60) as bulk,
+            async_client(fleet, "vip", timeout=60) as vip,
+        ):
+            flood, tasks = await one_by_one(bulk, SLOTS, max_tokens=STREAM_TOKENS)
+            assert running_on_engine(fleet) == SLOTS
+            # a long critical stream: the stopped one waits until it ends
+            held = Stream()
+            urgent = asyncio.create_task(stream(vip, held, max_tokens=STREAM_TOKENS))
+            await wait_for(lambda: bool(held.text))
+            # the engine runs the critical stream and the one left: the stopped one was
+            # aborted there when its connection closed
+            await wait_for(lambda: running_on_engine(fleet) == SLOTS)
+            assert not flood[-1].done
+            await asyncio.gather(urgent, *tasks)
+            assert all(whole(s) for s in flood)
+
+    asyncio.run(scenario())
+
+
+def test_no_preemption_within_a_class_nor_of_standard_work(fleet: Fleet) -> None:
+    async def same_class() -> list[Stream]:
+        async with async_client(fleet, "bulk", timeout=60) as bulk:
+            streams = [Stream() for _ in range(SLOTS + 1)]
+            tasks = [asyncio.create_task(stream(bulk, s, max_tokens=40)) for s in streams]
+            return list(await asyncio.gather(*tasks))
+
+    answers = asyncio.run(same_class())
+    assert all(s.done and not s.comments for s in answers)
+    assert total(samples(fleet.metrics_text()), "spillgate_preemptions_total") is None
+
+    async def standard_then_critical() -> tuple[list[Stream], Stream]:
+        async with (
+            async_client(fleet, "steady", timeout=60) as steady,
+            async_client(fleet, "vip", timeout=60) as vip,
+        ):
+            _, tasks = await one_by_one(steady, SLOTS, max_tokens=60)
+            urgent = await stream(vip, Stream(), max_tokens=5)
+            return list(await asyncio.gather(*tasks)), urgent
+
+    streams, urgent = asyncio.run(standard_then_critical())
+    assert urgent.done and all(s.done and not s.comments for s in streams)
+    assert total(samples(fleet.metrics_text()), "spillgate_preemptions_total") is None
+
+
+def test_a_stream_is_preempted_at_most_once(fleet: Fleet) -> None:
+    flood, urgents = asyncio.run(flood_then(fleet, urgent_tenant="vip", urgent_count=2))
+    assert all(u.done and u.status == 200 for u in urgents)
+    assert all(whole(s) for s in flood)
+    # the first critical request stopped the newest stream; the second found it marked and
+    # stopped the other
+    assert [len(s.comments) for s in flood] == [1, 1]
+    assert preemptions(fleet, "continued") == 2
+
+
+@pytest.fixture
+def short_wait_fleet() -> Iterator[Fleet]:
+    yield from start(queue={"max_wait_s": 0.5})
+
+
+def test_a_stream_with_no_room_back_within_its_wait_ends_with_a_clean_error(
+    short_wait_fleet: Fleet,
+) -> None:
+    fleet = short_wait_fleet
+    flood, (vip,) = asyncio.run(flood_then(fleet, urgent_tenant="vip", urgent_tokens=STREAM_TOKENS))
+    assert vip.done and vip.error is None
+    stopped = [s for s in flood if s.error is not None]
+    assert len(stopped) == 1
+    error = stopped[0].error
+    assert error is not None and error["code"] == "preempted"
+    assert error["retry_after"] >= 1 and "retry after" in error["message"]
+    assert stopped[0].done  # ended, not cut: [DONE] follows the error event
+    assert preemptions(fleet, "ended") == 1
+
+
+@pytest.fixture
+def slow_prefill_fleet() -> Iterator[Fleet]:
+    # a prompt takes about a second to prefill: a stream admitted a moment ago has sent no
+    # byte yet (decoding keeps its usual pace)
+    yield from start(step_cost=dataclasses.replace(DEFAULT_STEP_COST, flops_per_s=1e11))
+
+
+def test_a_request_stopped_before_its_first_byte_is_served_later_from_the_start(
+    slow_prefill_fleet: Fleet,
+) -> None:
+    fleet = slow_prefill_fleet
+
+    async def scenario() -> tuple[list[Stream], Stream]:
+        async with (
+            async_client(fleet, "bulk", timeout=60) as bulk,
+            async_client(fleet, "vip", timeout=60) as vip,
+        ):
+            flood = [Stream() for _ in range(SLOTS)]
+            tasks = [asyncio.create_task(stream(bulk, s, max_tokens=STREAM_TOKENS)) for s in flood]
+            await wait_for(lambda: active_sessions(fleet) == SLOTS)
+            assert not any(s.first_event.is_set() for s in flood)
+            urgent = await stream(vip, Stream(), max_tokens=5)
+            return list(await asyncio.gather(*tasks)), urgent
+
+    flood, urgent = asyncio.run(scenario())
+    assert urgent.done and urgent.headers["x-spillgate-outcome"] == "queued"
+    assert all(whole(s) for s in flood)
+    requeued = [s for s in flood if "x-spillgate-preempted" in s.headers]
+    assert len(requeued) == 1 and requeued[0].headers["x-spillgate-preempted"] == "requeued"
+    assert not requeued[0].comments  # its client saw only a later first token
+    assert preemptions(fleet, "requeued") == 1
+
+
+def active_sessions(fleet: Fleet) -> float:
+    return sample(fleet, "spillgate_active_sessions", backend="big-0") or 0.0
