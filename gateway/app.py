@@ -87,6 +87,8 @@ def create_app(
     # the streams in flight that a waiter of a higher class may stop, in pools that allow it
     preempt = {name: pool.settings.preempt for name, pool in pools.items() if pool.settings.preempt}
     preemptions = Preemptions(router, preempt=preempt, clock=clock) if preempt else None
+    if shared is not None:  # a waiter at another replica may call on this one's requests
+        shared.service_feed.preempts = preemptions
     policy_deps = PolicyDeps(
         settings=settings,
         latencies=latencies,

@@ -281,14 +281,24 @@ class QueueFeed(Protocol):
         waiting for the next pass; never waits itself."""
         ...
 
+    def call_preemption(self, pool: str, priority: Priority, tokens: int, sequences: int) -> None:
+        """Ask the other replicas to stop lower-class work of theirs so that a waiter here
+        of `priority` and `sequences` × `tokens` fits in `pool`; one of them answers (the
+        first to claim the call); never waits itself."""
+        ...
+
 
 class Preempts(Protocol):
     """The requests in flight that more urgent work may stop (gateway/front/preemption.py)."""
 
-    def make_room(self, route: Route, priority: Priority) -> int:
+    def make_room(self, route: Route, priority: Priority) -> bool:
         """Stop the fewest requests of a class below `priority` in the route's pool whose
-        room lets the route fit; how many were stopped (0: none would make room, or room
-        already stopped is coming)."""
+        room lets the route fit; whether room is made or coming. False: nothing this
+        replica runs would make room."""
+        ...
+
+    def could_make_room(self, route: Route, priority: Priority) -> bool:
+        """Whether `make_room` would stop any request here now."""
         ...
 
 

@@ -68,13 +68,32 @@ class Preemptions:
     def leave(self, running: Running) -> None:
         self._running[running.request.pool].discard(running)
 
-    def make_room(self, route: Route, priority: Priority) -> int:
+    def make_room(self, route: Route, priority: Priority) -> bool:
         """Stop the fewest requests of a class below `priority` in the route's pool whose
-        room lets the route fit on one backend; how many were stopped (0: none would make
-        room, or room already stopped is coming where it fits)."""
+        room lets the route fit on one backend; whether room is made or coming (stopped
+        now, or before and not yet released). False: nothing here would make room."""
+        victims = self._victims(route, priority)
+        if victims is None:
+            return False
+        for running in victims:
+            stopped = running.request
+            running.stop.fire(
+                retry_after=self._router.retry_after(
+                    stopped.pool, stopped.sequence_tokens, sequences=stopped.n
+                )
+            )
+        return True
+
+    def could_make_room(self, route: Route, priority: Priority) -> bool:
+        """Whether `make_room` would stop any request here now."""
+        return bool(self._victims(route, priority))
+
+    def _victims(self, route: Route, priority: Priority) -> list[Running] | None:
+        """The requests to stop for `route` ([]: none, room is coming where it fits);
+        None where the requests here would not make room."""
         entries = self._running.get(route.pool)
         if not entries:
-            return 0
+            return None
         rank = PRIORITIES.index(priority)
         coming: dict[str, int] = {}  # room stopped requests have yet to release
         victims: dict[str, list[Running]] = {}
@@ -92,7 +111,7 @@ class Preemptions:
         for backend, short in self._router.shortfalls(route):
             short -= coming.get(backend, 0)
             if short <= 0:
-                return 0  # it fits there, or will once what was stopped is released
+                return []  # it fits there, or will once what was stopped is released
             chosen, freed = [], 0
             for running in sorted(victims.get(backend, ()), key=Running.loss):
                 chosen.append(running)
@@ -101,16 +120,7 @@ class Preemptions:
                     break
             if freed >= short and (best is None or len(chosen) < len(best)):
                 best = chosen
-        if best is None:
-            return 0
-        for running in best:
-            stopped = running.request
-            running.stop.fire(
-                retry_after=self._router.retry_after(
-                    stopped.pool, stopped.sequence_tokens, sequences=stopped.n
-                )
-            )
-        return len(best)
+        return best
 
 
 def _own_tokens(running: Running) -> int:

@@ -21,6 +21,13 @@ travels with the process's other calls, never awaited by a request), and every r
 hears the others' announcements as they come: a light tenant or a higher class waiting at
 one replica holds the room at the others without waiting for the next pass.
 
+A waiter of a higher class that does not fit, where this replica runs nothing of a lower
+class to stop for it (gateway/front/preemption.py), calls for a preemption on the same
+channel (`call_preemption`: at most one call per pool every CALL_GAP_S). Every replica that
+runs lower-class work whose room would let the waiter fit claims the call (`SET NX` on
+`spillgate:preempt:{POOL}:CALL`, off the request path); the one that claims it first stops
+its requests for the waiter, the others leave theirs running.
+
 A failed or slow pass leaves the queues on this replica's own figures and with no rivals
 elsewhere: the local order, never a failed request.
 """
@@ -31,6 +38,7 @@ import asyncio
 import logging
 import math
 import secrets
+import time
 from typing import Any
 
 import orjson
@@ -38,7 +46,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from gateway.config import PRIORITIES, Priority
-from gateway.overflow import Rival, SharedQueue
+from gateway.overflow import Preempts, Rival, Route, SharedQueue
 from gateway.redis_io.batch import BatchScript, RedisBatcher
 from gateway.shared.feed import PoolPasses, Subscriber
 
@@ -50,6 +58,13 @@ WAITING_TTL_S = 60  # the waiting hash of a pool no replica queues for goes
 ANNOUNCEMENTS = "spillgate:waiting"  # the channel: "POOL REPLICA HEADS-JSON"
 # KEYS: the pool's waiting hash (where a cluster runs it); ARGV: channel, message
 ANNOUNCE = BatchScript("return redis.call('PUBLISH', ARGV[1], ARGV[2])")
+PREEMPT_PREFIX = "spillgate:preempt:"
+CALL_GAP_S = 0.25  # a pool's waiter calls on the others at most this often
+CLAIM_TTL_MS = 5000  # a call is answered once: later claims of it find it taken
+# KEYS: the call's claim; ARGV: replica id, the claim's TTL (ms) → 1 for the first claim
+CLAIM = BatchScript(
+    "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end return 0"
+)
 # ARGV: half-life, the service hash's TTL, replica id, freshness (s), this replica's
 # waiters (JSON, "" for none), then tenant, delta pairs
 FEED_PASS = BatchScript(
@@ -138,6 +153,9 @@ class ServiceFeed(PoolPasses[SharedQueue]):
         self._queues: dict[str, SharedQueue] = {}
         super().__init__(self._pass_pool, self._queues, every_s=every_s, name="service-feed")
         self._announcing: set[asyncio.Task[Any]] = set()
+        # the requests this replica runs that may be stopped for a waiter elsewhere
+        self.preempts: Preempts | None = None
+        self._called: dict[str, float] = {}  # pool → when a waiter here last called
         self._heard = (
             None
             if redis is None
@@ -150,10 +168,22 @@ class ServiceFeed(PoolPasses[SharedQueue]):
         self._queues[pool] = queue
 
     def announce(self, pool: str, heads: list[tuple[Priority, str, int, int]]) -> None:
-        message = f"{pool} {self.replica_id} {orjson.dumps(heads).decode()}"
-        call = self._batch.submit(
-            ANNOUNCE, [waiting_key(pool)], [ANNOUNCEMENTS, message], budget_s=self._timeout_s
-        )
+        self._publish(pool, orjson.dumps(heads).decode())
+
+    def call_preemption(self, pool: str, priority: Priority, tokens: int, sequences: int) -> None:
+        now = time.monotonic()
+        if now - self._called.get(pool, -math.inf) < CALL_GAP_S:
+            return
+        self._called[pool] = now
+        call = secrets.token_hex(6)
+        self._publish(pool, orjson.dumps({"preempt": [priority, tokens, sequences, call]}).decode())
+
+    def _publish(self, pool: str, text: str) -> None:
+        message = f"{pool} {self.replica_id} {text}"
+        self._submit(ANNOUNCE, [waiting_key(pool)], [ANNOUNCEMENTS, message])
+
+    def _submit(self, script: BatchScript, keys: list[str], args: list[str | int]) -> None:
+        call = self._batch.submit(script, keys, args, budget_s=self._timeout_s)
         task = asyncio.ensure_future(call)
         self._announcing.add(task)
         task.add_done_callback(self._announced)
@@ -164,12 +194,41 @@ class ServiceFeed(PoolPasses[SharedQueue]):
             log.debug("an announcement of waiters failed: %r", task.exception())
 
     def heard(self, data: Any) -> None:
-        """One replica's announcement: handed to its pool's queue here."""
+        """One replica's announcement, handed to its pool's queue here; or its call for a
+        preemption, claimed where this replica could answer it."""
         pool, _, rest = _text(data).partition(" ")
         replica, _, heads = rest.partition(" ")
         queue = self._queues.get(pool)
-        if queue is not None and replica and replica != self.replica_id:
+        if queue is None or not replica or replica == self.replica_id:
+            return
+        if heads.startswith("{"):
+            self._called_on(pool, heads)
+        else:
             queue.rivals_heard(replica, _rivals(replica, heads))
+
+    def _called_on(self, pool: str, text: str) -> None:
+        try:
+            priority, tokens, sequences, call = orjson.loads(text)["preempt"]
+            route = Route(pool, int(tokens), int(sequences))
+        except (ValueError, TypeError, KeyError):
+            log.debug("skipped a malformed preemption call: %r", text)
+            return
+        preempts = self.preempts
+        if priority not in PRIORITIES or preempts is None:
+            return
+        if preempts.could_make_room(route, priority):
+            task = asyncio.ensure_future(self._answer(route, priority, str(call)))
+            self._announcing.add(task)
+            task.add_done_callback(self._announced)
+
+    async def _answer(self, route: Route, priority: Priority, call: str) -> None:
+        """Claim the call; the first replica to claim it stops its requests for it."""
+        key = f"{PREEMPT_PREFIX}{{{route.pool}}}:{call}"
+        claimed = await self._batch.submit(
+            CLAIM, [key], [self.replica_id, CLAIM_TTL_MS], budget_s=self._timeout_s
+        )
+        if int(claimed) == 1 and self.preempts is not None:
+            self.preempts.make_room(route, priority)
 
     async def start(self) -> None:
         await super().start()

@@ -71,6 +71,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "loadtest.bench.disagg",
         "prefill and decode on different engines against a unified pool, either leg failing",
     ),
+    "preempt": (
+        "loadtest.bench.preempt",
+        "critical requests into a pool full of sheddable streams, with and without preemption",
+    ),
     "soak": ("loadtest.soak", "minutes of mixed load with faults injected, resources sampled"),
     "tools": ("loadtest.tools.run", "guidellm and inference-perf, direct and through the gateway"),
 }

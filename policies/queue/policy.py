@@ -366,9 +366,8 @@ class QueuePolicy:
                         # its, and its line must not hold back the lines behind it
                         passed.add((waiter.priority, waiter.tenant))
                         continue
-                    if self._preempts is not None and waiter.priority != "sheddable":
-                        # lower-class work in flight gives way: its release drains again
-                        self._preempts.make_room(route, waiter.priority)
+                    if waiter.priority != "sheddable":
+                        self._make_room(route, waiter.priority)
                     return  # the next release, or this waiter leaving, drains again
                 if self._fleet.rivals and self._fleet.gives_way(
                     waiter.priority, waiter.tenant, self._kick
@@ -391,6 +390,14 @@ class QueuePolicy:
                 self._depth_changed()
         except Exception:
             log.exception("draining the queue of pool %s failed", self._pool)
+
+    def _make_room(self, route: Route, priority: Priority) -> None:
+        """Have lower-class work in flight give way to a waiter of `priority` that does not
+        fit: here, else (shared mode) at another replica; its release drains again."""
+        if self._preempts is None or self._preempts.make_room(route, priority):
+            return
+        if self._feed is not None:
+            self._feed.call_preemption(self._pool, priority, route.tokens, route.sequences)
 
 
 def _decide(decided: asyncio.Future[QueueResult], result: QueueResult) -> None:

@@ -8,11 +8,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-import orjson
 import pytest
 
 from gateway.admission.fleet.metrics_text import samples, total
@@ -20,12 +17,16 @@ from gateway.capacity.perf import StepCost
 from loadtest.sim.config import DEFAULT_STEP_COST, SimConfig
 from tests.support.fleet import Fleet, run_fleet
 from tests.support.metrics import metrics_text
-from tests.support.overflow import async_client, chat, sample, wait_for
-
-STREAM_TOKENS = 200  # a sheddable stream's answer: long beside a critical one's
-SLOTS = 2  # sheddable streams the pool holds at once
-HELD = 208  # what one holds: its answer and the gateway's estimate of its prompt, in blocks
-CAPACITY = SLOTS * HELD + 8  # full: less than a block left
+from tests.support.overflow import async_client, sample, wait_for
+from tests.support.preemption import (
+    CAPACITY,
+    SLOTS,
+    STREAM_TOKENS,
+    Stream,
+    one_by_one,
+    stream,
+    whole,
+)
 
 
 def pool_options(**extra: Any) -> dict[str, Any]:
@@ -58,46 +59,6 @@ def fleet() -> Iterator[Fleet]:
     yield from start()
 
 
-@dataclass
-class Stream:
-    """One streamed answer as its client read it."""
-
-    status: int = 0
-    headers: dict[str, str] = field(default_factory=dict)
-    ids: set[str] = field(default_factory=set)
-    text: str = ""
-    comments: list[str] = field(default_factory=list)
-    usage: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
-    done: bool = False
-    first_event: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-async def stream(client: httpx.AsyncClient, out: Stream, *, max_tokens: int) -> Stream:
-    body = chat("go on", max_tokens=max_tokens, stream=True)
-    body["stream_options"] = {"include_usage": True}
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        out.status, out.headers = response.status_code, dict(response.headers)
-        async for line in response.aiter_lines():
-            if line.startswith(":"):
-                out.comments.append(line)
-            elif line == "data: [DONE]":
-                out.done = True
-            elif line.startswith("data: "):
-                event = orjson.loads(line[6:])
-                out.first_event.set()
-                if "error" in event:
-                    out.error = event["error"]
-                    continue
-                out.ids.add(event["id"])
-                if event.get("usage"):
-                    out.usage = event["usage"]
-                for choice in event.get("choices", ()):
-                    out.text += choice["delta"].get("content") or ""
-    out.first_event.set()
-    return out
-
-
 def preemptions(fleet: Fleet, result: str) -> float:
     return (
         sample(
@@ -111,18 +72,6 @@ def running_on_engine(fleet: Fleet) -> float:
     found = total(samples(metrics_text(fleet.backends["big"][0].url)), "vllm:num_requests_running")
     assert found is not None
     return found
-
-
-async def one_by_one(
-    client: httpx.AsyncClient, count: int, *, max_tokens: int
-) -> tuple[list[Stream], list[asyncio.Task[Stream]]]:
-    """`count` streams, each sent once the one before it streams (the first is the oldest)."""
-    streams = [Stream() for _ in range(count)]
-    tasks = []
-    for s in streams:
-        tasks.append(asyncio.create_task(stream(client, s, max_tokens=max_tokens)))
-        await s.first_event.wait()
-    return streams, tasks
 
 
 async def flood_then(
@@ -140,18 +89,6 @@ async def flood_then(
             urgents.append(await stream(urgent, Stream(), max_tokens=urgent_tokens))
         await asyncio.gather(*tasks)
     return flood, urgents
-
-
-def whole(s: Stream) -> bool:
-    """One stream from one id to [DONE], its answer's every token counted once."""
-    return (
-        s.status == 200
-        and s.done
-        and s.error is None
-        and len(s.ids) == 1
-        and s.usage is not None
-        and s.usage["completion_tokens"] == STREAM_TOKENS
-    )
 
 
 def test_a_critical_request_stops_one_sheddable_stream_which_goes_on_whole(fleet: Fleet) -> None:
