@@ -158,3 +158,61 @@ def test_use_that_bypasses_the_gateway_lowers_its_limit(vllm_url: str) -> None:
             assert backend["limit_tokens"] <= target - enough
         eventually(lambda: gw.backend()["limit_tokens"] == target, within_s=10)
         assert gw.backend()["reported_kv_tokens"] == 0
+
+
+def test_a_preempted_stream_is_aborted_by_vllm_and_goes_on_whole(vllm_url: str) -> None:
+    """Two sheddable streams fill the pool (a small target fill); a standard one stops the
+    newer: vLLM aborts it when its connection closes (two requests run there, not three,
+    though its cache holds all of them), and the stopped stream goes on after it."""
+    flood = {"model": MODEL, "max_tokens": 600, "stream": True, "ignore_eos": True}
+    flood["stream_options"] = {"include_usage": True}
+    shed = {"x-spillgate-priority": "sheddable"}
+
+    async def scenario(gw_url: str, key: str) -> None:
+        headers = {"authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(base_url=gw_url, headers=headers, timeout=300) as client:
+
+            async def read(
+                body: dict[str, object], extra: dict[str, str], started: asyncio.Event
+            ) -> list[str]:
+                lines = []
+                async with client.stream(
+                    "POST", "/v1/chat/completions", json=body, headers=extra
+                ) as response:
+                    assert response.status_code == 200
+                    async for line in response.aiter_lines():
+                        lines.append(line)
+                        started.set()
+                return lines
+
+            streams = []
+            for i in range(2):
+                started = asyncio.Event()
+                body = {**flood, "messages": [{"role": "user", "content": f"story {i}"}]}
+                streams.append(asyncio.create_task(read(body, shed, started)))
+                await started.wait()
+            assert running(vllm_url) == 2
+            started = asyncio.Event()
+            urgent = {**flood, "max_tokens": 50, "messages": [{"role": "user", "content": "now"}]}
+            standard = asyncio.create_task(read(urgent, {}, started))
+            await started.wait()
+            assert running(vllm_url) == 2  # the standard stream and the older sheddable one
+            assert not streams[1].done()
+            await standard
+            older, newer = await asyncio.gather(*streams)
+        assert ": spillgate preempted" not in " ".join(older)
+        assert any(line.startswith(": spillgate preempted; resumed after") for line in newer)
+        events = [orjson.loads(line[6:]) for line in newer if line.startswith("data: {")]
+        assert {e["id"] for e in events} == {events[0]["id"]}
+        assert events[-1]["usage"]["completion_tokens"] == 600
+        assert [line for line in newer if line][-1] == "data: [DONE]"
+
+    with gateway(
+        vllm_url, target_fill=0.08, reservation={"mode": "max_tokens"}, queue={"max_wait_s": 120}
+    ) as gw:
+        asyncio.run(scenario(gw.url, gw.key))
+        assert gw.metric("spillgate_preemptions_total", result="continued") == 1
+
+
+def running(vllm_url: str) -> float:
+    return vllm_metrics(vllm_url)["running"]
