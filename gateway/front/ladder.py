@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from gateway.admission.routing.router import Router
 from gateway.clock import Clock
-from gateway.errors import Rejected, SpillgateError, UpstreamUnavailable
+from gateway.errors import NoRoomToRetry, Rejected, SpillgateError, UpstreamUnavailable
 from gateway.front.exchange import Exchange
 from gateway.front.refusals import never_fits
 from gateway.metrics import GatewayMetrics
@@ -77,11 +77,12 @@ class Ladder:
                 service = self._services.get(request.pool)
                 if service is not None:
                     service.admitted(request)
-                # should its backend fail it before a byte (going away) while the rest are
-                # full, nothing was sent: it overflows as an arrival that found no room
-                served = await self.carry_out(ServeHeld(request, Outcome.LOCAL), exchange)
-                if served is not None:
-                    return served
+                try:  # the pool's own room: served as a ServeHeld is, with no value made
+                    return await exchange.serve_local(request, Outcome.LOCAL)
+                except NoRoomToRetry:
+                    # its backend failed it before a byte (going away) and the rest are full:
+                    # nothing was sent, so it overflows as an arrival that found no room
+                    pass
             await exchange.release()
         return await self._climb(request, exchange, chain, arrived=arrived, trace=trace)
 

@@ -122,8 +122,9 @@ class Legs:
         """Serve the request from the backend of `reservation`, which it holds, and while
         its stream breaks off, from others; the answer as the client got it. Unless it was
         preempted before (`preemptible` False), more urgent work may stop it once."""
-        exchange = self._exchange
-        running = exchange.preemptible(self._request) if preemptible else None
+        exchange, request = self._exchange, self._request
+        # only a stream may be stopped: an answer sent whole cannot go on
+        running = exchange.preemptible(request) if preemptible and request.stream else None
         if running is None:
             return await self._serve(reservation, None)
         try:

@@ -57,9 +57,9 @@ class Preemptions:
         self._running: dict[str, set[Running]] = {pool: set() for pool in preempt}
 
     def enter(self, request: InferenceRequest, held: HeldReservation) -> Running | None:
-        """Enter `request`, now served by its pool on `held`, if it may be preempted; leave
-        it (`leave`) when it ends. A stream only: an answer sent whole cannot go on."""
-        if not request.stream or request.priority not in self._preempt.get(request.pool, ()):
+        """Enter `request`, a stream now served by its pool on `held`, if it may be
+        preempted; leave it (`leave`) when it ends."""
+        if request.priority not in self._preempt.get(request.pool, ()):
             return None
         running = Running(request, held, self._clock.monotonic())
         self._running[request.pool].add(running)
