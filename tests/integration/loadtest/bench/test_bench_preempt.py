@@ -14,8 +14,9 @@ from gateway.cli import main
 def test_the_preempt_arm_stops_sheddable_streams_that_all_end_whole(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    args = ["--arms", "preempt", "--sim-speed", "10", "--stream-tokens", "200",
-            "--critical", "3", "--every", "0.2", "--fill-s", "0.5", "--json"]  # fmt: skip
+    # streams of about 3 s: the pool stays full of them while the critical requests come
+    args = ["--arms", "preempt", "--sim-speed", "2", "--stream-tokens", "600",
+            "--critical", "3", "--every", "0.2", "--fill-s", "1", "--json"]  # fmt: skip
     assert main(["bench", "preempt", *args]) == 0
     result = json.loads(capsys.readouterr().out)
     arm = result["figures"]["preempt"]
