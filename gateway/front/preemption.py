@@ -6,9 +6,12 @@ stops its answer at the upstream (gateway/upstream/stop.py). When the head of a 
 does not fit, the queue asks `make_room` (policies/queue/policy.py): the fewest requests of
 a lower class on one backend whose release lets it fit are stopped, the cheapest losses
 first: the lowest class, then those whose client has no byte yet, then those that sent the
-fewest events, then the newest. Each request is stopped at most once, and never for a waiter
-of its own class; while stopped requests have yet to release, the room they free counts as
-coming, so one shortfall stops no more than it needs.
+fewest events, then the newest; within a class, those whose upstream answer has begun (its
+head came) before those still waiting for it: closing its connection stops one at once,
+while one waiting for its head holds its room until the engine sends it. Each request is
+stopped at most once, and never for a waiter of its own class; while stopped requests have
+yet to release, the room they free counts as coming, so one shortfall stops no more than
+it needs.
 
 What becomes of a stopped request is its legs' business (gateway/front/legs.py): it waits in
 its pool's queue at its own place and goes on where it was, its client seeing a later first
@@ -38,10 +41,11 @@ class Running:
     started: float  # Clock time
     stop: Stop = field(default_factory=Stop)
 
-    def loss(self) -> tuple[int, bool, int, float]:
+    def loss(self) -> tuple[int, bool, bool, int, float]:
         """What stopping it costs, smallest first (see the module's docstring)."""
         rank = -PRIORITIES.index(self.request.priority)  # the lowest class first
-        return rank, self.stop.streaming, self.stop.events, -self.started
+        stop = self.stop
+        return rank, not stop.stoppable, stop.streaming, stop.events, -self.started
 
 
 class Preemptions:

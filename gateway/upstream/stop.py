@@ -35,6 +35,12 @@ class Stop:
         """The answer's events the client got (its tokens, near enough)."""
         return 0 if self.relay is None else self.relay.events
 
+    @property
+    def stoppable(self) -> bool:
+        """Whether `fire` stops it at once: its answer's head has come (before that, the
+        stop waits for the head, as long as the engine takes to send it)."""
+        return self._response is not None
+
     def watch(self, response: Response) -> None:
         """The upstream answers with `response`: `fire` stops it from now on (the caller
         checks `fired` first: nothing of an answer stopped before its head is relayed)."""

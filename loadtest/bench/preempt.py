@@ -66,6 +66,7 @@ class Answer:
     error: str | None = None  # the error event's code
     done: bool = False
     preempted: bool = False  # stopped: the gateway's comment said it paused, or its header
+    queue_s: float = 0.0  # its wait in the queue, as `server-timing` tells it
 
     def whole(self, tokens: int) -> bool:
         return (
@@ -96,6 +97,10 @@ async def send(
     ) as response:
         answer.status = response.status_code
         answer.preempted = "x-spillgate-preempted" in response.headers
+        for phase in response.headers.get("server-timing", "").split(","):
+            name, _, duration = phase.strip().partition(";dur=")
+            if name == "queue":
+                answer.queue_s = float(duration) / 1000
         async for line in response.aiter_lines():
             if answer.ttft_s != answer.ttft_s and line.startswith("data:"):
                 answer.ttft_s = time.monotonic() - started
@@ -243,6 +248,9 @@ async def run_arm(
         "critical_failed": sum(a.status != 200 or not a.done for a in critical),
         "critical_ttft_p50_ms": 1000 * percentile_or_nan(ttfts, 50),
         "critical_ttft_p90_ms": 1000 * percentile_or_nan(ttfts, 90),
+        "critical_ttft_ms": [round(1000 * t) for t in ttfts],  # in the order sent
+        # of which in the gateway's queue: the rest is the engine's
+        "critical_queue_ms": [round(1000 * a.queue_s) for a in critical if a.status == 200],
         "sheddable_streams": len(flood),
         "sheddable_whole": len(whole),
         "sheddable_stopped": len(stopped),
