@@ -241,7 +241,8 @@ class GatewayMetrics:
             "spillgate_preemptions",
             "Requests in flight stopped to give their room to a waiter of a higher class, by "
             "what became of them: requeued (stopped before their first byte, served later), "
-            "continued (the stream went on on the pool), ended (an error event or a 503)",
+            "continued (the stream went on on the pool), passed_on (no byte sent, no room "
+            "back in time: the rest of the chain took it), ended (an error event)",
             ["pool", "priority", "result"], registry=r,
         )  # fmt: skip
         self.refused_keys = Counter(

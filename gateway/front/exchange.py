@@ -103,7 +103,7 @@ class Exchange:
     def headers(self, outcome: Outcome) -> list[tuple[bytes, bytes]]:
         """The gateway's own response headers, as ASGI wants them."""
         headers = [*self.base_headers, OUTCOME_HEADERS[outcome]]
-        if self.stopped is not None:  # it was stopped before its first byte, and requeued
+        if self.stopped is not None:  # stopped before its first byte: what became of it
             headers.append((b"x-spillgate-preempted", self.stopped.encode()))
         if self.timings:
             phases = (f"{name};dur={sec * 1000:.1f}" for name, sec in self.timings.items())

@@ -158,6 +158,8 @@ class Ladder:
         passed_over: list[tuple[str, float]] = []  # the steps predicted to miss the objective
         try:
             for policy in chain:
+                if exchange.stopped is not None and policy.moves_streams:
+                    continue  # stopped for more urgent work, it waited there already
                 if request.ttft_slo_s is not None and self._misses(
                     policy, request, exchange, arrived, passed_over
                 ):

@@ -16,7 +16,8 @@ pool's queue at its own place (the exchange's `move`), and then goes on: from th
 it was stopped before its first byte, else as a further leg of its stream, after an SSE
 comment that tells the client why it paused. Where no room comes back within its wait, a
 stream ends with an error event that says when to retry, and a request with no byte sent
-yet gets a 503 with `Retry-After`.
+yet passes to the rest of its pool's chain (past the queue it waited in), as an arrival
+that found no room does.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from gateway.admission.ledger.held import HeldReservation
 from gateway.admission.ledger.reservations import Reservation
 from gateway.admission.routing.router import Router
 from gateway.clock import Clock
-from gateway.errors import Rejected, UpstreamUnavailable
+from gateway.errors import NoRoomToRetry, UpstreamUnavailable
 from gateway.front.preemption import Running
 from gateway.front.prefill import DecodeLeg
 from gateway.metrics import GatewayMetrics
@@ -188,8 +189,9 @@ class Legs:
         exchange.left(running)
         await exchange.held.release()
         if not await exchange.move(request) or exchange.held.reservation is None:
-            exchange.preempted(request, "ended")
-            raise Rejected(
+            # nothing reached the client: the rest of its pool's chain may serve it
+            exchange.preempted(request, "passed_on")
+            raise NoRoomToRetry(
                 f"Pool {request.pool!r} gave this request's room to more urgent work and none "
                 "came back in time; retry after the indicated delay.",
                 retry_after=running.stop.retry_after,

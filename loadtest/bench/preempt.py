@@ -238,7 +238,7 @@ async def run_arm(
             flood_s = time.monotonic() - flood_began
         preempted = {
             result: sum(metric(url, "spillgate_preemptions_total", result=result) for url in urls)
-            for result in ("requeued", "continued", "ended")
+            for result in ("requeued", "continued", "passed_on", "ended")
         }
     ttfts = [a.ttft_s for a in critical if a.status == 200]
     whole = [a for a in flood if a.whole(args.stream_tokens)]

@@ -40,13 +40,15 @@ def pool_options(**extra: Any) -> dict[str, Any]:
     }
 
 
-def start(*, step_cost: StepCost | None = None, **extra: Any) -> Iterator[Fleet]:
+def start(
+    *, step_cost: StepCost | None = None, bulk: dict[str, Any] | None = None, **extra: Any
+) -> Iterator[Fleet]:
     with run_fleet(
         pools={"big": [SimConfig(model="m", kv_tokens=8192, step_cost=step_cost)]},
         pool_options={"big": pool_options(**extra)},
         capacity={"big": CAPACITY},
         tenants={
-            "bulk": {"priority": "sheddable", "requests_per_minute": 100_000},
+            "bulk": {"priority": "sheddable", "requests_per_minute": 100_000, **(bulk or {})},
             "steady": {"priority": "standard", "requests_per_minute": 100_000},
             "vip": {"priority": "critical", "requests_per_minute": 100_000},
         },
@@ -192,20 +194,7 @@ def test_a_request_stopped_before_its_first_byte_is_served_later_from_the_start(
     slow_prefill_fleet: Fleet,
 ) -> None:
     fleet = slow_prefill_fleet
-
-    async def scenario() -> tuple[list[Stream], Stream]:
-        async with (
-            async_client(fleet, "bulk", timeout=60) as bulk,
-            async_client(fleet, "vip", timeout=60) as vip,
-        ):
-            flood = [Stream() for _ in range(SLOTS)]
-            tasks = [asyncio.create_task(stream(bulk, s, max_tokens=STREAM_TOKENS)) for s in flood]
-            await wait_for(lambda: active_sessions(fleet) == SLOTS)
-            assert not any(s.first_event.is_set() for s in flood)
-            urgent = await stream(vip, Stream(), max_tokens=5)
-            return list(await asyncio.gather(*tasks)), urgent
-
-    flood, urgent = asyncio.run(scenario())
+    flood, urgent = asyncio.run(admitted_then(fleet, urgent_tokens=5))
     assert urgent.done and urgent.headers["x-spillgate-outcome"] == "queued"
     assert all(whole(s) for s in flood)
     requeued = [s for s in flood if "x-spillgate-preempted" in s.headers]
@@ -214,5 +203,71 @@ def test_a_request_stopped_before_its_first_byte_is_served_later_from_the_start(
     assert preemptions(fleet, "requeued") == 1
 
 
+@pytest.fixture
+def slow_prefill_short_wait_fleet() -> Iterator[Fleet]:
+    # a prompt prefills in about 0.75 s (two at once in 1.5): the simulator, unlike vLLM,
+    # sends an answer's head with its first token, so a stream stopped in its prefill
+    # gives its room back only then; the critical request waits that within the queue's
+    # 3 s and then holds the room for about 3 s, while the sheddable tenant's requests
+    # wait at most 0.5 s (its TTFT budget)
+    yield from start(
+        step_cost=dataclasses.replace(DEFAULT_STEP_COST, flops_per_s=3e11),
+        queue={"max_wait_s": 3},
+        bulk={"ttft_budget_ms": 500},
+    )
+
+
+def test_a_request_stopped_before_its_first_byte_with_no_room_back_passes_on(
+    slow_prefill_short_wait_fleet: Fleet,
+) -> None:
+    """No room back within its wait (the critical stream holds it longer): the stopped
+    request, which sent no byte, goes down its chain past the queue; here the refusal, a
+    503 with Retry-After."""
+    fleet = slow_prefill_short_wait_fleet
+    flood, urgent = asyncio.run(admitted_then(fleet, urgent_tokens=STREAM_TOKENS))
+    assert urgent.done and urgent.error is None
+    refused = [s for s in flood if s.status == 503]
+    assert len(refused) == 1 and int(refused[0].headers["retry-after"]) >= 1
+    assert [whole(s) for s in flood].count(True) == 1
+    assert preemptions(fleet, "passed_on") == 1
+
+
+async def admitted_then(fleet: Fleet, *, urgent_tokens: int) -> tuple[list[Stream], Stream]:
+    """SLOTS sheddable streams admitted at once, and before any sends a byte (a slow
+    prefill), a critical one; every answer as its client read it."""
+    async with (
+        async_client(fleet, "bulk", timeout=60) as bulk,
+        async_client(fleet, "vip", timeout=60) as vip,
+    ):
+        flood = [Stream() for _ in range(SLOTS)]
+        tasks = [asyncio.create_task(stream(bulk, s, max_tokens=STREAM_TOKENS)) for s in flood]
+        await wait_for(lambda: active_sessions(fleet) == SLOTS)
+        assert not any(s.first_event.is_set() for s in flood)
+        urgent = await stream(vip, Stream(), max_tokens=urgent_tokens)
+        return list(await asyncio.gather(*tasks)), urgent
+
+
 def active_sessions(fleet: Fleet) -> float:
     return sample(fleet, "spillgate_active_sessions", backend="big-0") or 0.0
+
+
+@pytest.fixture
+def no_continuation_fleet() -> Iterator[Fleet]:
+    yield from start(continue_streams=0)
+
+
+def test_a_stream_that_cannot_go_on_ends_with_a_clean_error_at_once(
+    no_continuation_fleet: Fleet,
+) -> None:
+    """With continuation off a stopped stream cannot resume: it ends at once with the
+    preempted error event and [DONE], never cut, and its room goes to the critical request."""
+    fleet = no_continuation_fleet
+    flood, (vip,) = asyncio.run(flood_then(fleet, urgent_tenant="vip"))
+    assert vip.done and vip.error is None
+    stopped = [s for s in flood if s.error is not None]
+    assert len(stopped) == 1 and not stopped[0].comments
+    error = stopped[0].error
+    assert error is not None and error["code"] == "preempted" and error["retry_after"] >= 1
+    assert stopped[0].done
+    assert stopped[0].usage is None  # no usage event: the answer did not end
+    assert preemptions(fleet, "ended") == 1 and preemptions(fleet, "continued") == 0
