@@ -167,6 +167,10 @@ class Legs:
         if relayed.cut is not None:
             if running is not None and running.stop.fired:
                 return await self._go_on(served, relayed.cut, preempted=running)
+            if running is not None:
+                # its further legs carry no stop: entered still, a preemption would count
+                # on room the stream never gives back
+                exchange.left(running)
             return await self._go_on(served, relayed.cut)
         if running is not None and running.stop.fired and not relayed.completed:
             # a stream that could not go on ended with the preempted error event

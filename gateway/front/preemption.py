@@ -5,17 +5,18 @@ default, critical never) is entered here while it runs on the pool, with the han
 stops its answer at the upstream (gateway/upstream/stop.py). When the head of a pool's queue
 does not fit, the queue asks `make_room` (policies/queue/policy.py): the fewest requests of
 a lower class on one backend whose release lets it fit are stopped, the cheapest losses
-first: the lowest class, then those whose client has no byte yet, then those that sent the
-fewest events, then the newest; within a class, those whose upstream answer has begun (its
-head came) before those still waiting for it: closing its connection stops one at once,
-while one waiting for its head holds its room until the engine sends it. Each request is
-stopped at most once, and never for a waiter of its own class; while stopped requests have
-yet to release, the room they free counts as coming, so one shortfall stops no more than
-it needs.
+first (`Running.loss`): the lowest class; then those whose upstream answer has begun (its
+head came), as closing the connection stops them at once, while one still waiting for its
+head holds its room until the engine sends it; then those whose client has no byte yet;
+then those that sent the fewest events; then the newest. Each request is stopped at most
+once, and never for a waiter of its own class; while stopped requests have yet to release,
+the room they free counts as coming, so one shortfall stops no more than it needs.
 
-What becomes of a stopped request is its legs' business (gateway/front/legs.py): it waits in
-its pool's queue at its own place and goes on where it was, its client seeing a later first
-token or a stream that paused.
+A stream whose backend broke off and goes on elsewhere (gateway/upstream/resume.py) leaves
+the register: it has paused once already, and its further legs carry no stop. What becomes
+of a stopped request is its legs' business (gateway/front/legs.py): it waits in its pool's
+queue at its own place and goes on where it was, its client seeing a later first token or
+a stream that paused.
 """
 
 from __future__ import annotations
