@@ -71,6 +71,7 @@ from loadtest.bench.machine import (
     logs_dir,
     parse_cores,
     pinned,
+    print_checked,
     progress,
 )
 from loadtest.percentile import percentile_or_nan as percentile
@@ -543,11 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     checks = {name: met(name, arms) for name, arms in figures.items()}
     print(line)
     print(_seen_line(rounds), end="\n\n")
-    for name, arms in figures.items():
-        print(table(name, arms), end="\n\n")
-        for check, ok in checks[name].items():
-            print(f"{'met' if ok else 'NOT met'}: {check}")
-        print()
+    status = print_checked(figures, checks, table)
     if args.json is not None:
         report = {
             "backend": "real-vllm" if args.real_vllm else "simulator",
@@ -558,7 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rounds": rounds,
         }
         args.json.write_text(json.dumps(report, indent=2, default=str))
-    return 0 if all(ok for c in checks.values() for ok in c.values()) else 1
+    return status
 
 
 if __name__ == "__main__":

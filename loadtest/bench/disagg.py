@@ -56,7 +56,7 @@ from loadtest.bench import admission_fleet
 from loadtest.bench.disagg_fleet import KEY, MODEL, Fleet, fleet, gateway_config, reset
 from loadtest.bench.engine_metrics import Counts, port_pair
 from loadtest.bench.engine_metrics import samples as engine_samples
-from loadtest.bench.machine import logs_dir, progress
+from loadtest.bench.machine import logs_dir, print_checked, progress
 from loadtest.percentile import percentile_or_nan as percentile
 
 SCENARIOS = ("split", "short", "decode-killed", "prefill-stopped")
@@ -555,11 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" tokens, answers of {args.max_tokens}",
         end="\n\n",
     )
-    for name, arms in figures.items():
-        print(table(name, arms), end="\n\n")
-        for check, ok in checks[name].items():
-            print(f"{'met' if ok else 'NOT met'}: {check}")
-        print()
+    status = print_checked(figures, checks, table)
     if args.json is not None:
         report = {
             "backend": backend,
@@ -569,7 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rounds": rounds,
         }
         args.json.write_text(json.dumps(report, indent=2, default=str))
-    return 0 if all(ok for c in checks.values() for ok in c.values()) else 1
+    return status
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import httpx
 from gateway.admission.fleet.metrics_text import samples, values
 from gateway.config import hash_key
 from loadtest.bench.admission_fleet import SimOptions, gateway, simulator
-from loadtest.bench.machine import logs_dir, progress
+from loadtest.bench.machine import logs_dir, print_targets, progress
 from loadtest.percentile import percentile_or_nan
 from loadtest.procs import RedisProcess
 
@@ -374,8 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         for case, data in figures.items():
             print(case, json.dumps({k: round(v, 1) for k, v in data["median"].items()}))
-        for ok, text in checks:
-            print(("PASS " if ok else "MISS ") + text)
+        return print_targets(checks)
     return 0 if all(ok for ok, _ in checks) else 1
 
 

@@ -9,8 +9,9 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 
 def progress(message: str) -> None:
@@ -119,3 +120,28 @@ def cores_seen(*fragments: str) -> str | None:
         with contextlib.suppress(OSError):
             cores |= os.sched_getaffinity(pid)
     return cores_text(cores) if cores else None
+
+
+Figures = TypeVar("Figures")
+
+
+def print_checked(
+    figures: Mapping[str, Figures],
+    checks: Mapping[str, Mapping[str, bool]],
+    table: Callable[[str, Figures], str],
+) -> int:
+    """Each case's table and whether each of its checks was met; the exit status: 0 when
+    every check was."""
+    for name, arms in figures.items():
+        print(table(name, arms), end="\n\n")
+        for check, ok in checks[name].items():
+            print(f"{'met' if ok else 'NOT met'}: {check}")
+        print()
+    return 0 if all(ok for case in checks.values() for ok in case.values()) else 1
+
+
+def print_targets(checks: Sequence[tuple[bool, str]]) -> int:
+    """Each target as PASS or MISS; the exit status: 0 when every one was met."""
+    for ok, text in checks:
+        print(("PASS " if ok else "MISS ") + text)
+    return 0 if all(ok for ok, _ in checks) else 1

@@ -39,7 +39,7 @@ from gateway.admission.fleet.metrics_text import samples, values
 from gateway.config import hash_key
 from loadtest.bench import admission_fleet
 from loadtest.bench.adapters_fleet import start_all
-from loadtest.bench.machine import logs_dir, progress
+from loadtest.bench.machine import logs_dir, print_targets, progress
 from loadtest.percentile import percentile_or_nan
 from loadtest.procs import RedisProcess, free_port
 from loadtest.real_vllm import RealVllm, install, model_dir, running
@@ -329,8 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         for arm, data in figures.items():
             print(arm, json.dumps(data))
-        for ok, text in checks:
-            print(("PASS " if ok else "MISS ") + text)
+        return print_targets(checks)
     return 0 if all(ok for ok, _ in checks) else 1
 
 
