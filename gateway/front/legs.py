@@ -173,9 +173,9 @@ class Legs:
                 exchange.left(running)
             return await self._go_on(served, relayed.cut)
         if running is not None and running.stop.fired and not relayed.completed:
-            # a stream that could not go on ended with the preempted error event
+            # a stream that could not go on ended with the preempted error event; its room
+            # goes at once to the work that stopped it
             exchange.preempted(request, "ended")
-            exchange.left(running)
             await exchange.held.release()
             return served
         if why_not is not None and request.stream and not relayed.completed:
